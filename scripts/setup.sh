@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv with the pinned SGLang (CPU install path), sgl-memory, and the CPU
+# work-arounds. A second run checks a stamp and returns in seconds.
+#   scripts/setup.sh [MODEL ...]   also fetch these models (see `python -m sgl_memory.models list`)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=$ROOT/.venv
+SGLANG_VERSION=0.5.23
+
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY=$VENV/bin/python
+PIP=("$PY" -m pip --disable-pip-version-check)
+
+stamp_inputs() {
+  cat scripts/setup.sh scripts/requirements-cpu.txt scripts/constraints-cpu.txt pyproject.toml
+}
+STAMP=$VENV/.sgl-memory-setup
+want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
+
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing into $VENV (a few minutes on a fresh machine)"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    # A GPU machine takes SGLang with its CUDA dependencies as published.
+    "${PIP[@]}" install "sglang==$SGLANG_VERSION" -e ".[gpu,test]"
+  else
+    # CPU torch first: an unconstrained torch requirement would pull a multi-GB CUDA build.
+    "${PIP[@]}" install "torch==2.13.0"
+    "${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
+    "${PIP[@]}" install -r scripts/requirements-cpu.txt -c scripts/constraints-cpu.txt
+    # PyPI's torchvision is a CUDA build; sgl_memory.cpu_compat makes it import beside CPU torch.
+    "${PIP[@]}" install --no-deps "torchvision==0.28.0"
+    "${PIP[@]}" install --no-deps -e .
+  fi
+  "$PY" -m sgl_memory.cpu_compat >/dev/null
+  "$PY" -c "import sglang, sgl_memory.plugin; assert sglang.__version__ == '$SGLANG_VERSION', sglang.__version__"
+  echo "$want" > "$STAMP"
+else
+  echo "[setup] $VENV is up to date"
+fi
+
+for model in "$@"; do
+  "$PY" -m sgl_memory.models fetch "$model"
+done

@@ -1,0 +1,167 @@
+"""Typed sgl-memory configuration, one dataclass per mechanism, loaded from YAML.
+
+Loading is strict: an unknown key or a value of the wrong type or outside its allowed set stops
+start-up with a message naming the key path and what is allowed. Later mechanisms add their own
+section dataclass and one field on `MemoryConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+CONFIG_ENV = "SGL_MEMORY_CONFIG"  # how the launcher hands the file to SGLang's child processes
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class IntentConfig:
+    """Cross-turn intent pruning (IntentKV)."""
+
+    enabled: bool = False
+    budget: int = 2048  # live history tokens kept per request after its prefill
+    scorer: Literal["memory", "query", "streaming_llm", "snapkv", "h2o", "random"] = "memory"
+    layout: Literal["dead_slot", "compact"] = "dead_slot"
+    decay: float = 0.9  # QueryMemory EMA weight of the past
+    session_capacity: int = 1024  # QueryMemory entries kept (LRU)
+
+    def validate(self, path: str) -> None:
+        _require(self.budget >= 1, f"{path}.budget", "an integer >= 1")
+        _require(0.0 <= self.decay < 1.0, f"{path}.decay", "a number in [0, 1)")
+        _require(self.session_capacity >= 1, f"{path}.session_capacity", "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class PersistConfig:
+    """Per-session persistent KV store."""
+
+    enabled: bool = False
+    dir: str = "~/.cache/sgl-memory/sessions"
+    quant: Literal["q4", "q8", "bf16"] = "q4"
+    write_policy: Literal["on_finish", "on_evict", "off"] = "on_finish"
+    quota_bytes: int = 8 << 30
+
+    def validate(self, path: str) -> None:
+        _require(self.quota_bytes >= 0, f"{path}.quota_bytes", "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class MemoryRetrievalConfig:
+    """KV memory blocks retrieved per request (MemArt)."""
+
+    enabled: bool = False
+    block_size: int = 16
+    top_k: int = 32
+    norm: Literal["softmax", "rr"] = "softmax"
+    agg: Literal["sum", "max"] = "sum"
+    capacity_blocks: int = 4096
+
+    def validate(self, path: str) -> None:
+        _require(self.block_size >= 1, f"{path}.block_size", "an integer >= 1")
+        _require(self.top_k >= 1, f"{path}.top_k", "an integer >= 1")
+        _require(self.capacity_blocks >= 1, f"{path}.capacity_blocks", "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    intent: IntentConfig = field(default_factory=IntentConfig)
+    persist: PersistConfig = field(default_factory=PersistConfig)
+    memory: MemoryRetrievalConfig = field(default_factory=MemoryRetrievalConfig)
+
+    def check_supported(self) -> None:
+        """Refuse sections that are switched on but not wired into the engine yet."""
+        for name in sorted(NOT_YET_WIRED):
+            if getattr(self, name).enabled:
+                raise ConfigError(f"{name}.enabled: true is not supported by this version yet; allowed values: false")
+
+
+# Sections whose mechanism has not landed; each issue that lands one removes its name.
+NOT_YET_WIRED = frozenset({"intent", "persist", "memory"})
+
+
+def _require(ok: bool, key: str, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: invalid value; allowed: {allowed}")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, choices))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: true, false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: {value!r} is not allowed; expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: {value!r} is not allowed; expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: {value!r} is not allowed; expected a string")
+        return value
+    raise TypeError(f"unsupported config field type {tp} at {key}")
+
+
+def _build(cls: type, data: Any, path: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in hints:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"{where}: unknown key; allowed keys: {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if validate:
+        validate(path)
+    return obj
+
+
+def from_dict(data: dict | None) -> MemoryConfig:
+    return _build(MemoryConfig, data, "")
+
+
+def load(path: str | os.PathLike | None) -> MemoryConfig:
+    if path is None:
+        return MemoryConfig()
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read memory config {p}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    try:
+        return from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from None
+
+
+def from_env() -> MemoryConfig:
+    """The config of this server, in any of its processes (the launcher exports the path)."""
+    return load(os.environ.get(CONFIG_ENV))
