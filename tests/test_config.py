@@ -1,0 +1,62 @@
+import pytest
+
+from sgl_memory import config
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_valid_file_overrides_only_given_keys(tmp_path):
+    cfg = config.load(write(tmp_path, "intent:\n  budget: 512\n  scorer: snapkv\nmemory:\n  agg: max\n"))
+    assert cfg.intent.budget == 512 and cfg.intent.scorer == "snapkv"
+    assert cfg.intent.layout == "dead_slot"  # untouched default
+    assert cfg.memory.agg == "max" and cfg.memory.norm == "softmax"
+    assert cfg.persist == config.PersistConfig()
+
+
+def test_empty_file_and_no_file_give_defaults(tmp_path):
+    assert config.load(write(tmp_path, "")) == config.MemoryConfig()
+    assert config.load(None) == config.MemoryConfig()
+
+
+def test_example_config_is_valid_and_equals_defaults():
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "configs" / "example.yaml"
+    assert config.load(example) == config.MemoryConfig()
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("intnet:\n  budget: 3\n", "intnet: unknown key; allowed keys: intent, persist, memory"),
+        ("intent:\n  budgett: 3\n", "intent.budgett: unknown key"),
+        ("intent:\n  scorer: magic\n", "intent.scorer: 'magic' is not allowed; allowed values: memory, query"),
+        ("persist:\n  quant: q2\n", "persist.quant: 'q2' is not allowed; allowed values: q4, q8, bf16"),
+        ("intent:\n  budget: 0\n", "intent.budget: invalid value; allowed: an integer >= 1"),
+        ("intent:\n  budget: many\n", "intent.budget: 'many' is not allowed; expected an integer"),
+        ("intent:\n  enabled: yes please\n", "intent.enabled: 'yes please' is not allowed; allowed values: true, false"),
+        ("intent:\n  decay: 1.5\n", "intent.decay: invalid value"),
+        ("- 1\n- 2\n", "expected a mapping"),
+        ("intent: [1\n", "not valid YAML"),
+    ],
+)
+def test_bad_input_names_the_key_and_allowed_values(tmp_path, text, needle):
+    with pytest.raises(config.ConfigError) as exc:
+        config.load(write(tmp_path, text))
+    assert needle in str(exc.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(config.ConfigError, match="cannot read memory config"):
+        config.load(tmp_path / "absent.yaml")
+
+
+def test_mechanisms_not_wired_yet_cannot_be_enabled(tmp_path):
+    cfg = config.load(write(tmp_path, "persist:\n  enabled: true\n"))
+    with pytest.raises(config.ConfigError, match="persist.enabled: true is not supported"):
+        cfg.check_supported()
+    config.MemoryConfig().check_supported()

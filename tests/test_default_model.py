@@ -1,0 +1,43 @@
+"""Smoke test of the embedded default model (Qwen2.5-Coder-0.5B-Instruct) in our server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import start_server, stop_server
+from test_server_e2e import ask_weather_tool
+
+pytestmark = [pytest.mark.server, pytest.mark.default_model]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    srv = start_server("qwen2.5-coder-0.5b-instruct", tmp_path_factory.mktemp("qwen") / "server.log")
+    yield srv
+    stop_server(srv)
+
+
+def test_answers_a_factual_question(qwen):
+    r = qwen.post(
+        "/v1/chat/completions",
+        {
+            "model": "default",
+            "messages": [{"role": "user", "content": "What is the capital of Japan? Answer in one word."}],
+            "max_tokens": 16,
+            "temperature": 0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert "tokyo" in r.json()["choices"][0]["message"]["content"].lower()
+
+
+def test_required_tool_call_fills_the_schema(qwen):
+    call = ask_weather_tool(qwen)
+    args = json.loads(call["function"]["arguments"])
+    assert isinstance(args, dict) and "paris" in args.get("city", "").lower()
+
+
+def test_launcher_chose_the_qwen_tool_parser(qwen):
+    assert "--tool-call-parser qwen25" in qwen.log()

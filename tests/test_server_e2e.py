@@ -1,0 +1,137 @@
+"""End to end against the real SGLang server started through our launcher (SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TEST_MODEL, start_server, stop_server
+
+pytestmark = pytest.mark.server
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12}
+
+
+def test_backend_in_use_is_ours(server):
+    log = server.log()
+    assert "Tree cache initialized: source=registered('sgl_memory') impl=SglMemoryRadixCache" in log
+    info = server.get("/sgl_memory/info").json()
+    assert info["radix_cache_backend"] == "sgl_memory"
+    assert info["attention_backend"] == "torch_native"
+    assert info["config"]["intent"]["enabled"] is False
+
+
+def test_native_generate(server):
+    r = server.post("/generate", {"text": "The capital of France is", "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["completion_tokens"] == 12
+    assert "Paris" in out["text"]
+
+
+def test_openai_chat(server):
+    r = server.post(
+        "/v1/chat/completions",
+        {"model": "default", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0},
+    )
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg["role"] == "assistant" and "Paris" in msg["content"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def ask_weather_tool(server) -> dict:
+    r = server.post(
+        "/v1/chat/completions",
+        {
+            "model": "default",
+            "messages": [{"role": "user", "content": "What is the weather in Paris right now?"}],
+            "tools": [WEATHER_TOOL],
+            "tool_choice": "required",
+            "max_tokens": 64,
+            "temperature": 0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    calls = choice["message"]["tool_calls"]
+    assert len(calls) >= 1 and calls[0]["function"]["name"] == "get_weather"
+    return calls[0]
+
+
+def test_tool_call_required_gives_tool_calls_with_json_arguments(server):
+    # The 135M model fills the arguments with a bare JSON value; the default model's test checks
+    # that a capable model fills the schema (tests/test_default_model.py).
+    call = ask_weather_tool(server)
+    json.loads(call["function"]["arguments"])
+
+
+def test_same_long_prompt_twice_hits_the_radix_cache(server):
+    prompt = "Here is a list of facts about the solar system. " + " ".join(
+        f"Fact {i}: planet number {i % 8} has {i * 7 % 13} moons." for i in range(60)
+    )
+    first = server.post("/generate", {"text": prompt, "sampling_params": GREEDY}).json()
+    second = server.post("/generate", {"text": prompt, "sampling_params": GREEDY}).json()
+    n = first["meta_info"]["prompt_tokens"]
+    assert n > 500
+    assert first["meta_info"]["cached_tokens"] < n // 2
+    assert second["meta_info"]["cached_tokens"] >= n - 1  # all but the last token is reused
+    assert second["text"] == first["text"]
+
+
+def test_session_continues_from_previous_turn(server):
+    sid = server.post("/open_session", {"capacity_of_str_len": 20000}).json()
+    turn1 = server.post(
+        "/generate",
+        {"text": "My name is Bob and I live in Lisbon. " * 8, "session_params": {"id": sid}, "sampling_params": GREEDY},
+    ).json()
+    turn2 = server.post(
+        "/generate",
+        {
+            "text": " What is my name?",
+            "session_params": {"id": sid, "rid": turn1["meta_info"]["id"]},
+            "sampling_params": GREEDY,
+        },
+    ).json()
+    # turn 2's prompt is turn 1's prompt + answer + the new text, and reuses turn 1's KV
+    assert turn2["meta_info"]["prompt_tokens"] > turn1["meta_info"]["prompt_tokens"] + turn1["meta_info"]["completion_tokens"]
+    assert turn2["meta_info"]["cached_tokens"] >= turn1["meta_info"]["prompt_tokens"]
+    assert server.post("/close_session", {"session_id": sid}).status_code == 200
+
+
+def test_top_level_session_id_is_accepted(server):
+    r = server.post("/generate", {"text": "Hello", "session_id": "agent-7", "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+
+
+def test_bad_request_is_a_4xx_and_server_keeps_serving(server):
+    r = server.post("/v1/chat/completions", {"model": "default", "messages": "not a list"})
+    assert 400 <= r.status_code < 500
+    assert server.post("/generate", {"text": "Hi", "sampling_params": GREEDY}).status_code == 200
+
+
+def test_server_stops_cleanly_with_no_process_left(tmp_path):
+    srv = start_server(TEST_MODEL, tmp_path / "server.log")
+    assert srv.post("/generate", {"text": "Hi", "sampling_params": GREEDY}).status_code == 200
+    alive = stop_server(srv)
+    assert alive == [], f"processes left after shutdown: {alive}"
+    assert srv.proc.returncode is not None
+
+
+def test_bad_memory_config_stops_startup_with_a_message(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("intent:\n  scorer: magic\n")
+    with pytest.raises(RuntimeError) as exc:
+        start_server(TEST_MODEL, tmp_path / "server.log", "--memory-config", str(cfg))
+    assert "intent.scorer: 'magic' is not allowed; allowed values: memory" in str(exc.value)
