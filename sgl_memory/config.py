@@ -164,4 +164,4 @@ def load(path: str | os.PathLike | None) -> MemoryConfig:
 
 def from_env() -> MemoryConfig:
     """The config of this server, in any of its processes (the launcher exports the path)."""
-    return load(os.environ.get(CONFIG_ENV))
+    return load(os.environ.get(CONFIG_ENV) or None)
