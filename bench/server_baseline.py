@@ -11,43 +11,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import sys
 import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
 
-from sgl_memory import harness, launch_server, models
+from common import RESULTS, cpu_flags, generate, ours, plain_sglang, prompt_of_length
+from sgl_memory import harness, models
 
-RESULTS = Path(__file__).parent / "results"
 DECODE_TOKENS = 64
-
-
-def prompt_of_length(tokenizer, n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    words = "agent tool memory cache session radix prefix token query answer turn history".split()
-    text = " ".join(rng.choice(words) for _ in range(n * 2))
-    return tokenizer(text)["input_ids"][:n]
-
-
-def latency(server, input_ids, max_new_tokens) -> float:
-    body = {
-        "input_ids": input_ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-    }
-    r = server.post("/generate", body)
-    r.raise_for_status()
-    return r.json()["meta_info"]["e2e_latency"]
 
 
 def measure(server, tokenizer, lengths, seed) -> dict:
     out = {"start_seconds": round(server.start_seconds, 2), "rss_bytes_idle": server.rss_bytes(), "by_length": {}}
     for n in tqdm(lengths, desc="lengths", leave=False):
         ids = prompt_of_length(tokenizer, n, seed + n)
-        cold = latency(server, ids, 1)
-        hit = latency(server, ids, 1)
-        long_decode = latency(server, ids, DECODE_TOKENS)  # prefix cached: this is decode time
+        cold = generate(server, ids, 1)["e2e_latency"]
+        hit = generate(server, ids, 1)["e2e_latency"]
+        long_decode = generate(server, ids, DECODE_TOKENS)["e2e_latency"]  # prefix cached: this is decode time
         out["by_length"][n] = {
             "cold_prefill_s": cold,
             "prefill_tok_per_s": n / cold,
@@ -92,13 +73,8 @@ def main() -> None:
 
     model_path = models.fetch(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    cpu_flags = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
-                 "--skip-server-warmup", "--max-total-tokens", str(launch_server.default_max_total_tokens(model_path))]
-    plain_env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_PLUGINS="none")  # none: ours not loaded
-    variants = {
-        "sgl-memory": (harness.our_command(args.model, *cpu_flags), None),
-        "plain sglang": ([sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), *cpu_flags], plain_env),
-    }
+    flags = cpu_flags(model_path, "torch_native")  # same attention on both sides: this compares the servers
+    variants = {"sgl-memory": ours(args.model, *flags), "plain sglang": plain_sglang(model_path, *flags)}
     result = {"model": args.model, "lengths": args.lengths, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (cmd, env) in tqdm(variants.items(), desc="servers"):
@@ -107,9 +83,9 @@ def main() -> None:
                 result["variants"][name] = measure(server, tokenizer, args.lengths, args.seed)
             finally:
                 harness.stop(server)
-    ours, plain = result["variants"]["sgl-memory"], result["variants"]["plain sglang"]
+    mine, plain = result["variants"]["sgl-memory"], result["variants"]["plain sglang"]
     result["ratios_ours_over_plain"] = {
-        str(n): {k: ours["by_length"][n][k] / plain["by_length"][n][k] for k in ("prefill_tok_per_s", "decode_tok_per_s", "hit_speedup")}
+        str(n): {k: mine["by_length"][n][k] / plain["by_length"][n][k] for k in ("prefill_tok_per_s", "decode_tok_per_s", "hit_speedup")}
         for n in args.lengths
     }
     RESULTS.mkdir(exist_ok=True)

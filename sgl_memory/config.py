@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-CONFIG_ENV = "SGL_MEMORY_CONFIG"  # how the launcher hands the file to SGLang's child processes
+CONFIG_ENV = "SGLMEMORY_CONFIG"  # how the launcher hands the file to SGLang's child processes
 
 
 class ConfigError(ValueError):

@@ -26,7 +26,7 @@ import types
 from pathlib import Path
 
 PTH_NAME = "sgl_memory_cpu_compat.pth"
-_DISABLE_ENV = "SGL_MEMORY_NO_CPU_COMPAT"
+_DISABLE_ENV = "SGLMEMORY_NO_CPU_COMPAT"
 
 
 def _torch_is_cpu_build() -> bool:

@@ -77,16 +77,18 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
         if not _has_flag(out, flag):
             out.extend([flag, *value])
 
-    from sgl_memory.radix_cache import BACKEND_NAME
+    from sgl_memory.attention import cpu_backend
+    from sgl_memory import radix_cache
 
-    default("--radix-cache-backend", BACKEND_NAME)
+    default("--radix-cache-backend", radix_cache.BACKEND_NAME)
     spec = models.MODELS.get(ours.model)
     if spec and spec.tool_call_parser:
         default("--tool-call-parser", spec.tool_call_parser)
     default("--enable-cache-report")
     if not _has_gpu():
         default("--device", "cpu")
-        default("--attention-backend", "torch_native")
+        default("--attention-backend", cpu_backend.BACKEND_NAME)
+        default("--disable-cuda-graph")
         default("--max-total-tokens", str(default_max_total_tokens(model_path)))
         default("--disable-overlap-schedule")
         default("--skip-server-warmup")

@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE_ENV = "SGL_MEMORY_CACHE"
+CACHE_ENV = "SGLMEMORY_CACHE"
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 _READY_MARKER = "sgl_memory_model.json"
 

@@ -83,12 +83,20 @@ def apply(specs: list[HookSpec]) -> None:
 
 
 def register_backends() -> None:
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     from sgl_memory import radix_cache
+    from sgl_memory.attention import cpu_backend
 
     if get_radix_cache_factory(radix_cache.BACKEND_NAME) is None:
         register_radix_cache_backend(radix_cache.BACKEND_NAME, radix_cache.build)
+    if cpu_backend.BACKEND_NAME not in ATTENTION_BACKENDS:
+        register_attention_backend(cpu_backend.BACKEND_NAME)(cpu_backend.create)
+    if cpu_backend.BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        # the server's argument parser validates --attention-backend against this list
+        add_attention_backend_choices([cpu_backend.BACKEND_NAME])
 
 
 def load() -> None:

@@ -59,7 +59,7 @@ def test_fresh_interpreter_gets_stub_sgl_kernel_and_importable_torchvision():
 
 def test_without_the_workaround_torchvision_does_not_import():
     # Shows the work-around is what makes the CUDA torchvision import next to CPU torch.
-    r = run_py("import torchvision", {"SGL_MEMORY_NO_CPU_COMPAT": "1"})
+    r = run_py("import torchvision", {"SGLMEMORY_NO_CPU_COMPAT": "1"})
     assert r.returncode != 0 and "torchvision::nms" in r.stderr
 
 

@@ -28,7 +28,7 @@ def test_cpu_defaults_and_our_backend(fake_model):
     assert flag_value(argv, "--model-path") == str(fake_model)
     assert flag_value(argv, "--radix-cache-backend") == "sgl_memory"
     assert flag_value(argv, "--device") == "cpu"
-    assert flag_value(argv, "--attention-backend") == "torch_native"
+    assert flag_value(argv, "--attention-backend") == "sgl_memory_cpu"
     assert flag_value(argv, "--tool-call-parser") == "qwen25"  # the default model is a Qwen
     assert "--disable-overlap-schedule" in argv and "--skip-server-warmup" in argv
     tokens = int(flag_value(argv, "--max-total-tokens"))

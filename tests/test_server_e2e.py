@@ -18,7 +18,7 @@ def test_backend_in_use_is_ours(server):
     assert "Tree cache initialized: source=registered('sgl_memory') impl=SglMemoryRadixCache" in log
     info = server.get("/sgl_memory/info").json()
     assert info["radix_cache_backend"] == "sgl_memory"
-    assert info["attention_backend"] == "torch_native"
+    assert info["attention_backend"] == "sgl_memory_cpu"
     assert info["config"]["intent"]["enabled"] is False
 
 

@@ -1,0 +1,121 @@
+"""CPU attention benchmark: SGLang's torch_native backend vs our sgl_memory_cpu, one run, same model.
+
+For each context length: cold prefill, full radix hit (the same prompt again: 1 token extended over a
+cached prefix), an extend of 64 new tokens over the cached prefix, and decode tokens/s at that
+context. Next to them, the floor of a one-token forward on this machine: weights read once plus the
+context's KV, over the measured read bandwidth. Writes bench/results/attention_backend.json and .png.
+
+    .venv/bin/python bench/attention_backend.py [--model qwen2.5-coder-0.5b-instruct] [--lengths 1024 4096 8192 10240 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from common import RESULTS, cpu_flags, generate, ours, plain_sglang, prompt_of_length, read_bandwidth_gbs
+from sgl_memory import harness, launch_server, models
+
+NEW_TOKENS = 64
+DECODE_TOKENS = 32
+
+
+def measure(server, tokenizer, lengths, seed) -> dict:
+    out = {}
+    for n in tqdm(lengths, desc="lengths", leave=False):
+        ids = prompt_of_length(tokenizer, n, seed + n)
+        more = prompt_of_length(tokenizer, NEW_TOKENS, seed - n)
+        cold = generate(server, ids, 1)
+        hit = generate(server, ids, 1)
+        extend = generate(server, ids + more, 1)
+        decode = generate(server, ids, DECODE_TOKENS + 1)  # a full hit, then DECODE_TOKENS decode steps
+        assert hit["cached_tokens"] >= n - 1 and extend["cached_tokens"] >= n - 1, (hit, extend)
+        out[n] = {
+            "cold_prefill_s": cold["e2e_latency"],
+            "full_hit_s": hit["e2e_latency"],
+            "extend_64_s": extend["e2e_latency"],
+            "decode_tok_per_s": DECODE_TOKENS / max(decode["e2e_latency"] - hit["e2e_latency"], 1e-9),
+            "hit_speedup_over_cold": cold["e2e_latency"] / hit["e2e_latency"],
+        }
+    return out
+
+
+def floors(model_path: Path, lengths, bandwidth_gbs: float) -> dict:
+    """Seconds of one token's forward if it only had to read the weights and the context's KV once."""
+    weight_bytes = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
+    kv = launch_server.kv_bytes_per_token(model_path)
+    return {n: (weight_bytes + n * kv) / (bandwidth_gbs * 1e9) for n in lengths}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("cold_prefill_s", "cold prefill (s)"), ("full_hit_s", "full radix hit (s)"),
+               ("extend_64_s", f"extend {NEW_TOKENS} on cached prefix (s)"), ("decode_tok_per_s", "decode tok/s")]  # fmt: skip
+    fig, axes = plt.subplots(1, len(metrics), figsize=(17, 3.8))
+    for name, rows in result["variants"].items():
+        ls = sorted(int(k) for k in rows)
+        for ax, (key, _) in zip(axes, metrics):
+            ax.plot(ls, [rows[str(n)][key] for n in ls], marker="o", label=name)
+    ls = sorted(int(k) for k in result["floor_one_token_s"])
+    axes[1].plot(ls, [result["floor_one_token_s"][str(n)] for n in ls], "k--", label="floor (bytes / bandwidth)")
+    axes[3].plot(ls, [1 / result["floor_one_token_s"][str(n)] for n in ls], "k--", label="floor")
+    for ax, (key, title) in zip(axes, metrics):
+        ax.set_title(title)
+        ax.set_xlabel("context tokens")
+        if key != "decode_tok_per_s":
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['model']}: torch_native vs sgl_memory_cpu attention")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=models.DEFAULT_MODEL)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 10240, 16384])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    model_path = models.fetch(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    variants = {
+        "torch_native (plain sglang)": plain_sglang(model_path, *cpu_flags(model_path, "torch_native")),
+        "sgl_memory_cpu (ours)": ours(args.model, *cpu_flags(model_path, "sgl_memory_cpu")),
+    }
+    bandwidth = read_bandwidth_gbs()
+    result = {"model": args.model, "read_bandwidth_gbs": bandwidth, "variants": {},
+              "floor_one_token_s": {str(n): s for n, s in floors(model_path, args.lengths, bandwidth).items()}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (cmd, env) in tqdm(variants.items(), desc="servers"):
+            server = harness.start(cmd, Path(tmp) / "server.log", env=env)
+            try:
+                result["variants"][name] = {str(n): row for n, row in measure(server, tokenizer, args.lengths, args.seed).items()}
+            finally:
+                harness.stop(server)
+    plain, mine = (result["variants"][k] for k in variants)
+    result["ours_over_plain_speedup"] = {
+        n: {k: plain[n][k] / mine[n][k] for k in ("cold_prefill_s", "full_hit_s", "extend_64_s")}
+        | {"decode_tok_per_s": mine[n]["decode_tok_per_s"] / plain[n]["decode_tok_per_s"]}
+        for n in mine
+    }
+    result["ours_hit_over_floor"] = {n: mine[n]["full_hit_s"] / result["floor_one_token_s"][n] for n in mine}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "attention_backend.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / "attention_backend.png")
+    print(json.dumps({k: result[k] for k in ("ours_over_plain_speedup", "ours_hit_over_floor")}, indent=2))
+    print(json.dumps({n: mine[n]["hit_speedup_over_cold"] for n in mine}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

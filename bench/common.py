@@ -1,0 +1,60 @@
+"""Helpers shared by the benchmarks: prompts of exact token length, timed requests, the plain-SGLang
+command line with the same CPU flags as ours, and the machine's memory bandwidth."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+
+import torch
+
+from sgl_memory import harness, launch_server
+
+RESULTS = __import__("pathlib").Path(__file__).parent / "results"
+
+
+def prompt_of_length(tokenizer, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    words = "agent tool memory cache session radix prefix token query answer turn history".split()
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer(" ".join(rng.choice(words) for _ in range(n)))["input_ids"]
+    return ids[:n]
+
+
+def generate(server, input_ids: list[int], max_new_tokens: int) -> dict:
+    """Greedy /generate on token ids; returns meta_info (e2e_latency, cached_tokens, ...)."""
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    r = server.post("/generate", body)
+    r.raise_for_status()
+    return r.json()["meta_info"]
+
+
+def cpu_flags(model_path, attention_backend: str) -> list[str]:
+    return ["--device", "cpu", "--attention-backend", attention_backend, "--disable-overlap-schedule",
+            "--skip-server-warmup", "--max-total-tokens", str(launch_server.default_max_total_tokens(model_path))]  # fmt: skip
+
+
+def plain_sglang(model_path, *flags: str) -> tuple[list[str], dict]:
+    """Plain SGLang (our plugin not loaded; only the CPU import work-arounds, which it cannot run without)."""
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_PLUGINS="none")
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), *flags], env
+
+
+def ours(model: str, *flags: str) -> tuple[list[str], None]:
+    return harness.our_command(model, *flags), None
+
+
+def read_bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Sustained read bandwidth of this machine (sum over a large bf16 buffer), GB/s."""
+    buf = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    buf.sum()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        buf.sum()
+    return nbytes * repeats / (time.perf_counter() - t0) / 1e9

@@ -1,0 +1,1 @@
+"""Attention backends of sgl-memory (registered with SGLang from the plugin)."""

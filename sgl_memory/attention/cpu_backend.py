@@ -1,0 +1,116 @@
+"""`sgl_memory_cpu`: SGLang's torch_native backend with attention proportional to the new tokens.
+
+torch_native pads each request's query to the full KV length and runs a causal SDPA over all of it,
+so a 1-token extend over a 10k cached prefix costs a 10k x 10k attention per layer, and it gathers
+every request's KV and repeats it per query head in every layer. Here, once per forward, each
+request's slot map is turned into a plan (sgl_memory.attention.kv_source: pool views where slots are
+contiguous); each layer then attends only the new tokens (sgl_memory.attention.merged).
+
+KV writes, metadata and the paths we do not specialise (encoder / cross attention, sliding
+windows, non-causal layers, speculative modes) stay torch_native's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from sgl_memory.attention.kv_source import KvSource, locate
+from sgl_memory.attention.merged import attend
+
+BACKEND_NAME = "sgl_memory_cpu"
+
+_PLANNED_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE)
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    q_start: int
+    n_new: int
+    visible: KvSource  # keys every new token sees: the prefix, or the whole sequence when n_new == 1
+    own: KvSource | None  # the new tokens' own keys, seen causally (n_new > 1)
+
+
+def plan_requests(
+    req_to_token: torch.Tensor, rows: list[int], prefix_lens: list[int], new_lens: list[int]
+) -> list[RequestPlan]:
+    plans, q_start = [], 0
+    for row, prefix, n in zip(rows, prefix_lens, new_lens):
+        slots = kv_slots(req_to_token, row, prefix + n)
+        if n == 1:
+            plans.append(RequestPlan(q_start, n, locate(slots), None))
+        else:
+            plans.append(RequestPlan(q_start, n, locate(slots[:prefix]), locate(slots[prefix:])))
+        q_start += n
+    return plans
+
+
+def kv_slots(req_to_token: torch.Tensor, row: int, kv_len: int) -> torch.Tensor:
+    """The pool slots a request attends to, in position order: the one place the slot map is read."""
+    return req_to_token[row, :kv_len]
+
+
+def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
+    for p in plans:
+        visible = list(zip(p.visible.read(k_cache), p.visible.read(v_cache)))
+        own = None if p.own is None else (p.own.read_joined(k_cache), p.own.read_joined(v_cache))
+        end = p.q_start + p.n_new
+        output[p.q_start : end] = attend(query[p.q_start : end], visible, own, scaling)
+    return output
+
+
+class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
+    plans: list[RequestPlan] | None = None
+
+    def init_forward_metadata(self, forward_batch):
+        super().init_forward_metadata(forward_batch)
+        self.plans = None
+        mode = forward_batch.forward_mode
+        if mode not in _PLANNED_MODES or forward_batch.encoder_lens is not None:
+            return
+        rows = forward_batch.req_pool_indices.tolist()
+        seq_lens = forward_batch.seq_lens.tolist()
+        if mode == ForwardMode.DECODE:
+            prefix_lens, new_lens = [s - 1 for s in seq_lens], [1] * len(seq_lens)
+        else:
+            prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
+            new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+        self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens))
+
+    def _planned(self, query, encoder_lens, is_cross_attn, sliding_window_size) -> bool:
+        windowed = sliding_window_size is not None and sliding_window_size > -1
+        return (
+            self.plans is not None
+            and encoder_lens is None
+            and not is_cross_attn
+            and not windowed
+            and sum(p.n_new for p in self.plans) == query.shape[0]
+        )
+
+    def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                 seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None,
+                                 scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+                                 sliding_window_size=None):  # fmt: skip
+        if causal and self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
+            return run_plans(self.plans, query, output, k_cache, v_cache, scaling)
+        return super()._run_sdpa_forward_extend(
+            query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+            extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
+        )  # fmt: skip
+
+    def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                 seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
+                                 is_cross_attn=False, sliding_window_size=None):  # fmt: skip
+        if self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
+            return run_plans(self.plans, query, output, k_cache, v_cache, scaling)
+        return super()._run_sdpa_forward_decode(
+            query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens,
+            scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
+        )  # fmt: skip
+
+
+def create(runner) -> SglMemoryCpuAttnBackend:
+    return SglMemoryCpuAttnBackend(runner)
