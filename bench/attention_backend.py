@@ -2,7 +2,7 @@
 
 For each context length: cold prefill, full radix hit (the same prompt again: 1 token extended over a
 cached prefix), an extend of 64 new tokens over the cached prefix, and decode tokens/s at that
-context. Next to them, the floor of a one-token forward on this machine: weights read once plus the
+context; then the decode throughput of 8 concurrent requests over 2k-token contexts. Next to them, the floor of a one-token forward on this machine: weights read once plus the
 context's KV, over the measured read bandwidth. Writes bench/results/attention_backend.json and .png.
 
     .venv/bin/python bench/attention_backend.py [--model qwen2.5-coder-0.5b-instruct] [--lengths 1024 4096 8192 10240 16384]
@@ -10,18 +10,21 @@ context's KV, over the measured read bandwidth. Writes bench/results/attention_b
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, cpu_flags, generate, ours, plain_sglang, prompt_of_length, read_bandwidth_gbs
+from common import RESULTS, parse_args, cpu_flags, generate, ours, plain_sglang, prompt_of_length, read_bandwidth_gbs
 from sgl_memory import harness, launch_server, models
 
 NEW_TOKENS = 64
 DECODE_TOKENS = 32
+BATCH = 8  # concurrent decoding requests in the batched-decode measurement
+BATCH_CONTEXT = 2048
 
 
 def measure(server, tokenizer, lengths, seed) -> dict:
@@ -42,6 +45,17 @@ def measure(server, tokenizer, lengths, seed) -> dict:
             "hit_speedup_over_cold": cold["e2e_latency"] / hit["e2e_latency"],
         }
     return out
+
+
+def batched_decode(server, tokenizer, seed) -> float:
+    """Tokens/s of BATCH requests decoding together, each over its own cached BATCH_CONTEXT prompt."""
+    prompts = [prompt_of_length(tokenizer, BATCH_CONTEXT, seed + 17 * i) for i in range(BATCH)]
+    for ids in prompts:
+        generate(server, ids, 1)  # cache the prompts: what follows is decode only
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(BATCH) as pool:
+        list(pool.map(lambda ids: generate(server, ids, DECODE_TOKENS + 1), prompts))
+    return BATCH * DECODE_TOKENS / (time.perf_counter() - t0)
 
 
 def floors(model_path: Path, lengths, bandwidth_gbs: float) -> dict:
@@ -79,11 +93,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=models.DEFAULT_MODEL)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 10240, 16384])
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = parse_args(__doc__, [1024, 4096, 8192, 10240, 16384])
 
     from transformers import AutoTokenizer
 
@@ -101,6 +111,7 @@ def main() -> None:
             server = harness.start(cmd, Path(tmp) / "server.log", env=env)
             try:
                 result["variants"][name] = {str(n): row for n, row in measure(server, tokenizer, args.lengths, args.seed).items()}
+                result.setdefault("batched_decode_tok_per_s", {})[name] = batched_decode(server, tokenizer, args.seed)
             finally:
                 harness.stop(server)
     plain, mine = (result["variants"][k] for k in variants)
@@ -113,7 +124,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "attention_backend.json").write_text(json.dumps(result, indent=2))
     plot(result, RESULTS / "attention_backend.png")
-    print(json.dumps({k: result[k] for k in ("ours_over_plain_speedup", "ours_hit_over_floor")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("ours_over_plain_speedup", "ours_hit_over_floor", "batched_decode_tok_per_s")}, indent=2))
     print(json.dumps({n: mine[n]["hit_speedup_over_cold"] for n in mine}, indent=2))
 
 

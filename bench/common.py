@@ -3,16 +3,27 @@ command line with the same CPU flags as ours, and the machine's memory bandwidth
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from sgl_memory import harness, launch_server
+from sgl_memory import harness, launch_server, models
 
-RESULTS = __import__("pathlib").Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results"
+
+
+def parse_args(doc: str, default_lengths: list[int]) -> argparse.Namespace:
+    """The flags every server benchmark takes: model, context lengths, seed."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--model", default=models.DEFAULT_MODEL)
+    ap.add_argument("--lengths", type=int, nargs="+", default=default_lengths)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args()
 
 
 def prompt_of_length(tokenizer, n: int, seed: int) -> list[int]:

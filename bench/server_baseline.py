@@ -8,7 +8,6 @@ latency and decode throughput. Writes bench/results/server_baseline.json and .pn
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -16,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, cpu_flags, generate, ours, plain_sglang, prompt_of_length
+from common import RESULTS, parse_args, cpu_flags, generate, ours, plain_sglang, prompt_of_length
 from sgl_memory import harness, models
 
 DECODE_TOKENS = 64
@@ -63,11 +62,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=models.DEFAULT_MODEL)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = parse_args(__doc__, [1024, 4096])
 
     from transformers import AutoTokenizer
 

@@ -6,8 +6,9 @@ Takes every `sglang.launch_server` flag unchanged, plus:
   --memory-config FILE  sgl-memory YAML config (see configs/example.yaml).
 
 On a machine without a GPU it fills in the CPU defaults the user did not set: CPU engine,
-`--device cpu`, `--attention-backend torch_native`, no overlap schedule, no warm-up, and a
-`--max-total-tokens` sized from free RAM. It always selects the `sgl_memory` radix-cache backend
+`--device cpu`, `--attention-backend sgl_memory_cpu` (ours, see sgl_memory/attention), no graph
+capture, no overlap schedule, no warm-up, sleep when idle, and a `--max-total-tokens` sized from
+free RAM. It always selects the `sgl_memory` radix-cache backend
 unless told otherwise, and the tool-call parser of the model family.
 
 All launching stays under `if __name__ == "__main__"`: SGLang's spawned children re-import this
@@ -77,8 +78,8 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
         if not _has_flag(out, flag):
             out.extend([flag, *value])
 
-    from sgl_memory.attention import cpu_backend
     from sgl_memory import radix_cache
+    from sgl_memory.attention import cpu_backend
 
     default("--radix-cache-backend", radix_cache.BACKEND_NAME)
     spec = models.MODELS.get(ours.model)
@@ -88,10 +89,14 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
     if not _has_gpu():
         default("--device", "cpu")
         default("--attention-backend", cpu_backend.BACKEND_NAME)
-        default("--disable-cuda-graph")
+        # SGLang switches graph capture off by name for torch_native only; our backend has none either
+        default("--cuda-graph-backend-decode", "disabled")
+        default("--cuda-graph-backend-prefill", "disabled")
         default("--max-total-tokens", str(default_max_total_tokens(model_path)))
         default("--disable-overlap-schedule")
         default("--skip-server-warmup")
+        # an idle scheduler otherwise busy-polls a whole core: half of a 2-core machine
+        default("--sleep-on-idle")
     return out, cfg
 
 
