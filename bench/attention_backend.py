@@ -2,8 +2,9 @@
 
 For each context length: cold prefill, full radix hit (the same prompt again: 1 token extended over a
 cached prefix), an extend of 64 new tokens over the cached prefix, and decode tokens/s at that
-context; then the decode throughput of 8 concurrent requests over 2k-token contexts. Next to them, the floor of a one-token forward on this machine: weights read once plus the
-context's KV, over the measured read bandwidth. Writes bench/results/attention_backend.json and .png.
+context; then the decode throughput of 8 concurrent requests over 2k-token contexts. Next to them,
+the floor of a one-token forward on this machine: weights read once plus the context's KV, over the
+measured read bandwidth. Writes bench/results/attention_backend.json and .png.
 
     .venv/bin/python bench/attention_backend.py [--model qwen2.5-coder-0.5b-instruct] [--lengths 1024 4096 8192 10240 16384]
 """

@@ -14,8 +14,8 @@ from sgl_memory.attention.kv_source import locate
 from sgl_memory.attention.merged import attend
 
 
-def reference(q, k, v, scale=None, keep=None):
-    """q [n, H, D], k/v [L, KVH, D]; new token i sees keys 0 .. L - n + i (and only `keep` if given)."""
+def reference(q, k, v, scale=None):
+    """q [n, H, D], k/v [L, KVH, D]; new token i sees keys 0 .. L - n + i."""
     n, heads, d = q.shape
     kv_len, kv_heads, _ = k.shape
     group = heads // kv_heads
@@ -26,8 +26,6 @@ def reference(q, k, v, scale=None, keep=None):
         scores = (q[:, h].double() @ kh.T) * scale
         for i in range(n):
             visible = torch.arange(kv_len) <= kv_len - n + i
-            if keep is not None:
-                visible &= keep
             s = scores[i].masked_fill(~visible, -math.inf)
             p = torch.exp(s - s.max())
             out[i, h] = (p / p.sum()) @ vh

@@ -64,6 +64,7 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
 
 class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
     plans: list[RequestPlan] | None = None
+    planned_tokens = 0  # query rows the plans cover; a layer called with other rows is not ours
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
@@ -79,6 +80,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
             new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
         self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens))
+        self.planned_tokens = sum(new_lens)
 
     def _planned(self, query, encoder_lens, is_cross_attn, sliding_window_size) -> bool:
         windowed = sliding_window_size is not None and sliding_window_size > -1
@@ -87,7 +89,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             and encoder_lens is None
             and not is_cross_attn
             and not windowed
-            and sum(p.n_new for p in self.plans) == query.shape[0]
+            and self.planned_tokens == query.shape[0]
         )
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,

@@ -21,10 +21,6 @@ class KvSource:
     runs: tuple[tuple[int, int], ...] = ()  # [start, stop) ranges of pool slots, in position order
     slots: torch.Tensor | None = None  # the slot list itself, when it is too fragmented for runs
 
-    @property
-    def empty(self) -> bool:
-        return not self.runs and self.slots is None
-
     def read(self, cache: torch.Tensor) -> list[torch.Tensor]:
         """The source's rows of one layer's cache [pool, heads, dim], as views where possible."""
         if self.slots is not None:
