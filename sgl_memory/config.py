@@ -25,19 +25,29 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class IntentConfig:
-    """Cross-turn intent pruning (IntentKV)."""
+    """Cross-turn intent pruning (IntentKV): see sgl_memory/intent/README.md."""
 
     enabled: bool = False
-    budget: int = 2048  # live history tokens kept per request after its prefill
+    budget: int = 2048  # compressible history tokens kept live per request after its prefill
     scorer: Literal["memory", "query", "streaming_llm", "snapkv", "h2o", "random"] = "memory"
     layout: Literal["dead_slot", "compact"] = "dead_slot"
     decay: float = 0.9  # QueryMemory EMA weight of the past
     session_capacity: int = 1024  # QueryMemory entries kept (LRU)
+    roles: Literal["chatml", "llama3", "none"] = "chatml"  # how message boundaries are found in tokens
+    query_tail: int = 32  # forced tail when no role marker is found
+    session_prefix_tokens: int = 64  # N of the "hash of the first N input tokens" session key
+    window: int = 32  # SnapKV / H2O observation window (last prompt query rows)
+    kernel: int = 7  # SnapKV max-pool smoothing width
+    sinks: int = 4  # StreamingLLM attention-sink tokens
 
     def validate(self, path: str) -> None:
         _require(self.budget >= 1, f"{path}.budget", "an integer >= 1")
         _require(0.0 <= self.decay < 1.0, f"{path}.decay", "a number in [0, 1)")
         _require(self.session_capacity >= 1, f"{path}.session_capacity", "an integer >= 1")
+        for name in ("query_tail", "session_prefix_tokens", "window", "kernel"):
+            _require(getattr(self, name) >= 1, f"{path}.{name}", "an integer >= 1")
+        _require(self.kernel % 2 == 1, f"{path}.kernel", "an odd integer >= 1")
+        _require(self.sinks >= 0, f"{path}.sinks", "an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,7 @@ class MemoryConfig:
 
 
 # Sections whose mechanism has not landed; each issue that lands one removes its name.
-NOT_YET_WIRED = frozenset({"intent", "persist", "memory"})
+NOT_YET_WIRED = frozenset({"persist", "memory"})
 
 
 def _require(ok: bool, key: str, allowed: str) -> None:

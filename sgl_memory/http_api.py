@@ -1,11 +1,25 @@
-"""sgl-memory's own HTTP routes, mounted on SGLang's FastAPI app (hook: patches/hooks.yaml)."""
+"""sgl-memory's HTTP surface on SGLang's FastAPI app (hook: patches/hooks.yaml).
+
+- `GET /sgl_memory/info` and `GET /sgl_memory/stats`;
+- the per-request `sgl_memory` field on `/generate`, `/v1/chat/completions` and `/v1/completions`:
+  validated here (a bad field is a 400 before anything reaches the engine) and moved into SGLang's
+  `custom_params`, which carries it to the scheduler;
+- OpenAI responses get the request's metrics as a top-level `sgl_memory` object (native responses
+  carry them in `meta_info`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from sgl_memory import SGLANG_VERSION, __version__
 from sgl_memory.config import from_env
+from sgl_memory.intent.request import FIELD, SpecError, parse
+from sgl_memory.intent.stats import STATS
+
+NATIVE = "/generate"
+OPENAI = ("/v1/chat/completions", "/v1/completions")
 
 
 def mount(server_args, *args, **kwargs):
@@ -26,4 +40,113 @@ def mount(server_args, *args, **kwargs):
             "config": dataclasses.asdict(config),
         }
 
+    @app.get("/sgl_memory/stats")
+    async def sgl_memory_stats():
+        return STATS.snapshot()
+
+    app.add_middleware(MemoryFieldMiddleware)
     return None
+
+
+def move_field(path: str, body: dict) -> dict:
+    """Validate and move the `sgl_memory` field into `custom_params`; raises SpecError."""
+    if FIELD not in body:
+        return body
+    raw = body.pop(FIELD)
+    parse(raw)
+    encoded = json.dumps(raw)
+    if path == NATIVE:
+        params = body.get("sampling_params")
+        for sp in params if isinstance(params, list) else [body.setdefault("sampling_params", params or {})]:
+            if not isinstance(sp, dict):
+                raise SpecError("sampling_params must be an object to carry sgl_memory")
+            sp.setdefault("custom_params", {})[FIELD] = encoded
+    else:
+        custom = body.setdefault("custom_params", {})
+        if not isinstance(custom, dict):
+            raise SpecError("custom_params must be an object to carry sgl_memory")
+        custom[FIELD] = encoded
+    return body
+
+
+class MemoryFieldMiddleware:
+    """Plain ASGI middleware: rewrites request bodies on the generate routes, and OpenAI JSON responses."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path")
+        if scope["type"] != "http" or scope.get("method") != "POST" or (path != NATIVE and path not in OPENAI):
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None  # SGLang answers malformed JSON itself
+        if isinstance(data, dict) and FIELD in data:
+            try:
+                body = json.dumps(move_field(path, data)).encode()
+            except SpecError as exc:
+                return await _send_json(send, 400, {"error": {"message": str(exc), "type": "BadRequestError", "code": 400}})
+        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"]
+                     + [(b"content-length", str(len(body)).encode())])  # fmt: skip
+        request = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+        await self.app(scope, request, _with_metrics(send) if path in OPENAI else send)
+
+
+def _replay(messages, receive):
+    pending = list(messages)
+
+    async def replay():
+        return pending.pop(0) if pending else await receive()
+
+    return replay
+
+
+def _with_metrics(send):
+    """Buffer a non-streaming JSON response and add the request's metrics as `sgl_memory`."""
+    state = {"start": None, "chunks": []}
+
+    async def wrapped(message):
+        if message["type"] == "http.response.start":
+            headers = dict(message.get("headers", []))
+            if b"application/json" not in headers.get(b"content-type", b""):
+                state["start"] = False
+                return await send(message)
+            state["start"] = message
+            return None
+        if state["start"] is False or message["type"] != "http.response.body":
+            return await send(message)
+        state["chunks"].append(message.get("body", b""))
+        if message.get("more_body", False):
+            return None
+        body = b"".join(state["chunks"])
+        try:
+            data = json.loads(body)
+            metrics = STATS.lookup(data.get("id")) if isinstance(data, dict) else None
+            if metrics is not None:
+                data[FIELD] = metrics
+                body = json.dumps(data).encode()
+        except ValueError:
+            pass
+        start = state["start"]
+        headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
+        await send(dict(start, headers=headers + [(b"content-length", str(len(body)).encode())]))
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return wrapped
+
+
+async def _send_json(send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})

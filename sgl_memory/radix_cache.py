@@ -1,14 +1,25 @@
 """The `sgl_memory` radix-cache backend: SGLang's Python RadixCache, the base of our memory features.
 
 With every memory feature off it is SGLang's RadixCache unchanged (tests/test_radix_contract.py holds
-it to that). Pruning, memory blocks and persistence attach here in later work, so that the tree stays
-the single owner of reusable KV.
+it to that). With intent pruning on, the tree also owns the dead-slot substrate (IntentKV 3.4):
+
+- a sentinel KV slot, taken from the allocator at start-up and never given back; pruned positions
+  of a request's row point at it, and node values inserted from pruned rows contain it;
+- every free the tree issues goes through `SentinelSafeAllocator`, which drops sentinel entries, so
+  checkpoint, evict and release never free the sentinel (and never free a pruned slot twice: the
+  pruned slot was freed once, when its position was redirected);
+- evictable / protected sizes count real slots only: the scheduler's admission and SGLang's idle
+  leak check (available + evictable + protected == total) read them;
+- the compression event runs in `checkpoint` at the end of a request's prefill, before its row is
+  inserted, so the tree stores the pruned row and the next turn reuses it.
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from sgl_memory.config import MemoryConfig, from_env
@@ -18,10 +29,181 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "sgl_memory"
 
 
+class SentinelSafeAllocator:
+    """The tree's view of the KV allocator: frees skip the sentinel slot (page size 1)."""
+
+    def __init__(self, inner, tree: SglMemoryRadixCache):
+        self._inner = inner
+        self._tree = tree
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _real(self, index: torch.Tensor) -> torch.Tensor:
+        sentinel = self._tree.sentinel
+        return index if sentinel is None else index[index != sentinel]
+
+    def free(self, free_index):
+        self._inner.free(self._real(free_index))
+
+    def free_full(self, free_index):
+        self._inner.free(self._real(free_index))
+
+    def free_segment(self, free_index, *, start_pos):
+        self._inner.free(self._real(free_index))
+
+    def free_full_segment(self, free_index, *, start_pos):
+        self._inner.free(self._real(free_index))
+
+    def free_segments(self, segments):
+        for free_index, _ in segments:
+            self.free(free_index)
+
+    def free_full_segments(self, segments):
+        self.free_segments(segments)
+
+
 class SglMemoryRadixCache(RadixCache):
+    sentinel: int | None = None
+    pruner = None
+
     def __init__(self, params, config: MemoryConfig | None = None):
+        self._dead_evictable = self._dead_protected = 0
         super().__init__(params)
         self.memory_config = config or MemoryConfig()
+        if self.memory_config.intent.enabled and not self.disable:
+            from sgl_memory.intent.pruner import get_pruner
+
+            if self.page_size != 1:
+                raise ValueError(f"intent pruning needs page size 1 (got {self.page_size})")
+            self._allocator = self.token_to_kv_pool_allocator
+            self.token_to_kv_pool_allocator = SentinelSafeAllocator(self._allocator, self)
+            self.pruner = get_pruner(self.memory_config.intent)
+            self._take_sentinel()
+
+    # --- the sentinel ---------------------------------------------------------------------------
+
+    def _take_sentinel(self) -> None:
+        slot = self._allocator.alloc(1)
+        if slot is None:
+            raise RuntimeError("no KV slot free for the intent-pruning sentinel")
+        self.sentinel = int(slot[0])
+        self.pruner.sentinel = self.sentinel
+        # V of the sentinel is zero, a second line of defence behind the attention filter.
+        pool = self._allocator.get_kvcache()
+        for layer in range(pool.layer_num):
+            pool.get_key_buffer(layer)[self.sentinel].zero_()
+            pool.get_value_buffer(layer)[self.sentinel].zero_()
+        logger.info("intent pruning: sentinel KV slot %d", self.sentinel)
+
+    def reset(self):
+        super().reset()
+        self._dead_evictable = self._dead_protected = 0
+        if self.sentinel is not None:
+            # flush_cache clears the allocator right after this: the slot is retaken on next use.
+            self.sentinel = None
+            self.pruner.sentinel = None
+
+    def match_prefix(self, params):
+        if self.pruner is not None and self.sentinel is None:
+            self._take_sentinel()
+        return super().match_prefix(params)
+
+    # --- the compression event ------------------------------------------------------------------
+
+    def checkpoint(self, req, *, up_to: int):
+        state = getattr(req, "sgl_intent", None)
+        if self.pruner is None or state is None or state.decided or req.finished() or not req.output_ids:
+            return super().checkpoint(req, up_to=up_to)
+        edit = self.pruner.compress(req, self)
+        if edit is None or state.layout == "dead_slot":
+            super().checkpoint(req, up_to=up_to)
+            if edit is not None:
+                # checkpoint rewrote the row from the tree, whose (shared) prefix is unpruned
+                row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+                row[edit.dropped] = self.sentinel
+        else:
+            # compact: the re-packed row is private to the request and stays out of the tree
+            req.skip_radix_cache_insert = True
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        if self.pruner is not None:
+            self.pruner.release(req)
+
+    def free_real(self, slots: torch.Tensor) -> None:
+        self._allocator.free(slots)
+
+    # --- accounting of sentinel entries in node values ------------------------------------------
+
+    def _dead(self, node) -> int:
+        if self.sentinel is None or node.value is None or node is self.root_node:
+            return 0
+        cached = getattr(node, "sgl_dead", None)
+        if cached is None or cached[0] is not node.value:
+            cached = node.sgl_dead = (node.value, int((node.value == self.sentinel).sum()))
+        return cached[1]
+
+    def insert(self, params):
+        result = super().insert(params)
+        node = result.last_device_node
+        # an insert creates at most one node, its last one; splits only re-divide counted nodes
+        if node is not None and node is not self.root_node and not getattr(node, "sgl_counted", False):
+            node.sgl_counted = True
+            if node.lock_ref == 0:
+                self._dead_evictable += self._dead(node)
+            else:
+                self._dead_protected += self._dead(node)
+        return result
+
+    def _split_node(self, key, child, split_len):
+        new_node = super()._split_node(key, child, split_len)
+        new_node.sgl_counted = getattr(child, "sgl_counted", False)
+        return new_node
+
+    def _delete_leaf(self, node):
+        super()._delete_leaf(node)
+        self._dead_evictable -= self._dead(node)
+
+    def inc_lock_ref(self, node):
+        self._move_dead(node, from_lock=0, sign=+1)
+        return super().inc_lock_ref(node)
+
+    def dec_lock_ref(self, node, params=None):
+        self._move_dead(node, from_lock=1, sign=-1)
+        return super().dec_lock_ref(node, params)
+
+    def _move_dead(self, node, from_lock: int, sign: int) -> None:
+        """Nodes whose lock_ref crosses 0 <-> 1 move between evictable and protected."""
+        if self.disable:
+            return
+        while node is not None and node is not self.root_node:
+            if node.lock_ref == from_lock:
+                dead = self._dead(node)
+                self._dead_evictable -= sign * dead
+                self._dead_protected += sign * dead
+            node = node.parent
+
+    def evictable_size(self):
+        return self.evictable_size_ - self._dead_evictable
+
+    def protected_size(self):
+        held = 1 if self.sentinel is not None else 0
+        return self.protected_size_ - self._dead_protected + held
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Sentinel entries free nothing: keep evicting until the real slots asked for are free."""
+        if self.pruner is None:
+            return super().evict(params)
+        total = EvictResult()
+        target = self._allocator.available_size() + params.num_tokens
+        while self._allocator.available_size() < target:
+            need = target - self._allocator.available_size()
+            result = super().evict(EvictParams(num_tokens=need))
+            total.num_tokens_evicted += result.num_tokens_evicted
+            if result.num_tokens_evicted == 0:
+                break
+        return total
 
 
 def build(ctx) -> SglMemoryRadixCache:

@@ -8,6 +8,11 @@ contiguous); each layer then attends only the new tokens (sgl_memory.attention.m
 
 KV writes, metadata and the paths we do not specialise (encoder / cross attention, sliding
 windows, non-causal layers, speculative modes) stay torch_native's.
+
+With intent pruning on (sgl_memory.intent), this backend is also where pruning meets attention:
+`kv_slots` leaves the sentinel slot out of every index list, prefill hands the post-RoPE query rows
+of pruned requests to the pruner, and requests re-packed by the `compact` layout get their model
+positions shifted.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_memory.attention.kv_source import KvSource, locate
 from sgl_memory.attention.merged import attend
+from sgl_memory.intent.pruner import get_pruner
 
 BACKEND_NAME = "sgl_memory_cpu"
 
@@ -35,22 +41,25 @@ class RequestPlan:
 
 
 def plan_requests(
-    req_to_token: torch.Tensor, rows: list[int], prefix_lens: list[int], new_lens: list[int]
+    req_to_token: torch.Tensor, rows: list[int], prefix_lens: list[int], new_lens: list[int], sentinel: int | None = None
 ) -> list[RequestPlan]:
     plans, q_start = [], 0
     for row, prefix, n in zip(rows, prefix_lens, new_lens):
-        slots = kv_slots(req_to_token, row, prefix + n)
         if n == 1:
-            plans.append(RequestPlan(q_start, n, locate(slots), None))
+            plans.append(RequestPlan(q_start, n, locate(kv_slots(req_to_token, row, 0, prefix + 1, sentinel)), None))
         else:
-            plans.append(RequestPlan(q_start, n, locate(slots[:prefix]), locate(slots[prefix:])))
+            visible = locate(kv_slots(req_to_token, row, 0, prefix, sentinel))
+            plans.append(RequestPlan(q_start, n, visible, locate(req_to_token[row, prefix : prefix + n])))
         q_start += n
     return plans
 
 
-def kv_slots(req_to_token: torch.Tensor, row: int, kv_len: int) -> torch.Tensor:
-    """The pool slots a request attends to, in position order: the one place the slot map is read."""
-    return req_to_token[row, :kv_len]
+def kv_slots(req_to_token: torch.Tensor, row: int, start: int, stop: int, sentinel: int | None = None) -> torch.Tensor:
+    """The pool slots of positions [start, stop) a request attends to, in position order: the one
+    place cached history is read from the slot map. Positions pruned to the sentinel are left out,
+    so attention reads only kept entries (the new tokens of a forward are never pruned)."""
+    slots = req_to_token[row, start:stop]
+    return slots if sentinel is None else slots[slots != sentinel]
 
 
 def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
@@ -65,10 +74,11 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
 class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
     plans: list[RequestPlan] | None = None
     planned_tokens = 0  # query rows the plans cover; a layer called with other rows is not ours
+    captures: list = []  # (QueryCapture, first query row, first position, rows) of this forward
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
-        self.plans = None
+        self.plans, self.captures = None, []
         mode = forward_batch.forward_mode
         if mode not in _PLANNED_MODES or forward_batch.encoder_lens is not None:
             return
@@ -79,8 +89,29 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
         else:
             prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
             new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
-        self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens))
+        pruner = get_pruner()
+        sentinel = pruner.sentinel if pruner is not None else None
+        self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens), sentinel)
         self.planned_tokens = sum(new_lens)
+        if pruner is not None and forward_batch.rids:
+            self._bind_pruner(pruner, forward_batch, list(prefix_lens), list(new_lens))
+
+    def _bind_pruner(self, pruner, forward_batch, prefix_lens, new_lens):
+        q_start = 0
+        for rid, prefix, n in zip(forward_batch.rids, prefix_lens, new_lens):
+            capture = pruner.captures.get(rid)
+            if capture is not None and prefix < capture.length:  # rows of the prompt being prefilled
+                self.captures.append((capture, q_start, prefix, n))
+            shift = pruner.position_shifts.get(rid)
+            if shift:
+                forward_batch.positions[q_start : q_start + n] += shift
+            q_start += n
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        for capture, q_start, first_pos, n in self.captures:
+            rows = q[q_start : q_start + n].view(n, layer.tp_q_head_num, layer.qk_head_dim)
+            capture.add(layer.layer_id, rows, first_pos)
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def _planned(self, query, encoder_lens, is_cross_attn, sliding_window_size) -> bool:
         windowed = sliding_window_size is not None and sliding_window_size > -1

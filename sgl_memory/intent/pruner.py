@@ -1,0 +1,263 @@
+"""The IntentKV pruner of one scheduler process: admission, query capture, compression, metrics.
+
+Data flows one way: the request's `sgl_memory` field (admit) -> its session and forced spans ->
+query rows captured by the attention backend during prefill (QueryCapture) -> the scorer ->
+the layout applied to the slot map by the radix tree (compress) -> metrics on release.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_memory.config import IntentConfig
+from sgl_memory.intent import scorers
+from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
+from sgl_memory.intent.request import FIELD, SpecError, parse
+from sgl_memory.intent.sessions import SessionStore, resolve_key
+from sgl_memory.intent.spans import RoleMarkers, Spans, find_spans
+
+logger = logging.getLogger(__name__)
+
+WINDOW_SCORERS = ("snapkv", "h2o")
+
+
+class QueryCapture:
+    """Post-RoPE query rows of one request's prompt, as the attention layers receive them:
+    the sum over the actionable span (for its mean) and the last `window` rows, per layer."""
+
+    def __init__(self, span_start: int, length: int, window: int):
+        self.span_start, self.length = span_start, length
+        self.window_start = max(0, length - window) if window else length
+        self.sums: dict[int, torch.Tensor] = {}
+        self.counts: dict[int, int] = {}
+        self.windows: dict[int, torch.Tensor] = {}
+
+    def add(self, layer: int, q: torch.Tensor, first_pos: int) -> None:
+        """q: [n, heads, head_dim] for positions first_pos .. first_pos + n - 1 of this request."""
+        n = q.shape[0]
+        lo = max(self.span_start, first_pos) - first_pos
+        if lo < n:
+            rows = q[lo:].float().sum(0)
+            self.sums[layer] = self.sums[layer] + rows if layer in self.sums else rows
+            self.counts[layer] = self.counts.get(layer, 0) + (n - lo)
+        w_lo = max(self.window_start, first_pos) - first_pos
+        if w_lo < n and self.window_start < self.length:
+            buf = self.windows.get(layer)
+            if buf is None:
+                buf = self.windows[layer] = torch.zeros(self.length - self.window_start, *q.shape[1:])
+            start = first_pos + w_lo - self.window_start
+            buf[start : start + n - w_lo] = q[w_lo:].float()
+
+    def q_mean(self) -> torch.Tensor | None:
+        if not self.sums:
+            return None
+        return torch.stack([self.sums[i] / self.counts[i] for i in sorted(self.sums)])
+
+    def q_window(self) -> torch.Tensor:
+        return torch.stack([self.windows[i] for i in sorted(self.windows)]) if self.windows else torch.zeros(0)
+
+
+@dataclass
+class RequestIntent:
+    """What the pruner knows about one request, attached to SGLang's Req as `req.sgl_intent`."""
+
+    enabled: bool
+    budget: int
+    scorer: str
+    layout: str
+    spans: Spans
+    prompt_len: int
+    session_key: str | None
+    key_source: str | None
+    decided: bool = False
+    live_after: int | None = None  # live prompt tokens after the event (None: no event)
+    events: int = 0
+    scoring_ms: float = 0.0
+    freed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class IntentPruner:
+    def __init__(self, config: IntentConfig):
+        self.config = config
+        self.sessions = SessionStore(config.session_capacity, config.decay)
+        self.markers: RoleMarkers | None = None
+        self.rope = None
+        self.sentinel: int | None = None
+        self.captures: dict[str, QueryCapture] = {}
+        self.position_shifts: dict[str, int] = {}  # compact layout: model position = position + shift
+
+    # --- admission (scheduler hook, before the request is queued) --------------------------------
+
+    def admit(self, scheduler, req) -> None:
+        if getattr(req, "sgl_intent", None) is not None or req.finished():
+            return
+        if self.markers is None:
+            self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
+        try:
+            req.sgl_intent = self._plan(req)
+        except SpecError as exc:
+            req.set_finish_with_abort(str(exc))
+            return
+        state = req.sgl_intent
+        if state.enabled:
+            window = self.config.window if state.scorer in WINDOW_SCORERS else 0
+            self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
+            if state.layout == "compact" and self.rope is None:
+                from sgl_memory.rope import Rope
+
+                try:
+                    self.rope = Rope.from_hf_config(scheduler.model_config.hf_config)
+                except ValueError as exc:
+                    req.set_finish_with_abort(f"{FIELD}.layout compact: {exc}")
+                    self.captures.pop(req.rid, None)
+
+    def _plan(self, req) -> RequestIntent:
+        custom = getattr(req.sampling_params, "custom_params", None) or {}
+        raw = custom.get(FIELD)
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise SpecError(f"{FIELD} is not valid JSON: {exc}") from None
+        spec = parse(raw)
+        cfg = spec.intent(self.config)
+        tokens = req.origin_input_ids
+        spans = find_spans(tokens, self.markers, cfg.query_tail)
+        forced = spans.forced_count(len(tokens))
+        enabled = self.config.enabled
+        if enabled and cfg.budget < forced:
+            raise SpecError(
+                f"{FIELD}.budget {cfg.budget} is smaller than this request's forced set of {forced} tokens "
+                f"(system prefix {spans.system_end} + actionable query span {len(tokens) - spans.query_start}); "
+                f"use a budget >= {forced}"
+            )
+        key, source = None, None
+        if enabled:
+            key, source = resolve_key(
+                spec.session_id, spec.tenant, getattr(req, "session_id", None), tokens,
+                spans.session_span, cfg.session_prefix_tokens, req.rid,
+            )  # fmt: skip
+        return RequestIntent(enabled, cfg.budget, cfg.scorer, cfg.layout, spans, len(tokens), key, source)
+
+    # --- the compression event (radix tree, after the last prefill chunk) -----------------------
+
+    def compress(self, req, tree) -> RowEdit | None:
+        state: RequestIntent = req.sgl_intent
+        state.decided = True
+        capture = self.captures.pop(req.rid, None)
+        if not state.enabled:
+            return None
+        t0 = time.perf_counter()
+        length = state.prompt_len
+        row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        slots = row[:length].to(torch.int64)
+        live = slots != self.sentinel
+        q_mean = capture.q_mean() if capture is not None else None
+        scorer = scorers.get(state.scorer)
+        memory = self.sessions.get(state.session_key).update(q_mean) if q_mean is not None else None
+        n_live = int(live.sum())
+        state.live_after = n_live
+        if n_live <= state.budget:
+            return None
+        positions = torch.arange(length)
+        forced = (positions < state.spans.system_end) | (positions >= state.spans.query_start)
+        candidates = positions[live & ~forced]
+        keep = state.budget - int((live & forced).sum())
+        if scorer.needs_memory and memory is None:
+            return None
+        pool = tree.token_to_kv_pool_allocator.get_kvcache()
+        cand_slots = slots[candidates]
+
+        def layer_keys():
+            for layer in range(pool.layer_num):
+                yield pool.get_key_buffer(layer)[cand_slots]
+
+        inputs = scorers.ScoringInputs(
+            layer_keys=layer_keys, positions=candidates, q_mean=q_mean, q_window=capture.q_window(),
+            memory=memory, keep=keep, seed=zlib.crc32(req.rid.encode()), sinks=self.config.sinks,
+            kernel=self.config.kernel,
+        )  # fmt: skip
+        chosen = candidates[scorers.select(scorer.score(inputs), keep)]
+        kept = torch.cat([positions[live & forced], chosen]).sort().values
+        edit = self._apply(req, tree, row, kept, length, pool)
+        state.scoring_ms = (time.perf_counter() - t0) * 1000
+        if edit is None:
+            return None
+        state.events, state.freed = 1, edit.freed
+        state.live_after = int(kept.numel())
+        return edit
+
+    def _apply(self, req, tree, row, kept, length, pool) -> RowEdit | None:
+        protected = req.kv.cache_protected_len
+        if req.sgl_intent.layout == "dead_slot":
+            return apply_dead_slot(row, kept, length, protected, self.sentinel, tree.free_real)
+        edit = apply_compact(
+            row, kept, length, protected, self.sentinel, tree._allocator.alloc, tree.free_real,
+            [pool.get_key_buffer(i) for i in range(pool.layer_num)],
+            [pool.get_value_buffer(i) for i in range(pool.layer_num)], self.rope,
+        )  # fmt: skip
+        if edit is None:
+            logger.warning("intent pruning: no free KV slots to compact request %s; left unpruned", req.rid)
+            return None
+        req.kv.cache_protected_len = 0  # every slot of the re-packed row is the request's own now
+        self.position_shifts[req.rid] = edit.position_shift
+        return edit
+
+    # --- release: metrics into meta_info -------------------------------------------------------
+
+    def release(self, req) -> None:
+        self.captures.pop(req.rid, None)
+        self.position_shifts.pop(req.rid, None)
+        state: RequestIntent | None = getattr(req, "sgl_intent", None)
+        if state is None:
+            return
+        if req.customized_info is None:
+            req.customized_info = {}
+        req.customized_info[FIELD] = [metrics(state, len(req.output_ids))]
+
+
+def metrics(state: RequestIntent, output_len: int) -> dict:
+    """IntentKV's per-request metrics. Decode step j (1 .. T-1) attends to prompt + j tokens."""
+    length = state.prompt_len
+    live = state.live_after if state.live_after is not None else length
+    steps = max(output_len - 1, 0)
+    grown = steps * (steps + 1) // 2
+    return {
+        "peak_request_tokens": length + output_len,
+        "live_kv_tokens": live + output_len,
+        "raw_kv_reads": steps * length + grown,
+        "eff_kv_reads": steps * live + grown,
+        "compression_events": state.events,
+        "session_key_source": state.key_source,
+        "scoring_ms": round(state.scoring_ms, 3),
+        "budget": state.budget if state.enabled else None,
+        "scorer": state.scorer if state.enabled else None,
+        "layout": state.layout if state.enabled else None,
+        "freed_slots": state.freed,
+    }
+
+
+_PRUNER: IntentPruner | None = None
+
+
+def get_pruner(config: IntentConfig | None = None) -> IntentPruner | None:
+    """The process's pruner: created by the radix tree when intent pruning is on, None otherwise."""
+    global _PRUNER
+    if config is not None and _PRUNER is None:
+        _PRUNER = IntentPruner(config)
+    return _PRUNER
+
+
+def admit_hook(scheduler, req, *args, **kwargs):
+    """BEFORE hook on Scheduler._add_request_to_queue (patches/hooks.yaml)."""
+    pruner = get_pruner()
+    if pruner is not None:
+        pruner.admit(scheduler, req)
+    return None

@@ -1,0 +1,74 @@
+"""The per-request `sgl_memory` field: parsing and validation shared by the HTTP layer and the scheduler.
+
+Clients send it as a top-level object on the native `/generate` body and on the OpenAI bodies;
+the HTTP layer moves it into SGLang's `custom_params`, which is how it reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from sgl_memory.config import IntentConfig
+from sgl_memory.intent import scorers
+from sgl_memory.intent.layouts import LAYOUTS
+
+FIELD = "sgl_memory"
+MAX_ID_LEN = 256
+
+
+class SpecError(ValueError):
+    """A bad `sgl_memory` field; the message is what the client sees with the 400."""
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    session_id: str | None = None
+    tenant: str | None = None
+    budget: int | None = None
+    scorer: str | None = None
+    layout: str | None = None
+    memory: dict | None = None  # retrieval options (the MemArt work); passed through
+
+    def intent(self, base: IntentConfig) -> IntentConfig:
+        """The server's intent config with this request's overrides."""
+        overrides = {k: v for k, v in (("budget", self.budget), ("scorer", self.scorer), ("layout", self.layout)) if v is not None}
+        return replace(base, **overrides)
+
+
+def _check_id(value, name: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN:
+        raise SpecError(f"{FIELD}.{name} must be a non-empty string of at most {MAX_ID_LEN} characters")
+    return value
+
+
+def parse(raw) -> MemorySpec:
+    if raw is None:
+        return MemorySpec()
+    if not isinstance(raw, dict):
+        raise SpecError(f"{FIELD} must be an object, got {type(raw).__name__}")
+    allowed = ("session_id", "tenant", "budget", "scorer", "layout", "memory")
+    unknown = sorted(set(raw) - set(allowed))
+    if unknown:
+        raise SpecError(f"{FIELD}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+    budget = raw.get("budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise SpecError(f"{FIELD}.budget must be an integer >= 1, got {budget!r}")
+    scorer = raw.get("scorer")
+    if scorer is not None and scorer not in scorers.SCORERS:
+        raise SpecError(f"{FIELD}.scorer {scorer!r} is unknown; allowed: {', '.join(sorted(scorers.SCORERS))}")
+    layout = raw.get("layout")
+    if layout is not None and layout not in LAYOUTS:
+        raise SpecError(f"{FIELD}.layout {layout!r} is unknown; allowed: {', '.join(LAYOUTS)}")
+    memory = raw.get("memory")
+    if memory is not None and not isinstance(memory, dict):
+        raise SpecError(f"{FIELD}.memory must be an object")
+    return MemorySpec(
+        session_id=_check_id(raw.get("session_id"), "session_id"),
+        tenant=_check_id(raw.get("tenant"), "tenant"),
+        budget=budget,
+        scorer=scorer,
+        layout=layout,
+        memory=memory,
+    )

@@ -1,0 +1,158 @@
+"""Scorers: which candidate history tokens of a request stay live. One small class per policy.
+
+A scorer maps a request's candidates (live positions outside the forced set) to one score each;
+the pruner keeps the `keep` highest. One set is chosen for all layers and heads, because the slot
+map that realises it is per request, not per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sgl_memory.intent.sessions import unit_rows
+
+
+@dataclass
+class ScoringInputs:
+    layer_keys: Callable[[], Iterator[torch.Tensor]]  # per layer: candidates' post-RoPE keys [n, KVH, D]
+    positions: torch.Tensor  # [n] absolute positions of the candidates, ascending
+    q_mean: torch.Tensor  # [layers, H, D] mean post-RoPE query over the actionable span
+    q_window: torch.Tensor  # [layers, W, H, D] the prompt's last W query rows
+    memory: torch.Tensor | None  # [layers, H, D] the session's QueryMemory after this request's update
+    keep: int
+    seed: int
+    sinks: int
+    kernel: int
+
+
+class Scorer:
+    name: str = ""
+    needs_memory = False
+
+    def score(self, x: ScoringInputs) -> torch.Tensor:
+        raise NotImplementedError
+
+
+SCORERS: dict[str, type[Scorer]] = {}
+
+
+def register(cls: type[Scorer]) -> type[Scorer]:
+    SCORERS[cls.name] = cls
+    return cls
+
+
+def get(name: str) -> Scorer:
+    if name not in SCORERS:
+        raise KeyError(f"unknown scorer {name!r}; allowed: {', '.join(sorted(SCORERS))}")
+    return SCORERS[name]()
+
+
+def attention_probs(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Softmax over the candidates of each query row: keys [n, KVH, D], rows [R, H, D] -> [R, H, n].
+    KV heads are expanded to the query heads (GQA) by grouping the query heads instead of copying keys."""
+    n, kv_heads, dim = keys.shape
+    r, heads, _ = rows.shape
+    grouped = rows.float().view(r, kv_heads, heads // kv_heads, dim)
+    logits = torch.einsum("rkgd,nkd->rkgn", grouped, keys.float()) / math.sqrt(dim)
+    return torch.softmax(logits, dim=-1).reshape(r, heads, n)
+
+
+def rule_score(x: ScoringInputs, rows: torch.Tensor) -> torch.Tensor:
+    """IntentKV eq. 3: softmax of (query state . key) over candidates, averaged over heads and layers.
+    rows: [layers, H, D] (one state per layer) or [layers, R, H, D]."""
+    total = torch.zeros(x.positions.numel())
+    layers = 0
+    for layer, keys in enumerate(x.layer_keys()):
+        r = rows[layer]
+        total += attention_probs(keys, r if r.dim() == 3 else r.unsqueeze(0)).mean(dim=(0, 1))
+        layers += 1
+    return total / max(layers, 1)
+
+
+@register
+class QueryScorer(Scorer):
+    """The current request's query span only (IntentKV `query` mode)."""
+
+    name = "query"
+
+    def score(self, x):
+        return rule_score(x, unit_rows(x.q_mean))
+
+
+@register
+class MemoryScorer(Scorer):
+    """The session's QueryMemory, which has absorbed every earlier turn's query (IntentKV `memory`)."""
+
+    name = "memory"
+    needs_memory = True
+
+    def score(self, x):
+        return rule_score(x, x.memory)
+
+
+@register
+class StreamingLLMScorer(Scorer):
+    """Attention sinks plus the most recent window (Xiao et al.)."""
+
+    name = "streaming_llm"
+
+    def score(self, x):
+        s = x.positions.double()
+        s[: x.sinks] = math.inf
+        return s
+
+
+@register
+class SnapKVScorer(Scorer):
+    """Attention of the prompt's last W query rows, max-pooled along positions (Li et al.)."""
+
+    name = "snapkv"
+
+    def score(self, x):
+        total = torch.zeros(x.positions.numel())
+        layers = 0
+        for layer, keys in enumerate(x.layer_keys()):
+            votes = attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1))
+            total += F.max_pool1d(votes.view(1, 1, -1), x.kernel, stride=1, padding=x.kernel // 2).view(-1)
+            layers += 1
+        return total / max(layers, 1)
+
+
+@register
+class H2OScorer(Scorer):
+    """Heavy hitters: attention accumulated over the observed query rows, with a recent-window floor
+    holding half the budget (Zhang et al., ratio mode). The rows accumulated are the prompt's last W
+    query rows: summing over every prefill row would cost a full n x n attention per layer."""
+
+    name = "h2o"
+
+    def score(self, x):
+        total = torch.zeros(x.positions.numel(), dtype=torch.float64)
+        for layer, keys in enumerate(x.layer_keys()):
+            total += attention_probs(keys, x.q_window[layer]).sum(dim=(0, 1)).double()
+        recent = x.keep // 2
+        if recent:
+            total[-recent:] = math.inf
+        return total
+
+
+@register
+class RandomScorer(Scorer):
+    name = "random"
+
+    def score(self, x):
+        gen = torch.Generator().manual_seed(x.seed)
+        return torch.rand(x.positions.numel(), generator=gen)
+
+
+def select(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices of the `keep` highest scores, ascending (ties go to the earlier position)."""
+    if keep >= scores.numel():
+        return torch.arange(scores.numel())
+    order = torch.argsort(scores, descending=True, stable=True)
+    return order[:keep].sort().values

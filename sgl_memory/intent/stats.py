@@ -1,0 +1,83 @@
+"""Server-wide aggregates of the per-request `sgl_memory` metrics (GET /sgl_memory/stats).
+
+They are collected in the HTTP process, where every finished request's meta_info passes through
+SGLang's tokenizer manager; the scheduler process only attaches metrics to its requests.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+
+from sgl_memory.intent.request import FIELD
+
+RECENT = 4096  # per-request metrics kept for the OpenAI response rewrite (by response id)
+SUMMED = ("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms")
+
+
+class Stats:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.sums = dict.fromkeys(SUMMED, 0)
+        self.peak_request_tokens_max = 0
+        self.key_sources: Counter[str] = Counter()
+        self.recent: OrderedDict[str, dict] = OrderedDict()
+
+    def record(self, rid: str | None, metrics: dict, meta_info: dict) -> None:
+        with self._lock:
+            self.requests += 1
+            self.prompt_tokens += int(meta_info.get("prompt_tokens") or 0)
+            self.cached_tokens += int(meta_info.get("cached_tokens") or 0)
+            for key in SUMMED:
+                self.sums[key] += metrics.get(key) or 0
+            self.peak_request_tokens_max = max(self.peak_request_tokens_max, metrics.get("peak_request_tokens", 0))
+            if metrics.get("session_key_source"):
+                self.key_sources[metrics["session_key_source"]] += 1
+            if rid is not None:
+                self.recent[rid] = metrics
+                while len(self.recent) > RECENT:
+                    self.recent.popitem(last=False)
+
+    def lookup(self, rid: str) -> dict | None:
+        with self._lock:
+            return self.recent.get(rid)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            n = max(self.requests, 1)
+            return {
+                "requests": self.requests,
+                "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "totals": dict(self.sums),
+                "mean_peak_request_tokens": self.sums["peak_request_tokens"] / n,
+                "max_peak_request_tokens": self.peak_request_tokens_max,
+                "mean_live_kv_tokens": self.sums["live_kv_tokens"] / n,
+                "session_key_sources": dict(self.key_sources),
+            }
+
+
+STATS = Stats()
+
+
+def meta_info_hook(original, manager, meta_info, state, customized_info, index, finish_reason):
+    """AROUND hook on TokenizerManager.update_request_meta_info: our metrics become one object
+    (SGLang would accumulate them as a list) and feed the aggregates."""
+    ours = customized_info.get(FIELD)
+    rest = {k: v for k, v in customized_info.items() if k != FIELD}
+    if rest:
+        original(manager, meta_info, state, rest, index, finish_reason)
+    if ours is not None and ours[index]:
+        metrics = ours[index][-1]
+        meta_info[FIELD] = metrics
+        STATS.record(meta_info.get("id"), metrics, meta_info)
+
+
+def request_level_key_hook(original, streamer, key):
+    """AROUND hook on SchedulerOutputStreamer.is_request_level_customized_info_key: our metrics are
+    sent once, when the request finishes, not sliced per token."""
+    return key == FIELD or original(streamer, key)
