@@ -4,15 +4,14 @@ command line with the same CPU flags as ours, and the machine's memory bandwidth
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from sgl_memory import harness, launch_server, models
+from sgl_memory import harness, models
+from sgl_memory.harness import cpu_flags, plain_sglang  # noqa: F401  (re-exported for the benchmarks)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -44,17 +43,6 @@ def generate(server, input_ids: list[int], max_new_tokens: int) -> dict:
     r = server.post("/generate", body)
     r.raise_for_status()
     return r.json()["meta_info"]
-
-
-def cpu_flags(model_path, attention_backend: str) -> list[str]:
-    return ["--device", "cpu", "--attention-backend", attention_backend, "--disable-overlap-schedule",
-            "--skip-server-warmup", "--max-total-tokens", str(launch_server.default_max_total_tokens(model_path))]  # fmt: skip
-
-
-def plain_sglang(model_path, *flags: str) -> tuple[list[str], dict]:
-    """Plain SGLang (our plugin not loaded; only the CPU import work-arounds, which it cannot run without)."""
-    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_PLUGINS="none")
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), *flags], env
 
 
 def ours(model: str, *flags: str) -> tuple[list[str], None]:

@@ -49,6 +49,20 @@ def our_command(model: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "sgl_memory.launch_server", "--model", model, *extra]
 
 
+def cpu_flags(model_path, attention_backend: str) -> list[str]:
+    """The CPU flags our launcher defaults to, spelled out for a plain SGLang server."""
+    from sgl_memory import launch_server
+
+    return ["--device", "cpu", "--attention-backend", attention_backend, "--disable-overlap-schedule",
+            "--skip-server-warmup", "--max-total-tokens", str(launch_server.default_max_total_tokens(model_path))]  # fmt: skip
+
+
+def plain_sglang(model_path, *flags: str) -> tuple[list[str], dict]:
+    """Plain SGLang (our plugin not loaded; only the CPU import work-arounds, which it cannot run without)."""
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_PLUGINS="none")
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), *flags], env
+
+
 def start(command: list[str], log_path: Path, env: dict | None = None) -> Server:
     """Run `command` plus host/port flags; return once /health answers 200."""
     port = free_port()

@@ -160,6 +160,7 @@ class IntentPruner:
         slots = row[:length].to(torch.int64)
         live = slots != self.sentinel
         q_mean = capture.q_mean() if capture is not None else None
+        q_window = capture.q_window() if capture is not None else torch.zeros(0)
         scorer = scorers.get(state.scorer)
         memory = self.sessions.get(state.session_key).update(q_mean) if q_mean is not None else None
         n_live = int(live.sum())
@@ -170,8 +171,8 @@ class IntentPruner:
         forced = (positions < state.spans.system_end) | (positions >= state.spans.query_start)
         candidates = positions[live & ~forced]
         keep = state.budget - int((live & forced).sum())
-        if scorer.needs_memory and memory is None:
-            return None
+        if (scorer.needs_queries and q_mean is None) or (scorer.needs_window and not q_window.numel()):
+            return None  # no query rows were captured (e.g. the prompt was a full cache hit)
         pool = tree.token_to_kv_pool_allocator.get_kvcache()
         cand_slots = slots[candidates]
 
@@ -180,7 +181,7 @@ class IntentPruner:
                 yield pool.get_key_buffer(layer)[cand_slots]
 
         inputs = scorers.ScoringInputs(
-            layer_keys=layer_keys, positions=candidates, q_mean=q_mean, q_window=capture.q_window(),
+            layer_keys=layer_keys, positions=candidates, q_mean=q_mean, q_window=q_window,
             memory=memory, keep=keep, seed=zlib.crc32(req.rid.encode()), sinks=self.config.sinks,
             kernel=self.config.kernel,
         )  # fmt: skip

@@ -32,7 +32,8 @@ class ScoringInputs:
 
 class Scorer:
     name: str = ""
-    needs_memory = False
+    needs_queries = False  # reads the span's mean query (and the session memory built from it)
+    needs_window = False  # reads the prompt's last W query rows
 
     def score(self, x: ScoringInputs) -> torch.Tensor:
         raise NotImplementedError
@@ -79,6 +80,7 @@ class QueryScorer(Scorer):
     """The current request's query span only (IntentKV `query` mode)."""
 
     name = "query"
+    needs_queries = True
 
     def score(self, x):
         return rule_score(x, unit_rows(x.q_mean))
@@ -89,7 +91,7 @@ class MemoryScorer(Scorer):
     """The session's QueryMemory, which has absorbed every earlier turn's query (IntentKV `memory`)."""
 
     name = "memory"
-    needs_memory = True
+    needs_queries = True
 
     def score(self, x):
         return rule_score(x, x.memory)
@@ -112,6 +114,7 @@ class SnapKVScorer(Scorer):
     """Attention of the prompt's last W query rows, max-pooled along positions (Li et al.)."""
 
     name = "snapkv"
+    needs_window = True
 
     def score(self, x):
         total = torch.zeros(x.positions.numel())
@@ -130,6 +133,7 @@ class H2OScorer(Scorer):
     query rows: summing over every prefill row would cost a full n x n attention per layer."""
 
     name = "h2o"
+    needs_window = True
 
     def score(self, x):
         total = torch.zeros(x.positions.numel(), dtype=torch.float64)

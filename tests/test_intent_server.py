@@ -1,0 +1,200 @@
+"""IntentKV inside the real server (SmolLM2-135M, float32, intent pruning on).
+
+References: plain SGLang's greedy tokens (budget at or above the length), and a transformers
+forward of the same weights in which the dropped positions are masked (a pruned request's
+next-token distribution)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import requests
+import torch
+
+from conftest import TEST_MODEL, start_server, stop_server
+from sgl_memory import harness, models
+
+pytestmark = pytest.mark.server
+
+QUERY_TAIL = 16
+CONFIG = f"""
+intent:
+  enabled: true
+  budget: 4096
+  scorer: memory
+  query_tail: {QUERY_TAIL}
+  sinks: 4
+"""
+FP32 = ("--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def intent_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("intent")
+    (d / "memory.yaml").write_text(CONFIG)
+    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"), *FP32)
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
+
+
+def history(n_steps: int) -> str:
+    return "Agent log. " + " ".join(f"Step {i}: tool read file_{i % 7}.txt and returned code {i * 31 % 97}." for i in range(n_steps))
+
+
+def generate(server, ids, max_new_tokens, memory=None, **extra):
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}, **extra}
+    if memory is not None:
+        body["sgl_memory"] = memory
+    r = server.post("/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_budget_at_or_above_the_length_is_identical_to_plain_sglang(intent_server, tokenizer, tmp_path):
+    path = models.model_dir(TEST_MODEL)
+    cmd, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"), *FP32)
+    plain = harness.start(cmd, tmp_path / "plain.log", env)
+    try:
+        for steps in (5, 40):
+            ids = tokenizer(history(steps) + " The most common file is")["input_ids"]
+            want = generate(plain, ids, 24)["output_ids"]
+            for budget in (len(ids), len(ids) + 100):
+                out = generate(intent_server, ids, 24, {"session_id": f"same-{steps}", "budget": budget})
+                assert out["output_ids"] == want
+                assert out["meta_info"]["sgl_memory"]["compression_events"] == 0
+    finally:
+        harness.stop(plain)
+
+
+def masked_reference_logprobs(ids, first_token, kept):
+    """log-softmax of the next token after ids + [first_token], where the last row sees only kept
+    prompt positions plus itself (every earlier row is plainly causal, as in the server's prefill)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models.model_dir(TEST_MODEL), dtype=torch.float32, attn_implementation="eager")
+    seq = torch.tensor([ids + [first_token]])
+    n = seq.shape[1]
+    mask = torch.zeros(1, 1, n, n).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    if kept is not None:
+        last = torch.full((n,), float("-inf"))
+        last[kept] = 0.0
+        last[-1] = 0.0
+        mask[0, 0, -1] = last
+    with torch.no_grad():
+        logits = model(seq, attention_mask=mask).logits[0, -1]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def test_pruned_next_token_distribution_equals_masked_reference(intent_server, tokenizer):
+    ids = tokenizer(history(30) + " Which file was read most often? Answer:")["input_ids"]
+    budget, sinks = 96, 4
+    out = generate(intent_server, ids, 2, {"session_id": "masked", "budget": budget, "scorer": "streaming_llm"},
+                   return_logprob=True, top_logprobs_num=10)  # fmt: skip
+    meta = out["meta_info"]
+    assert meta["sgl_memory"]["compression_events"] == 1
+    assert meta["sgl_memory"]["live_kv_tokens"] == budget + 2
+    # StreamingLLM's kept set, written from its definition: forced tail, sinks, most recent candidates
+    n = len(ids)
+    tail = n - QUERY_TAIL
+    recent = budget - QUERY_TAIL - sinks
+    kept = list(range(sinks)) + list(range(tail - recent, tail)) + list(range(tail, n))
+    first = out["output_ids"][0]
+    top = meta["output_top_logprobs"][1]  # the second token: the first decode step, on pruned KV
+    want = masked_reference_logprobs(ids, first, kept)
+    unpruned = masked_reference_logprobs(ids, first, None)
+    got = torch.tensor([lp for lp, _, *_ in top], dtype=torch.float64)
+    tok = torch.tensor([t for _, t, *_ in top])
+    assert torch.allclose(got, want[tok], atol=2e-3), (got, want[tok])
+    assert (got - unpruned[tok]).abs().max() > 0.05  # pruning changed the distribution: the test can fail
+
+
+def chat(server, messages, memory, max_tokens=12):
+    r = server.post("/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": max_tokens,
+                                             "temperature": 0, "sgl_memory": memory})  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("layout", ["dead_slot", "compact"])
+def test_second_turn_reuses_the_pruned_prefix_only_under_dead_slot(intent_server, layout):
+    messages = [
+        {"role": "system", "content": f"You are a careful agent ({layout} run)."},
+        {"role": "user", "content": "Task: track the files. " + history(35)},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Which file came first?"},
+    ]
+    memory = {"session_id": f"turns-{layout}", "budget": 128, "layout": layout}
+    first = chat(intent_server, messages, memory)
+    assert first["sgl_memory"]["compression_events"] == 1
+    assert first["sgl_memory"]["layout"] == layout
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "And which came last?"}]
+    second = chat(intent_server, messages, memory)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if layout == "dead_slot":
+        assert cached >= first["usage"]["prompt_tokens"]
+    else:
+        assert cached < first["usage"]["prompt_tokens"] // 4
+    assert second["sgl_memory"]["live_kv_tokens"] <= 128 + 12
+
+
+@pytest.mark.parametrize(
+    "memory, needle",
+    [
+        ({"scorer": "magic"}, "scorer 'magic' is unknown"),
+        ({"session_id": 5}, "session_id must be a non-empty string"),
+        ("not-an-object", "must be an object"),
+        ({"budget": 3}, "is smaller than this request's forced set"),
+    ],
+)
+@pytest.mark.parametrize("api", ["native", "openai"])
+def test_bad_input_is_a_400_and_the_server_keeps_serving(intent_server, tokenizer, memory, needle, api):
+    text = history(20) + " Done?"
+    if api == "native":
+        r = intent_server.post("/generate", {"text": text, "sampling_params": {"max_new_tokens": 4}, "sgl_memory": memory})
+    else:
+        r = intent_server.post("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": text}],
+                                                        "max_tokens": 4, "sgl_memory": memory})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert needle in r.text
+    assert generate(intent_server, tokenizer("Still serving?")["input_ids"], 2)["meta_info"]["completion_tokens"] == 2
+
+
+def test_concurrent_sessions_flush_and_stats(intent_server, tokenizer):
+    scorers = ["memory", "query", "snapkv", "h2o", "streaming_llm", "random"]
+    before = intent_server.get("/sgl_memory/stats").json()
+
+    def session(i):
+        ids = tokenizer(history(20 + i) + f" Session {i}: summarise.")["input_ids"]
+        memory = {"session_id": f"conc-{i}", "budget": 64, "scorer": scorers[i % len(scorers)]}
+        return [generate(intent_server, ids, 6, memory)["meta_info"]["sgl_memory"] for _ in range(2)]
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(session, range(6)))
+    assert all(m["compression_events"] == 1 and m["live_kv_tokens"] == 64 + 6 for ms in results for m in ms)
+    assert all(m["session_key_source"] == "session_id" for ms in results for m in ms)
+    after = intent_server.get("/sgl_memory/stats").json()
+    assert after["requests"] - before["requests"] == 12
+    assert after["totals"]["compression_events"] - before["totals"]["compression_events"] == 12
+    assert 0 < after["prefix_hit_rate"] < 1
+    # a flush drops the tree and the allocator's state; the sentinel is taken again on the next request
+    assert intent_server.post("/flush_cache", {}).status_code == 200
+    again = generate(intent_server, tokenizer(history(25) + " Again.")["input_ids"], 4, {"budget": 64})
+    assert again["meta_info"]["sgl_memory"]["compression_events"] == 1
+    assert again["meta_info"]["sgl_memory"]["session_key_source"] == "prefix_hash"
+
+
+def test_no_leak_reported_after_all_of_the_above(intent_server):
+    time.sleep(3)  # idle: SGLang's strict idle check (available + evictable + protected == total) runs
+    assert intent_server.get("/health").status_code == 200
+    log = intent_server.log()
+    assert "memory leak detected" not in log and "double free" not in log and "use-after-free" not in log
+    assert requests.get(intent_server.url + "/sgl_memory/info").json()["config"]["intent"]["enabled"] is True

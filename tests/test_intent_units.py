@@ -1,0 +1,287 @@
+"""IntentKV pieces without a model: QueryMemory and sessions, spans, scorers, layouts, the request
+field, RoPE re-rotation. References are written out independently (loops, explicit formulas)."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from sgl_memory.intent import scorers
+from sgl_memory.intent.layouts import apply_dead_slot, freeable
+from sgl_memory.intent.request import SpecError, parse
+from sgl_memory.intent.sessions import QueryMemory, SessionStore, resolve_key
+from sgl_memory.intent.spans import RoleMarkers, find_spans
+from sgl_memory.rope import Rope
+
+# --- QueryMemory and sessions ------------------------------------------------------------------
+
+
+def test_query_memory_follows_the_recurrence_and_stays_unit_norm():
+    torch.manual_seed(0)
+    decay = 0.8
+    memory = QueryMemory(decay)
+    expected = None
+    for turn in range(6):
+        q = torch.randn(3, 4, 8) * (turn + 1) * 10
+        got = memory.update(q)
+        for layer in range(3):
+            for head in range(4):
+                row = q[layer, head]
+                if expected is None:
+                    want = row / row.norm()
+                else:
+                    mix = decay * expected[layer, head] + (1 - decay) * row
+                    want = mix / mix.norm()
+                assert torch.allclose(got[layer, head], want, atol=1e-6)
+        expected = got.clone()
+        assert torch.allclose(got.norm(dim=-1), torch.ones(3, 4), atol=1e-6)
+    assert memory.updates == 6
+
+
+def test_session_store_is_lru_with_capacity():
+    store = SessionStore(capacity=2, decay=0.5)
+    a, b = store.get("a"), store.get("b")
+    assert store.get("a") is a  # touches a
+    store.get("c")  # evicts b, the least recently used
+    assert "a" in store and "c" in store and "b" not in store
+    assert store.get("b") is not b and store.evictions == 2
+
+
+def test_concurrent_sessions_never_touch_each_other():
+    store = SessionStore(capacity=64, decay=0.9)
+    vectors = {f"s{i}": torch.randn(2, 2, 4) for i in range(8)}
+
+    def run(key):
+        for _ in range(50):
+            store.get(key).update(vectors[key])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in vectors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key, v in vectors.items():
+        # a fixed input is a fixed point of the recurrence: any foreign update would move it
+        assert torch.allclose(store.get(key).state, v / v.norm(dim=-1, keepdim=True), atol=1e-6)
+        assert store.get(key).updates == 50
+
+
+def test_session_key_resolution_order_and_tenant_namespaces():
+    tokens = list(range(100))
+    key = lambda **kw: resolve_key(**{"session_id": None, "tenant": None, "sglang_session": None, "token_ids": tokens,
+                                      "session_span": (10, 20), "prefix_tokens": 64, "rid": "r1", **kw})  # fmt: skip
+    assert key(session_id="s")[1] == "session_id"
+    assert key(sglang_session="g")[1] == "sglang_session"
+    assert key()[1] == "session_span"
+    assert key(session_span=None)[1] == "prefix_hash"
+    assert key(session_span=None, token_ids=tokens[:10])[1] == "request"
+    assert key(session_id="s")[0] != key(session_id="s", tenant="t2")[0]
+    assert key(session_span=None)[0] == resolve_key(None, None, None, tokens[:64] + [7], None, 64, "r2")[0]
+    assert key(session_span=None, token_ids=tokens[:10])[0] != resolve_key(None, None, None, tokens[:10], None, 64, "r2")[0]
+
+
+# --- spans -------------------------------------------------------------------------------------
+
+
+class ToyTokenizer:
+    """ChatML with one token per word: enough to place role markers."""
+
+    vocab = {"<|im_start|>": 1, "system": 2, "user": 3, "assistant": 4, "tool": 5, "<|im_end|>": 6}
+    unk_token_id = 0
+
+    def convert_tokens_to_ids(self, token):
+        return self.vocab.get(token, 0)
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.vocab.get(w, 9) for w in text.split()]
+
+
+def render(messages):
+    out = []
+    for role, n in messages:
+        out += [1, ToyTokenizer.vocab[role]] + [9] * n + [6]
+    return out + [1, 4]  # assistant header
+
+
+def test_spans_protect_system_and_latest_user_message():
+    markers = RoleMarkers.from_tokenizer(ToyTokenizer(), "chatml")
+    tokens = render([("system", 5), ("user", 10), ("assistant", 4), ("user", 7)])
+    spans = find_spans(tokens, markers, query_tail=3)
+    assert spans.source == "roles"
+    assert spans.system_end == 8  # the system message, through its end marker
+    assert spans.query_start == 8 + 13 + 7  # the second user message's opener
+    assert spans.session_span == (8, 21)  # the first user message
+    assert spans.forced_count(len(tokens)) == 8 + (len(tokens) - spans.query_start)
+
+
+def test_spans_fall_back_to_the_tail_without_markers():
+    spans = find_spans(list(range(50, 90)), RoleMarkers(None, {}), query_tail=6)
+    assert (spans.system_end, spans.query_start, spans.source) == (0, 34, "tail")
+
+
+# --- scorers -----------------------------------------------------------------------------------
+
+
+def make_inputs(n=40, layers=3, heads=6, kv_heads=2, dim=8, window=5, keep=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(n, kv_heads, dim, generator=g) for _ in range(layers)]
+    return scorers.ScoringInputs(
+        layer_keys=lambda: iter(keys), positions=torch.arange(n) * 2 + 3,
+        q_mean=torch.randn(layers, heads, dim, generator=g), q_window=torch.randn(layers, window, heads, dim, generator=g),
+        memory=torch.nn.functional.normalize(torch.randn(layers, heads, dim, generator=g), dim=-1),
+        keep=keep, seed=seed, sinks=3, kernel=5,
+    ), keys  # fmt: skip
+
+
+def brute_rule(keys, rows):
+    """Mean over layers and query heads of softmax_i(row . k_i / sqrt(d)); KV head = h // group."""
+    total = None
+    for layer, k in enumerate(keys):
+        heads, kv_heads = rows.shape[1], k.shape[1]
+        acc = torch.zeros(k.shape[0], dtype=torch.float64)
+        for h in range(heads):
+            logits = torch.tensor([float(rows[layer, h] @ k[i, h // (heads // kv_heads)]) for i in range(k.shape[0])])
+            acc += torch.softmax(logits.double() / math.sqrt(k.shape[-1]), 0) / heads
+        total = acc if total is None else total + acc
+    return total / len(keys)
+
+
+def test_memory_scorer_is_the_rule_score_of_the_session_memory():
+    x, keys = make_inputs()
+    assert torch.allclose(scorers.get("memory").score(x).double(), brute_rule(keys, x.memory), atol=1e-5)
+
+
+def test_query_scorer_uses_the_unit_current_query():
+    x, keys = make_inputs(seed=1)
+    unit = x.q_mean / x.q_mean.norm(dim=-1, keepdim=True)
+    assert torch.allclose(scorers.get("query").score(x).double(), brute_rule(keys, unit), atol=1e-5)
+
+
+def test_snapkv_pools_window_attention():
+    x, keys = make_inputs(seed=2)
+    total = torch.zeros(40, dtype=torch.float64)
+    for layer, k in enumerate(keys):
+        votes = sum(brute_rule([k], x.q_window[layer, r].unsqueeze(0)) for r in range(5)) / 5
+        pooled = torch.tensor([max(votes[max(0, i - 2) : i + 3]) for i in range(40)])
+        total += pooled
+    assert torch.allclose(scorers.get("snapkv").score(x).double(), total / 3, atol=1e-5)
+
+
+def test_streaming_llm_keeps_sinks_and_the_most_recent():
+    x, _ = make_inputs(keep=10)
+    chosen = scorers.select(scorers.get("streaming_llm").score(x), x.keep).tolist()
+    assert chosen == [0, 1, 2] + list(range(33, 40))
+
+
+def test_h2o_keeps_a_recent_floor_and_heavy_hitters():
+    x, keys = make_inputs(keep=10, seed=3)
+    chosen = scorers.select(scorers.get("h2o").score(x), x.keep).tolist()
+    assert chosen[-5:] == list(range(35, 40))
+    mass = sum(brute_rule(keys[l : l + 1], x.q_window[l, r].unsqueeze(0)) for l in range(3) for r in range(5))
+    heavy = sorted(torch.argsort(mass[:35], descending=True)[:5].tolist())
+    assert chosen[:5] == heavy
+
+
+def test_select_is_top_k_by_brute_force():
+    g = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        scores = torch.randn(30, generator=g)
+        keep = int(torch.randint(1, 30, (1,), generator=g))
+        want = sorted(sorted(range(30), key=lambda i: -float(scores[i]))[:keep])
+        assert scorers.select(scores, keep).tolist() == want
+
+
+def test_random_scorer_is_seeded():
+    x, _ = make_inputs()
+    assert torch.equal(scorers.get("random").score(x), scorers.get("random").score(x))
+
+
+def test_unknown_scorer_names_the_allowed_ones():
+    with pytest.raises(KeyError, match="allowed: h2o, memory, query, random, snapkv, streaming_llm"):
+        scorers.get("magic")
+
+
+# --- layouts -----------------------------------------------------------------------------------
+
+
+def test_alias_aware_free_skips_sentinel_kept_and_duplicates():
+    sentinel = 99
+    dropped = torch.tensor([5, 99, 7, 7, 8])
+    kept = torch.tensor([8, 11])  # 8 is still referenced at a kept position (an alias)
+    assert freeable(dropped, kept, sentinel).tolist() == [5, 7]
+
+
+def test_dead_slot_frees_only_private_dropped_slots():
+    sentinel = 0
+    row = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17, 0, 0], dtype=torch.int32)
+    freed = []
+    edit = apply_dead_slot(row, torch.tensor([0, 3, 6, 7]), 8, protected=3, sentinel=sentinel, free=freed.append)
+    assert row.tolist() == [10, 0, 0, 13, 0, 0, 16, 17, 0, 0]
+    assert edit.dropped.tolist() == [1, 2, 4, 5]
+    assert torch.cat(freed).tolist() == [14, 15]  # 11, 12 belong to the tree (protected prefix)
+
+
+# --- the request field -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ("x", "must be an object"),
+        ({"budget": 0}, "budget must be an integer >= 1"),
+        ({"budget": True}, "budget must be an integer"),
+        ({"scorer": "magic"}, "scorer 'magic' is unknown"),
+        ({"layout": "sideways"}, "layout 'sideways' is unknown"),
+        ({"session_id": 5}, "session_id must be a non-empty string"),
+        ({"session_id": ""}, "session_id must be a non-empty string"),
+        ({"sesion_id": "a"}, "unknown field(s) sesion_id"),
+    ],
+)
+def test_bad_request_field(raw, needle):
+    with pytest.raises(SpecError) as exc:
+        parse(raw)
+    assert needle in str(exc.value)
+
+
+def test_request_field_overrides_the_config():
+    from sgl_memory.config import IntentConfig
+
+    spec = parse({"session_id": "a", "budget": 7, "scorer": "h2o"})
+    cfg = spec.intent(IntentConfig(budget=100, layout="compact"))
+    assert (cfg.budget, cfg.scorer, cfg.layout) == (7, "h2o", "compact")
+
+
+# --- RoPE re-rotation --------------------------------------------------------------------------
+
+
+def rope_reference(x, pos, theta):
+    """HF Llama rotary embedding written out: x * cos + rotate_half(x) * sin at position pos."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.cat([pos * inv, pos * inv])
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * torch.cos(ang) + half * torch.sin(ang)
+
+
+def test_rerotated_key_equals_the_key_computed_at_the_new_position():
+    torch.manual_seed(0)
+    rope = Rope(head_dim=64, theta=1e6)
+    raw = torch.randn(20, 2, 64, dtype=torch.float64)
+    old = torch.randint(0, 5000, (20,))
+    new = torch.randint(0, 5000, (20,))
+    cached = torch.stack([rope_reference(raw[i], int(old[i]), 1e6) for i in range(20)])
+    moved = rope.rotate(cached, new - old)
+    want = torch.stack([rope_reference(raw[i], int(new[i]), 1e6) for i in range(20)])
+    assert torch.allclose(moved, want, atol=1e-9)
+
+
+def test_rope_refuses_scaled_variants():
+    class Cfg:
+        rope_scaling = {"rope_type": "yarn"}
+        hidden_size, num_attention_heads = 64, 4
+
+    with pytest.raises(ValueError, match="yarn"):
+        Rope.from_hf_config(Cfg())

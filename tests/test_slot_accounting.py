@@ -1,0 +1,205 @@
+"""Slot accounting of the dead-slot substrate, as a randomized property test (DESIGN.md invariants 3-4).
+
+The real radix tree (ours), SGLang's real token allocator and req_to_token pool, and the real
+pruner (random scorer, random budgets) go through the scheduler's sequence of calls: match + lock,
+prefill, the prefill checkpoint (where pruning happens), decode steps, and release (checkpoint,
+free_kv_row, unlock, on_release), with evictions in between, for requests that share prefixes.
+After every step the test checks, from the raw allocator and tree state rather than from the
+tree's own counters:
+- every slot is exactly one of free / held by the tree / private to a running request / the sentinel;
+- the tree's evictable + protected sizes equal the real slots it holds (+ the sentinel), so
+  SGLang's idle leak check (available + evictable + protected == total) holds;
+- every running request still reads, at each live position, the KV written for that token there.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from sglang.srt.managers.schedule_batch import ReqKvInfo
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sgl_memory.config import IntentConfig, MemoryConfig
+from sgl_memory.intent import pruner as pruner_module
+from sgl_memory.intent.spans import RoleMarkers
+from sgl_memory.radix_cache import SglMemoryRadixCache
+
+POOL = 400
+ROWS = 6
+CONTEXT = 128
+
+
+class FakeKvPool:
+    """Two layers of [slots, 1 head, 2]: V holds (token, position) of what was written in a slot."""
+
+    layer_num = 2
+
+    def __init__(self, size):
+        self.k = [torch.zeros(size + 1, 1, 2) for _ in range(self.layer_num)]
+        self.v = [torch.zeros(size + 1, 1, 2) for _ in range(self.layer_num)]
+
+    def get_key_buffer(self, layer):
+        return self.k[layer]
+
+    def get_value_buffer(self, layer):
+        return self.v[layer]
+
+
+class FakeReq:
+    def __init__(self, rid, tokens, budget):
+        self.rid = rid
+        self.origin_input_ids = list(tokens)
+        self.seq = list(tokens)  # tokens with KV written
+        self.output_ids: list[int] = []
+        self.kv = ReqKvInfo()
+        self.extra_key = self.cache_salt = self.priority = None
+        self.lock = self.last_node = None
+        self.customized_info = None
+        self.skip_radix_cache_insert = False
+        self.done = False
+        spec = {"budget": budget, "scorer": "random"}
+
+        class SP:
+            custom_params = {"sgl_memory": json.dumps(spec)}
+
+        self.sampling_params = SP()
+
+    def finished(self):
+        return self.done
+
+    @property
+    def full_untruncated_fill_ids(self):
+        return self.seq
+
+
+class Sim:
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        pruner_module._PRUNER = None
+        self.kv = FakeKvPool(POOL)
+        self.alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", self.kv, need_sort=False)
+        self.rtt = ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
+        config = MemoryConfig(intent=IntentConfig(enabled=True, query_tail=2, session_prefix_tokens=4))
+        params = CacheInitParams(disable=False, req_to_token_pool=self.rtt, token_to_kv_pool_allocator=self.alloc, page_size=1)
+        self.tree = SglMemoryRadixCache(params, config)
+        self.pruner = self.tree.pruner
+        self.pruner.markers = RoleMarkers(None, {})
+        self.free_rows = list(range(ROWS))
+        self.running: list[FakeReq] = []
+        self.bases = [[self.rng.randint(0, 6) for _ in range(24)] for _ in range(3)]
+        self.next_rid = 0
+        self.pruned = 0
+
+    def row(self, req):
+        return self.rtt.req_to_token[req.kv.req_pool_idx]
+
+    def write(self, req, start, slots):
+        self.row(req)[start : start + len(slots)] = slots.to(torch.int32)
+        for i, s in enumerate(slots.tolist()):
+            for v in self.kv.v:
+                v[s, 0] = torch.tensor([req.seq[start + i], start + i], dtype=torch.float32)
+
+    def take(self, n):
+        slots = self.alloc.alloc(n)
+        if slots is None:
+            self.tree.evict(EvictParams(num_tokens=n))
+            slots = self.alloc.alloc(n)
+        return slots
+
+    def start(self):
+        if not self.free_rows:
+            return
+        base = self.rng.choice(self.bases)
+        tokens = base[: self.rng.randint(2, len(base))] + [self.rng.randint(0, 6) for _ in range(self.rng.randint(1, 10))]
+        req = FakeReq(f"r{self.next_rid}", tokens, budget=self.rng.randint(2, 14))
+        self.next_rid += 1
+        match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1])))
+        prefix = self.tree.path_device_indices(match.last_device_node)
+        req.lock = self.tree.lock(match.last_device_node)
+        new = self.take(len(tokens) - len(prefix))
+        if new is None:
+            self.tree.unlock(req.lock)
+            return
+        req.kv.req_pool_idx = self.free_rows.pop()
+        self.row(req)[: len(prefix)] = prefix.to(torch.int32)
+        self.write(req, len(prefix), new)
+        req.kv.cache_protected_len = len(prefix)
+        req.kv.kv_allocated_len = len(tokens)
+        self.pruner.admit(None, req)
+        req.output_ids.append(self.rng.randint(0, 6))  # the prefill's sampled token
+        self.tree.checkpoint(req, up_to=len(tokens))
+        self.pruned += req.sgl_intent.events
+        self.running.append(req)
+
+    def decode(self, req):
+        slot = self.take(1)
+        if slot is None:
+            return
+        req.seq.append(req.output_ids[-1])
+        self.write(req, len(req.seq) - 1, slot)
+        req.kv.kv_allocated_len += 1
+        req.output_ids.append(self.rng.randint(0, 6))
+
+    def finish(self, req):
+        req.done = True
+        self.tree.checkpoint(req, up_to=len(req.seq))
+        self.tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, len(req.seq))])
+        self.tree.unlock(req.lock)
+        self.tree.on_release(req, checkpointed=True)
+        self.free_rows.append(req.kv.req_pool_idx)
+        self.running.remove(req)
+
+    def step(self):
+        action = self.rng.random()
+        if action < 0.35 or not self.running:
+            self.start()
+        elif action < 0.75:
+            self.decode(self.rng.choice(self.running))
+        elif action < 0.95:
+            self.finish(self.rng.choice(self.running))
+        else:
+            self.tree.evict(EvictParams(num_tokens=self.rng.randint(1, 40)))
+
+    def check(self):
+        sentinel = self.tree.sentinel
+        free = torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist()
+        assert len(free) == len(set(free)), "a slot is free twice"
+        assert sentinel not in free, "the sentinel was freed"
+        tree_slots = [s for s in self.tree.all_values_flatten().tolist() if s != sentinel] if self.tree.root_node.children else []
+        assert len(tree_slots) == len(set(tree_slots)), "two tree nodes own one slot"
+        private = []
+        for req in self.running:
+            row = self.row(req)[req.kv.cache_protected_len : len(req.seq)].tolist()
+            private += [s for s in row if s != sentinel]
+        owners = free + tree_slots + private + [sentinel]
+        assert sorted(owners) == list(range(1, POOL + 1)), "a slot is lost or owned twice"
+        assert self.tree.evictable_size() + self.tree.protected_size() == len(tree_slots) + 1
+        assert self.alloc.available_size() + self.tree.evictable_size() + self.tree.protected_size() + len(private) == POOL
+        for req in self.running:
+            row = self.row(req)[: len(req.seq)].long()
+            live = (row != sentinel).nonzero().flatten()
+            got = self.kv.v[0][row[live], 0]
+            want = torch.stack([torch.tensor([float(req.seq[p]), float(p)]) for p in live.tolist()])
+            assert torch.equal(got, want), f"{req.rid} reads KV that is not its own"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_prune_evict_finish_cycles_conserve_slots(seed):
+    sim = Sim(seed)
+    for _ in range(400):
+        sim.step()
+        sim.check()
+    while sim.running:
+        sim.finish(sim.running[0])
+        sim.check()
+    assert sim.pruned > 10, "the run must actually prune"
+    sim.tree.evict(EvictParams(num_tokens=POOL))
+    sim.check()
+    assert sim.alloc.available_size() == POOL - 1  # everything back but the sentinel
