@@ -75,6 +75,23 @@ def test_budget_at_or_above_the_length_is_identical_to_plain_sglang(intent_serve
         harness.stop(plain)
 
 
+def streaming_kept(n, budget, sinks=4):
+    """StreamingLLM's kept set, written from its definition: sinks, most recent candidates, forced tail."""
+    tail = n - QUERY_TAIL
+    recent = budget - QUERY_TAIL - sinks
+    return list(range(sinks)) + list(range(tail - recent, tail)) + list(range(tail, n))
+
+
+def rotate(x, delta, theta):
+    """Rotate post-RoPE rows x [..., D] by delta positions (HF Llama convention, rotate_half)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = delta.double().unsqueeze(-1) * inv
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return (x.double() * cos + half.double() * sin).to(x.dtype)
+
+
 def masked_reference_logprobs(ids, first_token, kept):
     """log-softmax of the next token after ids + [first_token], where the last row sees only kept
     prompt positions plus itself (every earlier row is plainly causal, as in the server's prefill)."""
@@ -102,11 +119,7 @@ def test_pruned_next_token_distribution_equals_masked_reference(intent_server, t
     meta = out["meta_info"]
     assert meta["sgl_memory"]["compression_events"] == 1
     assert meta["sgl_memory"]["live_kv_tokens"] == budget + 2
-    # StreamingLLM's kept set, written from its definition: forced tail, sinks, most recent candidates
-    n = len(ids)
-    tail = n - QUERY_TAIL
-    recent = budget - QUERY_TAIL - sinks
-    kept = list(range(sinks)) + list(range(tail - recent, tail)) + list(range(tail, n))
+    kept = streaming_kept(len(ids), budget, sinks)
     first = out["output_ids"][0]
     top = meta["output_top_logprobs"][1]  # the second token: the first decode step, on pruned KV
     want = masked_reference_logprobs(ids, first, kept)
@@ -115,6 +128,35 @@ def test_pruned_next_token_distribution_equals_masked_reference(intent_server, t
     tok = torch.tensor([t for _, t, *_ in top])
     assert torch.allclose(got, want[tok], atol=2e-3), (got, want[tok])
     assert (got - unpruned[tok]).abs().max() > 0.05  # pruning changed the distribution: the test can fail
+
+
+def test_compact_next_token_distribution_equals_repacked_reference(intent_server, tokenizer):
+    """The published compaction path, rebuilt on transformers' own KV cache: prefill the whole
+    prompt, keep the StreamingLLM positions, move their keys to positions 0..K-1, decode at K."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    ids = tokenizer(history(30) + " Which file was read most often? Answer:")["input_ids"]
+    budget = 96
+    out = generate(intent_server, ids, 2, {"session_id": "compact-ref", "budget": budget, "scorer": "streaming_llm",
+                                           "layout": "compact"}, return_logprob=True, top_logprobs_num=10)  # fmt: skip
+    assert out["meta_info"]["sgl_memory"]["compression_events"] == 1
+    kept = torch.tensor(streaming_kept(len(ids), budget))
+    model = AutoModelForCausalLM.from_pretrained(models.model_dir(TEST_MODEL), dtype=torch.float32, attn_implementation="eager")
+    theta = model.config.rope_parameters["rope_theta"]
+    with torch.no_grad():
+        full = model(torch.tensor([ids]), use_cache=True).past_key_values
+        cache = DynamicCache()
+        for i, layer in enumerate(full.layers):
+            keys = rotate(layer.keys[:, :, kept], torch.arange(len(kept)) - kept, theta)
+            cache.update(keys, layer.values[:, :, kept], i)
+        first = out["output_ids"][0]
+        logits = model(torch.tensor([[first]]), position_ids=torch.tensor([[len(kept)]]), past_key_values=cache,
+                       attention_mask=torch.ones(1, len(kept) + 1)).logits[0, -1]  # fmt: skip
+    want = torch.log_softmax(logits.double(), -1)
+    top = out["meta_info"]["output_top_logprobs"][1]
+    got = torch.tensor([lp for lp, _, *_ in top], dtype=torch.float64)
+    tok = torch.tensor([t for _, t, *_ in top])
+    assert torch.allclose(got, want[tok], atol=2e-3), (got, want[tok])
 
 
 def chat(server, messages, memory, max_tokens=12):
@@ -186,7 +228,7 @@ def test_concurrent_sessions_flush_and_stats(intent_server, tokenizer):
     assert after["totals"]["compression_events"] - before["totals"]["compression_events"] == 12
     assert 0 < after["prefix_hit_rate"] < 1
     # a flush drops the tree and the allocator's state; the sentinel is taken again on the next request
-    assert intent_server.post("/flush_cache", {}).status_code == 200
+    assert intent_server.post("/flush_cache?timeout=30", {}).status_code == 200
     again = generate(intent_server, tokenizer(history(25) + " Again.")["input_ids"], 4, {"budget": 64})
     assert again["meta_info"]["sgl_memory"]["compression_events"] == 1
     assert again["meta_info"]["sgl_memory"]["session_key_source"] == "prefix_hash"

@@ -9,10 +9,8 @@ contiguous); each layer then attends only the new tokens (sgl_memory.attention.m
 KV writes, metadata and the paths we do not specialise (encoder / cross attention, sliding
 windows, non-causal layers, speculative modes) stay torch_native's.
 
-With intent pruning on (sgl_memory.intent), this backend is also where pruning meets attention:
-`kv_slots` leaves the sentinel slot out of every index list, prefill hands the post-RoPE query rows
-of pruned requests to the pruner, and requests re-packed by the `compact` layout get their model
-positions shifted.
+With intent pruning on (sgl_memory.intent), `kv_slots` leaves the sentinel slot out of every index
+list, so attention reads only the kept entries of a pruned request.
 """
 
 from __future__ import annotations
@@ -74,11 +72,10 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
 class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
     plans: list[RequestPlan] | None = None
     planned_tokens = 0  # query rows the plans cover; a layer called with other rows is not ours
-    captures: list = []  # (QueryCapture, first query row, first position, rows) of this forward
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
-        self.plans, self.captures = None, []
+        self.plans = None
         mode = forward_batch.forward_mode
         if mode not in _PLANNED_MODES or forward_batch.encoder_lens is not None:
             return
@@ -93,25 +90,6 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
         sentinel = pruner.sentinel if pruner is not None else None
         self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens), sentinel)
         self.planned_tokens = sum(new_lens)
-        if pruner is not None and forward_batch.rids:
-            self._bind_pruner(pruner, forward_batch, list(prefix_lens), list(new_lens))
-
-    def _bind_pruner(self, pruner, forward_batch, prefix_lens, new_lens):
-        q_start = 0
-        for rid, prefix, n in zip(forward_batch.rids, prefix_lens, new_lens):
-            capture = pruner.captures.get(rid)
-            if capture is not None and prefix < capture.length:  # rows of the prompt being prefilled
-                self.captures.append((capture, q_start, prefix, n))
-            shift = pruner.position_shifts.get(rid)
-            if shift:
-                forward_batch.positions[q_start : q_start + n] += shift
-            q_start += n
-
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        for capture, q_start, first_pos, n in self.captures:
-            rows = q[q_start : q_start + n].view(n, layer.tp_q_head_num, layer.qk_head_dim)
-            capture.add(layer.layer_id, rows, first_pos)
-        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def _planned(self, query, encoder_lens, is_cross_attn, sliding_window_size) -> bool:
         windowed = sliding_window_size is not None and sliding_window_size > -1

@@ -146,6 +146,19 @@ class IntentPruner:
             )  # fmt: skip
         return RequestIntent(enabled, cfg.budget, cfg.scorer, cfg.layout, spans, len(tokens), key, source)
 
+    def bind_captures(self, forward_batch) -> list[tuple[QueryCapture, int, int, int]]:
+        """(capture, first query row, first position, rows) of each request of this forward whose
+        prompt is being prefilled."""
+        prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
+        new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+        bound, q_start = [], 0
+        for rid, prefix, n in zip(forward_batch.rids, prefix_lens, new_lens):
+            capture = self.captures.get(rid)
+            if capture is not None and prefix < capture.length:
+                bound.append((capture, q_start, prefix, n))
+            q_start += n
+        return bound
+
     # --- the compression event (radix tree, after the last prefill chunk) -----------------------
 
     def compress(self, req, tree) -> RowEdit | None:
@@ -254,6 +267,40 @@ def get_pruner(config: IntentConfig | None = None) -> IntentPruner | None:
     if config is not None and _PRUNER is None:
         _PRUNER = IntentPruner(config)
     return _PRUNER
+
+
+def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
+    """BEFORE hook on RadixAttention.forward: post-RoPE query rows of prompts being prefilled go to
+    their request's QueryCapture, as every attention layer receives them (any backend, eager mode)."""
+    pruner = get_pruner()
+    if pruner is None or not pruner.captures or not forward_batch.rids or forward_batch.forward_mode.is_decode():
+        return None
+    bound = getattr(forward_batch, "sgl_captures", None)
+    if bound is None:
+        bound = forward_batch.sgl_captures = pruner.bind_captures(forward_batch)
+    for capture, q_start, first_pos, n in bound:
+        rows = q[q_start : q_start + n].reshape(n, layer.tp_q_head_num, layer.qk_head_dim)
+        capture.add(layer.layer_id, rows, first_pos)
+    return None
+
+
+def shift_positions_hook(forward_batch, *args, **kwargs):
+    """AFTER hook on ForwardBatch.init_new: requests re-packed by the `compact` layout run at
+    position + shift (their KV was moved to positions 0..K-1), whatever the attention backend."""
+    pruner = get_pruner()
+    if pruner is None or not pruner.position_shifts or not forward_batch.rids:
+        return None
+    if forward_batch.forward_mode.is_decode():
+        lens = [1] * len(forward_batch.rids)
+    else:
+        lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+    start = 0
+    for rid, n in zip(forward_batch.rids, lens):
+        shift = pruner.position_shifts.get(rid)
+        if shift:
+            forward_batch.positions[start : start + n] += shift
+        start += n
+    return None
 
 
 def admit_hook(scheduler, req, *args, **kwargs):
