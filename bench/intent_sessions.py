@@ -165,10 +165,12 @@ def plot(result: dict, path: Path) -> None:
                   "tab:blue" if "dead_slot" in n else "tab:red" for n in names]  # fmt: skip
         ax.bar(range(len(names)), values, color=colors)
         ax.set_title(title)
+        if key == "next_token_kl":
+            ax.set_yscale("symlog", linthresh=1e-6)  # spans 1e-6 .. 0.2
     axes[-1].set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=8)
     fig.suptitle(f"IntentKV on {result['model']}: {result['sessions']} sessions x {result['turns']} turns "
                  "(red: compact, blue: dead_slot, green: IntentKV)")  # fmt: skip
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
 
 

@@ -51,7 +51,7 @@ def history(n_steps: int) -> str:
 
 
 def generate(server, ids, max_new_tokens, memory=None, **extra):
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}, **extra}
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}, **extra}
     if memory is not None:
         body["sgl_memory"] = memory
     r = server.post("/generate", body)
