@@ -1,0 +1,81 @@
+"""Group quantization of KV blocks for the session store: Q4 and Q8 (affine, fp16 scales and
+biases), or bf16 as is.
+
+A group is `group` consecutive values along one axis: along the head dimension (one group per
+token and head, the MLX / "Agent Memory Below the Prompt" layout) or, for keys in the KIVI layout,
+along the tokens (one group per channel per `group` tokens), because key outliers sit in fixed
+channels. Q4 packs two codes per byte. Dequantisation is one vectorised expression per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = {"q4": 4, "q8": 8}
+GROUP = 64
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """One tensor in stored form. `codes` is uint8 (two 4-bit codes per byte for q4); `scales` and
+    `biases` are fp16, one per group; `shape` is the original shape, `axis` the grouped axis."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor
+    shape: tuple[int, ...]
+    bits: int
+    axis: int
+    group: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.biases))
+
+
+def _grouped(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, int]:
+    """x with `axis` moved last and cut into [..., n_groups, group] (zero-padded); returns the pad."""
+    x = x.movedim(axis, -1)
+    pad = (-x.shape[-1]) % group
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group), pad
+
+
+def quantize(x: torch.Tensor, bits: int, axis: int = -1, group: int = GROUP) -> Quantized:
+    axis = axis % x.dim()
+    g, _ = _grouped(x.float(), axis, group)
+    lo = g.amin(-1, keepdim=True)
+    hi = g.amax(-1, keepdim=True)
+    levels = (1 << bits) - 1
+    # scale and bias are stored in fp16: quantise against the rounded values so decode matches
+    scales = ((hi - lo) / levels).to(torch.float16)
+    biases = lo.to(torch.float16)
+    step = scales.float().clamp_min(torch.finfo(torch.float16).tiny)
+    codes = torch.round((g - biases.float()) / step).clamp_(0, levels).to(torch.uint8)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return Quantized(codes, scales.squeeze(-1), biases.squeeze(-1), tuple(x.shape), bits, axis, group)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    codes = q.codes
+    if q.bits == 4:
+        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
+    g = codes.float() * q.scales.float().unsqueeze(-1) + q.biases.float().unsqueeze(-1)
+    moved = list(q.shape)
+    moved.append(moved.pop(q.axis))
+    x = g.flatten(-2)[..., : moved[-1]].reshape(moved)
+    return x.movedim(-1, q.axis).to(dtype)
+
+
+def error_bound(q: Quantized) -> torch.Tensor:
+    """Per-element bound on |x - dequantize(q)|: half a step, plus the fp16 rounding of the group
+    minimum and of the step (which can pull the top code below the group maximum)."""
+    levels = (1 << q.bits) - 1
+    half = q.scales.float() * (0.5 + levels * 2.0**-10) + q.biases.float().abs() * 2.0**-10 + 1e-6
+    moved = list(q.shape)
+    moved.append(moved.pop(q.axis))
+    per = half.unsqueeze(-1).expand(*half.shape, q.group).flatten(-2)[..., : moved[-1]].reshape(moved)
+    return per.movedim(-1, q.axis)

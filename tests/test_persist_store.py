@@ -1,0 +1,112 @@
+"""The session KV file store: round trips per quantization, refusal of damaged or foreign files,
+atomic writes under a killed writer, ids that cannot escape the store, tenant isolation."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from sgl_memory.persist.quant import error_bound, quantize
+from sgl_memory.persist.store import CacheSpec, SessionFiles, SessionKV, StoreError
+
+SPEC = CacheSpec("toy-model", "cfg123", layers=3, kv_heads=2, head_dim=64, dtype="bfloat16", page_size=1)
+
+
+def session(tokens=600, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (SPEC.layers, tokens, SPEC.kv_heads, SPEC.head_dim)
+    return SessionKV(list(range(100, 100 + tokens)), "<|im_start|>user\nhello", torch.randn(shape, generator=g).bfloat16(),
+                     torch.randn(shape, generator=g).bfloat16())  # fmt: skip
+
+
+@pytest.mark.parametrize("quant, kivi", [("bf16", False), ("q8", False), ("q4", False), ("q4", True)])
+def test_round_trip(tmp_path, quant, kivi):
+    files = SessionFiles(tmp_path, SPEC, quant=quant, kivi=kivi)
+    kv = session()
+    files.write("t1", "s1", kv)
+    got = files.read("t1", "s1")
+    assert got.token_ids == kv.token_ids and got.text == kv.text
+    if quant == "bf16":
+        assert torch.equal(got.keys, kv.keys) and torch.equal(got.values, kv.values)
+    else:
+        bits = {"q8": 8, "q4": 4}[quant]
+        for stored, original, axis in ((got.keys, kv.keys, 1 if kivi else -1), (got.values, kv.values, -1)):
+            for start in range(0, 600, 256):  # blocks are quantized on their own
+                block = original[:, start : start + 256].float()
+                bound = error_bound(quantize(block, bits, axis=axis))
+                # + the bf16 rounding of the dequantized value
+                err = (stored[:, start : start + 256].float() - block).abs()
+                assert (err <= bound + block.abs() * 2**-8 + 1e-3).all()
+
+
+def test_bytes_on_disk_per_quantization(tmp_path):
+    sizes = {}
+    for quant in ("bf16", "q8", "q4"):
+        sizes[quant] = SessionFiles(tmp_path / quant, SPEC, quant=quant).write(None, "s", session(tokens=1024)).stat().st_size
+    assert sizes["q4"] < 0.3 * sizes["bf16"] and sizes["q8"] < 0.55 * sizes["bf16"]
+
+
+def test_damaged_and_foreign_files_are_refused(tmp_path):
+    files = SessionFiles(tmp_path, SPEC, quant="q4")
+    path = files.write(None, "s", session())
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # a flipped bit in the tensor data
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="checksum mismatch"):
+        files.read(None, "s")
+    files.write(None, "s", session())
+    path.write_bytes(path.read_bytes()[:5000])  # truncated
+    with pytest.raises(StoreError, match="unreadable"):
+        files.read(None, "s")
+    files.write(None, "s", session())
+    other = SessionFiles(tmp_path, dataclasses.replace(SPEC, head_dim=128), quant="q4")
+    other_path = other.path(None, "s")
+    other_path.parent.mkdir(parents=True, exist_ok=True)
+    other_path.write_bytes(path.read_bytes())  # the file of another model under this model's name
+    with pytest.raises(StoreError, match="another model"):
+        other.read(None, "s")
+
+
+def test_ids_cannot_escape_and_tenants_never_share(tmp_path):
+    files = SessionFiles(tmp_path / "store", SPEC)
+    for sid in ("../../etc/passwd", "/abs/path", "a\x00b", ".."):
+        assert files.path("x", sid).resolve().is_relative_to((tmp_path / "store").resolve())
+    a, b = session(seed=1), session(seed=2)
+    files.write("tenant-a", "same", a)
+    files.write("tenant-b", "same", b)
+    assert files.path("tenant-a", "same") != files.path("tenant-b", "same")
+    got = files.read("tenant-a", "same").keys.float()
+    assert (got - a.keys.float()).norm() < (got - b.keys.float()).norm() / 3  # tenant a's KV, not b's
+    assert files.read("tenant-c", "same") is None
+
+
+WRITER = """
+import sys, torch
+from sgl_memory.persist.store import CacheSpec, SessionFiles, SessionKV
+spec = CacheSpec("toy-model", "cfg123", 3, 2, 64, "bfloat16", 1)
+n = int(sys.argv[2])
+kv = SessionKV(list(range(n)), "t", torch.randn(3, n, 2, 64).bfloat16(), torch.randn(3, n, 2, 64).bfloat16())
+files = SessionFiles(sys.argv[1], spec, quant="bf16")
+print("ready", flush=True)
+while True:
+    files.write(None, "s", kv)
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_only_loadable_files(tmp_path):
+    files = SessionFiles(tmp_path, SPEC, quant="bf16")
+    for attempt in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(60_000)], stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.05 + 0.15 * attempt)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kv = files.read(None, "s")  # raises if a torn file sits under the session's name
+        assert kv is None or len(kv.token_ids) == 60_000
