@@ -110,3 +110,19 @@ def test_a_writer_killed_mid_write_leaves_only_loadable_files(tmp_path):
         proc.wait()
         kv = files.read(None, "s")  # raises if a torn file sits under the session's name
         assert kv is None or len(kv.token_ids) == 60_000
+    # a store opened after the crashes removes the writers' temporary files
+    (files.path(None, "s").parent / "left-by-a-dead-writer.tmp").write_bytes(b"partial")
+    assert SessionFiles(tmp_path, SPEC).removed_partial >= 1
+    assert not list(tmp_path.glob("*/*/*.tmp"))
+
+
+def test_quota_evicts_least_recently_used(tmp_path):
+    files = SessionFiles(tmp_path, SPEC, quant="q4")
+    for i in range(4):
+        files.write(None, f"s{i}", session(tokens=256, seed=i))
+        os.utime(files.path(None, f"s{i}"), (1000 + i, 1000 + i))
+    files.read(None, "s0")  # s0 becomes the most recently used
+    size = files.path(None, "s1").stat().st_size
+    removed = files.enforce_quota(int(size * 2.5))
+    assert removed == [files.path(None, "s1"), files.path(None, "s2")]
+    assert files.read(None, "s0") is not None and files.read(None, "s3") is not None

@@ -60,6 +60,26 @@ class SessionFiles:
     def __init__(self, root: str | os.PathLike, spec: CacheSpec, quant: str = "q4", kivi: bool = False, block_size: int = 256):
         self.root = Path(root).expanduser()
         self.spec, self.quant, self.kivi, self.block_size = spec, quant, kivi, block_size
+        self.removed_partial = self._remove_partial_writes()
+
+    def _remove_partial_writes(self) -> int:
+        """Temporary files of writers that died before their rename; never loadable, only space."""
+        stale = list(self.root.glob("*/*/*.tmp")) if self.root.exists() else []
+        for tmp in stale:
+            tmp.unlink(missing_ok=True)
+        return len(stale)
+
+    def enforce_quota(self, quota_bytes: int) -> list[Path]:
+        """Delete least recently used session files until the store fits in quota_bytes."""
+        files = sorted(self.root.glob("*/*/*.safetensors"), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in files)
+        removed = []
+        while files and total > quota_bytes:
+            oldest = files.pop(0)
+            total -= oldest.stat().st_size
+            oldest.unlink(missing_ok=True)
+            removed.append(oldest)
+        return removed
 
     def path(self, tenant: str | None, session_id: str) -> Path:
         model = _digest(self.spec.model_id, self.spec.config_hash)
@@ -122,6 +142,7 @@ class SessionFiles:
         except Exception as exc:  # truncated or not a safetensors file at all
             raise StoreError(f"{path.name}: unreadable ({exc})") from None
         self._check(path, meta, tensors, tenant, session_id)
+        os.utime(path)  # a read is a use: quota eviction is least recently used
         tokens = tensors["token_ids"].tolist()
         keys, values = [], []
         for b, start in enumerate(range(0, len(tokens), int(meta["block_size"]))):
