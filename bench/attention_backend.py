@@ -19,8 +19,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, parse_args, cpu_flags, generate, ours, plain_sglang, prompt_of_length, read_bandwidth_gbs
+from common import RESULTS, parse_args, generate, ours, prompt_of_length, read_bandwidth_gbs
 from sgl_memory import harness, launch_server, models
+from sgl_memory.harness import cpu_flags, plain_sglang
 
 NEW_TOKENS = 64
 DECODE_TOKENS = 32

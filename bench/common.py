@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmarks: prompts of exact token length, timed requests, the plain-SGLang
-command line with the same CPU flags as ours, and the machine's memory bandwidth."""
+"""Helpers shared by the benchmarks: prompts of exact token length, timed requests, our server's
+command line, and the machine's memory bandwidth (plain SGLang's command line is in sgl_memory.harness)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from sgl_memory import harness, models
-from sgl_memory.harness import cpu_flags, plain_sglang  # noqa: F401  (re-exported for the benchmarks)
 
 RESULTS = Path(__file__).parent / "results"
 

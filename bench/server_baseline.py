@@ -15,8 +15,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, parse_args, cpu_flags, generate, ours, plain_sglang, prompt_of_length
+from common import RESULTS, parse_args, generate, ours, prompt_of_length
 from sgl_memory import harness, models
+from sgl_memory.harness import cpu_flags, plain_sglang
 
 DECODE_TOKENS = 64
 

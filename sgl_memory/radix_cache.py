@@ -175,8 +175,8 @@ class SglMemoryRadixCache(RadixCache):
 
     def _move_dead(self, node, from_lock: int, sign: int) -> None:
         """Nodes whose lock_ref crosses 0 <-> 1 move between evictable and protected."""
-        if self.disable:
-            return
+        if self.pruner is None or self.disable:
+            return  # no sentinel, no dead entries: the plain tree pays no extra walk
         while node is not None and node is not self.root_node:
             if node.lock_ref == from_lock:
                 dead = self._dead(node)

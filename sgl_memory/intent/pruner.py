@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,9 +23,6 @@ from sgl_memory.intent.sessions import SessionStore, resolve_key
 from sgl_memory.intent.spans import RoleMarkers, Spans, find_spans
 
 logger = logging.getLogger(__name__)
-
-WINDOW_SCORERS = ("snapkv", "h2o")
-
 
 class QueryCapture:
     """Post-RoPE query rows of one request's prompt, as the attention layers receive them:
@@ -80,7 +77,6 @@ class RequestIntent:
     events: int = 0
     scoring_ms: float = 0.0
     freed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class IntentPruner:
@@ -107,7 +103,7 @@ class IntentPruner:
             return
         state = req.sgl_intent
         if state.enabled:
-            window = self.config.window if state.scorer in WINDOW_SCORERS else 0
+            window = self.config.window if scorers.SCORERS[state.scorer].needs_window else 0
             self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
             if state.layout == "compact" and self.rope is None:
                 from sgl_memory.rope import Rope

@@ -59,13 +59,19 @@ def quantize(x: torch.Tensor, bits: int, axis: int = -1, group: int = GROUP) -> 
     return Quantized(codes, scales.squeeze(-1), biases.squeeze(-1), tuple(x.shape), bits, axis, group)
 
 
+def _grouped_shape(q: Quantized) -> list[int]:
+    """The original shape with the grouped axis moved last, as the groups are laid out."""
+    shape = list(q.shape)
+    shape.append(shape.pop(q.axis))
+    return shape
+
+
 def dequantize(q: Quantized, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     codes = q.codes
     if q.bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
     g = codes.float() * q.scales.float().unsqueeze(-1) + q.biases.float().unsqueeze(-1)
-    moved = list(q.shape)
-    moved.append(moved.pop(q.axis))
+    moved = _grouped_shape(q)
     x = g.flatten(-2)[..., : moved[-1]].reshape(moved)
     return x.movedim(-1, q.axis).to(dtype)
 
@@ -75,7 +81,6 @@ def error_bound(q: Quantized) -> torch.Tensor:
     minimum and of the step (which can pull the top code below the group maximum)."""
     levels = (1 << q.bits) - 1
     half = q.scales.float() * (0.5 + levels * 2.0**-10) + q.biases.float().abs() * 2.0**-10 + 1e-6
-    moved = list(q.shape)
-    moved.append(moved.pop(q.axis))
+    moved = _grouped_shape(q)
     per = half.unsqueeze(-1).expand(*half.shape, q.group).flatten(-2)[..., : moved[-1]].reshape(moved)
     return per.movedim(-1, q.axis)

@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from sgl_memory.persist.quant import BITS, Quantized, dequantize, quantize
+from sgl_memory.persist.quant import BITS, GROUP, Quantized, dequantize, quantize
 
 FORMAT_VERSION = 1
 
@@ -134,11 +135,9 @@ class SessionFiles:
         if not path.exists():
             return None
         try:
-            from safetensors import safe_open
-
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
-            tensors = load_file(str(path))
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
         except Exception as exc:  # truncated or not a safetensors file at all
             raise StoreError(f"{path.name}: unreadable ({exc})") from None
         self._check(path, meta, tensors, tenant, session_id)
@@ -166,7 +165,7 @@ class SessionFiles:
         if meta["quant"] == "bf16":
             return tensors[prefix].to(dtype)
         q = Quantized(tensors[f"{prefix}.codes"], tensors[f"{prefix}.scales"], tensors[f"{prefix}.biases"],
-                      shape, BITS[meta["quant"]], axis, 64)  # fmt: skip
+                      shape, BITS[meta["quant"]], axis, GROUP)  # fmt: skip
         return dequantize(q, dtype)
 
 
