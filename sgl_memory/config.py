@@ -52,16 +52,21 @@ class IntentConfig:
 
 @dataclass(frozen=True)
 class PersistConfig:
-    """Per-session persistent KV store."""
+    """Per-session persistent KV store: see sgl_memory/persist/README.md."""
 
     enabled: bool = False
     dir: str = "~/.cache/sgl-memory/sessions"
     quant: Literal["q4", "q8", "bf16"] = "q4"
-    write_policy: Literal["on_finish", "on_evict", "off"] = "on_finish"
-    quota_bytes: int = 8 << 30
+    kivi: bool = False  # keys grouped per channel over tokens (KIVI), values per token
+    write_policy: Literal["on_finish", "off"] = "on_finish"  # off: restore from the store, never write
+    quota_bytes: int = 8 << 30  # disk; least recently used session files go first
+    warm_bytes: int = 1 << 30  # host memory for stored-form session KV (the warm tier)
+    match_threshold: float = 0.5  # DIVERGE reuses the stored path when this share of its text matches
 
     def validate(self, path: str) -> None:
         _require(self.quota_bytes >= 0, f"{path}.quota_bytes", "an integer >= 0")
+        _require(self.warm_bytes >= 0, f"{path}.warm_bytes", "an integer >= 0")
+        _require(0.0 <= self.match_threshold <= 1.0, f"{path}.match_threshold", "a number in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -92,10 +97,13 @@ class MemoryConfig:
         for name in sorted(NOT_YET_WIRED):
             if getattr(self, name).enabled:
                 raise ConfigError(f"{name}.enabled: true is not supported by this version yet; allowed values: false")
+        if self.intent.enabled and self.persist.enabled:
+            # a pruned path holds sentinel positions, which a stored session cannot carry yet
+            raise ConfigError("persist.enabled and intent.enabled together are not supported yet; switch one off")
 
 
 # Sections whose mechanism has not landed; each issue that lands one removes its name.
-NOT_YET_WIRED = frozenset({"persist", "memory"})
+NOT_YET_WIRED = frozenset({"memory"})
 
 
 def _require(ok: bool, key: str, allowed: str) -> None:

@@ -12,6 +12,9 @@ it to that). With intent pruning on, the tree also owns the dead-slot substrate 
   leak check (available + evictable + protected == total) read them;
 - the compression event runs in `checkpoint` at the end of a request's prefill, before its row is
   inserted, so the tree stores the pruned row and the next turn reuses it.
+
+With persistence on, the tree owns the session store (persist/manager.py): a released request's
+path is captured for its session, and flush_cache waits for pending writes.
 """
 
 from __future__ import annotations
@@ -66,11 +69,19 @@ class SentinelSafeAllocator:
 class SglMemoryRadixCache(RadixCache):
     sentinel: int | None = None
     pruner = None
+    persist = None
 
-    def __init__(self, params, config: MemoryConfig | None = None):
+    def __init__(self, params, config: MemoryConfig | None = None, ctx=None):
         self._dead_evictable = self._dead_protected = 0
         super().__init__(params)
         self.memory_config = config or MemoryConfig()
+        if self.memory_config.persist.enabled and not self.disable and ctx is not None:
+            from sgl_memory.persist.manager import SessionPersistence, cache_spec
+
+            pool = self.token_to_kv_pool_allocator.get_kvcache()
+            spec = cache_spec(ctx.model_config, ctx.server_args, pool, self.page_size, ctx.tp_rank, ctx.tp_size)
+            self.persist = SessionPersistence(self.memory_config.persist, self, spec)
+            logger.info("session store: %s (%s, quant %s)", self.persist.files.root, spec.model_id, self.memory_config.persist.quant)
         if self.memory_config.intent.enabled and not self.disable:
             from sgl_memory.intent.pruner import get_pruner
 
@@ -97,6 +108,8 @@ class SglMemoryRadixCache(RadixCache):
         logger.info("intent pruning: sentinel KV slot %d", self.sentinel)
 
     def reset(self):
+        if self.persist is not None:
+            self.persist.drain()  # flush_cache: captured turns reach the store before the tree empties
         super().reset()
         self._dead_evictable = self._dead_protected = 0
         if self.sentinel is not None:
@@ -130,6 +143,8 @@ class SglMemoryRadixCache(RadixCache):
         super().on_release(req, checkpointed=checkpointed)
         if self.pruner is not None:
             self.pruner.release(req)
+        if self.persist is not None:
+            self.persist.capture(req)
 
     def free_real(self, slots: torch.Tensor) -> None:
         self._allocator.free(slots)
@@ -208,6 +223,6 @@ class SglMemoryRadixCache(RadixCache):
 
 def build(ctx) -> SglMemoryRadixCache:
     """Factory for `register_radix_cache_backend` (receives SGLang's TreeCacheBuildContext)."""
-    cache = SglMemoryRadixCache(ctx.params, from_env())
+    cache = SglMemoryRadixCache(ctx.params, from_env(), ctx)
     logger.info("sgl-memory radix cache active (page_size=%d)", cache.page_size)
     return cache

@@ -56,7 +56,11 @@ def test_missing_file_is_a_config_error(tmp_path):
 
 
 def test_mechanisms_not_wired_yet_cannot_be_enabled(tmp_path):
-    cfg = config.load(write(tmp_path, "persist:\n  enabled: true\n"))
-    with pytest.raises(config.ConfigError, match="persist.enabled: true is not supported"):
+    cfg = config.load(write(tmp_path, "memory:\n  enabled: true\n"))
+    with pytest.raises(config.ConfigError, match="memory.enabled: true is not supported"):
         cfg.check_supported()
+    both = config.load(write(tmp_path, "persist:\n  enabled: true\nintent:\n  enabled: true\n"))
+    with pytest.raises(config.ConfigError, match="not supported yet"):
+        both.check_supported()
+    config.load(write(tmp_path, "persist:\n  enabled: true\n")).check_supported()
     config.MemoryConfig().check_supported()

@@ -14,30 +14,36 @@ import pytest
 import torch
 
 from sgl_memory.persist.quant import error_bound, quantize
-from sgl_memory.persist.store import CacheSpec, SessionFiles, SessionKV, StoreError
+from sgl_memory.persist.store import CacheSpec, SessionFiles, StoreError
 
 SPEC = CacheSpec("toy-model", "cfg123", layers=3, kv_heads=2, head_dim=64, dtype="bfloat16", page_size=1)
 
 
-def session(tokens=600, seed=0):
+def kv(tokens=600, seed=0):
     g = torch.Generator().manual_seed(seed)
     shape = (SPEC.layers, tokens, SPEC.kv_heads, SPEC.head_dim)
-    return SessionKV(list(range(100, 100 + tokens)), "<|im_start|>user\nhello", torch.randn(shape, generator=g).bfloat16(),
-                     torch.randn(shape, generator=g).bfloat16())  # fmt: skip
+    return torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16()
+
+
+def session(files, tokens=600, seed=0):
+    return files.record(list(range(100, 100 + tokens)), "<|im_start|>user\nhello", *kv(tokens, seed))
 
 
 @pytest.mark.parametrize("quant, kivi", [("bf16", False), ("q8", False), ("q4", False), ("q4", True)])
 def test_round_trip(tmp_path, quant, kivi):
     files = SessionFiles(tmp_path, SPEC, quant=quant, kivi=kivi)
-    kv = session()
-    files.write("t1", "s1", kv)
+    keys, values = kv()
+    files.write("t1", "s1", files.record(range(100, 700), "text", keys, values))
     got = files.read("t1", "s1")
-    assert got.token_ids == kv.token_ids and got.text == kv.text
+    assert got.token_ids == list(range(100, 700)) and got.text == "text"
+    got_keys, got_values = files.decode(got)
+    part_keys, part_values = files.decode(got, 250, 530)  # a range across block boundaries
+    assert torch.equal(part_keys, got_keys[:, 250:530]) and torch.equal(part_values, got_values[:, 250:530])
     if quant == "bf16":
-        assert torch.equal(got.keys, kv.keys) and torch.equal(got.values, kv.values)
+        assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
     else:
         bits = {"q8": 8, "q4": 4}[quant]
-        for stored, original, axis in ((got.keys, kv.keys, 1 if kivi else -1), (got.values, kv.values, -1)):
+        for stored, original, axis in ((got_keys, keys, 1 if kivi else -1), (got_values, values, -1)):
             for start in range(0, 600, 256):  # blocks are quantized on their own
                 block = original[:, start : start + 256].float()
                 bound = error_bound(quantize(block, bits, axis=axis))
@@ -49,23 +55,24 @@ def test_round_trip(tmp_path, quant, kivi):
 def test_bytes_on_disk_per_quantization(tmp_path):
     sizes = {}
     for quant in ("bf16", "q8", "q4"):
-        sizes[quant] = SessionFiles(tmp_path / quant, SPEC, quant=quant).write(None, "s", session(tokens=1024)).stat().st_size
+        files = SessionFiles(tmp_path / quant, SPEC, quant=quant)
+        sizes[quant] = files.write(None, "s", session(files, tokens=1024)).stat().st_size
     assert sizes["q4"] < 0.3 * sizes["bf16"] and sizes["q8"] < 0.55 * sizes["bf16"]
 
 
 def test_damaged_and_foreign_files_are_refused(tmp_path):
     files = SessionFiles(tmp_path, SPEC, quant="q4")
-    path = files.write(None, "s", session())
+    path = files.write(None, "s", session(files))
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF  # a flipped bit in the tensor data
     path.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="checksum mismatch"):
         files.read(None, "s")
-    files.write(None, "s", session())
+    files.write(None, "s", session(files))
     path.write_bytes(path.read_bytes()[:5000])  # truncated
     with pytest.raises(StoreError, match="unreadable"):
         files.read(None, "s")
-    files.write(None, "s", session())
+    files.write(None, "s", session(files))
     other = SessionFiles(tmp_path, dataclasses.replace(SPEC, head_dim=128), quant="q4")
     other_path = other.path(None, "s")
     other_path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,22 +85,23 @@ def test_ids_cannot_escape_and_tenants_never_share(tmp_path):
     files = SessionFiles(tmp_path / "store", SPEC)
     for sid in ("../../etc/passwd", "/abs/path", "a\x00b", ".."):
         assert files.path("x", sid).resolve().is_relative_to((tmp_path / "store").resolve())
-    a, b = session(seed=1), session(seed=2)
+    a, b = session(files, seed=1), session(files, seed=2)
     files.write("tenant-a", "same", a)
     files.write("tenant-b", "same", b)
     assert files.path("tenant-a", "same") != files.path("tenant-b", "same")
-    got = files.read("tenant-a", "same").keys.float()
-    assert (got - a.keys.float()).norm() < (got - b.keys.float()).norm() / 3  # tenant a's KV, not b's
+    got = files.decode(files.read("tenant-a", "same"))[0].float()
+    a_keys, b_keys = files.decode(a)[0].float(), files.decode(b)[0].float()
+    assert (got - a_keys).norm() < (got - b_keys).norm() / 3  # tenant a's KV, not b's
     assert files.read("tenant-c", "same") is None
 
 
 WRITER = """
 import sys, torch
-from sgl_memory.persist.store import CacheSpec, SessionFiles, SessionKV
+from sgl_memory.persist.store import CacheSpec, SessionFiles
 spec = CacheSpec("toy-model", "cfg123", 3, 2, 64, "bfloat16", 1)
 n = int(sys.argv[2])
-kv = SessionKV(list(range(n)), "t", torch.randn(3, n, 2, 64).bfloat16(), torch.randn(3, n, 2, 64).bfloat16())
 files = SessionFiles(sys.argv[1], spec, quant="bf16")
+kv = files.record(range(n), "t", torch.randn(3, n, 2, 64).bfloat16(), torch.randn(3, n, 2, 64).bfloat16())
 print("ready", flush=True)
 while True:
     files.write(None, "s", kv)
@@ -119,7 +127,7 @@ def test_a_writer_killed_mid_write_leaves_only_loadable_files(tmp_path):
 def test_quota_evicts_least_recently_used(tmp_path):
     files = SessionFiles(tmp_path, SPEC, quant="q4")
     for i in range(4):
-        files.write(None, f"s{i}", session(tokens=256, seed=i))
+        files.write(None, f"s{i}", session(files, tokens=256, seed=i))
         os.utime(files.path(None, f"s{i}"), (1000 + i, 1000 + i))
     files.read(None, "s0")  # s0 becomes the most recently used
     size = files.path(None, "s1").stat().st_size

@@ -7,7 +7,6 @@ the layout applied to the slot map by the radix tree (compress) -> metrics on re
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import zlib
@@ -16,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from sgl_memory.config import IntentConfig
-from sgl_memory.intent import scorers
+from sgl_memory.intent import scorers, stats
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
-from sgl_memory.intent.request import FIELD, SpecError, parse
+from sgl_memory.intent.request import FIELD, SpecError, of_request
 from sgl_memory.intent.sessions import SessionStore, resolve_key
 from sgl_memory.intent.spans import RoleMarkers, Spans, find_spans
 
@@ -115,14 +114,7 @@ class IntentPruner:
                     self.captures.pop(req.rid, None)
 
     def _plan(self, req) -> RequestIntent:
-        custom = getattr(req.sampling_params, "custom_params", None) or {}
-        raw = custom.get(FIELD)
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise SpecError(f"{FIELD} is not valid JSON: {exc}") from None
-        spec = parse(raw)
+        spec = of_request(req)
         cfg = spec.intent(self.config)
         tokens = req.origin_input_ids
         spans = find_spans(tokens, self.markers, cfg.query_tail)
@@ -228,9 +220,7 @@ class IntentPruner:
         state: RequestIntent | None = getattr(req, "sgl_intent", None)
         if state is None:
             return
-        if req.customized_info is None:
-            req.customized_info = {}
-        req.customized_info[FIELD] = [metrics(state, len(req.output_ids))]
+        stats.attach(req, metrics(state, len(req.output_ids)))
 
 
 def metrics(state: RequestIntent, output_len: int) -> dict:
@@ -296,12 +286,4 @@ def shift_positions_hook(forward_batch, *args, **kwargs):
         if shift:
             forward_batch.positions[start : start + n] += shift
         start += n
-    return None
-
-
-def admit_hook(scheduler, req, *args, **kwargs):
-    """BEFORE hook on Scheduler._add_request_to_queue (patches/hooks.yaml)."""
-    pruner = get_pruner()
-    if pruner is not None:
-        pruner.admit(scheduler, req)
     return None

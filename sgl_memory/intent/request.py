@@ -6,6 +6,8 @@ the HTTP layer moves it into SGLang's `custom_params`, which is how it reaches t
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, replace
 
 from sgl_memory.config import IntentConfig
@@ -14,6 +16,8 @@ from sgl_memory.intent.layouts import LAYOUTS
 
 FIELD = "sgl_memory"
 MAX_ID_LEN = 256
+# ids name sessions in the radix tree, in QueryMemory and in the session store: printable, no path syntax
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]*")
 
 
 class SpecError(ValueError):
@@ -40,6 +44,11 @@ def _check_id(value, name: str) -> str | None:
         return None
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN:
         raise SpecError(f"{FIELD}.{name} must be a non-empty string of at most {MAX_ID_LEN} characters")
+    if not ID_PATTERN.fullmatch(value) or ".." in value:
+        raise SpecError(
+            f"{FIELD}.{name} {value!r} is refused: use letters, digits and . _ : @ + = - "
+            "(starting with a letter or digit, no '..')"
+        )
     return value
 
 
@@ -72,3 +81,15 @@ def parse(raw) -> MemorySpec:
         layout=layout,
         memory=memory,
     )
+
+
+def of_request(req) -> MemorySpec:
+    """The spec a scheduler request carries in its custom_params (the HTTP layer put it there)."""
+    custom = getattr(req.sampling_params, "custom_params", None) or {}
+    raw = custom.get(FIELD)
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"{FIELD} is not valid JSON: {exc}") from None
+    return parse(raw)

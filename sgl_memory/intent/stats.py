@@ -12,7 +12,8 @@ from collections import Counter, OrderedDict
 from sgl_memory.intent.request import FIELD
 
 RECENT = 4096  # per-request metrics kept for the OpenAI response rewrite (by response id)
-SUMMED = ("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms")
+SUMMED = ("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms",
+          "restored_tokens", "restore_ms")  # fmt: skip
 
 
 class Stats:
@@ -24,6 +25,8 @@ class Stats:
         self.sums = dict.fromkeys(SUMMED, 0)
         self.peak_request_tokens_max = 0
         self.key_sources: Counter[str] = Counter()
+        self.text_matches: Counter[str] = Counter()
+        self.persist_errors = 0
         self.recent: OrderedDict[str, dict] = OrderedDict()
 
     def record(self, rid: str | None, metrics: dict, meta_info: dict) -> None:
@@ -36,6 +39,9 @@ class Stats:
             self.peak_request_tokens_max = max(self.peak_request_tokens_max, metrics.get("peak_request_tokens", 0))
             if metrics.get("session_key_source"):
                 self.key_sources[metrics["session_key_source"]] += 1
+            if metrics.get("text_match"):
+                self.text_matches[metrics["text_match"]] += 1
+            self.persist_errors += bool(metrics.get("persist_error") or metrics.get("persist_refused"))
             if rid is not None:
                 self.recent[rid] = metrics
                 while len(self.recent) > RECENT:
@@ -58,10 +64,19 @@ class Stats:
                 "max_peak_request_tokens": self.peak_request_tokens_max,
                 "mean_live_kv_tokens": self.sums["live_kv_tokens"] / n,
                 "session_key_sources": dict(self.key_sources),
+                "text_matches": dict(self.text_matches),
+                "persist_errors": self.persist_errors,
             }
 
 
 STATS = Stats()
+
+
+def attach(req, fields: dict) -> None:
+    """Merge fields into the request's sgl_memory metrics (one dict, sent when it finishes)."""
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info.setdefault(FIELD, [{}])[0].update(fields)
 
 
 def meta_info_hook(original, manager, meta_info, state, customized_info, index, finish_reason):

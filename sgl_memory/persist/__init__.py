@@ -1,1 +1,2 @@
-"""Persistent per-session KV (issue 5, in progress): quantization of KV blocks for the session store."""
+"""Persistent per-session KV: quantization (quant.py), the file store (store.py), text-level prefix
+matching (textmatch.py) and the scheduler-side tiers, capture and restore (manager.py)."""

@@ -43,14 +43,36 @@ class CacheSpec:
     head_dim: int
     dtype: str
     page_size: int
+    shard: str = "tp0/1"  # a tensor-parallel rank holds its own KV heads, in its own file
 
 
 @dataclass
-class SessionKV:
+class SessionRecord:
+    """A session's token path and its KV in stored (encoded) form, one dict of tensors per block of
+    `block_size` tokens: the form both the file and the host-memory (warm) tier hold."""
+
     token_ids: list[int]
     text: str
-    keys: torch.Tensor  # [layers, tokens, kv_heads, head_dim]
-    values: torch.Tensor
+    blocks: list[dict[str, torch.Tensor]]
+    quant: str
+    kivi: bool
+    block_size: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for block in self.blocks for t in block.values())
+
+
+def _alive(tmp_name: str) -> bool:
+    pid = tmp_name[1:].split("-", 1)[0]
+    if not tmp_name.startswith("w") or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _digest(*parts: str) -> str:
@@ -64,8 +86,10 @@ class SessionFiles:
         self.removed_partial = self._remove_partial_writes()
 
     def _remove_partial_writes(self) -> int:
-        """Temporary files of writers that died before their rename; never loadable, only space."""
-        stale = list(self.root.glob("*/*/*.tmp")) if self.root.exists() else []
+        """Temporary files of writers that died before their rename: never loadable, only space.
+        A temporary file is named after its writer's pid; a live writer's (another server sharing
+        the store) is left alone."""
+        stale = [t for t in self.root.glob("*/*/*.tmp") if not _alive(t.name)] if self.root.exists() else []
         for tmp in stale:
             tmp.unlink(missing_ok=True)
         return len(stale)
@@ -83,27 +107,69 @@ class SessionFiles:
         return removed
 
     def path(self, tenant: str | None, session_id: str) -> Path:
-        model = _digest(self.spec.model_id, self.spec.config_hash)
+        model = _digest(self.spec.model_id, self.spec.config_hash, self.spec.shard)
         return self.root / _digest("tenant", tenant or "") / model / f"{_digest('session', session_id)}.safetensors"
+
+    # --- encoding ------------------------------------------------------------------------------
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        """Blocks of [layers, tokens, kv_heads, head_dim] KV that starts at a block boundary."""
+        blocks = []
+        for start in range(0, keys.shape[1], self.block_size):
+            stop = start + self.block_size
+            block = self._encode("k", keys[:, start:stop], 1 if self.kivi else -1)
+            block.update(self._encode("v", values[:, start:stop], -1))
+            blocks.append(block)
+        return blocks
+
+    def record(self, token_ids: list[int], text: str, keys: torch.Tensor, values: torch.Tensor) -> SessionRecord:
+        return SessionRecord(list(token_ids), text, self.encode(keys, values), self.quant, self.kivi, self.block_size)
+
+    def _encode(self, name: str, x: torch.Tensor, axis: int) -> dict[str, torch.Tensor]:
+        if self.quant == "bf16":
+            return {name: x.to(torch.bfloat16).contiguous()}
+        q = quantize(x, BITS[self.quant], axis=axis)
+        return {f"{name}.codes": q.codes.contiguous(), f"{name}.scales": q.scales.contiguous(),
+                f"{name}.biases": q.biases.contiguous()}  # fmt: skip
+
+    def decode(self, record: SessionRecord, start: int = 0, stop: int | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Keys and values [layers, stop - start, kv_heads, head_dim] of tokens start .. stop - 1;
+        only the blocks that hold them are dequantized."""
+        n = len(record.token_ids)
+        stop = n if stop is None else stop
+        size = record.block_size
+        keys, values = [], []
+        for b in range(start // size, -(-stop // size)):
+            length = min(size, n - b * size)
+            shape = (self.spec.layers, length, self.spec.kv_heads, self.spec.head_dim)
+            keys.append(self._decode(record.blocks[b], "k", shape, 1 if record.kivi else 3, record.quant, dtype))
+            values.append(self._decode(record.blocks[b], "v", shape, 3, record.quant, dtype))
+        first = (start // size) * size
+        return torch.cat(keys, 1)[:, start - first : stop - first], torch.cat(values, 1)[:, start - first : stop - first]
+
+    def _decode(self, block, name, shape, axis, quant, dtype) -> torch.Tensor:
+        if quant == "bf16":
+            return block[name].to(dtype)
+        q = Quantized(block[f"{name}.codes"], block[f"{name}.scales"], block[f"{name}.biases"],
+                      shape, BITS[quant], axis, GROUP)  # fmt: skip
+        return dequantize(q, dtype)
 
     # --- write -----------------------------------------------------------------------------------
 
-    def write(self, tenant: str | None, session_id: str, kv: SessionKV) -> Path:
-        tensors = {"token_ids": torch.tensor(kv.token_ids, dtype=torch.int64)}
-        n = len(kv.token_ids)
-        for b, start in enumerate(range(0, n, self.block_size)):
-            stop = min(start + self.block_size, n)
-            for name, x, axis in (("k", kv.keys, 1 if self.kivi else -1), ("v", kv.values, -1)):
-                tensors.update(self._encode(f"b{b}.{name}", x[:, start:stop], axis))
+    def write(self, tenant: str | None, session_id: str, record: SessionRecord) -> Path:
+        tensors = {"token_ids": torch.tensor(record.token_ids, dtype=torch.int64)}
+        for b, block in enumerate(record.blocks):
+            tensors.update({f"b{b}.{name}": t for name, t in block.items()})
         meta = {
             "format_version": str(FORMAT_VERSION), "tenant": tenant or "", "session_id": session_id,
-            "spec": json.dumps(asdict(self.spec)), "quant": self.quant, "kivi": str(self.kivi),
-            "block_size": str(self.block_size), "tokens": str(n), "text": kv.text,
+            "spec": json.dumps(asdict(self.spec)), "quant": record.quant, "kivi": str(record.kivi),
+            "block_size": str(record.block_size), "tokens": str(len(record.token_ids)), "text": record.text,
         }  # fmt: skip
         meta["checksum"] = _checksum(tensors, meta)
         path = self.path(tenant, session_id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"w{os.getpid()}-", suffix=".tmp")
         os.close(fd)
         try:
             save_file(tensors, tmp, metadata=meta)
@@ -120,17 +186,10 @@ class SessionFiles:
             os.close(dir_fd)
         return path
 
-    def _encode(self, prefix: str, x: torch.Tensor, axis: int) -> dict[str, torch.Tensor]:
-        if self.quant == "bf16":
-            return {prefix: x.to(torch.bfloat16).contiguous()}
-        q = quantize(x, BITS[self.quant], axis=axis)
-        return {f"{prefix}.codes": q.codes.contiguous(), f"{prefix}.scales": q.scales.contiguous(),
-                f"{prefix}.biases": q.biases.contiguous()}  # fmt: skip
-
     # --- read ------------------------------------------------------------------------------------
 
-    def read(self, tenant: str | None, session_id: str, dtype: torch.dtype = torch.bfloat16) -> SessionKV | None:
-        """The session's KV, or None when it has no file; StoreError when the file must not be used."""
+    def read(self, tenant: str | None, session_id: str) -> SessionRecord | None:
+        """The session's record, or None when it has no file; StoreError when the file must not be used."""
         path = self.path(tenant, session_id)
         if not path.exists():
             return None
@@ -142,14 +201,13 @@ class SessionFiles:
             raise StoreError(f"{path.name}: unreadable ({exc})") from None
         self._check(path, meta, tensors, tenant, session_id)
         os.utime(path)  # a read is a use: quota eviction is least recently used
-        tokens = tensors["token_ids"].tolist()
-        keys, values = [], []
-        for b, start in enumerate(range(0, len(tokens), int(meta["block_size"]))):
-            stop = min(start + int(meta["block_size"]), len(tokens))
-            shape = (self.spec.layers, stop - start, self.spec.kv_heads, self.spec.head_dim)
-            keys.append(self._decode(tensors, f"b{b}.k", shape, 1 if meta["kivi"] == "True" else 3, meta, dtype))
-            values.append(self._decode(tensors, f"b{b}.v", shape, 3, meta, dtype))
-        return SessionKV(tokens, meta["text"], torch.cat(keys, 1), torch.cat(values, 1))
+        blocks: dict[int, dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            if name != "token_ids":
+                b, rest = name.split(".", 1)
+                blocks.setdefault(int(b[1:]), {})[rest] = t
+        return SessionRecord(tensors["token_ids"].tolist(), meta["text"], [blocks[b] for b in sorted(blocks)],
+                             meta["quant"], meta["kivi"] == "True", int(meta["block_size"]))  # fmt: skip
 
     def _check(self, path, meta, tensors, tenant, session_id) -> None:
         if meta.get("format_version") != str(FORMAT_VERSION):
@@ -161,18 +219,11 @@ class SessionFiles:
         if meta["session_id"] != session_id or meta["tenant"] != (tenant or ""):
             raise StoreError(f"{path.name}: belongs to another session")
 
-    def _decode(self, tensors, prefix, shape, axis, meta, dtype) -> torch.Tensor:
-        if meta["quant"] == "bf16":
-            return tensors[prefix].to(dtype)
-        q = Quantized(tensors[f"{prefix}.codes"], tensors[f"{prefix}.scales"], tensors[f"{prefix}.biases"],
-                      shape, BITS[meta["quant"]], axis, GROUP)  # fmt: skip
-        return dequantize(q, dtype)
-
 
 def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy())  # hashed in place, no copy
     h.update(json.dumps(meta, sort_keys=True).encode())
     return h.hexdigest()

@@ -1,0 +1,356 @@
+"""Session KV persistence in one scheduler process: three tiers of a session's KV.
+
+- hot: its token path in the radix tree (SGLang's own reuse);
+- warm: its stored form (SessionRecord: token ids + encoded blocks) in host memory, up to
+  `warm_bytes`, least recently used dropped first (only once it is on disk);
+- cold: its safetensors file (store.py), up to `quota_bytes`.
+
+At release (`capture`, scheduler thread) the KV of the request's path is copied out of the pool:
+only the tokens from the first block the stored record does not already hold, so a turn costs a
+copy of its own tokens, not of the session. A writer thread encodes the copy into blocks (warm)
+and writes the file, off the request's path. At admission (`admit`, scheduler thread, before the
+request is queued) the prompt is matched against the session's path as text (textmatch.py); when
+the tree lacks part of what the prompt reuses, that part is decoded into fresh KV slots and
+inserted into the tree, so the scheduler's own prefix match finds it and prefills only the rest.
+
+Each session has two locks: `lock` guards its in-memory state (capture, encode, restore),
+`io` serialises its file writes and loads; different sessions proceed in parallel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sgl_memory.config import PersistConfig
+from sgl_memory.intent import stats
+from sgl_memory.intent.request import SpecError, of_request
+from sgl_memory.persist import textmatch
+from sgl_memory.persist.store import CacheSpec, SessionFiles, SessionRecord, StoreError
+
+logger = logging.getLogger(__name__)
+
+MAX_SESSIONS = 4096  # sessions whose token path is kept in memory; the rest are re-read from disk
+
+
+@dataclass
+class Session:
+    tenant: str | None
+    session_id: str
+    tokens: list[int] = field(default_factory=list)  # newest known path (record + pending)
+    text: str | None = None  # decode(tokens), computed when first needed
+    record: SessionRecord | None = None  # the warm tier; lags `tokens` while `pending` is not empty
+    pending: list[tuple[list[int], int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    on_disk: bool = False
+    error: str | None = None  # the last write's failure, reported at the session's next turn
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    io: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class TurnState:
+    """What persistence did for one request, attached to SGLang's Req as `req.sgl_persist`."""
+
+    tenant: str | None
+    session_id: str
+    text_match: str | None = None
+    restored_tokens: int = 0
+    restore_ms: float = 0.0
+    restored_from: str | None = None
+    refused: str | None = None
+    reuse: int = 0  # stored tokens the (possibly rewritten) prompt repeats
+
+    def metrics(self, error: str | None) -> dict:
+        return {"text_match": self.text_match, "restored_tokens": self.restored_tokens,
+                "restore_ms": round(self.restore_ms, 3), "restored_from": self.restored_from,
+                "persist_refused": self.refused, "persist_error": error}  # fmt: skip
+
+
+def _layers(pool) -> range:
+    start = getattr(pool, "start_layer", 0) or 0  # pipeline parallelism: this rank's layers
+    return range(start, start + pool.layer_num)
+
+
+def cache_spec(model_config, server_args, pool, page_size: int, tp_rank: int, tp_size: int) -> CacheSpec:
+    """What a file must match to be loaded here: the model (name and a hash of its config) and the
+    layout of this rank's KV pool."""
+    config = {k: v for k, v in model_config.hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    name = server_args.served_model_name or server_args.model_path
+    buffer = pool.get_key_buffer(_layers(pool)[0])
+    return CacheSpec(str(name).rstrip("/").rsplit("/", 1)[-1], config_hash, pool.layer_num, buffer.shape[-2],
+                     buffer.shape[-1], str(buffer.dtype).removeprefix("torch."), page_size, f"tp{tp_rank}/{tp_size}")  # fmt: skip
+
+
+class SessionPersistence:
+    def __init__(self, config: PersistConfig, tree, spec: CacheSpec):
+        self.config, self.tree, self.spec = config, tree, spec
+        self.files = SessionFiles(config.dir, spec, quant=config.quant, kivi=config.kivi)
+        self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        self._sessions_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Session | None] = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._queued = 0
+        self.tokenizer = None
+        self._writer = threading.Thread(target=self._write_loop, name="sgl-memory-persist", daemon=True)
+        self._writer.start()
+        if self.files.removed_partial:
+            logger.info("session store: removed %d partial file(s) of writers that died", self.files.removed_partial)
+        self._probe()
+
+    def _probe(self) -> None:
+        try:
+            self.files.root.mkdir(parents=True, exist_ok=True)
+            probe = self.files.root / ".write-probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            logger.error("session store %s is not writable (%s): sessions are kept in memory only and every "
+                         "write is retried and reported; the server keeps serving", self.files.root, exc)  # fmt: skip
+
+    @property
+    def pool(self):
+        return self.tree.token_to_kv_pool_allocator.get_kvcache()
+
+    def _session(self, tenant: str | None, session_id: str, create: bool) -> Session | None:
+        key = (tenant or "", session_id)
+        with self._sessions_lock:
+            session = self.sessions.get(key)
+            if session is not None:
+                self.sessions.move_to_end(key)
+            elif create:
+                session = self.sessions[key] = Session(tenant, session_id)
+                for old_key in list(self.sessions)[: max(0, len(self.sessions) - MAX_SESSIONS)]:
+                    old = self.sessions[old_key]
+                    if not old.pending and old.on_disk:
+                        del self.sessions[old_key]
+            return session
+
+    def _decode_text(self, tokens) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    # --- admission: text match and restore ------------------------------------------------------
+
+    def admit(self, scheduler, req) -> None:
+        if hasattr(req, "sgl_persist") or req.finished():
+            return
+        try:
+            spec = of_request(req)
+        except SpecError as exc:
+            req.set_finish_with_abort(str(exc))
+            return
+        if spec.session_id is None or self.tree.disable:
+            return
+        if self.tokenizer is None:
+            self.tokenizer = scheduler.tokenizer
+        state = req.sgl_persist = TurnState(spec.tenant, spec.session_id)
+        t0 = time.perf_counter()
+        session = self._session(spec.tenant, spec.session_id, create=False)
+        from_disk = session is None
+        if from_disk:
+            session = self._load(state)
+        if session is None or not session.tokens:
+            return  # a new session
+        self._match_text(scheduler, req, session, state)
+        if state.text_match != textmatch.DISCARD:
+            self._restore(req, session, state, "disk" if from_disk else "memory")
+        if state.restored_tokens:
+            state.restore_ms = (time.perf_counter() - t0) * 1000
+
+    def _load(self, state: TurnState) -> Session | None:
+        """A session seen by an earlier server (or dropped from memory): its file, checked."""
+        session = self._session(state.tenant, state.session_id, create=True)
+        with session.lock, session.io:
+            if session.tokens:  # another request of the session got here first
+                return session
+            try:
+                record = self.files.read(state.tenant, state.session_id)
+            except StoreError as exc:
+                logger.error("session store: refused the file of session %r (tenant %r): %s; the turn is served "
+                             "by normal prefill", state.session_id, state.tenant, exc)  # fmt: skip
+                state.refused = str(exc)
+                return None
+            if record is None:
+                return None
+            session.tokens, session.text, session.record, session.on_disk = record.token_ids, record.text, record, True
+        return session
+
+    def _match_text(self, scheduler, req, session: Session, state: TurnState) -> None:
+        if self.tokenizer is None:
+            return  # --skip-tokenizer-init: token-level reuse only
+        stored = session.tokens
+        if session.text is None:
+            session.text = self._decode_text(stored)
+        prompt = list(req.origin_input_ids)
+        result = textmatch.match(stored, session.text, prompt, self._decode_text(prompt), self._decode_text,
+                                 lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                                 self.config.match_threshold)  # fmt: skip
+        state.text_match = result.outcome
+        limit = getattr(scheduler, "max_req_input_len", None)
+        if result.input_ids != prompt and not req.return_logprob and (limit is None or len(result.input_ids) <= limit):
+            req.origin_input_ids = array("q", result.input_ids)
+            req.origin_input_ids_unpadded = req.origin_input_ids
+        ids = list(req.origin_input_ids)
+        state.reuse = result.reuse if ids[: result.reuse] == stored[: result.reuse] else textmatch.common_prefix(stored, ids)
+
+    def _restore(self, req, session: Session, state: TurnState, source: str) -> None:
+        tree = self.tree
+        reuse = state.reuse - state.reuse % tree.page_size
+        if reuse <= 0:
+            return
+        key = RadixKey(array("q", req.origin_input_ids[:reuse]), req.extra_key, cache_salt=req.cache_salt)
+        match = tree.match_prefix(MatchPrefixParams(key=key))
+        have = match.device_prefix_len
+        if have >= reuse:
+            return  # hot: the tree holds it
+        with session.lock:
+            self._encode_pending(session)
+            record = session.record
+            if record is None:
+                with session.io:
+                    try:
+                        record = session.record = self.files.read(state.tenant, state.session_id)
+                    except StoreError as exc:
+                        logger.error("session store: refused the file of session %r (tenant %r): %s; the turn is "
+                                     "served by normal prefill", state.session_id, state.tenant, exc)  # fmt: skip
+                        state.refused = str(exc)
+                        return
+                source = "disk"
+            if record is None or record.token_ids[:reuse] != list(key.token_ids):
+                return
+            pool = self.pool
+            keys, values = self.files.decode(record, have, reuse, dtype=pool.get_key_buffer(_layers(pool)[0]).dtype)
+        tree.inc_lock_ref(match.last_device_node)  # eviction for the new slots must spare the matched part
+        try:
+            slots = self._alloc(reuse - have)
+            if slots is None:
+                logger.warning("session store: no free KV slots to restore %d tokens of session %r; prefilling instead",
+                               reuse - have, state.session_id)  # fmt: skip
+                return
+            for i, layer in enumerate(_layers(pool)):
+                pool.get_key_buffer(layer)[slots] = keys[i].to(slots.device)
+                pool.get_value_buffer(layer)[slots] = values[i].to(slots.device)
+            prefix = tree.path_device_indices(match.last_device_node)[:have].to(torch.int64)
+            result = tree.insert(InsertParams(key=key, value=torch.cat([prefix, slots.to(torch.int64)])))
+            if result.prefix_len > have:  # cannot happen while the scheduler thread is ours; never leak
+                tree.token_to_kv_pool_allocator.free(slots[: result.prefix_len - have])
+        finally:
+            tree.dec_lock_ref(match.last_device_node)
+        state.restored_tokens, state.restored_from = reuse - have, source
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        allocator = self.tree.token_to_kv_pool_allocator
+        if allocator.available_size() < n:
+            self.tree.evict(EvictParams(num_tokens=n - allocator.available_size()))
+        return allocator.alloc(n) if allocator.available_size() >= n else None
+
+    # --- release: capture the turn, write it off the request's path ------------------------------
+
+    def capture(self, req) -> None:
+        state: TurnState | None = getattr(req, "sgl_persist", None)
+        if state is None:
+            return
+        session = self._session(state.tenant, state.session_id, create=True)
+        stats.attach(req, state.metrics(session.error))
+        if self.config.write_policy == "off" or self.tree.disable:
+            return
+        tokens = [*req.origin_input_ids, *req.output_ids]
+        key = RadixKey(array("q", tokens), req.extra_key, cache_salt=req.cache_salt)
+        match = self.tree.match_prefix(MatchPrefixParams(key=key))
+        length = match.device_prefix_len
+        if length == 0:
+            return
+        path = tokens[:length]
+        with session.lock:
+            held = session.tokens if session.record is not None or session.pending else []
+            size = self.files.block_size
+            if session.record is not None and (session.record.quant, session.record.kivi) != (self.config.quant, self.config.kivi):
+                held = []  # written with other settings: re-encode all of it
+            start = textmatch.common_prefix(held, path) // size * size
+            if path == held:
+                return
+            slots = self.tree.path_device_indices(match.last_device_node)[start:length]
+            pool = self.pool
+            keys = torch.stack([pool.get_key_buffer(i)[slots] for i in _layers(pool)]).cpu()
+            values = torch.stack([pool.get_value_buffer(i)[slots] for i in _layers(pool)]).cpu()
+            session.pending.append((path, start, keys, values))
+            session.tokens, session.text = path, None
+        with self._idle:
+            self._queued += 1
+        self._queue.put(session)
+
+    def _encode_pending(self, session: Session) -> None:
+        """Fold the captured turns into the stored form; caller holds session.lock."""
+        for path, start, keys, values in session.pending:
+            old = session.record.blocks[: start // self.files.block_size] if session.record is not None and start else []
+            session.record = SessionRecord(path, "", old + self.files.encode(keys, values), self.config.quant,
+                                           self.config.kivi, self.files.block_size)  # fmt: skip
+        session.pending.clear()
+
+    def _write_loop(self) -> None:
+        while True:
+            session = self._queue.get()
+            try:
+                self._write(session)
+            except Exception:  # the writer must outlive any one session's failure
+                logger.exception("session store: writer failed on session %r", session.session_id)
+            finally:
+                with self._idle:
+                    self._queued -= 1
+                    self._idle.notify_all()
+
+    def _write(self, session: Session) -> None:
+        with session.lock:
+            if not session.pending:
+                return  # an earlier queue entry of this session wrote it already
+            self._encode_pending(session)
+            record = session.record
+            record.text = self._decode_text(record.token_ids) if self.tokenizer is not None else ""
+        with session.io:
+            try:
+                self.files.write(session.tenant, session.session_id, record)
+            except OSError as exc:
+                session.error = f"writing the session file failed: {exc}"
+                logger.error("session store: %s (session %r, tenant %r); it stays in memory, the server keeps serving",
+                             session.error, session.session_id, session.tenant)  # fmt: skip
+                return
+        session.on_disk, session.error = True, None
+        for path in self.files.enforce_quota(self.config.quota_bytes):
+            logger.info("session store: quota %d bytes: removed %s", self.config.quota_bytes, path.name)
+            with self._sessions_lock:
+                for other in self.sessions.values():
+                    if self.files.path(other.tenant, other.session_id) == path:
+                        other.on_disk = False
+        self._trim_warm()
+
+    def _trim_warm(self) -> None:
+        """Drop the stored form of least recently used sessions that are safely on disk."""
+        with self._sessions_lock:
+            sessions = list(self.sessions.values())
+        total = sum(s.record.nbytes() for s in sessions if s.record is not None)
+        for session in sessions:
+            if total <= self.config.warm_bytes:
+                break
+            if session.record is not None and session.on_disk and session.lock.acquire(blocking=False):
+                try:
+                    if not session.pending:
+                        total -= session.record.nbytes()
+                        session.record = None
+                finally:
+                    session.lock.release()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every captured turn is written (flush_cache calls this before it empties the tree)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._queued == 0, timeout)
