@@ -1,0 +1,274 @@
+"""Persistent session KV inside the real server (SmolLM2-135M, bfloat16 pool, persistence on).
+
+The reference for a restarted session is the same conversation on a server that never restarted:
+with bf16 storage of a bf16 pool the restored KV is bit-identical, so greedy answers must be equal;
+for Q4 the agreement rate is reported. Faults are produced for real: files damaged on disk, a
+server SIGKILLed while its writer has a temporary file open, a file-size limit (the write fails
+as on a full disk), a directory that cannot be created."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TEST_MODEL, start_server, stop_server
+from sgl_memory import harness, models
+from sgl_memory.persist.store import CacheSpec, SessionFiles, _digest
+
+pytestmark = pytest.mark.server
+
+BF16 = ("--dtype", "bfloat16")
+CONVERSATIONS = [
+    ["Name one large sea.", "Which countries border it?", "What is its deepest point?"],
+    ["Give me a word that rhymes with cat.", "Use it in a sentence.", "Now make the sentence longer."],
+    ["What is 12 plus 30?", "Multiply that by two.", "Is the result even?"],
+    ["Suggest a name for a grey cat.", "Why that name?", "Suggest one more."],
+]
+SYSTEM = {"role": "system", "content": "You are a brief, helpful assistant."}
+
+
+def write_config(d: Path, store: Path, **persist) -> Path:
+    lines = ["persist:", "  enabled: true", f"  dir: {store}"] + [f"  {k}: {v}" for k, v in persist.items()]
+    path = d / f"memory-{len(list(d.glob('memory-*')))}.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def chat(server, messages, session_id=None, tenant=None, max_tokens=24):
+    memory = {k: v for k, v in (("session_id", session_id), ("tenant", tenant)) if v}
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "sgl_memory": memory}
+    r = server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["choices"][0]["message"]["content"], out["usage"], out["sgl_memory"]
+
+
+def run_turns(server, user_turns, session_id, tenant=None):
+    """Turns of one conversation; returns [(answer, usage, metrics)] per turn."""
+    messages, results = [SYSTEM], []
+    for text in user_turns:
+        messages.append({"role": "user", "content": text})
+        answer, usage, metrics = chat(server, messages, session_id, tenant)
+        messages.append({"role": "assistant", "content": answer})
+        results.append((answer, usage, metrics))
+    return results
+
+
+def history(user_turns, answers):
+    messages = [SYSTEM]
+    for text, answer in zip(user_turns, answers):
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+    return messages
+
+
+def flush(server):
+    """Empty the tree; the store's writer finishes every captured turn first."""
+    assert server.post("/flush_cache?timeout=60", {}).status_code == 200
+
+
+def session_file(store: Path, session_id: str) -> Path:
+    found = list(store.glob(f"*/*/{_digest('session', session_id)}.safetensors"))
+    assert len(found) <= 1
+    return found[0] if found else store / "absent"
+
+
+# --- restart --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """Server A (bf16 store) runs every conversation to its end (the reference) and a copy of each
+    to its second turn; server C (q4 store, same directory) runs a third copy to its second turn;
+    both stop; server B starts on the store. Each copy is its own tenant, so no copy reuses
+    another's KV through the tree and every copy computes the same tokens the same way.
+    Returns (B, store, reference answers, {copy tenant: per conversation [(answer, usage)]})."""
+    d = tmp_path_factory.mktemp("persist-restart")
+    store = d / "store"
+    a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, store, quant="bf16")), *BF16)
+    try:
+        reference = [[t[0] for t in run_turns(a, conv, f"s{i}", tenant="ref")] for i, conv in enumerate(CONVERSATIONS)]
+        copies = {"rs": [run_turns(a, conv[:2], f"s{i}", tenant="rs") for i, conv in enumerate(CONVERSATIONS)]}
+        copies["ta"] = [run_turns(a, CONVERSATIONS[0][:2], "shared", tenant="ta")]
+        flush(a)
+    finally:
+        stop_server(a)
+    c = start_server(TEST_MODEL, d / "c.log", "--memory-config", str(write_config(d, store, quant="q4")), *BF16)
+    try:
+        copies["q4"] = [run_turns(c, conv[:2], f"s{i}", tenant="q4") for i, conv in enumerate(CONVERSATIONS)]
+        flush(c)
+    finally:
+        stop_server(c)
+    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, store, quant="bf16")), *BF16)
+    yield b, store, reference, copies
+    stop_server(b)
+
+
+def third_turn(i, turns):
+    """The third request of conversation i, after the copy's own first two turns."""
+    conv = CONVERSATIONS[i]
+    return history(conv[:2], [answer for answer, _, _ in turns]) + [{"role": "user", "content": conv[2]}]
+
+
+def test_bf16_restart_prefills_only_new_tokens_and_answers_like_a_server_that_never_restarted(restarted):
+    b, _, reference, copies = restarted
+    for i, turns in enumerate(copies["rs"]):
+        assert [t[0] for t in turns] == reference[i][:2]  # the copy computed what the reference did
+        answer, usage, metrics = chat(b, third_turn(i, turns), f"s{i}", tenant="rs")
+        assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, (i, metrics, usage)
+        assert metrics["restore_ms"] > 0 and metrics["text_match"] in ("extend", "exact", "diverge")
+        # the stored history is the whole second turn, its prompt and its answer (the answer's last
+        # token has no KV yet); conversations restored before this one share the system prompt
+        second = turns[1][1]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= second["prompt_tokens"] + second["completion_tokens"] - 1
+        assert answer == reference[i][2]
+
+
+def test_q4_restart_agreement_is_reported(restarted, record_property):
+    b, _, reference, copies = restarted
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
+    exact, agree, total = 0, 0, 0
+    for i, turns in enumerate(copies["q4"]):
+        answer, usage, metrics = chat(b, third_turn(i, turns), f"s{i}", tenant="q4")
+        assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0
+        got, want = tok.encode(answer), tok.encode(reference[i][2])
+        exact += got == want
+        agree += sum(x == y for x, y in zip(got, want))
+        total += max(len(got), len(want))
+    record_property("q4_exact_answers", f"{exact}/{len(CONVERSATIONS)}")
+    record_property("q4_token_agreement", agree / total)
+    print(f"q4 restart: {exact}/{len(CONVERSATIONS)} answers equal to bf16, token agreement {agree / total:.3f}")
+
+
+def test_tenants_with_identical_prompts_never_share_a_file_or_a_load(restarted):
+    b, store, _, copies = restarted
+    messages = third_turn(0, copies["ta"][0])
+    _, usage, other = chat(b, messages, "shared", tenant="tb")
+    assert other["restored_tokens"] == 0 and other["text_match"] is None  # tb has no stored session
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # nor the tree's copy of anyone else's
+    _, _, own = chat(b, messages, "shared", tenant="ta")
+    assert own["restored_from"] == "disk" and own["restored_tokens"] > 0
+    flush(b)
+    files = [p for p in store.glob("*/*/*.safetensors") if p.name == f"{_digest('session', 'shared')}.safetensors"]
+    assert len(files) == 2 and files[0].parent.parent != files[1].parent.parent
+
+
+@pytest.mark.parametrize("memory", [{"session_id": "../../etc/passwd"}, {"session_id": "a/b"},
+                                    {"session_id": "ok", "tenant": ".."}, {"session_id": "x\x00y"}])  # fmt: skip
+def test_ids_crafted_to_escape_the_store_are_refused(restarted, memory):
+    b, store, _, _ = restarted
+    flush(b)
+    before = sorted(p for p in store.rglob("*") if p.is_file())
+    body = {"model": "m", "messages": [SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 4, "sgl_memory": memory}
+    r = b.post("/v1/chat/completions", body)
+    assert r.status_code == 400 and "is refused" in r.text
+    flush(b)
+    assert sorted(p for p in store.rglob("*") if p.is_file()) == before
+    assert chat(b, [SYSTEM, {"role": "user", "content": "hi"}], "fine")[0]  # still serving
+
+
+# --- faults ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fault_server(tmp_path_factory):
+    """bf16 store, no warm tier (every restore reads the file), a small KV pool (eviction)."""
+    d = tmp_path_factory.mktemp("persist-faults")
+    store = d / "store"
+    config = write_config(d, store, quant="bf16", warm_bytes=0)
+    server = start_server(TEST_MODEL, d / "e.log", "--memory-config", str(config), "--max-total-tokens", "3000", *BF16)
+    yield server, d, store
+    stop_server(server)  # the last test kills it; stopping twice is harmless
+
+
+def long_text(tag: str, n: int) -> str:
+    return f"Log {tag}: " + " ".join(f"entry {i} of {tag} is {i * 37 % 101}." for i in range(n))
+
+
+def test_damaged_or_foreign_files_are_refused_and_the_turn_is_prefilled(fault_server):
+    server, _, store = fault_server
+    first = {}
+    for kind in ("corrupt", "truncated", "foreign"):
+        first[kind] = run_turns(server, [f"Remember the word {kind}."], f"d-{kind}")[0]
+    flush(server)
+    corrupt = session_file(store, "d-corrupt")
+    data = bytearray(corrupt.read_bytes())
+    data[-200] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+    truncated = session_file(store, "d-truncated")
+    truncated.write_bytes(truncated.read_bytes()[:4000])
+    # a well-formed file of another model (other head count) under this session's name
+    other = CacheSpec("another-model", "0" * 32, 30, 4, 64, "bfloat16", 1)
+    files = SessionFiles(store.parent / "other-store", other, quant="bf16")
+    kv = torch.zeros(30, 8, 4, 64)
+    files.write(None, "d-foreign", files.record(range(8), "x", kv, kv))
+    session_file(store, "d-foreign").write_bytes(files.path(None, "d-foreign").read_bytes())
+    for kind, needle in (("corrupt", "checksum mismatch"), ("truncated", "unreadable"), ("foreign", "another model")):
+        messages = history([f"Remember the word {kind}."], [first[kind][0]]) + [{"role": "user", "content": "Which word?"}]
+        answer, usage, metrics = chat(server, messages, f"d-{kind}")
+        assert needle in (metrics["persist_refused"] or ""), metrics
+        # prefilled: at most the system prompt, shared with the other sessions' turns, is cached
+        assert metrics["restored_tokens"] == 0 and usage["prompt_tokens_details"]["cached_tokens"] < first[kind][1]["prompt_tokens"]
+        assert answer
+    log = server.log()
+    assert log.count("refused the file of session") >= 3 and "served by normal prefill" in log
+
+
+def test_a_session_evicted_from_the_tree_is_restored_from_disk(fault_server):
+    server, _, _ = fault_server
+    turns = [long_text("ev", 40) + " Summarise the log in one line."]
+    answer, usage, _ = run_turns(server, turns, "ev")[0]
+    for i in range(4):  # other work fills the 3000-token pool: ev's nodes are evicted
+        chat(server, [SYSTEM, {"role": "user", "content": long_text(f"filler{i}", 60)}], max_tokens=4)
+    messages = history(turns, [answer]) + [{"role": "user", "content": "And the first entry?"}]
+    _, usage2, metrics = chat(server, messages, "ev")
+    assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0
+    assert usage2["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"]
+
+
+def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, tmp_path):
+    server, d, store = fault_server
+    turns = [long_text("big", 110) + " Count the entries."]
+    flush(server)  # no other session's write is under way
+    threading.Thread(target=lambda: run_turns(server, turns, "big"), daemon=True).start()
+    deadline, tmp = time.monotonic() + 120, []
+    while not tmp and time.monotonic() < deadline:
+        tmp = list(store.glob("*/*/*.tmp"))
+    assert tmp, "the writer never opened a temporary file"
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    assert list(store.glob("*/*/*.tmp"))  # killed mid-write: the partial file is there ...
+    assert not session_file(store, "big").exists()  # ... and nothing under the session's name
+    # a new server on the store: it removes the partial file and serves the session by prefill;
+    # it runs under a 6 MB file-size limit, so a larger session write fails as on a full disk
+    config = write_config(d, store, quant="bf16")
+    command = ["prlimit", "--fsize=6000000", "--", *harness.our_command(TEST_MODEL, "--memory-config", str(config), *BF16)]
+    f = harness.start(command, tmp_path / "f.log")
+    try:
+        assert "removed 1 partial file" in f.log()
+        assert not list(store.glob("*/*/*.tmp"))
+        _, _, metrics = chat(f, [SYSTEM, {"role": "user", "content": turns[0]}], "big")
+        assert metrics["restored_tokens"] == 0 and metrics["text_match"] is None
+        # full disk: the turn's write fails; the next turn reports it, and the server keeps serving
+        flush(f)
+        assert "writing the session file failed" in f.log()
+        _, _, metrics = chat(f, [SYSTEM, {"role": "user", "content": "Short question?"}], "big")
+        assert "File too large" in (metrics["persist_error"] or ""), metrics
+        assert not list(store.glob("*/*/*.tmp"))
+        # unwritable directory: the tenant's directory name is taken by a regular file
+        (store / _digest("tenant", "blocked")).write_text("not a directory")
+        run_turns(f, ["Hello there."], "u1", tenant="blocked")
+        flush(f)
+        _, _, metrics = chat(f, [SYSTEM, {"role": "user", "content": "Hello again."}], "u1", tenant="blocked")
+        assert "writing the session file failed" in (metrics["persist_error"] or ""), metrics
+        assert chat(f, [SYSTEM, {"role": "user", "content": "Still there?"}])[0]
+    finally:
+        stop_server(f)
+
