@@ -46,7 +46,7 @@ def chat(server, messages, session_id=None, tenant=None, max_tokens=24):
     r = server.post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     out = r.json()
-    return out["choices"][0]["message"]["content"], out["usage"], out["sgl_memory"]
+    return out["choices"][0]["message"]["content"], out["usage"], out.get("sgl_memory")
 
 
 def run_turns(server, user_turns, session_id, tenant=None):
@@ -261,6 +261,7 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, t
         assert "writing the session file failed" in f.log()
         _, _, metrics = chat(f, [SYSTEM, {"role": "user", "content": "Short question?"}], "big")
         assert "File too large" in (metrics["persist_error"] or ""), metrics
+        flush(f)  # this turn's write fails too; its temporary file is gone with it
         assert not list(store.glob("*/*/*.tmp"))
         # unwritable directory: the tenant's directory name is taken by a regular file
         (store / _digest("tenant", "blocked")).write_text("not a directory")

@@ -174,17 +174,21 @@ class SessionPersistence:
         with session.lock, session.io:
             if session.tokens:  # another request of the session got here first
                 return session
-            try:
-                record = self.files.read(state.tenant, state.session_id)
-            except StoreError as exc:
-                logger.error("session store: refused the file of session %r (tenant %r): %s; the turn is served "
-                             "by normal prefill", state.session_id, state.tenant, exc)  # fmt: skip
-                state.refused = str(exc)
-                return None
+            record = self._read(state)
             if record is None:
                 return None
             session.tokens, session.text, session.record, session.on_disk = record.token_ids, record.text, record, True
         return session
+
+    def _read(self, state: TurnState) -> SessionRecord | None:
+        """The session's file, checked; a file that fails a check is refused (logged, reported)."""
+        try:
+            return self.files.read(state.tenant, state.session_id)
+        except StoreError as exc:
+            logger.error("session store: refused the file of session %r (tenant %r): %s; the turn is served by "
+                         "normal prefill", state.session_id, state.tenant, exc)  # fmt: skip
+            state.refused = str(exc)
+            return None
 
     def _match_text(self, scheduler, req, session: Session, state: TurnState) -> None:
         if self.tokenizer is None:
@@ -219,13 +223,7 @@ class SessionPersistence:
             record = session.record
             if record is None:
                 with session.io:
-                    try:
-                        record = session.record = self.files.read(state.tenant, state.session_id)
-                    except StoreError as exc:
-                        logger.error("session store: refused the file of session %r (tenant %r): %s; the turn is "
-                                     "served by normal prefill", state.session_id, state.tenant, exc)  # fmt: skip
-                        state.refused = str(exc)
-                        return
+                    record = session.record = self._read(state)
                 source = "disk"
             if record is None or record.token_ids[:reuse] != list(key.token_ids):
                 return

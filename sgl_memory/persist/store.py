@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from sgl_memory.persist.quant import BITS, GROUP, Quantized, dequantize, quantize
@@ -172,7 +172,10 @@ class SessionFiles:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"w{os.getpid()}-", suffix=".tmp")
         os.close(fd)
         try:
-            save_file(tensors, tmp, metadata=meta)
+            try:
+                save_file(tensors, tmp, metadata=meta)
+            except SafetensorError as exc:  # how safetensors reports a failed write (ENOSPC, EFBIG, ...)
+                raise OSError(str(exc)) from exc
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)  # readers see the old file or the new one, never a torn one
