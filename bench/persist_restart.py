@@ -55,11 +55,15 @@ def dialogue(conversation: dict) -> list[dict]:
     return turns
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+
+
 def session_of_length(tokenizer, turns: list[dict], n: int) -> list[dict]:
     """System + dialogue turns up to about n tokens, ending with a user turn."""
     messages = [{"role": "system", "content": SYSTEM}]
     for turn in turns:
-        if len(tokenizer.apply_chat_template(messages + [turn], tokenize=True)) > n:
+        if len(chat_ids(tokenizer, messages + [turn])) > n:
             break
         messages.append(turn)
     if messages[-1]["role"] != "user":
@@ -133,7 +137,7 @@ def run_cold(command, env, sessions, answers, log: Path, memory: bool) -> dict:
             _, usage, _, seconds = chat(server, messages, 1, {"session_id": f"s{n}"} if memory else None)
             answer = chat(server, messages, 32, {"session_id": f"s{n}"} if memory else None)[0]
             rows[n] = {"ttft_s": seconds, "prompt_tokens": usage["prompt_tokens"],
-                       "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "answer": answer}  # fmt: skip
+                       "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"), "answer": answer}  # fmt: skip
     finally:
         harness.stop(server)
     return {"rows": rows}
@@ -168,8 +172,8 @@ def fidelity(path, tokenizer, turns, prefix_tokens=2048, continuation=512, free=
     from sgl_memory.persist.quant import BITS, dequantize, quantize
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, *turns], tokenize=True)
-    ids = torch.tensor(list(ids)[: prefix_tokens + continuation]).unsqueeze(0)
+    ids = chat_ids(tokenizer, [{"role": "system", "content": SYSTEM}, *turns])
+    ids = torch.tensor(ids[: prefix_tokens + continuation]).unsqueeze(0)
     prefix, rest = ids[:, :prefix_tokens], ids[:, prefix_tokens:]
 
     def run(variant):
@@ -237,6 +241,11 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def save(result: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "persist_restart.json").write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=models.DEFAULT_MODEL)
@@ -247,11 +256,13 @@ def main() -> None:
 
     path = models.model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    turns = dialogue(json.loads(DATA.read_text())[args.conversation])
+    conversations = json.loads(DATA.read_text())
+    # one LoCoMo conversation is about 15k tokens: the next one continues the 16k session
+    turns = dialogue(conversations[args.conversation]) + dialogue(conversations[args.conversation + 1])
     sessions, answers = {}, {}
     for n in args.lengths:
         sessions[str(n)] = session_of_length(tokenizer, turns, n) + [{"role": "user", "content": QUESTIONS[0]}]
-    result = {"model": args.model, "sessions": {n: len(tokenizer.apply_chat_template(m, tokenize=True)) for n, m in sessions.items()},
+    result = {"model": args.model, "sessions": {n: len(chat_ids(tokenizer, m)) for n, m in sessions.items()},
               "ttft": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="persist-bench-") as tmp:
         work = Path(tmp)
@@ -263,10 +274,11 @@ def main() -> None:
                 cmd = harness.our_command(args.model)
                 result["ttft"][step] = run_cold(cmd, None, sessions, answers, work / "cold.log", memory=True)
             elif step == "plain-sglang-cold":
-                cmd, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"))
+                cmd, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"), "--enable-cache-report")
                 result["ttft"][step] = run_cold(cmd, env, sessions, answers, work / "plain.log", memory=False)
             else:
                 result["ttft"][step] = run_hicache(path, sessions, answers, work)
+            save(result)  # a late failure keeps what ran
     cold = result["ttft"]["ours-cold"]["rows"]
     result["ratios"] = {
         mode: {n: {"cold_over_ttft": cold[n]["ttft_s"] / rows["rows"][n]["ttft_s"],
@@ -275,9 +287,9 @@ def main() -> None:
                for n in sessions}
         for mode, rows in result["ttft"].items() if rows.get("rows")
     }  # fmt: skip
+    save(result)
     result["fidelity"] = fidelity(path, tokenizer, turns)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "persist_restart.json").write_text(json.dumps(result, indent=1))
+    save(result)
     plot(result, RESULTS / "persist_restart.png")
     print(json.dumps({"ratios": result["ratios"], "bytes_per_token": {m: r.get("bytes_per_token") for m, r in result["ttft"].items()},
                       "fidelity": result["fidelity"]["variants"]}, indent=1))  # fmt: skip

@@ -57,7 +57,7 @@ class PersistConfig:
     enabled: bool = False
     dir: str = "~/.cache/sgl-memory/sessions"
     quant: Literal["q4", "q8", "bf16"] = "q4"
-    kivi: bool = False  # keys grouped per channel over tokens (KIVI), values per token
+    kivi: bool = True  # keys grouped per channel over tokens (KIVI), values per token: see persist/README.md
     write_policy: Literal["on_finish", "off"] = "on_finish"  # off: restore from the store, never write
     quota_bytes: int = 8 << 30  # disk; least recently used session files go first
     warm_bytes: int = 1 << 30  # host memory for stored-form session KV (the warm tier)
