@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
 from common import RESULTS
@@ -107,6 +108,10 @@ def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
         harness.stop(writer)
     files = list((d / "store").glob("*/*/*.safetensors"))
     stored_bytes = sum(p.stat().st_size for p in files)
+    stored_tokens = 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            stored_tokens += int(f.metadata()["tokens"])
     reader = harness.start(harness.our_command(model, "--memory-config", str(config)), d / "reader.log")
     rows = {}
     try:
@@ -124,8 +129,8 @@ def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
             rows[n].update(warm_ttft_s=seconds, warm_restored_from=metrics.get("restored_from"))
     finally:
         harness.stop(reader)
-    tokens = sum(int(rows[n]["restored_tokens"] or 0) for n in rows)
-    return {"rows": rows, "stored_bytes": stored_bytes, "files": len(files), "bytes_per_token": stored_bytes / max(tokens, 1)}
+    return {"rows": rows, "stored_bytes": stored_bytes, "files": len(files), "stored_tokens": stored_tokens,
+            "bytes_per_token": stored_bytes / max(stored_tokens, 1)}  # fmt: skip
 
 
 def run_cold(command, env, sessions, answers, log: Path, memory: bool) -> dict:
