@@ -2,7 +2,8 @@
 
 A tenant is a namespace in the radix tree too: its requests get the tenant in their `extra_key`
 (which SGLang already uses to keep LoRA adapters apart), so no request matches KV another tenant
-computed, even for the same tokens. Persistence runs next: its text-level match may rewrite the
+computed, even for the same tokens. The field is parsed once, here (a bad one is a 400), and
+every mechanism gets the parsed spec. Persistence runs next: its text-level match may rewrite the
 prompt's token ids, which intent pruning then reads to find its spans."""
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def admit_hook(scheduler, req, *args, **kwargs):
         req.extra_key = f"{req.extra_key or ''}\x00tenant:{spec.tenant}"
     persist = getattr(scheduler.tree_cache, "persist", None)
     if persist is not None:
-        persist.admit(scheduler, req)
+        persist.admit(scheduler, req, spec)
     pruner = get_pruner()
     if pruner is not None:
-        pruner.admit(scheduler, req)
+        pruner.admit(scheduler, req, spec)
     return None

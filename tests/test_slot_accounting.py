@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory.config import IntentConfig, MemoryConfig
 from sgl_memory.intent import pruner as pruner_module
+from sgl_memory.intent.request import of_request
 from sgl_memory.intent.spans import RoleMarkers
 from sgl_memory.radix_cache import SglMemoryRadixCache
 
@@ -132,7 +133,7 @@ class Sim:
         self.write(req, len(prefix), new)
         req.kv.cache_protected_len = len(prefix)
         req.kv.kv_allocated_len = len(tokens)
-        self.pruner.admit(None, req)
+        self.pruner.admit(None, req, of_request(req))
         req.output_ids.append(self.rng.randint(0, 6))  # the prefill's sampled token
         self.tree.checkpoint(req, up_to=len(tokens))
         self.pruned += req.sgl_intent.events

@@ -17,7 +17,7 @@ import torch
 from sgl_memory.config import IntentConfig
 from sgl_memory.intent import scorers, stats
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
-from sgl_memory.intent.request import FIELD, SpecError, of_request
+from sgl_memory.intent.request import FIELD, MemorySpec, SpecError
 from sgl_memory.intent.sessions import SessionStore, resolve_key
 from sgl_memory.intent.spans import RoleMarkers, Spans, find_spans
 
@@ -90,13 +90,13 @@ class IntentPruner:
 
     # --- admission (scheduler hook, before the request is queued) --------------------------------
 
-    def admit(self, scheduler, req) -> None:
+    def admit(self, scheduler, req, spec: MemorySpec) -> None:
         if getattr(req, "sgl_intent", None) is not None or req.finished():
             return
         if self.markers is None:
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
         try:
-            req.sgl_intent = self._plan(req)
+            req.sgl_intent = self._plan(req, spec)
         except SpecError as exc:
             req.set_finish_with_abort(str(exc))
             return
@@ -113,8 +113,7 @@ class IntentPruner:
                     req.set_finish_with_abort(f"{FIELD}.layout compact: {exc}")
                     self.captures.pop(req.rid, None)
 
-    def _plan(self, req) -> RequestIntent:
-        spec = of_request(req)
+    def _plan(self, req, spec: MemorySpec) -> RequestIntent:
         cfg = spec.intent(self.config)
         tokens = req.origin_input_ids
         spans = find_spans(tokens, self.markers, cfg.query_tail)

@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory.config import PersistConfig
 from sgl_memory.intent import stats
-from sgl_memory.intent.request import SpecError, of_request
+from sgl_memory.intent.request import MemorySpec
 from sgl_memory.persist import textmatch
 from sgl_memory.persist.store import CacheSpec, SessionFiles, SessionRecord, StoreError
 
@@ -142,13 +142,8 @@ class SessionPersistence:
 
     # --- admission: text match and restore ------------------------------------------------------
 
-    def admit(self, scheduler, req) -> None:
+    def admit(self, scheduler, req, spec: MemorySpec) -> None:
         if hasattr(req, "sgl_persist") or req.finished():
-            return
-        try:
-            spec = of_request(req)
-        except SpecError as exc:
-            req.set_finish_with_abort(str(exc))
             return
         if spec.session_id is None or self.tree.disable:
             return
