@@ -310,6 +310,8 @@ class SessionPersistence:
             self._encode_pending(session)
             record = session.record
             record.text = self._decode_text(record.token_ids) if self.tokenizer is not None else ""
+            if session.tokens is record.token_ids:  # no newer turn: the next admission needs this text
+                session.text = record.text
         with session.io:
             try:
                 self.files.write(session.tenant, session.session_id, record)
