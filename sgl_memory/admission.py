@@ -4,7 +4,8 @@ A tenant is a namespace in the radix tree too: its requests get the tenant in th
 (which SGLang already uses to keep LoRA adapters apart), so no request matches KV another tenant
 computed, even for the same tokens. The field is parsed once, here (a bad one is a 400), and
 every mechanism gets the parsed spec. Persistence runs next: its text-level match may rewrite the
-prompt's token ids, which intent pruning then reads to find its spans."""
+prompt's token ids, which intent pruning then reads to find its spans. KV memory (never on together
+with either) puts a memory-mode request's retrieved blocks before its prompt."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def admit_hook(scheduler, req, *args, **kwargs):
     persist = getattr(scheduler.tree_cache, "persist", None)
     if persist is not None:
         persist.admit(scheduler, req, spec)
+    memart = getattr(scheduler.tree_cache, "memart", None)
+    if memart is not None:
+        memart.admit(scheduler, req, spec)
     pruner = get_pruner()
     if pruner is not None:
         pruner.admit(scheduler, req, spec)

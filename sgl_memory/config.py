@@ -71,19 +71,24 @@ class PersistConfig:
 
 @dataclass(frozen=True)
 class MemoryRetrievalConfig:
-    """KV memory blocks retrieved per request (MemArt)."""
+    """KV memory blocks retrieved per request (MemArt): see sgl_memory/memart/README.md."""
 
     enabled: bool = False
     block_size: int = 16
     top_k: int = 32
-    norm: Literal["softmax", "rr"] = "softmax"
-    agg: Literal["sum", "max"] = "sum"
-    capacity_blocks: int = 4096
+    norm: Literal["softmax", "rr"] = "rr"
+    agg: Literal["sum", "max"] = "max"
+    capacity_blocks: int = 4096  # per session; beyond it the eviction policy drops blocks
+    eviction: Literal["lru", "fifo"] = "lru"
+    score_tokens: Literal["query", "all"] = "query"  # query: the last user turn of the prompt
+    roles: Literal["chatml", "llama3", "none"] = "chatml"  # chat template family that marks turns
+    rr_constant: float = 60.0  # c in 1 / (rank + c)
 
     def validate(self, path: str) -> None:
         _require(self.block_size >= 1, f"{path}.block_size", "an integer >= 1")
         _require(self.top_k >= 1, f"{path}.top_k", "an integer >= 1")
         _require(self.capacity_blocks >= 1, f"{path}.capacity_blocks", "an integer >= 1")
+        _require(self.rr_constant >= 0, f"{path}.rr_constant", "a number >= 0")
 
 
 @dataclass(frozen=True)
@@ -93,17 +98,14 @@ class MemoryConfig:
     memory: MemoryRetrievalConfig = field(default_factory=MemoryRetrievalConfig)
 
     def check_supported(self) -> None:
-        """Refuse sections that are switched on but not wired into the engine yet."""
-        for name in sorted(NOT_YET_WIRED):
-            if getattr(self, name).enabled:
-                raise ConfigError(f"{name}.enabled: true is not supported by this version yet; allowed values: false")
+        """Refuse combinations of mechanisms that are not wired together yet."""
         if self.intent.enabled and self.persist.enabled:
             # a pruned path holds sentinel positions, which a stored session cannot carry yet
             raise ConfigError("persist.enabled and intent.enabled together are not supported yet; switch one off")
-
-
-# Sections whose mechanism has not landed; each issue that lands one removes its name.
-NOT_YET_WIRED = frozenset({"memory"})
+        if self.memory.enabled and (self.intent.enabled or self.persist.enabled):
+            # memory blocks are cut from unpruned paths, and the session store does not hold them yet
+            raise ConfigError("memory.enabled together with intent.enabled or persist.enabled is not supported yet; "
+                              "switch the others off")  # fmt: skip
 
 
 def _require(ok: bool, key: str, allowed: str) -> None:

@@ -15,6 +15,9 @@ it to that). With intent pruning on, the tree also owns the dead-slot substrate 
 
 With persistence on, the tree owns the session store (persist/manager.py): a released request's
 path is captured for its session, and flush_cache waits for pending writes.
+
+With KV memory on, the tree owns the sessions' memory pools (memart/manager.py): a released
+session request's new tokens become memory blocks.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class SglMemoryRadixCache(RadixCache):
     sentinel: int | None = None
     pruner = None
     persist = None
+    memart = None
 
     def __init__(self, params, config: MemoryConfig | None = None, ctx=None):
         self._dead_evictable = self._dead_protected = 0
@@ -82,6 +86,16 @@ class SglMemoryRadixCache(RadixCache):
             spec = cache_spec(ctx.model_config, ctx.server_args, pool, self.page_size, ctx.tp_rank, ctx.tp_size)
             self.persist = SessionPersistence(self.memory_config.persist, self, spec)
             logger.info("session store: %s (%s, quant %s)", self.persist.files.root, spec.model_id, self.memory_config.persist.quant)
+        if self.memory_config.memory.enabled and not self.disable and ctx is not None:
+            from sgl_memory.memart.manager import MemoryManager
+            from sgl_memory.rope import Rope
+
+            if self.page_size != 1 or ctx.tp_size != 1:
+                # assemblies are token-exact prefixes, and every TP rank would score its own heads
+                raise ValueError(f"KV memory needs page size 1 and one TP rank (got {self.page_size}, {ctx.tp_size})")
+            self.memart = MemoryManager(self.memory_config.memory, self, Rope.from_hf_config(ctx.model_config.hf_config))
+            logger.info("KV memory: blocks of %d tokens, top_k %d, %s-%s", self.memory_config.memory.block_size,
+                        self.memory_config.memory.top_k, self.memory_config.memory.norm, self.memory_config.memory.agg)  # fmt: skip
         if self.memory_config.intent.enabled and not self.disable:
             from sgl_memory.intent.pruner import get_pruner
 
@@ -145,6 +159,8 @@ class SglMemoryRadixCache(RadixCache):
             self.pruner.release(req)
         if self.persist is not None:
             self.persist.capture(req)
+        if self.memart is not None:
+            self.memart.release(req)
 
     def free_real(self, slots: torch.Tensor) -> None:
         self._allocator.free(slots)

@@ -10,10 +10,10 @@ def write(tmp_path, text):
 
 
 def test_valid_file_overrides_only_given_keys(tmp_path):
-    cfg = config.load(write(tmp_path, "intent:\n  budget: 512\n  scorer: snapkv\nmemory:\n  agg: max\n"))
+    cfg = config.load(write(tmp_path, "intent:\n  budget: 512\n  scorer: snapkv\nmemory:\n  agg: max\n  norm: rr\n"))
     assert cfg.intent.budget == 512 and cfg.intent.scorer == "snapkv"
     assert cfg.intent.layout == "dead_slot"  # untouched default
-    assert cfg.memory.agg == "max" and cfg.memory.norm == "softmax"
+    assert cfg.memory.agg == "max" and cfg.memory.norm == "rr"
     assert cfg.persist == config.PersistConfig()
 
 
@@ -55,10 +55,12 @@ def test_missing_file_is_a_config_error(tmp_path):
         config.load(tmp_path / "absent.yaml")
 
 
-def test_mechanisms_not_wired_yet_cannot_be_enabled(tmp_path):
-    cfg = config.load(write(tmp_path, "memory:\n  enabled: true\n"))
-    with pytest.raises(config.ConfigError, match="memory.enabled: true is not supported"):
-        cfg.check_supported()
+def test_combinations_not_wired_yet_are_refused(tmp_path):
+    for other in ("intent", "persist"):
+        cfg = config.load(write(tmp_path, f"memory:\n  enabled: true\n{other}:\n  enabled: true\n"))
+        with pytest.raises(config.ConfigError, match="memory.enabled together with"):
+            cfg.check_supported()
+    config.load(write(tmp_path, "memory:\n  enabled: true\n")).check_supported()
     both = config.load(write(tmp_path, "persist:\n  enabled: true\nintent:\n  enabled: true\n"))
     with pytest.raises(config.ConfigError, match="not supported yet"):
         both.check_supported()

@@ -25,13 +25,30 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class MemoryQuery:
+    """`sgl_memory.memory`: the request carries only its new turn and the server places the
+    session's relevant memory blocks before it (sgl_memory/memart)."""
+
+    mode: str = "retrieve"
+    top_k: int | None = None  # None: the server's memory.top_k
+    norm: str | None = None
+    agg: str | None = None
+    store: bool = True  # False: this turn is not added to the session's memory
+    probe: str | None = None  # internal: the id of the query pass the HTTP hook ran first
+
+
+MEMORY_MODES = ("retrieve",)
+MAX_TOP_K = 1 << 16
+
+
+@dataclass(frozen=True)
 class MemorySpec:
     session_id: str | None = None
     tenant: str | None = None
     budget: int | None = None
     scorer: str | None = None
     layout: str | None = None
-    memory: dict | None = None  # retrieval options (the MemArt work); passed through
+    memory: MemoryQuery | None = None
 
     def intent(self, base: IntentConfig) -> IntentConfig:
         """The server's intent config with this request's overrides."""
@@ -52,7 +69,36 @@ def _check_id(value, name: str) -> str | None:
     return value
 
 
-def parse(raw) -> MemorySpec:
+def _memory(raw, internal: bool) -> MemoryQuery | None:
+    if raw is None:
+        return None
+    where = f"{FIELD}.memory"
+    if not isinstance(raw, dict):
+        raise SpecError(f"{where} must be an object")
+    allowed = ("mode", "top_k", "norm", "agg", "store") + (("probe",) if internal else ())
+    unknown = sorted(set(raw) - set(allowed))
+    if unknown:
+        raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
+    mode = raw.get("mode", "retrieve")
+    if mode not in MEMORY_MODES and not (internal and mode == "probe"):
+        raise SpecError(f"{where}.mode {mode!r} is unknown; allowed: {', '.join(MEMORY_MODES)}")
+    top_k = raw.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
+        raise SpecError(f"{where}.top_k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
+    for name, choices in (("norm", ("softmax", "rr")), ("agg", ("sum", "max"))):
+        if raw.get(name) is not None and raw[name] not in choices:
+            raise SpecError(f"{where}.{name} {raw[name]!r} is unknown; allowed: {', '.join(choices)}")
+    store = raw.get("store", True)
+    if not isinstance(store, bool):
+        raise SpecError(f"{where}.store must be true or false, got {store!r}")
+    probe = raw.get("probe")
+    if probe is not None and not isinstance(probe, str):
+        raise SpecError(f"{where}.probe must be a string")
+    return MemoryQuery(mode, top_k, raw.get("norm"), raw.get("agg"), store, probe)
+
+
+def parse(raw, internal: bool = False) -> MemorySpec:
+    """`internal`: the field as the scheduler receives it, which may carry the HTTP hook's probe id."""
     if raw is None:
         return MemorySpec()
     if not isinstance(raw, dict):
@@ -70,9 +116,9 @@ def parse(raw) -> MemorySpec:
     layout = raw.get("layout")
     if layout is not None and layout not in LAYOUTS:
         raise SpecError(f"{FIELD}.layout {layout!r} is unknown; allowed: {', '.join(LAYOUTS)}")
-    memory = raw.get("memory")
-    if memory is not None and not isinstance(memory, dict):
-        raise SpecError(f"{FIELD}.memory must be an object")
+    memory = _memory(raw.get("memory"), internal)
+    if memory is not None and raw.get("session_id") is None:
+        raise SpecError(f"{FIELD}.memory needs {FIELD}.session_id: memory belongs to a session")
     return MemorySpec(
         session_id=_check_id(raw.get("session_id"), "session_id"),
         tenant=_check_id(raw.get("tenant"), "tenant"),
@@ -92,4 +138,4 @@ def of_request(req) -> MemorySpec:
             raw = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise SpecError(f"{FIELD} is not valid JSON: {exc}") from None
-    return parse(raw)
+    return parse(raw, internal=True)

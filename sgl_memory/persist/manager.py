@@ -30,9 +30,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from sgl_memory import tree_fill
 from sgl_memory.config import PersistConfig
 from sgl_memory.intent import stats
 from sgl_memory.intent.request import MemorySpec
@@ -77,18 +78,13 @@ class TurnState:
                 "persist_refused": self.refused, "persist_error": error}  # fmt: skip
 
 
-def _layers(pool) -> range:
-    start = getattr(pool, "start_layer", 0) or 0  # pipeline parallelism: this rank's layers
-    return range(start, start + pool.layer_num)
-
-
 def cache_spec(model_config, server_args, pool, page_size: int, tp_rank: int, tp_size: int) -> CacheSpec:
     """What a file must match to be loaded here: the model (name and a hash of its config) and the
     layout of this rank's KV pool."""
     config = {k: v for k, v in model_config.hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
     config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:32]
     name = server_args.served_model_name or server_args.model_path
-    buffer = pool.get_key_buffer(_layers(pool)[0])
+    buffer = pool.get_key_buffer(tree_fill.pool_layers(pool)[0])
     return CacheSpec(str(name).rstrip("/").rsplit("/", 1)[-1], config_hash, pool.layer_num, buffer.shape[-2],
                      buffer.shape[-1], str(buffer.dtype).removeprefix("torch."), page_size, f"tp{tp_rank}/{tp_size}")  # fmt: skip
 
@@ -223,30 +219,12 @@ class SessionPersistence:
             if record is None or record.token_ids[:reuse] != list(key.token_ids):
                 return
             pool = self.pool
-            keys, values = self.files.decode(record, have, reuse, dtype=pool.get_key_buffer(_layers(pool)[0]).dtype)
-        tree.inc_lock_ref(match.last_device_node)  # eviction for the new slots must spare the matched part
-        try:
-            slots = self._alloc(reuse - have)
-            if slots is None:
-                logger.warning("session store: no free KV slots to restore %d tokens of session %r; prefilling instead",
-                               reuse - have, state.session_id)  # fmt: skip
-                return
-            for i, layer in enumerate(_layers(pool)):
-                pool.get_key_buffer(layer)[slots] = keys[i].to(slots.device)
-                pool.get_value_buffer(layer)[slots] = values[i].to(slots.device)
-            prefix = tree.path_device_indices(match.last_device_node)[:have].to(torch.int64)
-            result = tree.insert(InsertParams(key=key, value=torch.cat([prefix, slots.to(torch.int64)])))
-            if result.prefix_len > have:  # cannot happen while the scheduler thread is ours; never leak
-                tree.token_to_kv_pool_allocator.free(slots[: result.prefix_len - have])
-        finally:
-            tree.dec_lock_ref(match.last_device_node)
+            keys, values = self.files.decode(record, have, reuse, dtype=pool.get_key_buffer(tree_fill.pool_layers(pool)[0]).dtype)
+        if not tree_fill.place(tree, key, match, keys, values):
+            logger.warning("session store: no free KV slots to restore %d tokens of session %r; prefilling instead",
+                           reuse - have, state.session_id)  # fmt: skip
+            return
         state.restored_tokens, state.restored_from = reuse - have, source
-
-    def _alloc(self, n: int) -> torch.Tensor | None:
-        allocator = self.tree.token_to_kv_pool_allocator
-        if allocator.available_size() < n:
-            self.tree.evict(EvictParams(num_tokens=n - allocator.available_size()))
-        return allocator.alloc(n) if allocator.available_size() >= n else None
 
     # --- release: capture the turn, write it off the request's path ------------------------------
 
@@ -274,9 +252,7 @@ class SessionPersistence:
             if path == held:
                 return
             slots = self.tree.path_device_indices(match.last_device_node)[start:length]
-            pool = self.pool
-            keys = torch.stack([pool.get_key_buffer(i)[slots] for i in _layers(pool)]).cpu()
-            values = torch.stack([pool.get_value_buffer(i)[slots] for i in _layers(pool)]).cpu()
+            keys, values = tree_fill.copy_out(self.tree, slots)
             session.pending.append((path, start, keys, values))
             session.tokens, session.text = path, None
         with self._idle:

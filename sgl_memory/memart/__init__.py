@@ -1,0 +1,1 @@
+"""KV memory for sessions (MemArt): finished turns kept as KV blocks and brought back by relevance."""

@@ -1,0 +1,104 @@
+"""A session's memory pool: its finished turns as KV blocks with position-free keys and AABBs.
+
+Keys are stored with their rotary rotation removed (the rotation of position p inverted exactly in
+float64, kept as float32), so a block can be placed at any position later (MemArt 3.2.3); values
+carry no position and stay in the pool's dtype. Each block keeps its tokens, its turn and the wall
+time it was made, and the per-layer, per-KV-head bounding box of its keys (the AABB index).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Block:
+    id: int  # chronological: blocks are made in turn order, ids never reused
+    tokens: list[int]
+    keys: torch.Tensor  # [L, n, Hkv, D] float32, position-free
+    values: torch.Tensor  # [L, n, Hkv, D] pool dtype
+    lo: torch.Tensor  # [L, Hkv, D] element-wise min of keys
+    hi: torch.Tensor  # [L, Hkv, D] element-wise max
+    turn: int
+    made: float  # wall time
+    used: int  # the pool's retrieval counter when last retrieved (or made)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lo, self.hi))
+
+
+# which block a full pool drops first (smallest key)
+EVICTIONS = {
+    "lru": lambda b: (b.used, b.id),  # least recently retrieved, the oldest among equals
+    "fifo": lambda b: b.id,
+}
+
+
+@dataclass
+class SessionMemory:
+    capacity: int
+    eviction: str = "lru"
+    blocks: dict[int, Block] = field(default_factory=dict)  # insertion order is chronological order
+    path: list[int] = field(default_factory=list)  # the last full-history request's KV path
+    turns: int = 0
+    clock: int = 0  # counts retrievals, for LRU
+    next_id: int = 0
+    evicted: int = 0
+    pending: int = 0  # captured turns the worker has not added yet
+    lock: threading.Condition = field(default_factory=threading.Condition)
+    _index: tuple | None = None
+
+    def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int) -> None:
+        """Cut one turn's position-free KV [L, n, Hkv, D] into blocks (the last may be shorter)."""
+        now = time.time()
+        with self.lock:
+            turn = self.turns
+            self.turns += 1
+            for start in range(0, len(tokens), block_size):
+                k = keys[:, start : start + block_size].contiguous()
+                block = Block(self.next_id, tokens[start : start + block_size], k, values[:, start : start + block_size].contiguous(),
+                              k.amin(dim=1), k.amax(dim=1), turn, now, self.clock)  # fmt: skip
+                self.blocks[block.id] = block
+                self.next_id += 1
+            over = len(self.blocks) - self.capacity
+            if over > 0:
+                for victim in sorted(self.blocks.values(), key=EVICTIONS[self.eviction])[:over]:
+                    del self.blocks[victim.id]
+                self.evicted += over
+            self._index = None
+            self.pending -= 1
+            self.lock.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until every captured turn of this session is in the pool."""
+        with self.lock:
+            return self.lock.wait_for(lambda: self.pending == 0, timeout)
+
+    def index(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Block ids in chronological order and their stacked AABBs lo, hi [L, N, Hkv, D]."""
+        with self.lock:
+            if self._index is None:
+                blocks = list(self.blocks.values())
+                if blocks:
+                    self._index = ([b.id for b in blocks], torch.stack([b.lo for b in blocks], dim=1),
+                                   torch.stack([b.hi for b in blocks], dim=1))  # fmt: skip
+                else:
+                    self._index = ([], torch.zeros(0), torch.zeros(0))
+            return self._index
+
+    def take(self, ids: list[int]) -> list[Block]:
+        """The blocks of these ids in chronological order, marked as used now."""
+        with self.lock:
+            self.clock += 1
+            chosen = [self.blocks[i] for i in sorted(ids) if i in self.blocks]
+            for block in chosen:
+                block.used = self.clock
+            return chosen
+
+    def nbytes(self) -> int:
+        with self.lock:
+            return sum(b.nbytes() for b in self.blocks.values())

@@ -1,0 +1,285 @@
+"""KV memory of one scheduler process (MemArt): record finished turns, retrieve blocks for a prompt.
+
+Data flows one way:
+- release (scheduler thread): a finished session request's new tokens are copied off the KV pool;
+  a worker thread removes their rotation and cuts them into blocks of the session's pool
+  (blocks.py), off the request's path;
+- probe (a prefill-only request the HTTP hook sends first, probe.py): its prompt's queries are
+  captured at every attention layer as the layers receive them, their rotation removed;
+- admission of the memory-mode request (scheduler thread): the probe's queries score the session's
+  blocks (retrieval.py); the chosen blocks, in chronological order, are re-rotated to positions
+  0..M-1 and put into the radix tree (tree_fill.py) under a key private to this session and block
+  set; the request's token ids become [blocks' tokens] + [its own], so SGLang's prefix match
+  reuses the blocks and prefills only the request's own tokens.
+
+The tree key of an assembly is its tokens plus an extra key naming the tenant, the session and the
+block ids: KV of a block depends on the context it was computed in, not only on its tokens, so an
+assembly must never match KV of another assembly, of the session's plain history, or of another
+session; the same assembly again (the same blocks) matches all of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sgl_memory import tree_fill
+from sgl_memory.config import MemoryRetrievalConfig
+from sgl_memory.intent import stats
+from sgl_memory.intent.request import MemorySpec
+from sgl_memory.intent.spans import RoleMarkers, find_spans
+from sgl_memory.memart.blocks import Block, SessionMemory
+from sgl_memory.memart.retrieval import block_scores, top_blocks
+from sgl_memory.persist.textmatch import common_prefix
+from sgl_memory.rope import Rope
+
+logger = logging.getLogger(__name__)
+
+MAX_SESSIONS = 1024  # session pools kept; the least recently used beyond are dropped
+MAX_PROBES = 256  # finished probes waiting for their request
+PROBE_WAIT_S = 30.0  # a memory-mode request waits this long for its session's pending turns
+
+_MANAGER: MemoryManager | None = None
+
+
+def get_manager() -> MemoryManager | None:
+    return _MANAGER
+
+
+@dataclass
+class Probe:
+    """Position-free queries of one probe prompt's scoring tokens, filled layer by layer."""
+
+    owner: tuple[str, str]
+    start: int  # first scoring position (the last user turn) of the prompt
+    length: int
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [length - start, H, D]
+
+    def add(self, layer: int, q: torch.Tensor, positions: torch.Tensor, rope: Rope) -> None:
+        keep = positions >= self.start
+        if not bool(keep.any()):
+            return
+        q, positions = q[keep], positions[keep]
+        buf = self.rows.get(layer)
+        if buf is None:
+            buf = self.rows[layer] = torch.zeros(self.length - self.start, *q.shape[1:])
+        buf[positions - self.start] = rope.rotate(q.float(), -positions).float()
+
+    def queries(self) -> torch.Tensor:
+        return torch.stack([self.rows[i] for i in sorted(self.rows)])  # [L, T, H, D]
+
+
+@dataclass
+class TurnState:
+    """What memory did for one request, attached to SGLang's Req as `req.sgl_memart`."""
+
+    owner: tuple[str, str]
+    mode: str  # "record" (full-history turn), "retrieve", "probe"
+    store: bool = True
+    offset: int = 0  # memory tokens placed before the request's own
+    retrieved_blocks: int = 0
+    retrieved_turns: list[int] = field(default_factory=list)
+    probe_tokens: int = 0
+    retrieval_ms: float = 0.0
+    refused: str | None = None
+
+    def metrics(self, req, memory_blocks: int) -> dict:
+        return {"prefill_tokens": len(req.origin_input_ids) - req.cached_tokens, "retrieved_blocks": self.retrieved_blocks,
+                "retrieved_turns": self.retrieved_turns,
+                "memory_kv_tokens": self.offset, "probe_tokens": self.probe_tokens,
+                "retrieval_ms": round(self.retrieval_ms, 3), "memory_blocks": memory_blocks,
+                "memory_refused": self.refused}  # fmt: skip
+
+
+class MemoryManager:
+    def __init__(self, config: MemoryRetrievalConfig, tree, rope: Rope):
+        global _MANAGER
+        self.config, self.tree, self.rope = config, tree, rope
+        self.sessions: OrderedDict[tuple[str, str], SessionMemory] = OrderedDict()
+        self.probes: OrderedDict[str, Probe] = OrderedDict()
+        self.capturing: dict[str, Probe] = {}  # rid -> probe being prefilled
+        self.markers: RoleMarkers | None = None
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._work, name="sgl-memory-memart", daemon=True).start()
+        _MANAGER = self
+
+    def session(self, owner: tuple[str, str], create: bool) -> SessionMemory | None:
+        with self._lock:
+            memory = self.sessions.get(owner)
+            if memory is not None:
+                self.sessions.move_to_end(owner)
+            elif create:
+                memory = self.sessions[owner] = SessionMemory(self.config.capacity_blocks, self.config.eviction)
+                while len(self.sessions) > MAX_SESSIONS:
+                    self.sessions.popitem(last=False)
+            return memory
+
+    # --- admission -------------------------------------------------------------------------------
+
+    def admit(self, scheduler, req, spec: MemorySpec) -> None:
+        if spec.session_id is None or hasattr(req, "sgl_memart"):
+            return
+        owner = (spec.tenant or "", spec.session_id)
+        query = spec.memory
+        if query is None:
+            req.sgl_memart = TurnState(owner, "record")
+        elif query.mode == "probe":
+            self._admit_probe(scheduler, req, owner, query.probe)
+        else:
+            req.sgl_memart = state = TurnState(owner, "retrieve", store=query.store)
+            t0 = time.perf_counter()
+            self._retrieve(scheduler, req, state, query)
+            state.retrieval_ms = (time.perf_counter() - t0) * 1000
+
+    def _admit_probe(self, scheduler, req, owner, probe_id: str | None) -> None:
+        if self.markers is None:
+            self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
+        ids = list(req.origin_input_ids)
+        start = find_spans(ids, self.markers, len(ids)).query_start if self.config.score_tokens == "query" else 0
+        probe = Probe(owner, start, len(ids))
+        req.sgl_memart = TurnState(owner, "probe")
+        # a key of its own: the probe must compute every token (no prefix hit) and leave nothing behind
+        req.extra_key = f"{req.extra_key or ''}\x00memory-probe:{probe_id}"
+        req.skip_radix_cache_insert = True
+        self.capturing[req.rid] = probe
+        with self._lock:
+            self.probes[probe_id] = probe
+            while len(self.probes) > MAX_PROBES:
+                self.probes.popitem(last=False)
+
+    def _retrieve(self, scheduler, req, state: TurnState, query) -> None:
+        with self._lock:
+            probe = self.probes.pop(query.probe, None) if query.probe else None
+        memory = self.session(state.owner, create=False)
+        if probe is None or probe.owner != state.owner or not probe.rows:
+            state.refused = "no query pass for this request"
+            return
+        state.probe_tokens = probe.length
+        if memory is None:
+            return  # nothing remembered yet
+        if not memory.wait_idle(PROBE_WAIT_S):
+            logger.warning("memory: session %r still has turns being added after %.0f s; retrieving without them",
+                           state.owner[1], PROBE_WAIT_S)  # fmt: skip
+        ids, lo, hi = memory.index()
+        if not ids:
+            return
+        scores = block_scores(probe.queries(), lo, hi, query.norm or self.config.norm, query.agg or self.config.agg,
+                              self.config.rr_constant)  # fmt: skip
+        limit = getattr(scheduler, "max_req_input_len", None)
+        budget = (limit - len(req.origin_input_ids)) if limit else None
+        chosen, used = [], 0
+        for i in top_blocks(scores, query.top_k or self.config.top_k):
+            n = len(memory.blocks[ids[i]].tokens) if ids[i] in memory.blocks else 0
+            if budget is not None and used + n > budget:
+                continue  # the request must still fit the context
+            chosen.append(ids[i])
+            used += n
+        blocks = memory.take(chosen)
+        if blocks:
+            self._place(req, state, blocks)
+
+    def _place(self, req, state: TurnState, blocks: list[Block]) -> None:
+        tokens = [t for b in blocks for t in b.tokens]
+        digest = hashlib.blake2b(array("q", [b.id for b in blocks]).tobytes(), digest_size=12).hexdigest()
+        extra_key = f"{req.extra_key or ''}\x00memory:{state.owner[1]}:{digest}"
+        key = RadixKey(array("q", tokens), extra_key, cache_salt=req.cache_salt)
+        match = self.tree.match_prefix(MatchPrefixParams(key=key))
+        if match.device_prefix_len < len(tokens):
+            keys, values = assemble(blocks, self.rope, match.device_prefix_len)
+            if not tree_fill.place(self.tree, key, match, keys, values):
+                state.refused = "no free KV slots for the memory blocks"
+                logger.warning("memory: no free KV slots for %d memory tokens of session %r; answering without memory",
+                               len(tokens), state.owner[1])  # fmt: skip
+                return
+        req.origin_input_ids = array("q", tokens + list(req.origin_input_ids))
+        req.origin_input_ids_unpadded = req.origin_input_ids
+        req.extra_key = extra_key
+        state.offset, state.retrieved_blocks = len(tokens), len(blocks)
+        state.retrieved_turns = sorted({b.turn for b in blocks})
+
+    # --- release: record the turn off the request's path ----------------------------------------
+
+    def release(self, req) -> None:
+        state: TurnState | None = getattr(req, "sgl_memart", None)
+        if state is None:
+            return
+        if state.mode == "probe":
+            self.capturing.pop(req.rid, None)
+            return
+        memory = self.session(state.owner, create=True)
+        stats.attach(req, state.metrics(req, len(memory.blocks)))
+        if not state.store or self.tree.disable:
+            return
+        tokens = [*req.origin_input_ids, *req.output_ids]
+        key = RadixKey(array("q", tokens), req.extra_key, cache_salt=req.cache_salt)
+        match = self.tree.match_prefix(MatchPrefixParams(key=key))
+        end = match.device_prefix_len  # tokens whose KV exists (the last output token has none)
+        if state.mode == "record":
+            start = common_prefix(memory.path, tokens[:end])
+            memory.path = tokens[:end]
+        else:
+            start = state.offset
+        if end <= start:
+            return
+        slots = self.tree.path_device_indices(match.last_device_node)[start:end]
+        keys, values = tree_fill.copy_out(self.tree, slots)
+        with memory.lock:
+            memory.pending += 1
+        self._queue.put((memory, tokens[start:end], torch.arange(start, end), keys, values))
+
+    def _work(self) -> None:
+        while True:
+            memory, tokens, positions, keys, values = self._queue.get()
+            try:
+                memory.add_turn(tokens, unrotate(keys, positions, self.rope), values, self.config.block_size)
+            except Exception:  # the worker must outlive any one turn's failure
+                logger.exception("memory: adding a turn failed")
+                with memory.lock:
+                    memory.pending -= 1
+                    memory.lock.notify_all()
+
+
+def unrotate(keys: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Post-RoPE keys [L, n, Hkv, D] at these positions -> position-free float32 keys."""
+    L, n, h, d = keys.shape
+    flat = keys.permute(1, 0, 2, 3).reshape(n, L * h, d).float()
+    return rope.rotate(flat, -positions).reshape(n, L, h, d).permute(1, 0, 2, 3).contiguous()
+
+
+def assemble(blocks: list[Block], rope: Rope, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks in the given order at contiguous positions 0..M-1, from position `start` on:
+    keys re-rotated to their new positions (pool dtype), values as stored."""
+    keys = torch.cat([b.keys for b in blocks], dim=1)[:, start:]
+    values = torch.cat([b.values for b in blocks], dim=1)[:, start:]
+    L, n, h, d = keys.shape
+    positions = torch.arange(start, start + n)
+    flat = keys.permute(1, 0, 2, 3).reshape(n, L * h, d)
+    rotated = rope.rotate(flat, positions).reshape(n, L, h, d).permute(1, 0, 2, 3)
+    return rotated.to(values.dtype).contiguous(), values
+
+
+def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
+    """BEFORE hook on RadixAttention.forward: probe prompts' queries as each attention layer gets them."""
+    manager = _MANAGER
+    if manager is None or not manager.capturing or not forward_batch.rids or forward_batch.forward_mode.is_decode():
+        return None
+    lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+    start = 0
+    for rid, n in zip(forward_batch.rids, lens):
+        probe = manager.capturing.get(rid)
+        if probe is not None:
+            rows = q[start : start + n].reshape(n, layer.tp_q_head_num, layer.qk_head_dim)
+            probe.add(layer.layer_id, rows, forward_batch.positions[start : start + n].cpu(), manager.rope)
+        start += n
+    return None

@@ -1,0 +1,67 @@
+"""The query pass of a memory-mode request, run from the HTTP side (AROUND hook on
+TokenizerManager.generate_request, so the native and the OpenAI APIs both get it).
+
+Retrieval scores blocks with the prompt's queries at every layer, which exist only once the prompt
+has gone through the model. So the hook first sends the same prompt as a prefill-only request (the
+probe); the scheduler captures its queries (memart/manager.py). Then the request itself goes out
+with the probe's id, and the scheduler retrieves with those queries before admitting it. The probe
+costs one prefill of the request's own tokens, reported as `probe_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from sglang.srt.managers.io_struct import GenerateReqInput
+
+from sgl_memory.config import from_env
+from sgl_memory.intent.request import FIELD, SpecError, parse
+
+
+def _raw_field(sampling_params) -> dict | None:
+    custom = (sampling_params or {}).get("custom_params") or {}
+    raw = custom.get(FIELD)
+    return json.loads(raw) if isinstance(raw, str) else raw
+
+
+def memory_field(obj) -> dict | None:
+    """The request's `sgl_memory` field when it asks for memory mode; a SpecError if it cannot have it."""
+    if not isinstance(obj, GenerateReqInput):
+        return None
+    params = obj.sampling_params
+    if isinstance(params, list):
+        if any(parse(_raw_field(p)).memory is not None for p in params if isinstance(p, dict)):
+            raise SpecError(f"{FIELD}.memory takes one prompt per request, not a batch")
+        return None
+    if not isinstance(params, dict):
+        return None
+    raw = _raw_field(params)
+    if parse(raw).memory is None:  # internal=False: a client cannot pass a probe id of its own
+        return None
+    if not from_env().memory.enabled:
+        raise SpecError(f"{FIELD}.memory: KV memory is off on this server (memory.enabled: false)")
+    if isinstance(obj.text, list) or (obj.input_ids and isinstance(obj.input_ids[0], list)):
+        raise SpecError(f"{FIELD}.memory takes one prompt per request, not a batch")
+    return raw
+
+
+def _with_field(params: dict, raw: dict, **params_overrides) -> dict:
+    custom = dict(params.get("custom_params") or {})
+    custom[FIELD] = json.dumps(raw)
+    return {**params, **params_overrides, "custom_params": custom}
+
+
+async def generate_hook(original, manager, obj, request=None):
+    raw = memory_field(obj)
+    if raw is not None:
+        probe_id = uuid.uuid4().hex
+        probe_raw = {**raw, "memory": {"mode": "probe", "probe": probe_id}}
+        probe = GenerateReqInput(text=obj.text, input_ids=obj.input_ids, lora_path=obj.lora_path, extra_key=obj.extra_key,
+                                 sampling_params=_with_field(obj.sampling_params, probe_raw, max_new_tokens=0, n=1),
+                                 rid=f"sgl-memory-probe-{probe_id}")  # fmt: skip
+        async for _ in original(manager, probe, None):
+            pass
+        obj.sampling_params = _with_field(obj.sampling_params, {**raw, "memory": {**raw["memory"], "probe": probe_id}})
+    async for out in original(manager, obj, request):
+        yield out
