@@ -1,0 +1,157 @@
+"""KV memory (MemArt) inside the real server (SmolLM2-135M, memory on).
+
+A session states facts over several full-history turns; memory-mode requests then carry only a
+question. References: the same turns under another tenant followed by a plain request whose prompt
+is the session's whole path plus the question (retrieving every block must give exactly its greedy
+answer: the blocks go back to their own positions, so the KV is bit-identical), and the fact itself
+for a small top_k."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import requests
+from transformers import AutoTokenizer
+
+from conftest import TEST_MODEL, start_server, stop_server
+from sgl_memory import models
+
+pytestmark = pytest.mark.server
+
+SYSTEM = [{"role": "system", "content": "You are a brief, helpful assistant."}]
+FACTS = ["Remember this: my cat is called Pepper.", "I went hiking on Saturday.", "The weather was sunny and warm.",
+         "I made soup for dinner.", "Tomorrow I will read a book."]  # fmt: skip
+QUESTION = "What is my cat called?"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
+
+
+@pytest.fixture(scope="module")
+def mem_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("memart")
+    config = d / "memory.yaml"
+    config.write_text("memory:\n  enabled: true\n  block_size: 16\n  top_k: 4\n")
+    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(config))
+    yield srv
+    stop_server(srv)
+
+
+def render(tok, messages):
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def generate(server, ids, memory, n=16, status=200):
+    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory})
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def state_facts(server, tok, tenant, session="s"):
+    """FACTS as full-history turns of one session; returns the session's KV path (the last turn's
+    prompt and output, less the output's last token, whose KV is never computed)."""
+    ids = render(tok, SYSTEM + [{"role": "user", "content": FACTS[0]}])
+    for i in range(len(FACTS)):
+        out = generate(server, ids, {"session_id": session, "tenant": tenant})["output_ids"]
+        if i + 1 < len(FACTS):
+            ids = ids + out + tok.encode(f"\n<|im_start|>user\n{FACTS[i + 1]}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    return ids + out[:-1]
+
+
+@pytest.fixture(scope="module")
+def stated(mem_server, tok):
+    return {tenant: state_facts(mem_server, tok, tenant) for tenant in ("a", "ref")}
+
+
+def retrieve(top_k=None, store=False, **extra):
+    return {"mode": "retrieve", "store": store, **({"top_k": top_k} if top_k else {}), **extra}
+
+
+def test_every_block_retrieved_equals_the_full_history_prompt(mem_server, tok, stated):
+    q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
+    got = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=1000)})
+    m = got["meta_info"]["sgl_memory"]
+    assert m["memory_kv_tokens"] == len(stated["a"]) and m["retrieved_turns"] == list(range(len(FACTS)))
+    assert m["prefill_tokens"] == len(q) and m["probe_tokens"] == len(q)
+    # the reference tenant's turns were computed the same way; its tree holds the path
+    want = generate(mem_server, stated["ref"] + q, {"session_id": "s", "tenant": "ref"})
+    assert want["meta_info"]["cached_tokens"] >= len(stated["ref"]) - 1
+    assert got["output_ids"] == want["output_ids"]
+
+
+def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_server, tok, stated):
+    q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
+    first = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)})
+    m = first["meta_info"]["sgl_memory"]
+    assert m["retrieved_blocks"] == 4 and 0 in m["retrieved_turns"]  # the turn that states the fact
+    assert m["memory_kv_tokens"] == 64 and m["prefill_tokens"] == len(q)
+    assert first["meta_info"]["prompt_tokens"] == 64 + len(q)
+    assert "Pepper" in first["text"], first["text"]
+    # the same assembled prefix again: the radix tree holds it, and the question with it
+    again = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)})
+    assert again["meta_info"]["cached_tokens"] >= 64 + len(q) - 1 and again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1
+    assert again["output_ids"] == first["output_ids"]
+
+
+def test_another_sessions_memory_is_never_retrieved(mem_server, tok, stated):
+    q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
+    for memory in ({"session_id": "other", "tenant": "a"}, {"session_id": "s", "tenant": "stranger"}, {"session_id": "s"}):
+        out = generate(mem_server, q, {**memory, "memory": retrieve(top_k=1000)})
+        m = out["meta_info"]["sgl_memory"]
+        assert m["retrieved_blocks"] == 0 and m["memory_kv_tokens"] == 0 and m["memory_blocks"] == 0, memory
+        # nothing is placed before the question (shared radix prefixes of the same tenant are not memory)
+        assert out["meta_info"]["prompt_tokens"] == len(q) and "Pepper" not in out["text"]
+
+
+def test_memory_turns_are_stored_unless_told_not_to(mem_server, tok):
+    q = render(tok, SYSTEM + [{"role": "user", "content": "My dog is called Rex."}])
+    generate(mem_server, render(tok, SYSTEM + [{"role": "user", "content": FACTS[0]}]), {"session_id": "grow"})
+    before = generate(mem_server, q, {"session_id": "grow", "memory": retrieve(store=False)})["meta_info"]["sgl_memory"]
+    kept = generate(mem_server, q, {"session_id": "grow", "memory": retrieve(store=True)}, n=8)
+    after = generate(mem_server, q, {"session_id": "grow", "memory": retrieve(store=False)})["meta_info"]["sgl_memory"]
+    assert kept["meta_info"]["sgl_memory"]["memory_blocks"] == before["memory_blocks"]  # counted before its own turn
+    new_tokens = len(q) + 8 - 1  # the turn's own prompt and output, less the last output token
+    assert after["memory_blocks"] == before["memory_blocks"] + -(-new_tokens // 16)
+
+
+def test_openai_api_and_streaming_carry_memory_mode(mem_server, stated):
+    body = {"model": "m", "messages": SYSTEM + [{"role": "user", "content": QUESTION}], "max_tokens": 12, "temperature": 0,
+            "sgl_memory": {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)}}  # fmt: skip
+    r = mem_server.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert "Pepper" in r.json()["choices"][0]["message"]["content"] and r.json()["sgl_memory"]["retrieved_blocks"] == 4
+    with requests.post(mem_server.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=300) as s:
+        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in s.iter_lines(decode_unicode=True) if line.startswith("data: {"))  # fmt: skip
+    assert "Pepper" in text
+
+
+@pytest.mark.parametrize(
+    "memory, needle",
+    [
+        ({"session_id": "s", "memory": {"mode": "recall"}}, "mode 'recall' is unknown"),
+        ({"memory": {"mode": "retrieve"}}, "needs sgl_memory.session_id"),
+        ({"session_id": "s", "memory": {"probe": "x"}}, "unknown field(s) probe"),
+        ({"session_id": "s", "memory": {"top_k": -3}}, "top_k must be an integer"),
+    ],
+)
+def test_bad_memory_requests_are_400s(mem_server, memory, needle):
+    r = mem_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": memory})
+    assert r.status_code == 400 and needle in r.text, r.text
+    # past the HTTP layer (custom_params set directly), the tokenizer-side hook refuses it as well
+    direct = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {"sgl_memory": json.dumps(memory)}}}
+    r = mem_server.post("/generate", direct)
+    assert r.status_code == 400 and needle in r.text, r.text
+    batch = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}}
+    r = mem_server.post("/generate", batch)
+    assert r.status_code == 400 and "one prompt per request" in r.text, r.text
+    assert mem_server.get("/health").status_code == 200
+
+
+def test_memory_mode_on_a_server_without_memory_is_a_400(server):
+    r = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}})
+    assert r.status_code == 400 and "memory.enabled: false" in r.text, r.text

@@ -1,0 +1,190 @@
+"""MemArt pieces without a server: the AABB bound, retrieval against a brute-force reference for
+every normalisation x aggregation, re-rotated blocks against keys rotated by transformers' own RoPE
+at the new positions, the session pool (blocks, capacity, eviction), the request field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Qwen2Config
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
+
+from sgl_memory.intent.request import SpecError, parse
+from sgl_memory.kernels.aabb_score import aabb_scores
+from sgl_memory.memart.blocks import SessionMemory
+from sgl_memory.memart.manager import assemble, unrotate
+from sgl_memory.memart.retrieval import block_scores, top_blocks
+from sgl_memory.rope import Rope
+
+# --- the AABB bound ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_aabb_score_bounds_every_key_of_its_block(seed):
+    g = torch.Generator().manual_seed(seed)
+    L, T, H, Hkv, D, N, size = 3, 7, 6, 2, 32, 9, 16
+    keys = torch.randn(L, N, size, Hkv, D, generator=g) * torch.rand(1, 1, 1, 1, D, generator=g) * 4
+    q = torch.randn(L, T, H, D, generator=g)
+    bound = aabb_scores(q, keys.amin(dim=2), keys.amax(dim=2))  # [L, T, H, N]
+    kv_head = torch.arange(H) // (H // Hkv)
+    dots = torch.einsum("lthd,lnshd->lthns", q, keys[:, :, :, kv_head])  # every key of every block
+    assert (bound >= dots.amax(-1) - 1e-4).all()
+    # tight for a one-key block: the box is the key itself
+    one = keys[:, :, :1]
+    assert torch.allclose(aabb_scores(q, one.amin(2), one.amax(2)), torch.einsum("lthd,lnhd->lthn", q, one[:, :, 0, kv_head]), atol=1e-4)
+
+
+# --- retrieval vs brute force ------------------------------------------------------------------
+
+
+def brute_force_top(q, lo, hi, norm, agg, k, c=60.0):
+    """MemArt Eq. 3-4 and Table 1 written out with loops; layers and heads averaged."""
+    L, T, H, D = q.shape
+    N, group = lo.shape[1], H // lo.shape[2]
+    total = [0.0] * N
+    for layer in range(L):
+        for head in range(H):
+            per_block = [[] for _ in range(N)]
+            for t in range(T):
+                row = []
+                for n in range(N):
+                    s = sum(max(float(q[layer, t, head, i]) * float(hi[layer, n, head // group, i]),
+                                float(q[layer, t, head, i]) * float(lo[layer, n, head // group, i])) for i in range(D))
+                    row.append(s / math.sqrt(D))
+                if norm == "softmax":
+                    z = sum(math.exp(x) for x in row)
+                    normed = [math.exp(x) / z for x in row]
+                else:
+                    order = sorted(range(N), key=lambda n: -row[n])
+                    rank = {n: r + 1 for r, n in enumerate(order)}
+                    normed = [1.0 / (rank[n] + c) for n in range(N)]
+                for n in range(N):
+                    per_block[n].append(normed[n])
+            for n in range(N):
+                total[n] += (sum(per_block[n]) if agg == "sum" else max(per_block[n])) / (L * H)
+    return sorted(range(N), key=lambda n: -total[n])[:k], total
+
+
+@pytest.mark.parametrize("norm", ["softmax", "rr"])
+@pytest.mark.parametrize("agg", ["sum", "max"])
+@pytest.mark.parametrize("seed", range(3))
+def test_retrieval_equals_brute_force(norm, agg, seed):
+    g = torch.Generator().manual_seed(seed)
+    L, T, H, Hkv, D, N = 2, 4, 4, 2, 8, 11
+    keys = torch.randn(L, N, 5, Hkv, D, generator=g) * 3
+    q = torch.randn(L, T, H, D, generator=g) * 3
+    lo, hi = keys.amin(2), keys.amax(2)
+    want, total = brute_force_top(q, lo, hi, norm, agg, 4)
+    scores = block_scores(q, lo, hi, norm, agg, 60.0)
+    assert torch.allclose(scores.double(), torch.tensor(total, dtype=torch.float64), rtol=1e-4, atol=1e-7)
+    assert top_blocks(scores, 4) == want
+
+
+# --- decoupled positions -----------------------------------------------------------------------
+
+
+def hf_rope(raw: torch.Tensor, positions: torch.Tensor, config) -> torch.Tensor:
+    """transformers' Qwen2 RoPE applied to pre-RoPE keys [n, heads, dim] at these positions."""
+    cos, sin = Qwen2RotaryEmbedding(config)(raw, positions[None])
+    k = raw.transpose(0, 1)[None].float()  # [1, heads, n, dim]
+    _, rotated = apply_rotary_pos_emb(k, k, cos, sin)
+    return rotated[0].transpose(0, 1)
+
+
+def test_rerotated_blocks_equal_keys_computed_at_the_new_positions():
+    """Keys cached at scattered positions (bf16, as the pool holds them) -> position-free -> two
+    blocks placed at 0..M-1. Tolerance: 2^-7 of the largest magnitude, i.e. the two bf16 roundings
+    (cached key, placed key) each at most half an ulp of 2^-8 relative."""
+    config = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=32768)
+    rope = Rope(head_dim=64, theta=1e6)
+    torch.manual_seed(0)
+    L, n, h, d = 2, 24, 2, 64
+    raw = torch.randn(L, n, h, d) * 3  # pre-RoPE keys
+    old = torch.cat([torch.arange(5000, 5012), torch.arange(17, 29)])  # two turns far apart
+    cached = torch.stack([hf_rope(raw[layer], old, config) for layer in range(L)]).to(torch.bfloat16)
+    free = unrotate(cached, old, rope)
+
+    memory = SessionMemory(capacity=100)
+    memory.pending = 2
+    memory.add_turn(list(range(12)), free[:, :12], cached[:, :12], block_size=12)
+    memory.add_turn(list(range(12, 24)), free[:, 12:], cached[:, 12:], block_size=12)
+    blocks = memory.take([1, 0])
+    placed, _ = assemble(blocks, rope)
+    want = torch.stack([hf_rope(raw[layer], torch.arange(n), config) for layer in range(L)])
+    err = (placed.float() - want).abs().max()
+    assert err <= 2**-7 * want.abs().max(), float(err)
+    # from a later position on (the tree already holds the start): the same keys
+    tail, _ = assemble(blocks, rope, start=10)
+    assert torch.equal(tail, placed[:, 10:])
+
+
+def test_position_free_keys_return_exactly_at_their_own_positions():
+    rope = Rope(head_dim=64, theta=1e6)
+    cached = (torch.randn(3, 40, 2, 64) * 5).to(torch.bfloat16)
+    positions = torch.arange(40)
+    memory = SessionMemory(capacity=100)
+    memory.pending = 1
+    memory.add_turn(list(range(40)), unrotate(cached, positions, rope), cached, block_size=16)
+    placed, values = assemble(memory.take([0, 1, 2]), rope)
+    assert torch.equal(placed, cached) and torch.equal(values, cached)
+
+
+# --- the session pool --------------------------------------------------------------------------
+
+
+def turn(memory, n, seed, size=4):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, n, 1, 8, generator=g)
+    memory.pending += 1
+    memory.add_turn(list(range(seed * 100, seed * 100 + n)), keys, keys.to(torch.bfloat16), size)
+    return keys
+
+
+def test_turns_become_blocks_with_their_aabbs_and_metadata():
+    memory = SessionMemory(capacity=100)
+    keys = turn(memory, 10, 0)
+    turn(memory, 3, 1)
+    ids, lo, hi = memory.index()
+    assert ids == [0, 1, 2, 3] and [len(memory.blocks[i].tokens) for i in ids] == [4, 4, 2, 3]
+    assert [memory.blocks[i].turn for i in ids] == [0, 0, 0, 1]
+    assert torch.equal(lo[:, 1], keys[:, 4:8].amin(1)) and torch.equal(hi[:, 2], keys[:, 8:10].amax(1))
+    assert memory.blocks[3].tokens == [100, 101, 102] and memory.pending == 0
+
+
+@pytest.mark.parametrize("eviction, survivors", [("fifo", [2, 3, 4, 5]), ("lru", [0, 3, 4, 5])])
+def test_capacity_evicts_by_policy(eviction, survivors):
+    memory = SessionMemory(capacity=4, eviction=eviction)
+    turn(memory, 12, 0)  # blocks 0, 1, 2
+    memory.take([0])  # block 0 retrieved: LRU keeps it
+    turn(memory, 12, 1)  # blocks 3, 4, 5: two must go
+    assert sorted(memory.blocks) == survivors and memory.evicted == 2
+    assert memory.index()[0] == survivors
+
+
+# --- the request field -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"memory": {"mode": "retrieve"}}, "needs sgl_memory.session_id"),
+        ({"session_id": "s", "memory": {"mode": "recall"}}, "mode 'recall' is unknown"),
+        ({"session_id": "s", "memory": {"top_k": 0}}, "top_k must be an integer"),
+        ({"session_id": "s", "memory": {"norm": "l2"}}, "norm 'l2' is unknown"),
+        ({"session_id": "s", "memory": {"store": "no"}}, "store must be true or false"),
+        ({"session_id": "s", "memory": {"probe": "x"}}, "unknown field(s) probe"),
+        ({"session_id": "s", "memory": []}, "memory must be an object"),
+    ],
+)
+def test_bad_memory_fields_are_refused(raw, needle):
+    with pytest.raises(SpecError, match=None) as exc:
+        parse(raw)
+    assert needle in str(exc.value)
+
+
+def test_memory_field_defaults():
+    spec = parse({"session_id": "s", "memory": {"mode": "retrieve", "top_k": 8}})
+    assert spec.memory.top_k == 8 and spec.memory.store and spec.memory.norm is None and spec.memory.probe is None
+    assert parse({"session_id": "s", "memory": {"mode": "probe", "probe": "p"}}, internal=True).memory.probe == "p"
