@@ -24,7 +24,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing into $VENV (a few minutes on a fresh machine)"
   if command -v nvidia-smi >/dev/null 2>&1; then
     # A GPU machine takes SGLang with its CUDA dependencies as published.
-    "${PIP[@]}" install "sglang==$SGLANG_VERSION" -e ".[gpu,test]"
+    "${PIP[@]}" install "sglang==$SGLANG_VERSION" -e ".[gpu,test,bench]"
   else
     # CPU torch first: an unconstrained torch requirement would pull a multi-GB CUDA build.
     "${PIP[@]}" install "torch==2.13.0"

@@ -81,6 +81,7 @@ class MemoryRetrievalConfig:
     capacity_blocks: int = 4096  # per session; beyond it the eviction policy drops blocks
     eviction: Literal["lru", "fifo"] = "lru"
     score_tokens: Literal["query", "all"] = "query"  # query: the last user turn of the prompt
+    placement: Literal["first", "after_system"] = "first"  # where the blocks go in the prompt
     roles: Literal["chatml", "llama3", "none"] = "chatml"  # chat template family that marks turns
     rr_constant: float = 60.0  # c in 1 / (rank + c)
 

@@ -45,6 +45,12 @@ def render(tok, messages):
     return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
+def system_end(tok, ids):
+    """Where the first message (the system message) ends: the second message opener."""
+    opener = tok.convert_tokens_to_ids("<|im_start|>")
+    return [i for i, t in enumerate(ids) if t == opener][1]
+
+
 def generate(server, ids, memory, n=16, status=200):
     r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory})
     assert r.status_code == status, r.text
@@ -72,7 +78,8 @@ def retrieve(top_k=None, store=False, **extra):
 
 
 def test_every_block_retrieved_equals_the_full_history_prompt(mem_server, tok, stated):
-    q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
+    # no system message: the blocks go first, at their own positions, so the KV is bit-identical
+    q = tok.encode(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     got = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=1000)})
     m = got["meta_info"]["sgl_memory"]
     assert m["memory_kv_tokens"] == len(stated["a"]) and m["retrieved_turns"] == list(range(len(FACTS)))
@@ -88,13 +95,29 @@ def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_serv
     first = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)})
     m = first["meta_info"]["sgl_memory"]
     assert m["retrieved_blocks"] == 4 and 0 in m["retrieved_turns"]  # the turn that states the fact
+    turn0 = render(tok, SYSTEM + [{"role": "user", "content": FACTS[0]}])
+    pepper = next(p for p in range(len(turn0)) if "Pepper" in tok.decode(turn0[: p + 1]))
+    assert any(turn == 0 and offset <= pepper < offset + n for turn, offset, n in m["retrieved_spans"])
     assert m["memory_kv_tokens"] == 64 and m["prefill_tokens"] == len(q)
-    assert first["meta_info"]["prompt_tokens"] == 64 + len(q)
+    assert first["meta_info"]["prompt_tokens"] == 64 + len(q) and m["probe_tokens"] == len(q)
     assert "Pepper" in first["text"], first["text"]
     # the same assembled prefix again: the radix tree holds it, and the question with it
     again = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)})
     assert again["meta_info"]["cached_tokens"] >= 64 + len(q) - 1 and again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1
     assert again["output_ids"] == first["output_ids"]
+
+
+def test_blocks_after_the_system_message(mem_server, tok, stated):
+    """placement after_system: [system message][blocks][question]; the system message's KV is the
+    probe's, so only the question after it is prefilled, and the assembly composes with the tree."""
+    q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
+    memory = {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4, placement="after_system")}
+    first = generate(mem_server, q, memory)
+    m = first["meta_info"]["sgl_memory"]
+    assert m["memory_kv_tokens"] == 64 and m["prefill_tokens"] == len(q) - system_end(tok, q)
+    assert first["meta_info"]["prompt_tokens"] == 64 + len(q)
+    again = generate(mem_server, q, memory)
+    assert again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1 and again["output_ids"] == first["output_ids"]
 
 
 def test_another_sessions_memory_is_never_retrieved(mem_server, tok, stated):
@@ -116,6 +139,10 @@ def test_memory_turns_are_stored_unless_told_not_to(mem_server, tok):
     assert kept["meta_info"]["sgl_memory"]["memory_blocks"] == before["memory_blocks"]  # counted before its own turn
     new_tokens = len(q) + 8 - 1  # the turn's own prompt and output, less the last output token
     assert after["memory_blocks"] == before["memory_blocks"] + -(-new_tokens // 16)
+    # after the system message: the turn is recorded without its system message and the blocks
+    generate(mem_server, q, {"session_id": "grow", "memory": retrieve(store=True, placement="after_system")}, n=8)
+    last = generate(mem_server, q, {"session_id": "grow", "memory": retrieve(store=False)})["meta_info"]["sgl_memory"]
+    assert last["memory_blocks"] == after["memory_blocks"] + -(-(len(q) - system_end(tok, q) + 7) // 16)
 
 
 def test_openai_api_and_streaming_carry_memory_mode(mem_server, stated):
@@ -155,3 +182,20 @@ def test_bad_memory_requests_are_400s(mem_server, memory, needle):
 def test_memory_mode_on_a_server_without_memory_is_a_400(server):
     r = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}})
     assert r.status_code == 400 and "memory.enabled: false" in r.text, r.text
+
+
+def test_frontend_program_with_a_session_answers_from_memory(mem_server, stated):
+    import sglang as sgl
+
+    from sgl_memory.frontend import MemoryEndpoint
+
+    @sgl.function
+    def ask(s, question, session_id, tenant, memory=None):
+        s += sgl.system(SYSTEM[0]["content"])
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0))
+
+    backend = MemoryEndpoint(mem_server.url, chat_template_name="chatml")  # SmolLM2 speaks ChatML
+    state = ask.run(question=QUESTION, session_id="s", tenant="a", memory=retrieve(top_k=4), backend=backend)
+    assert "Pepper" in state["answer"], state.text()
+    assert state.get_meta_info("answer")["sgl_memory"]["retrieved_blocks"] == 4

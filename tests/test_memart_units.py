@@ -115,9 +115,10 @@ def test_rerotated_blocks_equal_keys_computed_at_the_new_positions():
     want = torch.stack([hf_rope(raw[layer], torch.arange(n), config) for layer in range(L)])
     err = (placed.float() - want).abs().max()
     assert err <= 2**-7 * want.abs().max(), float(err)
-    # from a later position on (the tree already holds the start): the same keys
-    tail, _ = assemble(blocks, rope, start=10)
-    assert torch.equal(tail, placed[:, 10:])
+    # after a system message of 100 tokens: positions 100..100+M-1
+    moved, _ = assemble(blocks, rope, at=100)
+    want = torch.stack([hf_rope(raw[layer], torch.arange(100, 100 + n), config) for layer in range(L)])
+    assert (moved.float() - want).abs().max() <= 2**-7 * want.abs().max()
 
 
 def test_position_free_keys_return_exactly_at_their_own_positions():
@@ -148,7 +149,7 @@ def test_turns_become_blocks_with_their_aabbs_and_metadata():
     turn(memory, 3, 1)
     ids, lo, hi = memory.index()
     assert ids == [0, 1, 2, 3] and [len(memory.blocks[i].tokens) for i in ids] == [4, 4, 2, 3]
-    assert [memory.blocks[i].turn for i in ids] == [0, 0, 0, 1]
+    assert [(memory.blocks[i].turn, memory.blocks[i].offset) for i in ids] == [(0, 0), (0, 4), (0, 8), (1, 0)]
     assert torch.equal(lo[:, 1], keys[:, 4:8].amin(1)) and torch.equal(hi[:, 2], keys[:, 8:10].amax(1))
     assert memory.blocks[3].tokens == [100, 101, 102] and memory.pending == 0
 

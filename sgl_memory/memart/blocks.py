@@ -24,6 +24,7 @@ class Block:
     lo: torch.Tensor  # [L, Hkv, D] element-wise min of keys
     hi: torch.Tensor  # [L, Hkv, D] element-wise max
     turn: int
+    offset: int  # of its first token within its turn's stored tokens
     made: float  # wall time
     used: int  # the pool's retrieval counter when last retrieved (or made)
 
@@ -61,7 +62,7 @@ class SessionMemory:
             for start in range(0, len(tokens), block_size):
                 k = keys[:, start : start + block_size].contiguous()
                 block = Block(self.next_id, tokens[start : start + block_size], k, values[:, start : start + block_size].contiguous(),
-                              k.amin(dim=1), k.amax(dim=1), turn, now, self.clock)  # fmt: skip
+                              k.amin(dim=1), k.amax(dim=1), turn, start, now, self.clock)  # fmt: skip
                 self.blocks[block.id] = block
                 self.next_id += 1
             over = len(self.blocks) - self.capacity

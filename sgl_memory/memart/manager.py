@@ -7,10 +7,11 @@ Data flows one way:
 - probe (a prefill-only request the HTTP hook sends first, probe.py): its prompt's queries are
   captured at every attention layer as the layers receive them, their rotation removed;
 - admission of the memory-mode request (scheduler thread): the probe's queries score the session's
-  blocks (retrieval.py); the chosen blocks, in chronological order, are re-rotated to positions
-  0..M-1 and put into the radix tree (tree_fill.py) under a key private to this session and block
-  set; the request's token ids become [blocks' tokens] + [its own], so SGLang's prefix match
-  reuses the blocks and prefills only the request's own tokens.
+  blocks (retrieval.py); the chosen blocks, in chronological order, go after the prompt's system
+  message (whose KV the probe computed), re-rotated to the positions that follow it, and into the
+  radix tree (tree_fill.py) under a key private to this session and block set; the request's token
+  ids become [system] + [blocks' tokens] + [the rest of its own], so SGLang's prefix match reuses
+  all of that and prefills only the request's new turn.
 
 The tree key of an assembly is its tokens plus an extra key naming the tenant, the session and the
 block ids: KV of a block depends on the context it was computed in, not only on its tokens, so an
@@ -58,25 +59,39 @@ def get_manager() -> MemoryManager | None:
 
 @dataclass
 class Probe:
-    """Position-free queries of one probe prompt's scoring tokens, filled layer by layer."""
+    """What the probe pass of one prompt leaves for its request, filled layer by layer: the
+    position-free queries of its scoring tokens, and the KV of its system message (which stays
+    first, before the memory blocks, at the same positions)."""
 
     owner: tuple[str, str]
     start: int  # first scoring position (the last user turn) of the prompt
     length: int
+    system_end: int  # [0, system_end) is the prompt's system message
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [length - start, H, D]
+    system_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> K, V
 
-    def add(self, layer: int, q: torch.Tensor, positions: torch.Tensor, rope: Rope) -> None:
+    def add(self, layer: int, q, k, v, positions: torch.Tensor, rope: Rope) -> None:
         keep = positions >= self.start
-        if not bool(keep.any()):
-            return
-        q, positions = q[keep], positions[keep]
-        buf = self.rows.get(layer)
-        if buf is None:
-            buf = self.rows[layer] = torch.zeros(self.length - self.start, *q.shape[1:])
-        buf[positions - self.start] = rope.rotate(q.float(), -positions).float()
+        if bool(keep.any()):
+            rows = self.rows.get(layer)
+            if rows is None:
+                rows = self.rows[layer] = torch.zeros(self.length - self.start, *q.shape[1:])
+            rows[positions[keep] - self.start] = rope.rotate(q[keep].float(), -positions[keep]).float()
+        system = positions < self.system_end
+        if bool(system.any()):
+            buf = self.system_kv.get(layer)
+            if buf is None:
+                buf = self.system_kv[layer] = (k.new_zeros(self.system_end, *k.shape[1:]), v.new_zeros(self.system_end, *v.shape[1:]))
+            buf[0][positions[system]] = k[system]
+            buf[1][positions[system]] = v[system]
 
     def queries(self) -> torch.Tensor:
         return torch.stack([self.rows[i] for i in sorted(self.rows)])  # [L, T, H, D]
+
+    def system(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (post-RoPE at positions 0..system_end-1) and V of the system message, [L, S, Hkv, D]."""
+        layers = sorted(self.system_kv)
+        return torch.stack([self.system_kv[i][0] for i in layers]), torch.stack([self.system_kv[i][1] for i in layers])
 
 
 @dataclass
@@ -86,17 +101,19 @@ class TurnState:
     owner: tuple[str, str]
     mode: str  # "record" (full-history turn), "retrieve", "probe"
     store: bool = True
-    offset: int = 0  # memory tokens placed before the request's own
+    memory_start: int = 0  # the placed blocks are positions [memory_start, memory_end) of the request
+    memory_end: int = 0
     retrieved_blocks: int = 0
     retrieved_turns: list[int] = field(default_factory=list)
+    retrieved_spans: list[list[int]] = field(default_factory=list)  # [turn, offset in turn, tokens] per block
     probe_tokens: int = 0
     retrieval_ms: float = 0.0
     refused: str | None = None
 
     def metrics(self, req, memory_blocks: int) -> dict:
         return {"prefill_tokens": len(req.origin_input_ids) - req.cached_tokens, "retrieved_blocks": self.retrieved_blocks,
-                "retrieved_turns": self.retrieved_turns,
-                "memory_kv_tokens": self.offset, "probe_tokens": self.probe_tokens,
+                "retrieved_turns": self.retrieved_turns, "retrieved_spans": self.retrieved_spans,
+                "memory_kv_tokens": self.memory_end - self.memory_start, "probe_tokens": self.probe_tokens,
                 "retrieval_ms": round(self.retrieval_ms, 3), "memory_blocks": memory_blocks,
                 "memory_refused": self.refused}  # fmt: skip
 
@@ -146,8 +163,9 @@ class MemoryManager:
         if self.markers is None:
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
         ids = list(req.origin_input_ids)
-        start = find_spans(ids, self.markers, len(ids)).query_start if self.config.score_tokens == "query" else 0
-        probe = Probe(owner, start, len(ids))
+        spans = find_spans(ids, self.markers, len(ids))
+        start = spans.query_start if self.config.score_tokens == "query" else 0
+        probe = Probe(owner, start, len(ids), spans.system_end)
         req.sgl_memart = TurnState(owner, "probe")
         # a key of its own: the probe must compute every token (no prefix hit) and leave nothing behind
         req.extra_key = f"{req.extra_key or ''}\x00memory-probe:{probe_id}"
@@ -187,26 +205,36 @@ class MemoryManager:
             used += n
         blocks = memory.take(chosen)
         if blocks:
-            self._place(req, state, blocks)
+            self._place(req, state, blocks, probe, (query.placement or self.config.placement) == "after_system")
 
-    def _place(self, req, state: TurnState, blocks: list[Block]) -> None:
-        tokens = [t for b in blocks for t in b.tokens]
+    def _place(self, req, state: TurnState, blocks: list[Block], probe: Probe, after_system: bool) -> None:
+        """[system message] [blocks] [the rest of the prompt], a conversation's own order; or
+        [blocks] [prompt] (MemArt's concatenation)."""
+        prompt = list(req.origin_input_ids)
+        system = probe.system_end if after_system and probe.system_kv else 0
+        memory_tokens = [t for b in blocks for t in b.tokens]
+        tokens = prompt[:system] + memory_tokens
         digest = hashlib.blake2b(array("q", [b.id for b in blocks]).tobytes(), digest_size=12).hexdigest()
         extra_key = f"{req.extra_key or ''}\x00memory:{state.owner[1]}:{digest}"
         key = RadixKey(array("q", tokens), extra_key, cache_salt=req.cache_salt)
         match = self.tree.match_prefix(MatchPrefixParams(key=key))
-        if match.device_prefix_len < len(tokens):
-            keys, values = assemble(blocks, self.rope, match.device_prefix_len)
-            if not tree_fill.place(self.tree, key, match, keys, values):
+        have = match.device_prefix_len
+        if have < len(tokens):
+            keys, values = assemble(blocks, self.rope, at=system)
+            if system:
+                system_k, system_v = probe.system()
+                keys, values = torch.cat([system_k.to(keys.dtype), keys], 1), torch.cat([system_v.to(values.dtype), values], 1)
+            if not tree_fill.place(self.tree, key, match, keys[:, have:], values[:, have:]):
                 state.refused = "no free KV slots for the memory blocks"
                 logger.warning("memory: no free KV slots for %d memory tokens of session %r; answering without memory",
                                len(tokens), state.owner[1])  # fmt: skip
                 return
-        req.origin_input_ids = array("q", tokens + list(req.origin_input_ids))
+        req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         req.extra_key = extra_key
-        state.offset, state.retrieved_blocks = len(tokens), len(blocks)
+        state.memory_start, state.memory_end, state.retrieved_blocks = system, len(tokens), len(blocks)
         state.retrieved_turns = sorted({b.turn for b in blocks})
+        state.retrieved_spans = [[b.turn, b.offset, len(b.tokens)] for b in blocks]
 
     # --- release: record the turn off the request's path ----------------------------------------
 
@@ -229,7 +257,7 @@ class MemoryManager:
             start = common_prefix(memory.path, tokens[:end])
             memory.path = tokens[:end]
         else:
-            start = state.offset
+            start = state.memory_end  # the turn itself: not its system message, not the placed blocks
         if end <= start:
             return
         slots = self.tree.path_device_indices(match.last_device_node)[start:end]
@@ -257,13 +285,13 @@ def unrotate(keys: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.T
     return rope.rotate(flat, -positions).reshape(n, L, h, d).permute(1, 0, 2, 3).contiguous()
 
 
-def assemble(blocks: list[Block], rope: Rope, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks in the given order at contiguous positions 0..M-1, from position `start` on:
-    keys re-rotated to their new positions (pool dtype), values as stored."""
-    keys = torch.cat([b.keys for b in blocks], dim=1)[:, start:]
-    values = torch.cat([b.values for b in blocks], dim=1)[:, start:]
+def assemble(blocks: list[Block], rope: Rope, at: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks in the given order at contiguous positions at..at+M-1: keys re-rotated to their new
+    positions (pool dtype), values as stored; [L, M, Hkv, D] each."""
+    keys = torch.cat([b.keys for b in blocks], dim=1)
+    values = torch.cat([b.values for b in blocks], dim=1)
     L, n, h, d = keys.shape
-    positions = torch.arange(start, start + n)
+    positions = torch.arange(at, at + n)
     flat = keys.permute(1, 0, 2, 3).reshape(n, L * h, d)
     rotated = rope.rotate(flat, positions).reshape(n, L, h, d).permute(1, 0, 2, 3)
     return rotated.to(values.dtype).contiguous(), values
@@ -279,7 +307,10 @@ def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
     for rid, n in zip(forward_batch.rids, lens):
         probe = manager.capturing.get(rid)
         if probe is not None:
-            rows = q[start : start + n].reshape(n, layer.tp_q_head_num, layer.qk_head_dim)
-            probe.add(layer.layer_id, rows, forward_batch.positions[start : start + n].cpu(), manager.rope)
+            rows = slice(start, start + n)
+            probe.add(layer.layer_id, q[rows].reshape(n, layer.tp_q_head_num, layer.qk_head_dim),
+                      k[rows].reshape(n, layer.tp_k_head_num, layer.qk_head_dim),
+                      v[rows].reshape(n, layer.tp_v_head_num, layer.v_head_dim),
+                      forward_batch.positions[rows].cpu(), manager.rope)  # fmt: skip
         start += n
     return None

@@ -1,0 +1,47 @@
+"""Token ids of every request, built with the model's own chat template.
+
+All methods share the system instruction and the question wording; they differ only in what
+context precedes the question: the whole transcript (full), retrieved turns (text), or nothing
+in the prompt because the server places retrieved KV blocks before it (memart).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+SYSTEM = "Answer the question about the conversation in a short phrase."
+CONTEXT_HEADER = "Conversation:\n"
+
+
+def chat_ids(tokenizer, user: str) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    # transformers 5 returns a BatchEncoding unless return_dict=False
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+def with_context(tokenizer, context: str, question: str) -> list[int]:
+    return chat_ids(tokenizer, f"{CONTEXT_HEADER}{context}\n\nQuestion: {question}")
+
+
+def question_only(tokenizer, question: str) -> list[int]:
+    return chat_ids(tokenizer, f"Question: {question}")
+
+
+def ingest_ids(tokenizer, transcript: str) -> list[int]:
+    """The memory turn: plain transcript tokens, so every stored block holds dialogue and no chat markup."""
+    return tokenizer(CONTEXT_HEADER + transcript, add_special_tokens=False)["input_ids"]
+
+
+def ingest_turn_of_tokens(tokenizer, transcript: str) -> list[int | None]:
+    """For each token of the memory turn, the index of the transcript line (turn) it falls in
+    (None for the header): where a retrieved KV block sits in the dialogue."""
+    enc = tokenizer(CONTEXT_HEADER + transcript, add_special_tokens=False, return_offsets_mapping=True)
+    starts, pos = [], len(CONTEXT_HEADER)
+    for line in transcript.split("\n"):
+        starts.append(pos)
+        pos += len(line) + 1
+    out = []
+    for start, _ in enc["offset_mapping"]:
+        line = bisect.bisect_right(starts, start) - 1
+        out.append(line if line >= 0 else None)
+    return out

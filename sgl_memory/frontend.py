@@ -1,0 +1,31 @@
+"""SGLang frontend programs (`sgl.function`) with a session: a RuntimeEndpoint that sends the
+`sgl_memory` field.
+
+The frontend's sampling arguments have no place for it, so the endpoint takes it from the program's
+own arguments named `session_id`, `tenant` and `memory`, on every call the program makes:
+
+    @sgl.function
+    def ask(s, question, session_id, memory=None):
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=32))
+
+    sgl.set_default_backend(MemoryEndpoint("http://localhost:30000"))
+    ask.run(question="What is my cat called?", session_id="agent-1", memory={"mode": "retrieve"})
+"""
+
+from __future__ import annotations
+
+from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+
+from sgl_memory.intent.request import FIELD
+
+ARGUMENTS = ("session_id", "tenant", "memory")
+
+
+class MemoryEndpoint(RuntimeEndpoint):
+    def _add_images(self, s, data):
+        # the one method every generate, stream and select request body passes through before it is sent
+        super()._add_images(s, data)
+        field = {name: s.arguments[name] for name in ARGUMENTS if s.arguments.get(name) is not None}
+        if field:
+            data[FIELD] = field
