@@ -56,13 +56,20 @@ class SessionMemory:
     def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int) -> None:
         """Cut one turn's position-free KV [L, n, Hkv, D] into blocks (the last may be shorter)."""
         now = time.time()
+        n = len(tokens)
+        count = -(-n // block_size)
+        # one min/max over all blocks: the short last block is padded with copies of its own last key
+        padded = torch.cat([keys, keys[:, -1:].expand(-1, count * block_size - n, -1, -1)], dim=1)
+        boxes = padded.view(keys.shape[0], count, block_size, *keys.shape[2:])
+        lo, hi = boxes.amin(dim=2), boxes.amax(dim=2)
         with self.lock:
             turn = self.turns
             self.turns += 1
-            for start in range(0, len(tokens), block_size):
-                k = keys[:, start : start + block_size].contiguous()
-                block = Block(self.next_id, tokens[start : start + block_size], k, values[:, start : start + block_size].contiguous(),
-                              k.amin(dim=1), k.amax(dim=1), turn, start, now, self.clock)  # fmt: skip
+            for i, start in enumerate(range(0, n, block_size)):
+                end = start + block_size
+                # clones: an evicted block's memory goes with it, not with the last block of its turn
+                block = Block(self.next_id, tokens[start:end], keys[:, start:end].clone(), values[:, start:end].clone(),
+                              lo[:, i].clone(), hi[:, i].clone(), turn, start, now, self.clock)  # fmt: skip
                 self.blocks[block.id] = block
                 self.next_id += 1
             over = len(self.blocks) - self.capacity
