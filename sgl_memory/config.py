@@ -76,13 +76,15 @@ class MemoryRetrievalConfig:
     enabled: bool = False
     block_size: int = 16
     top_k: int = 32
-    norm: Literal["softmax", "rr"] = "rr"
+    norm: Literal["softmax", "rr"] = "softmax"
     agg: Literal["sum", "max"] = "max"
     capacity_blocks: int = 4096  # per session; beyond it the eviction policy drops blocks
     eviction: Literal["lru", "fifo"] = "lru"
-    score_tokens: Literal["query", "all"] = "query"  # query: the last user turn of the prompt
-    placement: Literal["first", "after_system"] = "first"  # where the blocks go in the prompt
+    scoring: Literal["exact", "aabb"] = "exact"  # a block's logit: its best key's, or the AABB bound
+    score_layers: float = 0.5  # the share of layers, from the first, whose queries score blocks
+    score_tokens: Literal["text", "query", "all"] = "text"  # text: the last user turn without markup
     roles: Literal["chatml", "llama3", "none"] = "chatml"  # chat template family that marks turns
+    placement: Literal["first", "after_system"] = "first"  # where the blocks go in the prompt
     rr_constant: float = 60.0  # c in 1 / (rank + c)
 
     def validate(self, path: str) -> None:
@@ -90,6 +92,7 @@ class MemoryRetrievalConfig:
         _require(self.top_k >= 1, f"{path}.top_k", "an integer >= 1")
         _require(self.capacity_blocks >= 1, f"{path}.capacity_blocks", "an integer >= 1")
         _require(self.rr_constant >= 0, f"{path}.rr_constant", "a number >= 0")
+        _require(0 < self.score_layers <= 1, f"{path}.score_layers", "a number in (0, 1]")
 
 
 @dataclass(frozen=True)

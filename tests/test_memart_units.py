@@ -13,9 +13,10 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply
 
 from sgl_memory.intent.request import SpecError, parse
 from sgl_memory.kernels.aabb_score import aabb_scores
+from sgl_memory.intent.spans import RoleMarkers, find_spans
 from sgl_memory.memart.blocks import SessionMemory
-from sgl_memory.memart.manager import assemble, unrotate
-from sgl_memory.memart.retrieval import block_scores, top_blocks
+from sgl_memory.memart.manager import assemble, scoring_positions, unrotate
+from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, top_blocks
 from sgl_memory.rope import Rope
 
 # --- the AABB bound ----------------------------------------------------------------------------
@@ -39,20 +40,27 @@ def test_aabb_score_bounds_every_key_of_its_block(seed):
 # --- retrieval vs brute force ------------------------------------------------------------------
 
 
-def brute_force_top(q, lo, hi, norm, agg, k, c=60.0):
-    """MemArt Eq. 3-4 and Table 1 written out with loops; layers and heads averaged."""
+def brute_force_top(q, keys, scoring, norm, agg, k, c=60.0):
+    """MemArt Eq. 3-4 and Table 1 written out with loops over every key of every block (`exact`: the
+    best key's logit; `aabb`: the bound from the element-wise min and max); layers and heads averaged."""
     L, T, H, D = q.shape
-    N, group = lo.shape[1], H // lo.shape[2]
+    N, S, group = keys.shape[1], keys.shape[2], H // keys.shape[3]
     total = [0.0] * N
     for layer in range(L):
         for head in range(H):
             per_block = [[] for _ in range(N)]
             for t in range(T):
+                qv = [float(x) for x in q[layer, t, head]]
                 row = []
                 for n in range(N):
-                    s = sum(max(float(q[layer, t, head, i]) * float(hi[layer, n, head // group, i]),
-                                float(q[layer, t, head, i]) * float(lo[layer, n, head // group, i])) for i in range(D))
-                    row.append(s / math.sqrt(D))
+                    ks = [[float(x) for x in keys[layer, n, s, head // group]] for s in range(S)]
+                    if scoring == "exact":
+                        best = max(sum(a * b for a, b in zip(qv, kv)) for kv in ks)
+                    else:
+                        lo = [min(kv[i] for kv in ks) for i in range(D)]
+                        hi = [max(kv[i] for kv in ks) for i in range(D)]
+                        best = sum(max(qv[i] * hi[i], qv[i] * lo[i]) for i in range(D))
+                    row.append(best / math.sqrt(D))
                 if norm == "softmax":
                     z = sum(math.exp(x) for x in row)
                     normed = [math.exp(x) / z for x in row]
@@ -67,19 +75,47 @@ def brute_force_top(q, lo, hi, norm, agg, k, c=60.0):
     return sorted(range(N), key=lambda n: -total[n])[:k], total
 
 
+@pytest.mark.parametrize("scoring", ["exact", "aabb"])
 @pytest.mark.parametrize("norm", ["softmax", "rr"])
 @pytest.mark.parametrize("agg", ["sum", "max"])
-@pytest.mark.parametrize("seed", range(3))
-def test_retrieval_equals_brute_force(norm, agg, seed):
+@pytest.mark.parametrize("seed", range(2))
+def test_retrieval_equals_brute_force(scoring, norm, agg, seed):
     g = torch.Generator().manual_seed(seed)
     L, T, H, Hkv, D, N = 2, 4, 4, 2, 8, 11
     keys = torch.randn(L, N, 5, Hkv, D, generator=g) * 3
     q = torch.randn(L, T, H, D, generator=g) * 3
-    lo, hi = keys.amin(2), keys.amax(2)
-    want, total = brute_force_top(q, lo, hi, norm, agg, 4)
-    scores = block_scores(q, lo, hi, norm, agg, 60.0)
+    want, total = brute_force_top(q, keys, scoring, norm, agg, 4)
+    logits = exact_logits(q, keys) if scoring == "exact" else aabb_logits(q, keys.amin(2), keys.amax(2))
+    scores = block_scores(logits, norm, agg, 60.0)
     assert torch.allclose(scores.double(), torch.tensor(total, dtype=torch.float64), rtol=1e-4, atol=1e-7)
     assert top_blocks(scores, 4) == want
+
+
+def test_index_pads_short_blocks_without_changing_their_scores():
+    memory = SessionMemory(capacity=100)
+    keys = turn(memory, 10, 0)  # blocks of 4, 4 and 2 tokens
+    index = memory.index(layers=1, block_size=4)
+    assert index.keys.shape == (1, 3, 4, 1, 8) and index.ids == [0, 1, 2]
+    q = torch.randn(1, 3, 2, 8)
+    want = torch.einsum("thd,nhd->thn", q[0], keys[0, 8:10]).amax(-1) / math.sqrt(8)
+    assert torch.allclose(exact_logits(q, index.keys)[0, ..., 2], want, atol=1e-5)
+    assert torch.equal(index.lo[0, 2], keys[0, 8:10].amin(0)) and torch.equal(index.hi[0, 2], keys[0, 8:10].amax(0))
+
+
+def test_text_scoring_positions_leave_out_the_chat_markup():
+    from transformers import AutoTokenizer
+
+    from sgl_memory import models
+
+    tok = AutoTokenizer.from_pretrained(models.model_dir("smollm2-135m-instruct"))
+    ids = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Pepper?"}],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
+    markers = RoleMarkers.from_tokenizer(tok, "chatml")
+    spans = find_spans(ids, markers, len(ids))
+    text = scoring_positions(ids, spans, "text", markers, tok)
+    assert tok.decode([ids[i] for i in text]).split() == ["Where", "is", "Pepper?"]
+    assert scoring_positions(ids, spans, "query", markers, tok) == list(range(spans.query_start, len(ids)))
+    assert scoring_positions(ids, spans, "all", markers, tok) == list(range(len(ids)))
 
 
 # --- decoupled positions -----------------------------------------------------------------------
@@ -147,7 +183,8 @@ def test_turns_become_blocks_with_their_aabbs_and_metadata():
     memory = SessionMemory(capacity=100)
     keys = turn(memory, 10, 0)
     turn(memory, 3, 1)
-    ids, lo, hi = memory.index()
+    index = memory.index(layers=2, block_size=4)
+    ids, lo, hi = index.ids, index.lo, index.hi
     assert ids == [0, 1, 2, 3] and [len(memory.blocks[i].tokens) for i in ids] == [4, 4, 2, 3]
     assert [(memory.blocks[i].turn, memory.blocks[i].offset) for i in ids] == [(0, 0), (0, 4), (0, 8), (1, 0)]
     assert torch.equal(lo[:, 1], keys[:, 4:8].amin(1)) and torch.equal(hi[:, 2], keys[:, 8:10].amax(1))
@@ -161,7 +198,7 @@ def test_capacity_evicts_by_policy(eviction, survivors):
     memory.take([0])  # block 0 retrieved: LRU keeps it
     turn(memory, 12, 1)  # blocks 3, 4, 5: two must go
     assert sorted(memory.blocks) == survivors and memory.evicted == 2
-    assert memory.index()[0] == survivors
+    assert memory.index(layers=2, block_size=4).ids == survivors
 
 
 # --- the request field -------------------------------------------------------------------------

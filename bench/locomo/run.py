@@ -9,9 +9,10 @@ Methods, all on our server (`--memory-config` with a `memory:` section):
   MemArt result is recorded).
 - memart: the transcript is ingested once per conversation as a session turn; each question then
   carries only itself and retrieves KV blocks (`store: false`, so questions stay independent).
-  Ablations: the other three norm x agg combinations and the blocks placed first, before the
-  system message (per request, same server), and block size
-  8 with top_k doubled (its own server, same KV budget).
+  Ablations (per request, same server): the other three norm x agg combinations; MemArt's AABB
+  bound instead of each block's best key (with rr-max, the paper's choice for Qwen, and with
+  softmax-max); the blocks after the system message instead of first. Block size 8 with top_k
+  doubled runs on its own server (same KV budget).
 
 Questions: per conversation, `--questions-per-conversation` questions of categories 1-4, stratified
 by category with a fixed seed (the `qa` lists are grouped by category, so the first N would miss
@@ -41,8 +42,8 @@ from . import data, metrics, prompts
 from .retrieval import TurnRetriever
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-METHOD_GROUPS = ("memart", "norm-agg", "placement", "block8", "full", "text")
-MAIN_NORM, MAIN_AGG = "rr", "max"
+METHOD_GROUPS = ("memart", "norm-agg", "aabb", "placement", "block8", "full", "text")
+MAIN_NORM, MAIN_AGG = "softmax", "max"  # the server's defaults (bench/locomo/retrieval_study.py)
 LONG_REQUEST_S = 3600  # a cold 24k-token prefill on 2 cores takes minutes
 
 
@@ -53,7 +54,8 @@ class Variant:
     top_k: int = 0
     norm: str = MAIN_NORM
     agg: str = MAIN_AGG
-    placement: str = "after_system"  # of the memory blocks: after the system message, or first
+    scoring: str = "exact"  # a block's logit: its best key's, or the AABB bound (MemArt's)
+    placement: str = "first"  # of the memory blocks: first (MemArt), or after the system message
 
     @property
     def label(self) -> str:
@@ -61,8 +63,8 @@ class Variant:
             return "full"
         if self.method == "text":
             return f"text-k{self.top_k}"  # budget from the main MemArt variant at this top_k
-        first = "-first" if self.placement == "first" else ""
-        return f"memart-bs{self.block_size}-k{self.top_k}-{self.norm}-{self.agg}{first}"
+        suffix = ("-aabb" if self.scoring == "aabb" else "") + ("-after-system" if self.placement == "after_system" else "")
+        return f"memart-bs{self.block_size}-k{self.top_k}-{self.norm}-{self.agg}{suffix}"
 
 
 def main_memart(top_k: int) -> Variant:
@@ -80,8 +82,10 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
         elif group == "norm-agg":
             out += [Variant("memart", 16, top_k, n, a) for n in ("rr", "softmax") for a in ("max", "sum")
                     if (n, a) != (MAIN_NORM, MAIN_AGG)]  # fmt: skip
+        elif group == "aabb":  # MemArt's compressed keys, with the paper's choice for Qwen and ours
+            out += [Variant("memart", 16, top_k, "rr", "max", scoring="aabb"), Variant("memart", 16, top_k, scoring="aabb")]
         elif group == "placement":
-            out.append(Variant("memart", 16, top_k, placement="first"))  # MemArt's [blocks][prompt]
+            out.append(Variant("memart", 16, top_k, placement="after_system"))  # [system][blocks][question]
         elif group == "block8":
             out.append(Variant("memart", 8, top_k * 2))  # same KV tokens as block 16
         else:
@@ -232,7 +236,8 @@ class Runner:
                      "evidence_recall": sum(e in found for e in q.evidence) / len(q.evidence) if q.evidence else None}  # fmt: skip
             return prompts.with_context(self.tokenizer, excerpt, q.question), None, extra
         memory = {"session_id": sid, "memory": {"mode": "retrieve", "top_k": variant.top_k, "norm": variant.norm,
-                                                "agg": variant.agg, "placement": variant.placement, "store": False}}  # fmt: skip
+                                                "agg": variant.agg, "scoring": variant.scoring, "placement": variant.placement,
+                                                "store": False}}  # fmt: skip
         return prompts.question_only(self.tokenizer, q.question), memory, {}
 
     def ask(self, server, variant: Variant, conv: Conversation, q: data.Question, sid: str | None) -> None:

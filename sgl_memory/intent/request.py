@@ -33,6 +33,7 @@ class MemoryQuery:
     top_k: int | None = None  # None: the server's memory.top_k
     norm: str | None = None
     agg: str | None = None
+    scoring: str | None = None
     placement: str | None = None
     store: bool = True  # False: this turn is not added to the session's memory
     probe: str | None = None  # internal: the id of the query pass the HTTP hook ran first
@@ -76,7 +77,7 @@ def _memory(raw, internal: bool) -> MemoryQuery | None:
     where = f"{FIELD}.memory"
     if not isinstance(raw, dict):
         raise SpecError(f"{where} must be an object")
-    allowed = ("mode", "top_k", "norm", "agg", "placement", "store") + (("probe",) if internal else ())
+    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store") + (("probe",) if internal else ())
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
         raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
@@ -86,7 +87,8 @@ def _memory(raw, internal: bool) -> MemoryQuery | None:
     top_k = raw.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
         raise SpecError(f"{where}.top_k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
-    for name, choices in (("norm", ("softmax", "rr")), ("agg", ("sum", "max")), ("placement", ("after_system", "first"))):
+    for name, choices in (("norm", ("softmax", "rr")), ("agg", ("sum", "max")), ("scoring", ("exact", "aabb")),
+                          ("placement", ("first", "after_system"))):
         if raw.get(name) is not None and raw[name] not in choices:
             raise SpecError(f"{where}.{name} {raw[name]!r} is unknown; allowed: {', '.join(choices)}")
     store = raw.get("store", True)
@@ -95,7 +97,7 @@ def _memory(raw, internal: bool) -> MemoryQuery | None:
     probe = raw.get("probe")
     if probe is not None and not isinstance(probe, str):
         raise SpecError(f"{where}.probe must be a string")
-    return MemoryQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("placement"), store, probe)
+    return MemoryQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store, probe)
 
 
 def parse(raw, internal: bool = False) -> MemorySpec:

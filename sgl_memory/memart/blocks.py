@@ -32,6 +32,29 @@ class Block:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lo, self.hi))
 
 
+@dataclass
+class BlockIndex:
+    """A pool's blocks stacked for scoring: ids in chronological order, their AABBs lo, hi
+    [L, N, Hkv, D], and their keys [L, N, block_size, Hkv, D] (a short block padded with copies of
+    its own last key, which changes neither its box nor its best key)."""
+
+    layers: int
+    ids: list[int]
+    lo: torch.Tensor
+    hi: torch.Tensor
+    keys: torch.Tensor
+
+    @classmethod
+    def of(cls, blocks: list[Block], layers: int, block_size: int) -> BlockIndex:
+        if not blocks:
+            return cls(layers, [], torch.zeros(0), torch.zeros(0), torch.zeros(0))
+        padded = [b.keys[:layers] if len(b.tokens) == block_size else
+                  torch.cat([b.keys[:layers], b.keys[:layers, -1:].expand(-1, block_size - len(b.tokens), -1, -1)], 1)
+                  for b in blocks]  # fmt: skip
+        return cls(layers, [b.id for b in blocks], torch.stack([b.lo[:layers] for b in blocks], 1),
+                   torch.stack([b.hi[:layers] for b in blocks], 1), torch.stack(padded, 1))  # fmt: skip
+
+
 # which block a full pool drops first (smallest key)
 EVICTIONS = {
     "lru": lambda b: (b.used, b.id),  # least recently retrieved, the oldest among equals
@@ -51,7 +74,7 @@ class SessionMemory:
     evicted: int = 0
     pending: int = 0  # captured turns the worker has not added yet
     lock: threading.Condition = field(default_factory=threading.Condition)
-    _index: tuple | None = None
+    _index: BlockIndex | None = None
 
     def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int) -> None:
         """Cut one turn's position-free KV [L, n, Hkv, D] into blocks (the last may be shorter)."""
@@ -86,16 +109,11 @@ class SessionMemory:
         with self.lock:
             return self.lock.wait_for(lambda: self.pending == 0, timeout)
 
-    def index(self) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """Block ids in chronological order and their stacked AABBs lo, hi [L, N, Hkv, D]."""
+    def index(self, layers: int, block_size: int) -> BlockIndex:
+        """The scoring view of the first `layers` layers, rebuilt after the pool changes."""
         with self.lock:
-            if self._index is None:
-                blocks = list(self.blocks.values())
-                if blocks:
-                    self._index = ([b.id for b in blocks], torch.stack([b.lo for b in blocks], dim=1),
-                                   torch.stack([b.hi for b in blocks], dim=1))  # fmt: skip
-                else:
-                    self._index = ([], torch.zeros(0), torch.zeros(0))
+            if self._index is None or self._index.layers != layers:
+                self._index = BlockIndex.of(list(self.blocks.values()), layers, block_size)
             return self._index
 
     def take(self, ids: list[int]) -> list[Block]:

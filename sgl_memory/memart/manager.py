@@ -40,7 +40,7 @@ from sgl_memory.intent import stats
 from sgl_memory.intent.request import MemorySpec
 from sgl_memory.intent.spans import RoleMarkers, find_spans
 from sgl_memory.memart.blocks import Block, SessionMemory
-from sgl_memory.memart.retrieval import block_scores, top_blocks
+from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, top_blocks
 from sgl_memory.persist.textmatch import common_prefix
 from sgl_memory.rope import Rope
 
@@ -64,15 +64,20 @@ class Probe:
     first, before the memory blocks, at the same positions)."""
 
     owner: tuple[str, str]
-    start: int  # first scoring position (the last user turn) of the prompt
+    scoring: list[int]  # the prompt positions whose queries score the blocks
+    layers: int  # the layers whose queries score the blocks (the first ones)
     length: int
     system_end: int  # [0, system_end) is the prompt's system message
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [length - start, H, D]
+
+    @property
+    def start(self) -> int:
+        return self.scoring[0]
     system_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> K, V
 
     def add(self, layer: int, q, k, v, positions: torch.Tensor, rope: Rope) -> None:
         keep = positions >= self.start
-        if bool(keep.any()):
+        if layer < self.layers and bool(keep.any()):
             rows = self.rows.get(layer)
             if rows is None:
                 rows = self.rows[layer] = torch.zeros(self.length - self.start, *q.shape[1:])
@@ -86,7 +91,8 @@ class Probe:
             buf[1][positions[system]] = v[system]
 
     def queries(self) -> torch.Tensor:
-        return torch.stack([self.rows[i] for i in sorted(self.rows)])  # [L, T, H, D]
+        picked = torch.tensor(self.scoring) - self.start
+        return torch.stack([self.rows[i][picked] for i in sorted(self.rows)])  # [L, T, H, D]
 
     def system(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K (post-RoPE at positions 0..system_end-1) and V of the system message, [L, S, Hkv, D]."""
@@ -122,6 +128,8 @@ class MemoryManager:
     def __init__(self, config: MemoryRetrievalConfig, tree, rope: Rope):
         global _MANAGER
         self.config, self.tree, self.rope = config, tree, rope
+        layer_num = tree.token_to_kv_pool_allocator.get_kvcache().layer_num
+        self.layers = max(1, round(layer_num * config.score_layers))
         self.sessions: OrderedDict[tuple[str, str], SessionMemory] = OrderedDict()
         self.probes: OrderedDict[str, Probe] = OrderedDict()
         self.capturing: dict[str, Probe] = {}  # rid -> probe being prefilled
@@ -164,8 +172,8 @@ class MemoryManager:
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
         ids = list(req.origin_input_ids)
         spans = find_spans(ids, self.markers, len(ids))
-        start = spans.query_start if self.config.score_tokens == "query" else 0
-        probe = Probe(owner, start, len(ids), spans.system_end)
+        scoring = scoring_positions(ids, spans, self.config.score_tokens, self.markers, getattr(scheduler, "tokenizer", None))
+        probe = Probe(owner, scoring, self.layers, len(ids), spans.system_end)
         req.sgl_memart = TurnState(owner, "probe")
         # a key of its own: the probe must compute every token (no prefix hit) and leave nothing behind
         req.extra_key = f"{req.extra_key or ''}\x00memory-probe:{probe_id}"
@@ -189,11 +197,16 @@ class MemoryManager:
         if not memory.wait_idle(PROBE_WAIT_S):
             logger.warning("memory: session %r still has turns being added after %.0f s; retrieving without them",
                            state.owner[1], PROBE_WAIT_S)  # fmt: skip
-        ids, lo, hi = memory.index()
+        index = memory.index(self.layers, self.config.block_size)
+        ids = index.ids
         if not ids:
             return
-        scores = block_scores(probe.queries(), lo, hi, query.norm or self.config.norm, query.agg or self.config.agg,
-                              self.config.rr_constant)  # fmt: skip
+        q = probe.queries()
+        if (query.scoring or self.config.scoring) == "exact":
+            logits = exact_logits(q, index.keys)
+        else:
+            logits = aabb_logits(q, index.lo, index.hi)
+        scores = block_scores(logits, query.norm or self.config.norm, query.agg or self.config.agg, self.config.rr_constant)
         limit = getattr(scheduler, "max_req_input_len", None)
         budget = (limit - len(req.origin_input_ids)) if limit else None
         chosen, used = [], 0
@@ -276,6 +289,28 @@ class MemoryManager:
                 with memory.lock:
                     memory.pending -= 1
                     memory.lock.notify_all()
+
+
+def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, tokenizer) -> list[int]:
+    """The prompt positions whose queries score the blocks: every one (`all`); the last user turn
+    (`query`); or its text (`text`): the turn without its chat markup (special tokens, the role
+    name on a message opener's line, whitespace), which would match every block that holds markup."""
+    if mode == "all":
+        return list(range(len(ids)))
+    turn = list(range(spans.query_start, len(ids)))
+    if mode == "query" or tokenizer is None:
+        return turn or list(range(len(ids)))
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    text, header = [], False
+    for i in turn:
+        piece = tokenizer.decode([ids[i]])
+        if ids[i] == markers.opener:
+            header = True  # the role name that follows runs to the end of its line
+        elif header:
+            header = "\n" not in piece
+        elif ids[i] not in special and piece.strip():
+            text.append(i)
+    return text or turn or list(range(len(ids)))
 
 
 def unrotate(keys: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:

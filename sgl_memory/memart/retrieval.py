@@ -1,15 +1,20 @@
-"""Which memory blocks a prompt needs (MemArt 3.2.2): AABB bounds, normalised, aggregated, top-k.
+"""Which memory blocks a prompt needs (MemArt 3.2.2): block logits, normalised, aggregated, top-k.
 
-For every layer, query head and prompt token, each block's relevance is the AABB upper bound of
-the token's attention logit over the block's keys (kernels/aabb_score.py), at the attention's
-temperature 1/sqrt(head_dim). Bounds of different tokens are not comparable, so each (layer, head,
-token) row is first normalised over the blocks (softmax, or reciprocal rank 1/(rank + c) with rank 1
-the best block), then aggregated over the tokens (sum or max).
+A block's logit for one (layer, query head, prompt token) is, at the attention's temperature
+1/sqrt(head_dim), either
+- `exact`: the largest q.k over the block's own keys, the attention logit of its best key; or
+- `aabb`: the AABB upper bound of that (kernels/aabb_score.py), MemArt's compressed key.
+Measured on LoCoMo with the default model (bench/locomo/retrieval_study.py), the 16-token AABB is
+nearly the same for every question (two questions share 96% of their top-64 blocks: the width of
+the boxes decides, not the question), and finds the evidence turns about as often as random blocks;
+the exact maximum finds most of them. Both read only the layers the index holds.
 
-Layers and heads are then averaged: one block set serves every layer and head, because the blocks
-become a single token prefix in the radix tree, which a per-layer or per-head choice could not be.
-The mean gives every (layer, head) pair one equal vote after normalisation; a max over them would
-let the single most peaked head decide for all of them.
+Logits of different tokens are not comparable, so each (layer, head, token) row is normalised over
+the blocks (softmax, or reciprocal rank 1/(rank + c) with rank 1 the best block), then aggregated
+over the tokens (sum or max). Layers and heads are then averaged: one block set serves every layer
+and head, because the blocks become a single token prefix in the radix tree, which a per-layer or
+per-head choice could not be. The mean gives every (layer, head) pair one equal vote after
+normalisation; a max over them would let the single most peaked head decide for all of them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,27 @@ import math
 import torch
 
 from sgl_memory.kernels.aabb_score import aabb_scores
+
+EXACT_CHUNK = 256  # blocks per step of the exact scan: bounds the [L, T, H, blocks, block_size] product
+
+
+def aabb_logits(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """q [L, T, H, D]; lo, hi [L, N, Hkv, D] -> [L, T, H, N]."""
+    return aabb_scores(q, lo, hi) / math.sqrt(q.shape[-1])
+
+
+def exact_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [L, T, H, D]; keys [L, N, S, Hkv, D] (blocks padded to S with copies of their own keys)
+    -> the largest logit over each block's keys, [L, T, H, N]."""
+    L, T, H, D = q.shape
+    N, Hkv = keys.shape[1], keys.shape[3]
+    grouped = q.float().view(L, T, Hkv, H // Hkv, D)  # query heads that read the same KV head
+    out = torch.empty(L, T, H, N)
+    for n0 in range(0, N, EXACT_CHUNK):
+        chunk = keys[:, n0 : n0 + EXACT_CHUNK].float()
+        best = torch.einsum("ltkgd,lnskd->ltkgns", grouped, chunk).amax(-1)
+        out[..., n0 : n0 + chunk.shape[1]] = best.reshape(L, T, H, -1)
+    return out / math.sqrt(D)
 
 
 def softmax_norm(logits: torch.Tensor, rr_constant: float) -> torch.Tensor:
@@ -36,10 +62,8 @@ NORMS = {"softmax": softmax_norm, "rr": rr_norm}
 AGGS = {"sum": lambda x, dim: x.sum(dim), "max": lambda x, dim: x.amax(dim)}
 
 
-def block_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, norm: str, agg: str,
-                 rr_constant: float = 60.0) -> torch.Tensor:  # fmt: skip
-    """q [L, T, H, D] position-free prompt queries; lo, hi [L, N, Hkv, D] block AABBs -> scores [N]."""
-    logits = aabb_scores(q, lo, hi) / math.sqrt(q.shape[-1])  # [L, T, H, N]
+def block_scores(logits: torch.Tensor, norm: str, agg: str, rr_constant: float = 60.0) -> torch.Tensor:
+    """Block logits [L, T, H, N] -> one score per block [N]."""
     per_token = NORMS[norm](logits, rr_constant)
     return AGGS[agg](per_token, 1).mean(dim=(0, 1))
 
