@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 MAX_SESSIONS = 1024  # session pools kept; the least recently used beyond are dropped
 MAX_PROBES = 256  # finished probes waiting for their request
-PROBE_WAIT_S = 30.0  # a memory-mode request waits this long for its session's pending turns
+PENDING_WAIT_S = 30.0  # a memory-mode request waits this long for its session's pending turns
 
 _MANAGER: MemoryManager | None = None
 
@@ -194,9 +194,9 @@ class MemoryManager:
         state.probe_tokens = probe.length
         if memory is None:
             return  # nothing remembered yet
-        if not memory.wait_idle(PROBE_WAIT_S):
+        if not memory.wait_idle(PENDING_WAIT_S):
             logger.warning("memory: session %r still has turns being added after %.0f s; retrieving without them",
-                           state.owner[1], PROBE_WAIT_S)  # fmt: skip
+                           state.owner[1], PENDING_WAIT_S)  # fmt: skip
         index = memory.index(self.layers, self.config.block_size)
         ids = index.ids
         if not ids:
