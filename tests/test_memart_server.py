@@ -199,3 +199,16 @@ def test_frontend_program_with_a_session_answers_from_memory(mem_server, stated)
     state = ask.run(question=QUESTION, session_id="s", tenant="a", memory=retrieve(top_k=4), backend=backend)
     assert "Pepper" in state["answer"], state.text()
     assert state.get_meta_info("answer")["sgl_memory"]["retrieved_blocks"] == 4
+
+
+def test_parallel_samples_all_use_the_memory(mem_server, tok, stated):
+    """n > 1: SGLang runs one request per sample, and each must find the probe's queries."""
+    q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
+    body = {"input_ids": q, "sampling_params": {"max_new_tokens": 8, "n": 2, "temperature": 0.7},
+            "sgl_memory": {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)}}  # fmt: skip
+    r = mem_server.post("/generate", body)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert len(outs) == 2
+    for out in outs:
+        assert out["meta_info"]["sgl_memory"]["memory_kv_tokens"] == 64 and out["meta_info"]["prompt_tokens"] == 64 + len(q)

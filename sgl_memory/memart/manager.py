@@ -47,7 +47,7 @@ from sgl_memory.rope import Rope
 logger = logging.getLogger(__name__)
 
 MAX_SESSIONS = 1024  # session pools kept; the least recently used beyond are dropped
-MAX_PROBES = 256  # finished probes waiting for their request
+MAX_PROBES = 32  # recent probes kept for their request (a request with n > 1 samples uses its probe n times)
 PENDING_WAIT_S = 30.0  # a memory-mode request waits this long for its session's pending turns
 
 _MANAGER: MemoryManager | None = None
@@ -186,7 +186,7 @@ class MemoryManager:
 
     def _retrieve(self, scheduler, req, state: TurnState, query) -> None:
         with self._lock:
-            probe = self.probes.pop(query.probe, None) if query.probe else None
+            probe = self.probes.get(query.probe) if query.probe else None
         memory = self.session(state.owner, create=False)
         if probe is None or probe.owner != state.owner or not probe.rows:
             state.refused = "no query pass for this request"
