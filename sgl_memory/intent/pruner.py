@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_memory.attention.extend_rows import extend_rows
 from sgl_memory.config import IntentConfig
 from sgl_memory.intent import scorers, stats
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
@@ -136,14 +137,11 @@ class IntentPruner:
     def bind_captures(self, forward_batch) -> list[tuple[QueryCapture, int, int, int]]:
         """(capture, first query row, first position, rows) of each request of this forward whose
         prompt is being prefilled."""
-        prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
-        new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
-        bound, q_start = [], 0
-        for rid, prefix, n in zip(forward_batch.rids, prefix_lens, new_lens):
-            capture = self.captures.get(rid)
-            if capture is not None and prefix < capture.length:
-                bound.append((capture, q_start, prefix, n))
-            q_start += n
+        bound = []
+        for rows in extend_rows(forward_batch):
+            capture = self.captures.get(rows.rid)
+            if capture is not None and rows.prefix < capture.length:
+                bound.append((capture, rows.start, rows.prefix, rows.count))
         return bound
 
     # --- the compression event (radix tree, after the last prefill chunk) -----------------------

@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory import tree_fill
+from sgl_memory.attention.extend_rows import extend_rows
 from sgl_memory.config import MemoryRetrievalConfig
 from sgl_memory.intent import stats
 from sgl_memory.intent.request import MemorySpec
@@ -50,11 +51,7 @@ MAX_SESSIONS = 1024  # session pools kept; the least recently used beyond are dr
 MAX_PROBES = 32  # recent probes kept for their request (a request with n > 1 samples uses its probe n times)
 PENDING_WAIT_S = 30.0  # a memory-mode request waits this long for its session's pending turns
 
-_MANAGER: MemoryManager | None = None
-
-
-def get_manager() -> MemoryManager | None:
-    return _MANAGER
+_MANAGER: MemoryManager | None = None  # the capture hook's way to this process's manager
 
 
 @dataclass
@@ -69,11 +66,11 @@ class Probe:
     length: int
     system_end: int  # [0, system_end) is the prompt's system message
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [length - start, H, D]
+    system_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> K, V
 
     @property
     def start(self) -> int:
         return self.scoring[0]
-    system_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> K, V
 
     def add(self, layer: int, q, k, v, positions: torch.Tensor, rope: Rope) -> None:
         keep = positions >= self.start
@@ -313,11 +310,16 @@ def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, to
     return text or turn or list(range(len(ids)))
 
 
+def rotate_layers(keys: torch.Tensor, delta: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Keys [L, n, Hkv, D] of every layer rotated by delta [n] positions (float64 math)."""
+    L, n, h, d = keys.shape
+    flat = keys.permute(1, 0, 2, 3).reshape(n, L * h, d)
+    return rope.rotate(flat, delta).reshape(n, L, h, d).permute(1, 0, 2, 3)
+
+
 def unrotate(keys: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Post-RoPE keys [L, n, Hkv, D] at these positions -> position-free float32 keys."""
-    L, n, h, d = keys.shape
-    flat = keys.permute(1, 0, 2, 3).reshape(n, L * h, d).float()
-    return rope.rotate(flat, -positions).reshape(n, L, h, d).permute(1, 0, 2, 3).contiguous()
+    return rotate_layers(keys.float(), -positions, rope).contiguous()
 
 
 def assemble(blocks: list[Block], rope: Rope, at: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,10 +327,7 @@ def assemble(blocks: list[Block], rope: Rope, at: int = 0) -> tuple[torch.Tensor
     positions (pool dtype), values as stored; [L, M, Hkv, D] each."""
     keys = torch.cat([b.keys for b in blocks], dim=1)
     values = torch.cat([b.values for b in blocks], dim=1)
-    L, n, h, d = keys.shape
-    positions = torch.arange(at, at + n)
-    flat = keys.permute(1, 0, 2, 3).reshape(n, L * h, d)
-    rotated = rope.rotate(flat, positions).reshape(n, L, h, d).permute(1, 0, 2, 3)
+    rotated = rotate_layers(keys, torch.arange(at, at + keys.shape[1]), rope)
     return rotated.to(values.dtype).contiguous(), values
 
 
@@ -337,15 +336,14 @@ def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
     manager = _MANAGER
     if manager is None or not manager.capturing or not forward_batch.rids or forward_batch.forward_mode.is_decode():
         return None
-    lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
-    start = 0
-    for rid, n in zip(forward_batch.rids, lens):
-        probe = manager.capturing.get(rid)
-        if probe is not None:
-            rows = slice(start, start + n)
-            probe.add(layer.layer_id, q[rows].reshape(n, layer.tp_q_head_num, layer.qk_head_dim),
-                      k[rows].reshape(n, layer.tp_k_head_num, layer.qk_head_dim),
-                      v[rows].reshape(n, layer.tp_v_head_num, layer.v_head_dim),
-                      forward_batch.positions[rows].cpu(), manager.rope)  # fmt: skip
-        start += n
+    bound = getattr(forward_batch, "sgl_probes", None)
+    if bound is None:  # once per forward, not per layer
+        bound = forward_batch.sgl_probes = [(manager.capturing[r.rid], r) for r in extend_rows(forward_batch)
+                                            if r.rid in manager.capturing]  # fmt: skip
+    for probe, r in bound:
+        rows = slice(r.start, r.start + r.count)
+        probe.add(layer.layer_id, q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim),
+                  k[rows].reshape(r.count, layer.tp_k_head_num, layer.qk_head_dim),
+                  v[rows].reshape(r.count, layer.tp_v_head_num, layer.v_head_dim),
+                  torch.arange(r.prefix, r.prefix + r.count), manager.rope)  # fmt: skip
     return None
