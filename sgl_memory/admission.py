@@ -1,33 +1,51 @@
 """The scheduler's admission hook: each memory mechanism sees a new request before it is queued.
 
-A tenant is a namespace in the radix tree too: its requests get the tenant in their `extra_key`
-(which SGLang already uses to keep LoRA adapters apart), so no request matches KV another tenant
-computed, even for the same tokens. The field is parsed once, here (a bad one is a 400), and
-every mechanism gets the parsed spec. Persistence runs next: its text-level match may rewrite the
-prompt's token ids, which intent pruning then reads to find its spans. KV memory (never on together
-with either) puts a memory-mode request's retrieved blocks before its prompt."""
+Namespaces in the radix tree live in SGLang's `extra_key` (which it already uses to keep LoRA
+adapters apart): a tenant, a memory assembly, a probe each append `\\x00<kind>:<name>` to it. A
+client may send an `extra_key` of its own, so before anything is appended the client's part is
+escaped to a string without NUL (`client_namespace`): no client value can then spell one of ours,
+and the tenant namespace comes from `sgl_memory.tenant` alone. The field is parsed once, here (a
+bad one is a 400), and every mechanism gets the parsed spec. Persistence runs next: its text-level
+match may rewrite the prompt's token ids, which intent pruning then reads to find its spans. KV
+memory (never on together with either) puts a memory-mode request's retrieved blocks before its
+prompt."""
 
 from __future__ import annotations
 
+from sgl_memory.config import MemoryConfig
 from sgl_memory.intent.pruner import get_pruner
-from sgl_memory.intent.request import SpecError, of_request
+from sgl_memory.intent.request import SpecError, check_served, of_request
+
+OFF = MemoryConfig()  # what a server runs when its tree is not ours (or is disabled): no mechanism
+
+
+def client_namespace(extra_key: str | None) -> str | None:
+    """An injective escape of a client's extra_key that never contains NUL, the separator of the
+    namespaces sgl-memory appends: `\\` becomes `\\\\` and NUL becomes `\\0`."""
+    if not extra_key or ("\x00" not in extra_key and "\\" not in extra_key):
+        return extra_key or None
+    return extra_key.replace("\\", "\\\\").replace("\x00", "\\0")
 
 
 def admit_hook(scheduler, req, *args, **kwargs):
     """BEFORE hook on Scheduler._add_request_to_queue (patches/hooks.yaml)."""
-    if args[:1] == (True,) or kwargs.get("is_retracted") or req.finished():
-        return None  # a retracted request was admitted once already
+    if args[:1] == (True,) or kwargs.get("is_retracted") or req.finished() or getattr(req, "sgl_admitted", False):
+        return None  # admitted once already (a retracted request comes back through here)
+    req.sgl_admitted = True
+    req.extra_key = client_namespace(req.extra_key)
+    tree = scheduler.tree_cache
     try:
         spec = of_request(req)
+        check_served(spec, OFF if getattr(tree, "disable", True) else getattr(tree, "memory_config", OFF))
     except SpecError as exc:
         req.set_finish_with_abort(str(exc))
         return None
     if spec.tenant is not None:
         req.extra_key = f"{req.extra_key or ''}\x00tenant:{spec.tenant}"
-    persist = getattr(scheduler.tree_cache, "persist", None)
+    persist = getattr(tree, "persist", None)
     if persist is not None:
         persist.admit(scheduler, req, spec)
-    memart = getattr(scheduler.tree_cache, "memart", None)
+    memart = getattr(tree, "memart", None)
     if memart is not None:
         memart.admit(scheduler, req, spec)
     pruner = get_pruner()

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 CONFIG_ENV = "SGLMEMORY_CONFIG"  # how the launcher hands the file to SGLang's child processes
+MAX_BUDGET = (1 << 31) - 1  # beyond any context length; keeps every metric inside 64-bit JSON integers
 
 
 class ConfigError(ValueError):
@@ -41,7 +42,7 @@ class IntentConfig:
     sinks: int = 4  # StreamingLLM attention-sink tokens
 
     def validate(self, path: str) -> None:
-        _require(self.budget >= 1, f"{path}.budget", "an integer >= 1")
+        _require(1 <= self.budget <= MAX_BUDGET, f"{path}.budget", f"an integer in [1, {MAX_BUDGET}]")
         _require(0.0 <= self.decay < 1.0, f"{path}.decay", "a number in [0, 1)")
         _require(self.session_capacity >= 1, f"{path}.session_capacity", "an integer >= 1")
         for name in ("query_tail", "session_prefix_tokens", "window", "kernel"):

@@ -30,6 +30,10 @@ class Server:
     def post(self, path: str, body: dict, timeout: float = 600) -> requests.Response:
         return requests.post(self.url + path, json=body, timeout=timeout)
 
+    def post_raw(self, path: str, data: bytes, timeout: float = 600) -> requests.Response:
+        """A body sent as given (not serialised by us): malformed, huge or deeply nested JSON."""
+        return requests.post(self.url + path, data=data, headers={"content-type": "application/json"}, timeout=timeout)
+
     def get(self, path: str, timeout: float = 30) -> requests.Response:
         return requests.get(self.url + path, timeout=timeout)
 

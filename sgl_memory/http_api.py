@@ -4,6 +4,10 @@
 - the per-request `sgl_memory` field on `/generate`, `/v1/chat/completions` and `/v1/completions`:
   validated here (a bad field is a 400 before anything reaches the engine) and moved into SGLang's
   `custom_params`, which carries it to the scheduler;
+- bounds on those bodies that SGLang does not check: a size cap (413) and JSON nested too deeply
+  to parse (400; SGLang's own parser would answer it with a 500);
+- a prompt of zero tokens is a 400 (TokenizerManager hook): SGLang's scheduler would crash on it
+  and take the whole server down;
 - OpenAI responses get the request's metrics as a top-level `sgl_memory` object (native responses
   carry them in `meta_info`).
 """
@@ -15,11 +19,13 @@ import json
 
 from sgl_memory import SGLANG_VERSION, __version__
 from sgl_memory.config import from_env
-from sgl_memory.intent.request import FIELD, SpecError, parse
+from sgl_memory.config import MemoryConfig
+from sgl_memory.intent.request import FIELD, SpecError, check_served, parse
 from sgl_memory.intent.stats import STATS
 
 NATIVE = "/generate"
 OPENAI = ("/v1/chat/completions", "/v1/completions")
+MAX_BODY_BYTES = 64 << 20  # a full-context prompt is well under 1 MiB of JSON; a batch of them fits too
 
 
 def mount(server_args, *args, **kwargs):
@@ -44,16 +50,16 @@ def mount(server_args, *args, **kwargs):
     async def sgl_memory_stats():
         return STATS.snapshot()
 
-    app.add_middleware(MemoryFieldMiddleware)
+    app.add_middleware(MemoryFieldMiddleware, config=config)
     return None
 
 
-def move_field(path: str, body: dict) -> dict:
+def move_field(path: str, body: dict, config: MemoryConfig) -> dict:
     """Validate and move the `sgl_memory` field into `custom_params`; raises SpecError."""
     if FIELD not in body:
         return body
     raw = body.pop(FIELD)
-    parse(raw)
+    check_served(parse(raw), config)
     encoded = json.dumps(raw)
     if path == NATIVE:
         params = body.get("sampling_params")
@@ -72,30 +78,36 @@ def move_field(path: str, body: dict) -> dict:
 class MemoryFieldMiddleware:
     """Plain ASGI middleware: rewrites request bodies on the generate routes, and OpenAI JSON responses."""
 
-    def __init__(self, app):
+    def __init__(self, app, config: MemoryConfig):
         self.app = app
+        self.config = config
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path")
         if scope["type"] != "http" or scope.get("method") != "POST" or (path != NATIVE and path not in OPENAI):
             return await self.app(scope, receive, send)
-        chunks, more = [], True
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":
                 return await self.app(scope, _replay([message], receive), send)
             chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                return await _send_error(send, 413, f"request body over {MAX_BODY_BYTES} bytes")
             more = message.get("more_body", False)
         body = b"".join(chunks)
         try:
             data = json.loads(body)
+        except RecursionError:
+            return await _send_error(send, 400, "request body is JSON nested too deeply to parse")
         except ValueError:
             data = None  # SGLang answers malformed JSON itself
         if isinstance(data, dict) and FIELD in data:
             try:
-                body = json.dumps(move_field(path, data)).encode()
+                body = json.dumps(move_field(path, data, self.config)).encode()
             except SpecError as exc:
-                return await _send_json(send, 400, {"error": {"message": str(exc), "type": "BadRequestError", "code": 400}})
+                return await _send_error(send, 400, str(exc))
         scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"]
                      + [(b"content-length", str(len(body)).encode())])  # fmt: skip
         request = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
@@ -135,14 +147,29 @@ def _with_metrics(send):
             if metrics is not None:
                 data[FIELD] = metrics
                 body = json.dumps(data).encode()
-        except ValueError:
-            pass
+        except (ValueError, RecursionError):
+            pass  # not ours to rewrite: the response goes out as SGLang made it
         start = state["start"]
         headers = [(k, v) for k, v in start.get("headers", []) if k != b"content-length"]
         await send(dict(start, headers=headers + [(b"content-length", str(len(body)).encode())]))
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     return wrapped
+
+
+def refuse_empty_input(manager, obj, input_ids, *args, **kwargs):
+    """BEFORE hook on TokenizerManager._validate_one_request, which every prompt passes after
+    tokenization (native, OpenAI, batches, the memory probe): zero tokens is a ValueError, which
+    SGLang answers with a 400. Past this point the scheduler would crash in the rotary embedding."""
+    if input_ids is not None and len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
+        if not (hasattr(obj, "contains_mm_input") and obj.contains_mm_input()):
+            raise ValueError("The input is empty: a prompt needs at least one token")
+    return None
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    kind = "BadRequestError" if status == 400 else "RequestTooLarge"
+    await _send_json(send, status, {"error": {"message": message, "type": kind, "code": status}})
 
 
 async def _send_json(send, status: int, payload: dict) -> None:

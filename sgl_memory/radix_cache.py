@@ -22,13 +22,15 @@ session request's new tokens become memory blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
-from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_memory.config import MemoryConfig, from_env
+from sgl_memory.intent.paths import find_branch, with_branch
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +136,25 @@ class SglMemoryRadixCache(RadixCache):
     def match_prefix(self, params):
         if self.pruner is not None and self.sentinel is None:
             self._take_sentinel()
-        return super().match_prefix(params)
+        state = getattr(params.req, "sgl_intent", None) if self.pruner is not None else None
+        if state is None or not state.enabled or self.disable:
+            return super().match_prefix(params)
+        # A pruning request matches its session's pruned path (intent/paths.py) and never takes the
+        # rows its scorer reads from the cache: they are prefilled again, so they are its own.
+        key = params.key
+        limit = state.capture_start if key.limit is None else min(key.limit, state.capture_start)
+        key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit, cache_salt=key.cache_salt)
+        branch = find_branch(self.root_node, key, state.branch_token)
+        key.token_ids = with_branch(key.token_ids, branch, state.branch_token)
+        result = super().match_prefix(dataclasses.replace(params, key=key))
+        state.branch_at = branch if branch is not None and result.device_prefix_len > branch else None
+        return result
+
+    def _insert_cache(self, req, token_ids, **kwargs):
+        state = getattr(req, "sgl_intent", None)
+        if state is not None and state.branch_at is not None:
+            token_ids = with_branch(token_ids, state.branch_at, state.branch_token)
+        return super()._insert_cache(req, token_ids, **kwargs)
 
     # --- the compression event ------------------------------------------------------------------
 

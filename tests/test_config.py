@@ -36,7 +36,7 @@ def test_example_config_is_valid_and_equals_defaults():
         ("intent:\n  budgett: 3\n", "intent.budgett: unknown key"),
         ("intent:\n  scorer: magic\n", "intent.scorer: 'magic' is not allowed; allowed values: memory, query"),
         ("persist:\n  quant: q2\n", "persist.quant: 'q2' is not allowed; allowed values: q4, q8, bf16"),
-        ("intent:\n  budget: 0\n", "intent.budget: invalid value; allowed: an integer >= 1"),
+        ("intent:\n  budget: 0\n", "intent.budget: invalid value; allowed: an integer in [1, 2147483647]"),
         ("intent:\n  budget: many\n", "intent.budget: 'many' is not allowed; expected an integer"),
         ("intent:\n  enabled: yes please\n", "intent.enabled: 'yes please' is not allowed; allowed values: true, false"),
         ("intent:\n  decay: 1.5\n", "intent.decay: invalid value"),

@@ -97,6 +97,7 @@ class Sim:
         self.bases = [[self.rng.randint(0, 6) for _ in range(24)] for _ in range(3)]
         self.next_rid = 0
         self.pruned = 0
+        self.reused = 0  # requests that matched into a pruned path of their own session
 
     def row(self, req):
         return self.rtt.req_to_token[req.kv.req_pool_idx]
@@ -119,9 +120,10 @@ class Sim:
             return
         base = self.rng.choice(self.bases)
         tokens = base[: self.rng.randint(2, len(base))] + [self.rng.randint(0, 6) for _ in range(self.rng.randint(1, 10))]
-        req = FakeReq(f"r{self.next_rid}", tokens, budget=self.rng.randint(2, 14))
+        req = FakeReq(f"r{self.next_rid}", tokens, budget=self.rng.choice((2, 5, 9, 14)))
         self.next_rid += 1
-        match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1])))
+        self.pruner.admit(None, req, of_request(req))  # the scheduler admits before it matches
+        match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1]), req=req))
         prefix = self.tree.path_device_indices(match.last_device_node)
         req.lock = self.tree.lock(match.last_device_node)
         new = self.take(len(tokens) - len(prefix))
@@ -133,7 +135,7 @@ class Sim:
         self.write(req, len(prefix), new)
         req.kv.cache_protected_len = len(prefix)
         req.kv.kv_allocated_len = len(tokens)
-        self.pruner.admit(None, req, of_request(req))
+        self.reused += int(req.sgl_intent.branch_at is not None)
         req.output_ids.append(self.rng.randint(0, 6))  # the prefill's sampled token
         self.tree.checkpoint(req, up_to=len(tokens))
         self.pruned += req.sgl_intent.events
@@ -183,12 +185,22 @@ class Sim:
         assert sorted(owners) == list(range(1, POOL + 1)), "a slot is lost or owned twice"
         assert self.tree.evictable_size() + self.tree.protected_size() == len(tree_slots) + 1
         assert self.alloc.available_size() + self.tree.evictable_size() + self.tree.protected_size() + len(private) == POOL
+        self.check_pruned_paths(self.tree.root_node, branched=False)
         for req in self.running:
             row = self.row(req)[: len(req.seq)].long()
             live = (row != sentinel).nonzero().flatten()
             got = self.kv.v[0][row[live], 0]
             want = torch.stack([torch.tensor([float(req.seq[p]), float(p)]) for p in live.tolist()])
             assert torch.equal(got, want), f"{req.rid} reads KV that is not its own"
+
+    def check_pruned_paths(self, node, branched: bool):
+        """A sentinel entry sits only at or after a branch key (intent/paths.py): a path that a
+        plain prefill could have made never leads to pruned KV (DESIGN.md invariant 7)."""
+        for child in node.children.values():
+            ids, values = list(child.key.token_ids), child.value.tolist()
+            branch = 0 if branched else next((i for i, t in enumerate(ids) if t < 0), len(ids))
+            assert self.tree.sentinel not in values[:branch], "pruned KV on a plain path"
+            self.check_pruned_paths(child, branch < len(ids))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -201,6 +213,7 @@ def test_random_prune_evict_finish_cycles_conserve_slots(seed):
         sim.finish(sim.running[0])
         sim.check()
     assert sim.pruned > 10, "the run must actually prune"
+    assert sim.reused > 0, "some request must match into its session's pruned path"
     sim.tree.evict(EvictParams(num_tokens=POOL))
     sim.check()
     assert sim.alloc.available_size() == POOL - 1  # everything back but the sentinel

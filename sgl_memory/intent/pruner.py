@@ -18,6 +18,7 @@ from sgl_memory.attention.extend_rows import extend_rows
 from sgl_memory.config import IntentConfig
 from sgl_memory.intent import scorers, stats
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
+from sgl_memory.intent.paths import branch_token
 from sgl_memory.intent.request import FIELD, MemorySpec, SpecError
 from sgl_memory.intent.sessions import SessionStore, resolve_key
 from sgl_memory.intent.spans import RoleMarkers, Spans, find_spans
@@ -72,6 +73,10 @@ class RequestIntent:
     prompt_len: int
     session_key: str | None
     key_source: str | None
+    budget_reason: str | None = None  # why the budget applied is not the one configured
+    branch_token: int = 0  # the key id that starts this session's pruned paths (intent/paths.py)
+    branch_at: int | None = None  # where this request's path takes the branch token; None: a plain path
+    capture_start: int = 0  # the first prompt position whose query rows the scorer and QueryMemory read
     decided: bool = False
     live_after: int | None = None  # live prompt tokens after the event (None: no event)
     events: int = 0
@@ -104,7 +109,10 @@ class IntentPruner:
         state = req.sgl_intent
         if state.enabled:
             window = self.config.window if scorers.SCORERS[state.scorer].needs_window else 0
-            self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
+            capture = self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
+            # rows a scorer reads are computed by this request's own prefill, never taken from the
+            # cache, so the kept set does not depend on what the tree held (radix_cache.match_prefix)
+            state.capture_start = min(capture.span_start, capture.window_start)
             if state.layout == "compact" and self.rope is None:
                 from sgl_memory.rope import Rope
 
@@ -120,19 +128,24 @@ class IntentPruner:
         spans = find_spans(tokens, self.markers, cfg.query_tail)
         forced = spans.forced_count(len(tokens))
         enabled = self.config.enabled
-        if enabled and cfg.budget < forced:
-            raise SpecError(
-                f"{FIELD}.budget {cfg.budget} is smaller than this request's forced set of {forced} tokens "
-                f"(system prefix {spans.system_end} + actionable query span {len(tokens) - spans.query_start}); "
-                f"use a budget >= {forced}"
-            )
+        budget, reason = cfg.budget, None
+        if enabled and budget < forced:
+            parts = f"(system prefix {spans.system_end} + actionable query span {len(tokens) - spans.query_start})"
+            if spec.budget is not None:  # the client asked for what cannot be kept: say so
+                raise SpecError(f"{FIELD}.budget {budget} is smaller than this request's forced set of {forced} "
+                                f"tokens {parts}; use a budget >= {forced}")  # fmt: skip
+            # the server's default cannot refuse a client that asked for nothing: prune as far as it can
+            budget, reason = forced, (f"intent.budget {cfg.budget} is smaller than this request's forced set of "
+                                      f"{forced} tokens {parts}: only the forced set is kept")  # fmt: skip
         key, source = None, None
         if enabled:
             key, source = resolve_key(
                 spec.session_id, spec.tenant, getattr(req, "session_id", None), tokens,
                 spans.session_span, cfg.session_prefix_tokens, req.rid,
             )  # fmt: skip
-        return RequestIntent(enabled, cfg.budget, cfg.scorer, cfg.layout, spans, len(tokens), key, source)
+        token = branch_token(key, cfg.scorer, budget, cfg.layout) if enabled else 0
+        return RequestIntent(enabled, budget, cfg.scorer, cfg.layout, spans, len(tokens), key, source, budget_reason=reason,
+                             branch_token=token)  # fmt: skip
 
     def bind_captures(self, forward_batch) -> list[tuple[QueryCapture, int, int, int]]:
         """(capture, first query row, first position, rows) of each request of this forward whose
@@ -195,8 +208,15 @@ class IntentPruner:
 
     def _apply(self, req, tree, row, kept, length, pool) -> RowEdit | None:
         protected = req.kv.cache_protected_len
-        if req.sgl_intent.layout == "dead_slot":
-            return apply_dead_slot(row, kept, length, protected, self.sentinel, tree.free_real)
+        state: RequestIntent = req.sgl_intent
+        if state.layout == "dead_slot":
+            edit = apply_dead_slot(row, kept, length, protected, self.sentinel, tree.free_real)
+            if state.branch_at is None and edit.dropped.numel():
+                # the path stops being a plain prefill's at its first own pruned position, or, when only
+                # the shared prefix was pruned (in this row alone), at the first token decoded after it
+                own = edit.dropped[edit.dropped >= protected]
+                state.branch_at = int(own[0]) if own.numel() else length
+            return edit
         edit = apply_compact(
             row, kept, length, protected, self.sentinel, tree._allocator.alloc, tree.free_real,
             [pool.get_key_buffer(i) for i in range(pool.layer_num)],
@@ -235,6 +255,7 @@ def metrics(state: RequestIntent, output_len: int) -> dict:
         "session_key_source": state.key_source,
         "scoring_ms": round(state.scoring_ms, 3),
         "budget": state.budget if state.enabled else None,
+        "budget_reason": state.budget_reason,
         "scorer": state.scorer if state.enabled else None,
         "layout": state.layout if state.enabled else None,
         "freed_slots": state.freed,

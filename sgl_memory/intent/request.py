@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 
-from sgl_memory.config import IntentConfig
+from sgl_memory.config import MAX_BUDGET, IntentConfig, MemoryConfig
 from sgl_memory.intent import scorers
 from sgl_memory.intent.layouts import LAYOUTS
 
@@ -41,6 +41,7 @@ class MemoryQuery:
 
 MEMORY_MODES = ("retrieve",)
 MAX_TOP_K = 1 << 16
+PRUNING_FIELDS = ("budget", "scorer", "layout")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,15 @@ def _check_id(value, name: str) -> str | None:
     return value
 
 
+def _choice(value, choices, where: str):
+    """A named option: checked as a string first, so an object or a list is a 400, not a TypeError."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in choices:
+        raise SpecError(f"{where} {value!r} is unknown; allowed: {', '.join(choices)}")
+    return value
+
+
 def _memory(raw, internal: bool) -> MemoryQuery | None:
     if raw is None:
         return None
@@ -81,16 +91,13 @@ def _memory(raw, internal: bool) -> MemoryQuery | None:
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
         raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
-    mode = raw.get("mode", "retrieve")
-    if mode not in MEMORY_MODES and not (internal and mode == "probe"):
-        raise SpecError(f"{where}.mode {mode!r} is unknown; allowed: {', '.join(MEMORY_MODES)}")
+    mode = _choice(raw.get("mode", "retrieve"), MEMORY_MODES + (("probe",) if internal else ()), f"{where}.mode")
     top_k = raw.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
         raise SpecError(f"{where}.top_k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
     for name, choices in (("norm", ("softmax", "rr")), ("agg", ("sum", "max")), ("scoring", ("exact", "aabb")),
                           ("placement", ("first", "after_system"))):
-        if raw.get(name) is not None and raw[name] not in choices:
-            raise SpecError(f"{where}.{name} {raw[name]!r} is unknown; allowed: {', '.join(choices)}")
+        _choice(raw.get(name), choices, f"{where}.{name}")
     store = raw.get("store", True)
     if not isinstance(store, bool):
         raise SpecError(f"{where}.store must be true or false, got {store!r}")
@@ -111,14 +118,10 @@ def parse(raw, internal: bool = False) -> MemorySpec:
     if unknown:
         raise SpecError(f"{FIELD}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
     budget = raw.get("budget")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise SpecError(f"{FIELD}.budget must be an integer >= 1, got {budget!r}")
-    scorer = raw.get("scorer")
-    if scorer is not None and scorer not in scorers.SCORERS:
-        raise SpecError(f"{FIELD}.scorer {scorer!r} is unknown; allowed: {', '.join(sorted(scorers.SCORERS))}")
-    layout = raw.get("layout")
-    if layout is not None and layout not in LAYOUTS:
-        raise SpecError(f"{FIELD}.layout {layout!r} is unknown; allowed: {', '.join(LAYOUTS)}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET):
+        raise SpecError(f"{FIELD}.budget must be an integer in [1, {MAX_BUDGET}], got {budget!r}")
+    scorer = _choice(raw.get("scorer"), sorted(scorers.SCORERS), f"{FIELD}.scorer")
+    layout = _choice(raw.get("layout"), LAYOUTS, f"{FIELD}.layout")
     memory = _memory(raw.get("memory"), internal)
     if memory is not None and raw.get("session_id") is None:
         raise SpecError(f"{FIELD}.memory needs {FIELD}.session_id: memory belongs to a session")
@@ -130,6 +133,16 @@ def parse(raw, internal: bool = False) -> MemorySpec:
         layout=layout,
         memory=memory,
     )
+
+
+def check_served(spec: MemorySpec, config: MemoryConfig) -> None:
+    """A request that asks for a mechanism this server runs without is refused, naming the config
+    key: serving it without the behaviour asked for would drop the request's intent silently."""
+    asked = [f"{FIELD}.{name}" for name in PRUNING_FIELDS if getattr(spec, name) is not None]
+    if asked and not config.intent.enabled:
+        raise SpecError(f"{', '.join(asked)}: intent pruning is off on this server (intent.enabled: false)")
+    if spec.memory is not None and not config.memory.enabled:
+        raise SpecError(f"{FIELD}.memory: KV memory is off on this server (memory.enabled: false)")
 
 
 def of_request(req) -> MemorySpec:

@@ -16,7 +16,7 @@ import uuid
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sgl_memory.config import from_env
-from sgl_memory.intent.request import FIELD, SpecError, parse
+from sgl_memory.intent.request import FIELD, SpecError, check_served, parse
 
 
 def _raw_field(sampling_params) -> dict | None:
@@ -37,10 +37,10 @@ def memory_field(obj) -> dict | None:
     if not isinstance(params, dict):
         return None
     raw = _raw_field(params)
-    if parse(raw).memory is None:  # internal=False: a client cannot pass a probe id of its own
+    spec = parse(raw)  # internal=False: a client cannot pass a probe id of its own
+    if spec.memory is None:
         return None
-    if not from_env().memory.enabled:
-        raise SpecError(f"{FIELD}.memory: KV memory is off on this server (memory.enabled: false)")
+    check_served(spec, from_env())
     if isinstance(obj.text, list) or (obj.input_ids and isinstance(obj.input_ids[0], list)):
         raise SpecError(f"{FIELD}.memory takes one prompt per request, not a batch")
     return raw
