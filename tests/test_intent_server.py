@@ -195,6 +195,10 @@ def test_second_turn_reuses_the_pruned_prefix_only_under_dead_slot(intent_server
         ({"session_id": 5}, "session_id must be a non-empty string"),
         ("not-an-object", "must be an object"),
         ({"budget": 3}, "is smaller than this request's forced set"),
+        ({"budget": 2**64}, "budget must be an integer in [1, 2147483647]"),
+        ({"scorer": {"name": "snapkv"}}, "is unknown; allowed"),
+        ({"scorer": ["snapkv"]}, "is unknown; allowed"),
+        ({"layout": {"dead": "slot"}}, "is unknown; allowed"),
     ],
 )
 @pytest.mark.parametrize("api", ["native", "openai"])
@@ -208,6 +212,74 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(intent_server, tokenize
     assert r.status_code == 400, r.text
     assert needle in r.text
     assert generate(intent_server, tokenizer("Still serving?")["input_ids"], 2)["meta_info"]["completion_tokens"] == 2
+
+
+def agent_messages(tag: str, steps: int = 70) -> list[dict]:
+    """System prompt, a long tool log, an acknowledgement and a question: a turn of an agent."""
+    log = " ".join(f"Step {i}: tool read file_{i % 7}.txt and returned code {i * 31 % 97}." for i in range(steps))
+    return [{"role": "system", "content": f"You are a careful agent ({tag})."},
+            {"role": "user", "content": "Task: track the files. " + log},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Which file was read most often?"}]  # fmt: skip
+
+
+def answer(response) -> tuple[str, int]:
+    return response["choices"][0]["message"]["content"], response["sgl_memory"]["live_kv_tokens"]
+
+
+def test_a_pruned_path_is_read_only_by_its_own_session_and_pruning(intent_server):
+    """Issue 13, defect 7: the dead-slot path session A leaves in the tree must not be matched by
+    a plain request, another session, or the same tokens under another budget; A's next turn still
+    reuses it. Reference: the same plain request in a tenant whose tree never saw a pruning."""
+    messages = agent_messages("leak")
+    fresh = answer(chat(intent_server, messages, {"tenant": "never-pruned"}))
+    pruned = chat(intent_server, messages, {"session_id": "leak-A", "budget": 64})
+    assert pruned["sgl_memory"]["compression_events"] == 1 and answer(pruned)[1] == 64 + 12
+    plain = intent_server.post("/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 12,
+                                                        "temperature": 0})  # fmt: skip
+    assert answer(plain.json()) == fresh  # no sgl_memory field at all: unpruned, as on a fresh server
+    assert answer(chat(intent_server, messages, {"session_id": "leak-B", "budget": 100000})) == fresh
+    assert answer(chat(intent_server, messages, {"session_id": "leak-A", "budget": 4000})) == fresh
+    # the session's next turn, same pruning: the whole pruned prefix is a radix hit
+    messages += [pruned["choices"][0]["message"], {"role": "user", "content": "And which came last?"}]
+    second = chat(intent_server, messages, {"session_id": "leak-A", "budget": 64})
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= pruned["usage"]["prompt_tokens"]
+    assert second["sgl_memory"]["live_kv_tokens"] <= 64 + 12
+
+
+INVENTORY = "Inventory. " + " ".join(f"Shelf {i}: {i * 13 % 89} springs and {i * 7 % 53} nuts." for i in range(60))
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o", "memory"])
+def test_the_kept_set_does_not_depend_on_what_the_cache_holds(intent_server, tokenizer, scorer):
+    """Issue 13, defect 8: after a plain request cached the prompt, a pruning request must keep the
+    same positions as the identical request in a tenant with an empty tree (the scorer's query rows
+    were a cache hit, and only the uncached rows were scored). Compared on the distribution of the
+    first token decoded over the pruned KV."""
+    ids = tokenizer(f"{INVENTORY} ({scorer}) How many springs are on shelf 17? Answer:")["input_ids"]
+    generate(intent_server, ids, 1)  # a plain request caches the whole prompt
+    memory = {"session_id": f"cache-{scorer}", "scorer": scorer, "budget": 102}
+    hit = generate(intent_server, ids, 2, memory, return_logprob=True, top_logprobs_num=10)
+    assert hit["meta_info"]["cached_tokens"] > len(ids) // 2
+    cold = generate(intent_server, ids, 2, {**memory, "tenant": f"cold-{scorer}"}, return_logprob=True, top_logprobs_num=10)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert hit["meta_info"]["sgl_memory"]["compression_events"] == cold["meta_info"]["sgl_memory"]["compression_events"] == 1
+    got, want = (torch.tensor([lp for lp, *_ in out["meta_info"]["output_top_logprobs"][1]]) for out in (hit, cold))
+    assert [t for _, t, *_ in hit["meta_info"]["output_top_logprobs"][1]] == [t for _, t, *_ in cold["meta_info"]["output_top_logprobs"][1]]
+    assert torch.allclose(got, want, atol=1e-4), (got, want)
+
+
+def test_a_plain_request_over_the_configured_budget_is_served_with_its_forced_set(intent_server, tokenizer):
+    """Issue 13, defect 9: a request that asked for no budget is not refused because the server's
+    default budget (4096 here) is below its forced set; it keeps the forced set and says why."""
+    rules = "Tool manual. " + " ".join(f"Rule {i}: call tool_{i % 11} with argument {i * 17 % 101}." for i in range(330))
+    messages = [{"role": "system", "content": rules}, *agent_messages("forced", steps=20)[1:]]
+    r = intent_server.post("/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    m, usage = r.json()["sgl_memory"], r.json()["usage"]
+    assert "only the forced set is kept" in m["budget_reason"] and m["budget"] > 4096
+    assert m["compression_events"] == 1 and m["live_kv_tokens"] == m["budget"] + usage["completion_tokens"]
+    assert usage["prompt_tokens"] > m["budget"] + 200  # the history between the spans was pruned
 
 
 def test_concurrent_sessions_flush_and_stats(intent_server, tokenizer):
