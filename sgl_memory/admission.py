@@ -12,6 +12,7 @@ prompt."""
 
 from __future__ import annotations
 
+from sgl_memory import prometheus
 from sgl_memory.config import MemoryConfig
 from sgl_memory.intent.pruner import get_pruner
 from sgl_memory.intent.request import SpecError, check_served, of_request
@@ -38,6 +39,7 @@ def admit_hook(scheduler, req, *args, **kwargs):
         spec = of_request(req)
         check_served(spec, OFF if getattr(tree, "disable", True) else getattr(tree, "memory_config", OFF))
     except SpecError as exc:
+        prometheus.bad_request("field")
         req.set_finish_with_abort(str(exc))
         return None
     if spec.tenant is not None:

@@ -80,6 +80,7 @@ class MemoryRetrievalConfig:
     norm: Literal["softmax", "rr"] = "softmax"
     agg: Literal["sum", "max"] = "max"
     capacity_blocks: int = 4096  # per session; beyond it the eviction policy drops blocks
+    pool_bytes: int = 4 << 30  # host memory of all sessions' pools; least recently used sessions go first
     eviction: Literal["lru", "fifo"] = "lru"
     scoring: Literal["exact", "aabb"] = "exact"  # a block's logit: its best key's, or the AABB bound
     score_layers: float = 0.5  # the share of layers, from the first, whose queries score blocks
@@ -92,6 +93,7 @@ class MemoryRetrievalConfig:
         _require(self.block_size >= 1, f"{path}.block_size", "an integer >= 1")
         _require(self.top_k >= 1, f"{path}.top_k", "an integer >= 1")
         _require(self.capacity_blocks >= 1, f"{path}.capacity_blocks", "an integer >= 1")
+        _require(self.pool_bytes >= 1, f"{path}.pool_bytes", "an integer >= 1")
         _require(self.rr_constant >= 0, f"{path}.rr_constant", "a number >= 0")
         _require(0 < self.score_layers <= 1, f"{path}.score_layers", "a number in (0, 1]")
 

@@ -1,7 +1,14 @@
-"""Start and stop a real server as a subprocess: used by the end-to-end tests and the benchmarks."""
+"""Start and stop a real server as a subprocess: used by the end-to-end tests and the benchmarks.
+
+A server never outlives the process that started it: it gets SIGKILL when that process dies (even
+by SIGKILL, through the kernel's parent-death signal; SGLang's own children follow their launcher),
+and `stop_all` (atexit, and the test session's end) stops every server still registered.
+"""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import signal
 import socket
@@ -37,6 +44,18 @@ class Server:
     def get(self, path: str, timeout: float = 30) -> requests.Response:
         return requests.get(self.url + path, timeout=timeout)
 
+    def prometheus(self, prefix: str = "sgl_memory_") -> dict[tuple[str, tuple], float]:
+        """Samples of GET /metrics (a server started with --enable-metrics) whose names start with
+        prefix, keyed by (name, sorted label items)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        samples = {}
+        for family in text_string_to_metric_families(self.get("/metrics").text):
+            for sample in family.samples:
+                if sample.name.startswith(prefix):
+                    samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return samples
+
     def rss_bytes(self) -> int:
         """Resident memory of the launcher and every process it started."""
         root = psutil.Process(self.proc.pid)
@@ -67,6 +86,20 @@ def plain_sglang(model_path, *flags: str) -> tuple[list[str], dict]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path), *flags], env
 
 
+_RUNNING: list[Server] = []
+PR_SET_PDEATHSIG = 1
+try:  # resolved here, not in the forked child, where loading a library could deadlock
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the parent dies."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def start(command: list[str], log_path: Path, env: dict | None = None) -> Server:
     """Run `command` plus host/port flags; return once /health answers 200."""
     port = free_port()
@@ -78,8 +111,10 @@ def start(command: list[str], log_path: Path, env: dict | None = None) -> Server
         stderr=subprocess.STDOUT,
         start_new_session=True,
         env=env,
+        preexec_fn=_die_with_parent,
     )
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    _RUNNING.append(server)
     deadline = t0 + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -87,12 +122,26 @@ def start(command: list[str], log_path: Path, env: dict | None = None) -> Server
         try:
             if requests.get(server.url + "/health", timeout=5).status_code == 200:
                 server.start_seconds = time.monotonic() - t0
+                _check_pool(server, command)
                 return server
         except requests.ConnectionError:
             pass
         time.sleep(0.5)
     stop(server)
     raise RuntimeError(f"server not healthy after {START_TIMEOUT_S}s:\n{server.log()[-4000:]}")
+
+
+def _check_pool(server: Server, command: list[str]) -> None:
+    """A server started with --max-total-tokens N has a KV pool of N tokens, or this fails here
+    (plain SGLang silently takes less when less memory is free; ours refuses to start)."""
+    if "--max-total-tokens" not in command:
+        return
+    asked = int(command[command.index("--max-total-tokens") + 1])
+    got = server.get("/get_server_info").json()["max_total_num_tokens"]
+    if got < asked:
+        stop(server)
+        raise RuntimeError(f"the server's KV pool holds {got} tokens, not the {asked} it was started with "
+                           f"(too little free memory):\n{server.log()[-2000:]}")  # fmt: skip
 
 
 def stop(server: Server, timeout: float = 60) -> list[psutil.Process]:
@@ -114,4 +163,15 @@ def stop(server: Server, timeout: float = 60) -> list[psutil.Process]:
         os.killpg(server.proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    if server in _RUNNING:
+        _RUNNING.remove(server)
     return alive
+
+
+@atexit.register
+def stop_all() -> list[Server]:
+    """Stop every server this process started and has not stopped; returns them."""
+    left = list(_RUNNING)
+    for server in left:
+        stop(server, timeout=30)
+    return left

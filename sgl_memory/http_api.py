@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from sgl_memory import SGLANG_VERSION, __version__
+from sgl_memory import SGLANG_VERSION, __version__, prometheus
 from sgl_memory.config import from_env
 from sgl_memory.config import MemoryConfig
 from sgl_memory.intent.request import FIELD, SpecError, check_served, parse
@@ -35,6 +35,7 @@ def mount(server_args, *args, **kwargs):
     if any(getattr(r, "path", None) == "/sgl_memory/info" for r in app.routes):
         return None
     config = from_env()
+    prometheus.enable(server_args)
 
     @app.get("/sgl_memory/info")
     async def sgl_memory_info():
@@ -94,12 +95,14 @@ class MemoryFieldMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > MAX_BODY_BYTES:
+                prometheus.bad_request("size")
                 return await _send_error(send, 413, f"request body over {MAX_BODY_BYTES} bytes")
             more = message.get("more_body", False)
         body = b"".join(chunks)
         try:
             data = json.loads(body)
         except RecursionError:
+            prometheus.bad_request("json")
             return await _send_error(send, 400, "request body is JSON nested too deeply to parse")
         except ValueError:
             data = None  # SGLang answers malformed JSON itself
@@ -107,6 +110,7 @@ class MemoryFieldMiddleware:
             try:
                 body = json.dumps(move_field(path, data, self.config)).encode()
             except SpecError as exc:
+                prometheus.bad_request("field")
                 return await _send_error(send, 400, str(exc))
         scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"]
                      + [(b"content-length", str(len(body)).encode())])  # fmt: skip

@@ -29,6 +29,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from sgl_memory import prometheus
 from sgl_memory.config import MemoryConfig, from_env
 from sgl_memory.intent.paths import find_branch, with_branch
 
@@ -257,8 +258,25 @@ class SglMemoryRadixCache(RadixCache):
         return total
 
 
+class PoolTooSmall(RuntimeError):
+    pass
+
+
+def check_pool_size(allocator, server_args) -> None:
+    """A server asked for a KV pool of --max-total-tokens gets it or does not start. SGLang sizes
+    the pool from the memory free at start-up and silently takes less when less is free (a pool
+    asked for 3000 tokens came up with 663 under memory pressure), and the server then fails far
+    from the cause."""
+    asked = getattr(server_args, "max_total_tokens", None)
+    if asked and allocator.size < asked - (allocator.page_size - 1):
+        raise PoolTooSmall(f"the KV pool holds {allocator.size} tokens, fewer than --max-total-tokens {asked}: not enough "
+                           "memory was free when the pool was sized; free memory, or ask for fewer tokens")  # fmt: skip
+
+
 def build(ctx) -> SglMemoryRadixCache:
     """Factory for `register_radix_cache_backend` (receives SGLang's TreeCacheBuildContext)."""
+    prometheus.enable(ctx.server_args)
+    check_pool_size(ctx.params.token_to_kv_pool_allocator, ctx.server_args)
     cache = SglMemoryRadixCache(ctx.params, from_env(), ctx)
     logger.info("sgl-memory radix cache active (page_size=%d)", cache.page_size)
     return cache

@@ -21,6 +21,13 @@ def start_server(model, log_path, *extra):
 stop_server = harness.stop
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Whatever happened to a fixture's teardown, no server outlives the suite."""
+    left = harness.stop_all()
+    if left:
+        print(f"\nstopped {len(left)} server(s) a test left running: {', '.join(s.url for s in left)}")
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     srv = start_server(TEST_MODEL, tmp_path_factory.mktemp("server") / "server.log")

@@ -9,6 +9,7 @@ for a small top_k."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def mem_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("memart")
     config = d / "memory.yaml"
     config.write_text("memory:\n  enabled: true\n  block_size: 16\n  top_k: 4\n")
-    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(config))
+    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(config), "--enable-metrics")
     yield srv
     stop_server(srv)
 
@@ -88,6 +89,30 @@ def test_every_block_retrieved_equals_the_full_history_prompt(mem_server, tok, s
     want = generate(mem_server, stated["ref"] + q, {"session_id": "s", "tenant": "ref"})
     assert want["meta_info"]["cached_tokens"] >= len(stated["ref"]) - 1
     assert got["output_ids"] == want["output_ids"]
+
+
+def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, stated):
+    """The memory pool gauges (GET /metrics) against the pools' contents as retrieval reports them:
+    every block of both sessions retrieved, and their bytes from the model's shape (position-free
+    keys and the AABB in float32, values in the pool's bfloat16)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(models.model_dir(TEST_MODEL))
+    per_value = cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    q = tok.encode("<|im_start|>user\nWhat did I do on Saturday?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    before = mem_server.prometheus()
+    pools = [generate(mem_server, q, {"session_id": "s", "tenant": t, "memory": retrieve(top_k=1000)})["meta_info"]["sgl_memory"]
+             for t in ("a", "ref")]  # fmt: skip
+    blocks = sum(m["retrieved_blocks"] for m in pools)
+    tokens = sum(m["memory_kv_tokens"] for m in pools)
+    assert pools[0]["memory_kv_tokens"] == len(stated["a"]) and blocks == sum(m["memory_blocks"] for m in pools)
+    deadline = time.monotonic() + 10  # the gauges are set by the memory worker once a turn is in its pool
+    while (after := mem_server.prometheus())[("sgl_memory_memory_pool_blocks", ())] != blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert after[("sgl_memory_memory_pool_blocks", ())] == blocks
+    assert after[("sgl_memory_memory_pool_bytes", ())] == per_value * (tokens * (4 + 2) + blocks * 2 * 4)
+    grew = after[("sgl_memory_retrievals_total", ())] - before.get(("sgl_memory_retrievals_total", ()), 0)
+    assert grew == 2 and after[("sgl_memory_retrieved_blocks_total", ())] - before.get(("sgl_memory_retrieved_blocks_total", ()), 0) == blocks
 
 
 def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_server, tok, stated):
@@ -173,6 +198,9 @@ def test_bad_memory_requests_are_400s(mem_server, memory, needle):
     direct = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {"sgl_memory": json.dumps(memory)}}}
     r = mem_server.post("/generate", direct)
     assert r.status_code == 400 and needle in r.text, r.text
+    empty = {"text": "", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}}
+    r = mem_server.post("/generate", empty)  # a memory-mode turn of no tokens: its probe would crash the scheduler
+    assert r.status_code == 400 and "empty" in r.text, r.text
     batch = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}}
     r = mem_server.post("/generate", batch)
     assert r.status_code == 400 and "one prompt per request" in r.text, r.text

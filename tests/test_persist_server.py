@@ -104,7 +104,7 @@ def restarted(tmp_path_factory):
         flush(c)
     finally:
         stop_server(c)
-    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, store, quant="bf16")), *BF16)
+    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, store, quant="bf16")), "--enable-metrics", *BF16)
     yield b, store, reference, copies
     stop_server(b)
 
@@ -158,6 +158,23 @@ def test_tenants_with_identical_prompts_never_share_a_file_or_a_load(restarted):
     flush(b)
     files = [p for p in store.glob("*/*/*.safetensors") if p.name == f"{_digest('session', 'shared')}.safetensors"]
     assert len(files) == 2 and files[0].parent.parent != files[1].parent.parent
+
+
+def test_prometheus_counts_restores_and_the_store_size(restarted):
+    """GET /metrics against what the response reported and what lies on disk."""
+    b, store, _, copies = restarted
+    flush(b)  # the tree is empty: the turn below restores its session
+    before = b.prometheus()
+    _, _, metrics = chat(b, third_turn(1, copies["rs"][1]), "s1", tenant="rs")
+    flush(b)  # its own turn is written: the store gauge is set after every write
+    after = b.prometheus()
+    assert metrics["restored_tokens"] > 0
+    source = (("source", metrics["restored_from"]),)
+    assert after[("sgl_memory_restores_total", source)] - before.get(("sgl_memory_restores_total", source), 0) == 1
+    assert after[("sgl_memory_restored_tokens_total", ())] - before.get(("sgl_memory_restored_tokens_total", ()), 0) == metrics["restored_tokens"]
+    assert after[("sgl_memory_store_bytes", ())] == sum(p.stat().st_size for p in store.glob("*/*/*.safetensors"))
+    persisted = ("sgl_memory_requests_total", (("mechanism", "persist"),))
+    assert after[persisted] == before.get(persisted, 0) + 1
 
 
 @pytest.mark.parametrize("memory", [{"session_id": "../../etc/passwd"}, {"session_id": "a/b"},

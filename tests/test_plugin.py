@@ -54,3 +54,19 @@ def test_radix_backend_is_registered_by_sglang_plugin_loader():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("True")
+
+
+def test_a_kv_pool_smaller_than_asked_stops_start_up():
+    """SGLang takes a smaller pool than --max-total-tokens when less memory is free; our tree's
+    factory refuses to start on one (seen on a real server: "the KV pool holds 701359 tokens,
+    fewer than --max-total-tokens 100000000")."""
+    from types import SimpleNamespace
+
+    from sgl_memory.radix_cache import PoolTooSmall, check_pool_size
+
+    shrunk = SimpleNamespace(size=663, page_size=1)
+    with pytest.raises(PoolTooSmall, match="holds 663 tokens, fewer than --max-total-tokens 3000"):
+        check_pool_size(shrunk, SimpleNamespace(max_total_tokens=3000))
+    check_pool_size(SimpleNamespace(size=3000, page_size=1), SimpleNamespace(max_total_tokens=3000))
+    check_pool_size(SimpleNamespace(size=2992, page_size=16), SimpleNamespace(max_total_tokens=3000))  # page-aligned
+    check_pool_size(shrunk, SimpleNamespace(max_total_tokens=None))  # no size asked for: SGLang's choice stands

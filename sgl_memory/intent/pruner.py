@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_memory import prometheus
 from sgl_memory.attention.extend_rows import extend_rows
 from sgl_memory.config import IntentConfig
 from sgl_memory.intent import scorers, stats
@@ -104,6 +105,7 @@ class IntentPruner:
         try:
             req.sgl_intent = self._plan(req, spec)
         except SpecError as exc:
+            prometheus.bad_request("field")
             req.set_finish_with_abort(str(exc))
             return
         state = req.sgl_intent

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 
+from sgl_memory import prometheus
 from sgl_memory.intent.request import FIELD
 
 RECENT = 4096  # per-request metrics kept for the OpenAI response rewrite (by response id)
@@ -90,9 +91,24 @@ def meta_info_hook(original, manager, meta_info, state, customized_info, index, 
         metrics = ours[index][-1]
         meta_info[FIELD] = metrics
         STATS.record(meta_info.get("id"), metrics, meta_info)
+        prometheus.record_request(metrics, meta_info)
 
 
 def request_level_key_hook(original, streamer, key):
     """AROUND hook on SchedulerOutputStreamer.is_request_level_customized_info_key: our metrics are
     sent once, when the request finishes, not sliced per token."""
     return key == FIELD or original(streamer, key)
+
+
+def stream_finish_hook(result, accumulator, *args, req, **kwargs):
+    """AFTER hook on the stream accumulator's accept: SGLang sends a streamed request's
+    request-level info with its first chunk only, before our metrics exist (they are attached when
+    the request finishes); so the finishing chunk of a streamed request carries them."""
+    ours = (req.customized_info or {}).get(FIELD)
+    if not ours or not req.stream or not req.finished() or not accumulator.rids or accumulator.rids[-1] != req.rid:
+        return None
+    column = accumulator.customized_info.setdefault(FIELD, [[] for _ in accumulator.output_ids[:-1]])
+    if len(column) < len(accumulator.output_ids):
+        column.append([])
+    column[-1] = ours
+    return None

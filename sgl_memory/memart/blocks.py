@@ -72,6 +72,7 @@ class SessionMemory:
     clock: int = 0  # counts retrievals, for LRU
     next_id: int = 0
     evicted: int = 0
+    bytes: int = 0  # host memory of its blocks
     pending: int = 0  # captured turns the worker has not added yet
     lock: threading.Condition = field(default_factory=threading.Condition)
     _index: BlockIndex | None = None
@@ -94,15 +95,29 @@ class SessionMemory:
                 block = Block(self.next_id, tokens[start:end], keys[:, start:end].clone(), values[:, start:end].clone(),
                               lo[:, i].clone(), hi[:, i].clone(), turn, start, now, self.clock)  # fmt: skip
                 self.blocks[block.id] = block
+                self.bytes += block.nbytes()
                 self.next_id += 1
-            over = len(self.blocks) - self.capacity
-            if over > 0:
-                for victim in sorted(self.blocks.values(), key=EVICTIONS[self.eviction])[:over]:
-                    del self.blocks[victim.id]
-                self.evicted += over
+            self._evict(lambda: len(self.blocks) > self.capacity)
             self._index = None
             self.pending -= 1
             self.lock.notify_all()
+
+    def trim(self, max_bytes: int) -> None:
+        """Evict blocks (by the pool's policy) until its blocks take at most max_bytes."""
+        with self.lock:
+            self._evict(lambda: self.bytes > max_bytes)
+
+    def _evict(self, over) -> None:
+        """Drop blocks in eviction order while over(); caller holds the lock."""
+        if not over():
+            return
+        for victim in sorted(self.blocks.values(), key=EVICTIONS[self.eviction]):
+            del self.blocks[victim.id]
+            self.bytes -= victim.nbytes()
+            self.evicted += 1
+            if not over():
+                break
+        self._index = None
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every captured turn of this session is in the pool."""
@@ -125,6 +140,4 @@ class SessionMemory:
                 block.used = self.clock
             return chosen
 
-    def nbytes(self) -> int:
-        with self.lock:
-            return sum(b.nbytes() for b in self.blocks.values())
+

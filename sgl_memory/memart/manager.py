@@ -34,7 +34,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_memory import tree_fill
+from sgl_memory import prometheus, tree_fill
 from sgl_memory.attention.extend_rows import extend_rows
 from sgl_memory.config import MemoryRetrievalConfig
 from sgl_memory.intent import stats
@@ -286,6 +286,25 @@ class MemoryManager:
                 with memory.lock:
                     memory.pending -= 1
                     memory.lock.notify_all()
+            self._bound_pools(memory)
+
+    def _bound_pools(self, current: SessionMemory) -> None:
+        """All pools together within memory.pool_bytes: the least recently used sessions are dropped
+        whole; if the session just added to is still over, its own blocks are evicted by policy."""
+        with self._lock:
+            total = sum(m.bytes for m in self.sessions.values())
+            for owner in list(self.sessions):
+                if total <= self.config.pool_bytes:
+                    break
+                if self.sessions[owner] is not current and not self.sessions[owner].pending:
+                    dropped = self.sessions.pop(owner)
+                    total -= dropped.bytes
+                    logger.info("memory: pool_bytes %d reached: dropped the memory of session %r", self.config.pool_bytes, owner[1])
+        if total > self.config.pool_bytes:
+            current.trim(max(0, current.bytes - (total - self.config.pool_bytes)))
+        with self._lock:
+            pools = list(self.sessions.values())
+        prometheus.memory_pool(sum(m.bytes for m in pools), sum(len(m.blocks) for m in pools))
 
 
 def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, tokenizer) -> list[int]:

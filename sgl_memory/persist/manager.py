@@ -33,7 +33,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_memory import tree_fill
+from sgl_memory import prometheus, tree_fill
 from sgl_memory.config import PersistConfig
 from sgl_memory.intent import stats
 from sgl_memory.intent.request import MemorySpec
@@ -292,6 +292,7 @@ class SessionPersistence:
             try:
                 self.files.write(session.tenant, session.session_id, record)
             except OSError as exc:
+                prometheus.write_error()
                 session.error = f"writing the session file failed: {exc}"
                 logger.error("session store: %s (session %r, tenant %r); it stays in memory, the server keeps serving",
                              session.error, session.session_id, session.tenant)  # fmt: skip
@@ -303,10 +304,11 @@ class SessionPersistence:
                 for other in self.sessions.values():
                     if self.files.path(other.tenant, other.session_id) == path:
                         other.on_disk = False
-        self._trim_warm()
+        prometheus.store(self.files.disk_bytes, self._trim_warm())
 
-    def _trim_warm(self) -> None:
-        """Drop the stored form of least recently used sessions that are safely on disk."""
+    def _trim_warm(self) -> int:
+        """Drop the stored form of least recently used sessions that are safely on disk; returns
+        the bytes of stored form left in memory."""
         with self._sessions_lock:
             sessions = list(self.sessions.values())
         total = sum(s.record.nbytes() for s in sessions if s.record is not None)
@@ -320,6 +322,7 @@ class SessionPersistence:
                         session.record = None
                 finally:
                     session.lock.release()
+        return total
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every captured turn is written (flush_cache calls this before it empties the tree)."""

@@ -84,6 +84,7 @@ class SessionFiles:
         self.root = Path(root).expanduser()
         self.spec, self.quant, self.kivi, self.block_size = spec, quant, kivi, block_size
         self.removed_partial = self._remove_partial_writes()
+        self.disk_bytes = 0  # of the session files, as of the last enforce_quota
 
     def _remove_partial_writes(self) -> int:
         """Temporary files of writers that died before their rename: never loadable, only space.
@@ -104,6 +105,7 @@ class SessionFiles:
             total -= oldest.stat().st_size
             oldest.unlink(missing_ok=True)
             removed.append(oldest)
+        self.disk_bytes = total
         return removed
 
     def path(self, tenant: str | None, session_id: str) -> Path:
