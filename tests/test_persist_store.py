@@ -134,3 +134,38 @@ def test_quota_evicts_least_recently_used(tmp_path):
     removed = files.enforce_quota(int(size * 2.5))
     assert removed == [files.path(None, "s1"), files.path(None, "s2")]
     assert files.read(None, "s0") is not None and files.read(None, "s3") is not None
+
+
+def test_a_fine_tune_with_the_same_config_is_another_model(tmp_path):
+    """Issue 13: a checkpoint with an identical HF config but other weights must not load the
+    first one's session files: the spec's hash covers the weight files' names, sizes and bytes."""
+    from types import SimpleNamespace
+
+    from sgl_memory.persist.manager import cache_spec
+
+    def checkpoint(name: str, data: bytes):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "llama"}')
+        (folder / "model.safetensors").write_bytes(data)
+        return folder
+
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randint(0, 256, (400_000,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    tuned = bytearray(weights)
+    tuned[200_000:200_010] = bytes(10)  # one small change where no header lives
+    hf_config = SimpleNamespace(to_dict=lambda: {"model_type": "llama", "hidden_size": 64})
+    pool = SimpleNamespace(layer_num=2, get_key_buffer=lambda layer: torch.zeros(8, 2, 32, dtype=torch.bfloat16))
+
+    def spec(folder):
+        args = SimpleNamespace(model_path=str(folder), served_model_name="m")
+        return cache_spec(SimpleNamespace(hf_config=hf_config), args, pool, 1, 0, 1)
+
+    base = spec(checkpoint("base", weights))
+    assert spec(checkpoint("copy", weights)) == base  # the same weights elsewhere: the same model
+    assert spec(checkpoint("tuned", bytes(tuned))).config_hash != base.config_hash
+    assert spec(checkpoint("longer", weights + b"\0")).config_hash != base.config_hash
+    files = SessionFiles(tmp_path / "store", base, quant="bf16")
+    keys, values = kv(tokens=8)
+    files.write(None, "s", files.record(range(8), "x", keys, values))
+    assert SessionFiles(tmp_path / "store", spec(tmp_path / "tuned"), quant="bf16").read(None, "s") is None
