@@ -6,8 +6,9 @@
   `custom_params`, which carries it to the scheduler;
 - bounds on those bodies that SGLang does not check: a size cap (413) and JSON nested too deeply
   to parse (400; SGLang's own parser would answer it with a 500);
-- a prompt of zero tokens is a 400 (TokenizerManager hook): SGLang's scheduler would crash on it
-  and take the whole server down;
+- a prompt of zero tokens, or with a token id outside the vocabulary, is a 400 (TokenizerManager
+  hook): SGLang's scheduler would crash on either and take the whole server down;
+- a request whose shape SGLang's input processing cannot handle is a 400, not a 500;
 - OpenAI responses get the request's metrics as a top-level `sgl_memory` object (native responses
   carry them in `meta_info`).
 """
@@ -161,14 +162,43 @@ def _with_metrics(send):
     return wrapped
 
 
-def refuse_empty_input(manager, obj, input_ids, *args, **kwargs):
+def refuse_unservable_input(manager, obj, input_ids, *args, **kwargs):
     """BEFORE hook on TokenizerManager._validate_one_request, which every prompt passes after
-    tokenization (native, OpenAI, batches, the memory probe): zero tokens is a ValueError, which
-    SGLang answers with a 400. Past this point the scheduler would crash in the rotary embedding."""
-    if input_ids is not None and len(input_ids) == 0 and getattr(obj, "input_embeds", None) is None:
-        if not (hasattr(obj, "contains_mm_input") and obj.contains_mm_input()):
-            raise ValueError("The input is empty: a prompt needs at least one token")
+    tokenization (native, OpenAI, batches, the memory probe). A ValueError here is answered with a
+    400; past this point either of these would crash the scheduler, and with it the whole server:
+    - zero tokens (the rotary embedding of zero rows);
+    - a token id outside the model's vocabulary (the embedding lookup)."""
+    if input_ids is None or getattr(obj, "input_embeds", None) is not None:
+        return None
+    if hasattr(obj, "contains_mm_input") and obj.contains_mm_input():
+        return None  # the multimodal processor makes the ids
+    if len(input_ids) == 0:
+        raise ValueError("The input is empty: a prompt needs at least one token")
+    vocab = manager.model_config.vocab_size
+    low, high = min(input_ids), max(input_ids)
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the vocabulary [0, {vocab})")
     return None
+
+
+MALFORMED = (TypeError, IndexError, KeyError, AttributeError)
+
+
+async def malformed_is_a_400(original, manager, obj, request=None):
+    """AROUND hook on TokenizerManager.generate_request (outside the memory probe's). Until the
+    first output comes back, the request is being normalised, tokenised and validated: a shape of
+    input SGLang's code does not expect (an empty list of sampling params, a list where an object
+    goes) then surfaces as a TypeError, IndexError, KeyError or AttributeError, which SGLang answers
+    with a 500. It is the client's error: a ValueError, which SGLang answers with a 400."""
+    started = False
+    try:
+        async for out in original(manager, obj, request):
+            started = True
+            yield out
+    except MALFORMED as exc:
+        if started:
+            raise
+        raise ValueError(f"malformed request: {type(exc).__name__}: {exc}") from exc
 
 
 async def _send_error(send, status: int, message: str) -> None:

@@ -143,7 +143,6 @@ def test_rerotated_blocks_equal_keys_computed_at_the_new_positions():
     free = unrotate(cached, old, rope)
 
     memory = SessionMemory(capacity=100)
-    memory.pending = 2
     memory.add_turn(list(range(12)), free[:, :12], cached[:, :12], block_size=12)
     memory.add_turn(list(range(12, 24)), free[:, 12:], cached[:, 12:], block_size=12)
     blocks = memory.take([1, 0])
@@ -162,7 +161,6 @@ def test_position_free_keys_return_exactly_at_their_own_positions():
     cached = (torch.randn(3, 40, 2, 64) * 5).to(torch.bfloat16)
     positions = torch.arange(40)
     memory = SessionMemory(capacity=100)
-    memory.pending = 1
     memory.add_turn(list(range(40)), unrotate(cached, positions, rope), cached, block_size=16)
     placed, values = assemble(memory.take([0, 1, 2]), rope)
     assert torch.equal(placed, cached) and torch.equal(values, cached)
@@ -174,7 +172,6 @@ def test_position_free_keys_return_exactly_at_their_own_positions():
 def turn(memory, n, seed, size=4):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(2, n, 1, 8, generator=g)
-    memory.pending += 1
     memory.add_turn(list(range(seed * 100, seed * 100 + n)), keys, keys.to(torch.bfloat16), size)
     return keys
 
@@ -188,7 +185,35 @@ def test_turns_become_blocks_with_their_aabbs_and_metadata():
     assert ids == [0, 1, 2, 3] and [len(memory.blocks[i].tokens) for i in ids] == [4, 4, 2, 3]
     assert [(memory.blocks[i].turn, memory.blocks[i].offset) for i in ids] == [(0, 0), (0, 4), (0, 8), (1, 0)]
     assert torch.equal(lo[:, 1], keys[:, 4:8].amin(1)) and torch.equal(hi[:, 2], keys[:, 8:10].amax(1))
-    assert memory.blocks[3].tokens == [100, 101, 102] and memory.pending == 0
+    assert memory.blocks[3].tokens == [100, 101, 102]
+
+
+def test_a_retrieval_ingests_the_turns_a_slow_worker_has_not_added():
+    """Issue 13: under load a memory-mode request retrieved before its session's turns were in the
+    pool (it waited 30 s, then went on without them). Now the retrieval adds them itself, in order,
+    after the turn the worker is adding."""
+    import threading
+
+    memory = SessionMemory(capacity=100)
+    started, release = threading.Event(), threading.Event()
+
+    def slow(keys, positions):  # the worker's un-rotation, stalled
+        started.set()
+        release.wait(5)
+        return keys
+
+    keys = torch.randn(2, 8, 1, 8)
+    for t in range(3):
+        memory.submit(list(range(t * 10, t * 10 + 8)), torch.arange(8), keys, keys.to(torch.bfloat16))
+    worker = threading.Thread(target=memory.ingest, args=(slow, 4))
+    worker.start()
+    assert started.wait(5)
+    threading.Timer(0.3, release.set).start()
+    memory.ingest(lambda k, p: k, 4)  # the retrieval: blocks until the worker's turn is in, adds the rest
+    worker.join(5)
+    assert [memory.blocks[i].turn for i in sorted(memory.blocks)] == [0, 0, 1, 1, 2, 2]
+    assert [memory.blocks[i].tokens[0] for i in sorted(memory.blocks)] == [0, 4, 10, 14, 20, 24]
+    assert not memory.busy()
 
 
 @pytest.mark.parametrize("eviction, survivors", [("fifo", [2, 3, 4, 5]), ("lru", [0, 3, 4, 5])])

@@ -8,11 +8,15 @@ time it was made, and the per-layer, per-KV-head bounding box of its keys (the A
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,9 +77,34 @@ class SessionMemory:
     next_id: int = 0
     evicted: int = 0
     bytes: int = 0  # host memory of its blocks
-    pending: int = 0  # captured turns the worker has not added yet
-    lock: threading.Condition = field(default_factory=threading.Condition)
+    inbox: deque = field(default_factory=deque)  # submitted turns not added yet, oldest first
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards blocks, inbox, counters
+    ingesting: threading.Lock = field(default_factory=threading.Lock)  # one ingest at a time: turns stay in order
     _index: BlockIndex | None = None
+
+    def submit(self, tokens: list[int], positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A finished turn's KV as copied off the KV pool (keys still rotated), for ingest()."""
+        with self.lock:
+            self.inbox.append((tokens, positions, keys, values))
+
+    def ingest(self, unrotate, block_size: int) -> None:
+        """Add every submitted turn, in order; `unrotate(keys, positions)` makes keys position-free.
+        The memory worker calls this, and so does a retrieval of the session before it reads the
+        pool: waiting for the turn the worker is adding, then adding the rest itself, so no
+        retrieval ever runs without a turn that finished before it, however slow the worker is."""
+        with self.ingesting:
+            while True:
+                with self.lock:
+                    if not self.inbox:
+                        return
+                    tokens, positions, keys, values = self.inbox.popleft()
+                try:
+                    self.add_turn(tokens, unrotate(keys, positions), values, block_size)
+                except Exception:  # one bad turn must not stop the session's others
+                    logger.exception("memory: adding a turn failed")
+
+    def busy(self) -> bool:
+        return bool(self.inbox) or self.ingesting.locked()
 
     def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int) -> None:
         """Cut one turn's position-free KV [L, n, Hkv, D] into blocks (the last may be shorter)."""
@@ -99,8 +128,6 @@ class SessionMemory:
                 self.next_id += 1
             self._evict(lambda: len(self.blocks) > self.capacity)
             self._index = None
-            self.pending -= 1
-            self.lock.notify_all()
 
     def trim(self, max_bytes: int) -> None:
         """Evict blocks (by the pool's policy) until its blocks take at most max_bytes."""
@@ -118,11 +145,6 @@ class SessionMemory:
             if not over():
                 break
         self._index = None
-
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until every captured turn of this session is in the pool."""
-        with self.lock:
-            return self.lock.wait_for(lambda: self.pending == 0, timeout)
 
     def index(self, layers: int, block_size: int) -> BlockIndex:
         """The scoring view of the first `layers` layers, rebuilt after the pool changes."""

@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 MAX_SESSIONS = 1024  # session pools kept; the least recently used beyond are dropped
 MAX_PROBES = 32  # recent probes kept for their request (a request with n > 1 samples uses its probe n times)
-PENDING_WAIT_S = 30.0  # a memory-mode request waits this long for its session's pending turns
 
 _MANAGER: MemoryManager | None = None  # the capture hook's way to this process's manager
 
@@ -191,9 +190,7 @@ class MemoryManager:
         state.probe_tokens = probe.length
         if memory is None:
             return  # nothing remembered yet
-        if not memory.wait_idle(PENDING_WAIT_S):
-            logger.warning("memory: session %r still has turns being added after %.0f s; retrieving without them",
-                           state.owner[1], PENDING_WAIT_S)  # fmt: skip
+        memory.ingest(self._unrotate, self.config.block_size)  # turns the worker has not added yet
         index = memory.index(self.layers, self.config.block_size)
         ids = index.ids
         if not ids:
@@ -272,20 +269,16 @@ class MemoryManager:
             return
         slots = self.tree.path_device_indices(match.last_device_node)[start:end]
         keys, values = tree_fill.copy_out(self.tree, slots)
-        with memory.lock:
-            memory.pending += 1
-        self._queue.put((memory, tokens[start:end], torch.arange(start, end), keys, values))
+        memory.submit(tokens[start:end], torch.arange(start, end), keys, values)
+        self._queue.put(memory)
+
+    def _unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return unrotate(keys, positions, self.rope)
 
     def _work(self) -> None:
         while True:
-            memory, tokens, positions, keys, values = self._queue.get()
-            try:
-                memory.add_turn(tokens, unrotate(keys, positions, self.rope), values, self.config.block_size)
-            except Exception:  # the worker must outlive any one turn's failure
-                logger.exception("memory: adding a turn failed")
-                with memory.lock:
-                    memory.pending -= 1
-                    memory.lock.notify_all()
+            memory = self._queue.get()
+            memory.ingest(self._unrotate, self.config.block_size)
             self._bound_pools(memory)
 
     def _bound_pools(self, current: SessionMemory) -> None:
@@ -296,7 +289,7 @@ class MemoryManager:
             for owner in list(self.sessions):
                 if total <= self.config.pool_bytes:
                     break
-                if self.sessions[owner] is not current and not self.sessions[owner].pending:
+                if self.sessions[owner] is not current and not self.sessions[owner].busy():
                     dropped = self.sessions.pop(owner)
                     total -= dropped.bytes
                     logger.info("memory: pool_bytes %d reached: dropped the memory of session %r", self.config.pool_bytes, owner[1])

@@ -41,7 +41,7 @@ def memory_field(obj) -> dict | None:
     if spec.memory is None:
         return None
     check_served(spec, from_env())
-    if isinstance(obj.text, list) or (obj.input_ids and isinstance(obj.input_ids[0], list)):
+    if isinstance(obj.text, list) or (isinstance(obj.input_ids, list) and obj.input_ids and isinstance(obj.input_ids[0], list)):
         raise SpecError(f"{FIELD}.memory takes one prompt per request, not a batch")
     return raw
 
