@@ -41,3 +41,29 @@ def test_required_tool_call_fills_the_schema(qwen):
 
 def test_launcher_chose_the_qwen_tool_parser(qwen):
     assert "--tool-call-parser qwen25" in qwen.log()
+
+
+TOUCH = {
+    "type": "function",
+    "function": {
+        "name": "touch",
+        "description": "Create an empty file in the current directory.",
+        "strict": True,
+        "parameters": {"type": "object", "properties": {"file_name": {"type": "string"}}, "required": ["file_name"],
+                       "additionalProperties": False},  # fmt: skip
+    },
+}
+
+
+def test_a_strict_tool_schema_constrains_the_arguments(qwen):
+    """Without `strict` SGLang constrains only a call's framing and name (the default model once
+    gave `touch` the arguments ["a.txt", "b"]); with it, the arguments follow the schema."""
+    r = qwen.post("/v1/chat/completions", {
+        "model": "default", "messages": [{"role": "user", "content": "Create the files a.txt and b.txt."}],
+        "tools": [TOUCH], "tool_choice": "required", "max_tokens": 64, "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert calls and all(c["function"]["name"] == "touch" for c in calls)
+    for call in calls:
+        args = json.loads(call["function"]["arguments"])
+        assert isinstance(args, dict) and set(args) == {"file_name"} and isinstance(args["file_name"], str), args
