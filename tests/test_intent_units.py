@@ -291,3 +291,63 @@ def test_rope_refuses_scaled_variants():
 
     with pytest.raises(ValueError, match="yarn"):
         Rope.from_hf_config(Cfg())
+
+
+# --- who reads a pruned path, and whose namespace a client can name ---------------------------
+
+
+def test_branch_tokens_are_negative_and_name_session_and_pruning():
+    from sgl_memory.intent.paths import branch_token
+
+    tokens = {branch_token(key, scorer, budget, "dead_slot") for key in ("\x00id:a", "\x00id:b", "t\x00id:a")
+              for scorer in ("memory", "snapkv") for budget in (64, 65)}  # fmt: skip
+    assert len(tokens) == 12 and all(-(2**63) <= t < 0 for t in tokens)
+    assert branch_token("\x00id:a", "memory", 64, "dead_slot") == branch_token("\x00id:a", "memory", 64, "dead_slot")
+
+
+def test_find_branch_walks_the_plain_path_to_the_session_branch():
+    """A tree holding a plain path and, below its first 3 tokens, a session's pruned path whose
+    branch sits at a node boundary, plus another session's branch inside a node."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    from sgl_memory.intent.paths import find_branch, with_branch
+
+    tree = RadixCache.create_simulated()
+    plain = array("q", [1, 2, 3, 4, 5, 6])
+    tree.insert(InsertParams(key=RadixKey(plain)))
+    tree.insert(InsertParams(key=RadixKey(with_branch(plain, 3, -7))))  # session A: branch at a boundary
+    tree.insert(InsertParams(key=RadixKey(array("q", [9, 8, -5, 7]))))  # session B: branch inside its node
+    assert find_branch(tree.root_node, RadixKey(array("q", [1, 2, 3, 4, 5])), -7) == 3
+    assert find_branch(tree.root_node, RadixKey(array("q", [1, 2, 3, 4, 5])), -5) is None  # B's token, not on this path
+    assert find_branch(tree.root_node, RadixKey(array("q", [9, 8, 6, 7])), -5) == 2
+    assert find_branch(tree.root_node, RadixKey(array("q", [1, 2, 9])), -7) is None  # the path leaves before the branch
+    assert find_branch(tree.root_node, RadixKey(array("q", [1, 2, 3])), -7) is None  # the key ends at the branch
+    assert list(with_branch(plain, 3, -7)) == [1, 2, 3, -7, 5, 6] and list(plain) == [1, 2, 3, 4, 5, 6]
+    assert with_branch(plain, None, -7) is plain and with_branch([1, 2], 1, -7) == [1, -7]
+
+
+@pytest.mark.parametrize("key", [None, "lora-a", "a\x00tenant:x", "\\0tenant:x", "\\", "\x00", "a\\\x00b"])
+def test_a_client_extra_key_never_contains_the_namespace_separator(key):
+    from sgl_memory.admission import client_namespace
+
+    escaped = client_namespace(key)
+    assert escaped is None if not key else "\x00" not in escaped
+    others = ["a\x00tenant:x", "\\0tenant:x", "\\", "\x00", "a\\\x00b", "lora-a", "\\\\"]
+    assert all(client_namespace(o) != escaped for o in others if o != key)  # injective: no two clients meet
+
+
+def test_a_mechanism_the_server_runs_without_is_refused_naming_its_key():
+    from sgl_memory.config import IntentConfig, MemoryConfig, MemoryRetrievalConfig
+    from sgl_memory.intent.request import check_served
+
+    off = MemoryConfig()
+    for raw, key in (({"budget": 9}, "intent.enabled"), ({"scorer": "h2o", "layout": "compact"}, "intent.enabled"),
+                     ({"session_id": "s", "memory": {}}, "memory.enabled")):  # fmt: skip
+        with pytest.raises(SpecError, match=key):
+            check_served(parse(raw), off)
+    check_served(parse({"session_id": "s", "tenant": "t"}), off)  # naming a session asks for nothing
+    check_served(parse({"budget": 9}), MemoryConfig(intent=IntentConfig(enabled=True)))
+    check_served(parse({"session_id": "s", "memory": {}}), MemoryConfig(memory=MemoryRetrievalConfig(enabled=True)))
