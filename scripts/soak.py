@@ -21,12 +21,16 @@ Two parts, each on its own servers (SmolLM2 by default, a small KV pool):
 
     .venv/bin/python scripts/soak.py [--sessions 32 --turns 20 --trials 100]
     .venv/bin/python scripts/soak.py --parts kill --trials 5      # a quick look
+
+Each part merges what it measured into --out as it goes (a long run cut short keeps its finished
+parts and trials), so the two parts can also run as two processes side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import fcntl
 import json
 import os
 import random
@@ -187,6 +191,9 @@ def kill_trials(args, workdir: Path) -> dict:
     history = {s: [{"role": "system", "content": SYSTEM}] for s in sessions}
     trials, failures = [], []
     for trial in tqdm(range(args.trials), desc="kill -9 trials"):
+        for s in sessions:  # a session past ~4k tokens starts over: its next file replaces the stored one
+            if sum(len(m["content"] or "") for m in history[s]) > 16000:
+                history[s] = history[s][:1]
         server = harness.start(command, d / f"trial-{trial % 2}.log")
         during_write = trial % 2 == 0
         info = {"trial": trial, "during_write": during_write}
@@ -224,6 +231,7 @@ def kill_trials(args, workdir: Path) -> dict:
         if info["unloadable"]:
             failures.append(f"trial {trial}: files that do not load: {info['unloadable']}")
         trials.append(info)
+        save(args.out, {"kill": kill_summary(trials, failures, None)})  # a long run keeps what it did
     # the last restart: every session is served after the last kill
     server = harness.start(command, d / "final.log")
     try:
@@ -235,11 +243,35 @@ def kill_trials(args, workdir: Path) -> dict:
         partial_after = len(list(store.glob("*/*/*.tmp")))
     finally:
         harness.stop(server)
+    return kill_summary(trials, failures, partial_after)
+
+
+def kill_summary(trials: list, failures: list, partial_after: int | None) -> dict:
+    """partial_after is None until the final restart ran (a run cut short says so)."""
     return {
         "trials": len(trials), "killed_during_write": sum(t["killed_with_partial_file"] for t in trials),
         "files_checked": sum(t["files"] for t in trials), "unloadable_files": sum(len(t["unloadable"]) for t in trials),
         "partial_files_after_final_restart": partial_after, "failures": failures, "per_trial": trials,
     }
+
+
+def save(out: str, parts: dict) -> dict:
+    """Merge `parts` into the result file under a lock: the parts may run as separate processes
+    (`--parts sessions` beside `--parts kill`), each adding what it measured."""
+    path = Path(out)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = json.loads(path.read_text()) if path.exists() else {}
+        result.update(parts)
+        sessions, kill = result.get("sessions", []), result.get("kill", {})
+        result["passed"] = (all(r["five_xx"] == 0 and not r["leaks"] and r["healthy_after"] and not r["scheduler_crashed"]
+                                and r["rss_bounded"] for r in sessions)
+                            and (not kill or (not kill["failures"] and kill["partial_files_after_final_restart"] == 0)))  # fmt: skip
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, path)
+    path.with_suffix(".lock").unlink(missing_ok=True)
+    return result
 
 
 def plot(result: dict, path: Path) -> None:
@@ -273,19 +305,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = ap.parse_args()
-    result = {"args": {k: v for k, v in vars(args).items() if k != "out"}}
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
     with tempfile.TemporaryDirectory(prefix="sgl-memory-soak-") as tmp:
         if "sessions" in args.parts:
-            result["sessions"] = [run_sessions(args, config, Path(tmp)) for config in args.configs]
+            runs = []
+            for config in args.configs:
+                runs.append(run_sessions(args, config, Path(tmp)))
+                save(args.out, {"sessions": runs, "sessions_args": settings})
         if "kill" in args.parts:
-            result["kill"] = kill_trials(args, Path(tmp))
-    sessions = result.get("sessions", [])
-    kill = result.get("kill", {})
-    result["passed"] = (all(r["five_xx"] == 0 and not r["leaks"] and r["healthy_after"] and not r["scheduler_crashed"]
-                            and r["rss_bounded"] for r in sessions) and not kill.get("failures"))  # fmt: skip
+            save(args.out, {"kill": kill_trials(args, Path(tmp)), "kill_args": settings})
+    result = save(args.out, {})
     out = Path(args.out)
-    out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
+    sessions, kill = result.get("sessions", []), result.get("kill", {})
     for r in sessions:
         print(f"{r['config']}: {r['requests']} requests, {r['dropped']} dropped by the client, 5xx {r['five_xx']}, "
               f"leaks {len(r['leaks'])}, RSS peak {r['rss_peak_first_half_mb']} -> {r['rss_peak_second_half_mb']} MB, "

@@ -54,6 +54,9 @@ def either(good, bad=json_values):
     return st.one_of(good, good, good, bad)
 
 
+# a malformed sampling_params that is never a dict: a dict without max_new_tokens means SGLang's
+# default of 128 tokens, valid and slow
+not_a_dict = st.one_of(scalars, st.lists(json_values, max_size=3))
 # a token count that is wrong but never "until the context is full" (null), which is valid and slow
 tokens = either(st.integers(0, 8), st.sampled_from([-1, 10**9, 2**64, "4", 2.5, [], {}]))
 
@@ -84,7 +87,7 @@ generate_body = st.builds(
     lambda prompt, params, field, stream, extra: {**prompt, "sampling_params": params, **field, **stream, **extra},
     st.one_of(st.builds(lambda t: {"text": t}, st.one_of(words, text, st.lists(words, min_size=1, max_size=2))),
               st.builds(lambda t: {"input_ids": t}, st.lists(st.one_of(st.integers(0, 48000), ints), max_size=30))),
-    either(sampling), maybe_field, st.sampled_from([{}, {"stream": True}]),
+    either(sampling, not_a_dict), maybe_field, st.sampled_from([{}, {"stream": True}]),
     st.sampled_from([{}, {"extra_key": "\x00tenant:x"}, {"session_params": {"id": "nope"}}, {"return_logprob": True}]),
 )  # fmt: skip
 message = st.fixed_dictionaries({"role": either(st.sampled_from(["system", "user", "assistant", "tool"])),
@@ -104,7 +107,7 @@ completion_body = st.builds(
 
 
 def answered_cleanly(server, path: str, body) -> None:
-    r = server.post_raw(path, json.dumps(body).encode(), timeout=120)  # NaN and Infinity included, as Python sends them
+    r = server.post_raw(path, json.dumps(body).encode(), timeout=300)  # NaN and Infinity included, as Python sends them
     assert r.status_code < 500, f"{path} {r.status_code}: {r.text[:500]}\nbody: {body!r}"[:2000]
     if r.status_code >= 400:
         assert r.text.strip(), f"{path} {r.status_code} without a message"
