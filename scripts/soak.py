@@ -249,7 +249,7 @@ def kill_trials(args, workdir: Path) -> dict:
 def kill_summary(trials: list, failures: list, partial_after: int | None) -> dict:
     """partial_after is None until the final restart ran (a run cut short says so)."""
     return {
-        "trials": len(trials), "killed_during_write": sum(t["killed_with_partial_file"] for t in trials),
+        "finished": partial_after is not None, "trials": len(trials), "killed_during_write": sum(t["killed_with_partial_file"] for t in trials),
         "files_checked": sum(t["files"] for t in trials), "unloadable_files": sum(len(t["unloadable"]) for t in trials),
         "partial_files_after_final_restart": partial_after, "failures": failures, "per_trial": trials,
     }

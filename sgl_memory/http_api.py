@@ -165,17 +165,15 @@ def _with_metrics(send):
 def refuse_unservable_input(manager, obj, input_ids, *args, **kwargs):
     """BEFORE hook on TokenizerManager._validate_one_request, which every prompt passes after
     tokenization (native, OpenAI, batches, the memory probe). A ValueError here is answered with a
-    400; past this point any of these would crash the scheduler, and with it the whole server:
+    400; past this point either of these would crash the scheduler, and with it the whole server:
     - zero tokens (the rotary embedding of zero rows);
-    - a token id that is not an integer, or outside the model's vocabulary (the embedding lookup)."""
+    - a token id outside the model's vocabulary (the embedding lookup)."""
     if input_ids is None or getattr(obj, "input_embeds", None) is not None:
         return None
     if hasattr(obj, "contains_mm_input") and obj.contains_mm_input():
         return None  # the multimodal processor makes the ids
     if len(input_ids) == 0:
         raise ValueError("The input is empty: a prompt needs at least one token")
-    if not all(type(t) is int for t in input_ids):
-        raise ValueError("input_ids must hold integer token ids")
     vocab = manager.model_config.vocab_size
     low, high = min(input_ids), max(input_ids)
     if low < 0 or high >= vocab:

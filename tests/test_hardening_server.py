@@ -45,16 +45,12 @@ def test_an_empty_prompt_is_a_400_not_a_dead_server(server, path, body):
     healthy(server)
 
 
-@pytest.mark.parametrize(
-    "ids, needle",
-    [([1, 2, -1], "outside the vocabulary"), ([1, 2, 10**6], "outside the vocabulary"),
-     ([[5, 6], [7, 49152]], "outside the vocabulary"), ([1, 2.5], "integer token ids"), ([1, True], "integer token ids")],
-)  # fmt: skip
-def test_a_token_id_outside_the_vocabulary_is_a_400_not_a_dead_server(server, ids, needle):
+@pytest.mark.parametrize("ids", [[1, 2, -1], [1, 2, 10**6], [[5, 6], [7, 49152]]])
+def test_a_token_id_outside_the_vocabulary_is_a_400_not_a_dead_server(server, ids):
     """Found by tests/test_fuzz_server.py: the embedding lookup crashed the scheduler."""
     r = server.post("/generate", {"input_ids": ids, "sampling_params": GREEDY})
     assert r.status_code == 400, r.text
-    assert needle in message(r)
+    assert "outside the vocabulary" in message(r)
     healthy(server)
 
 
