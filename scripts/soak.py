@@ -249,7 +249,7 @@ def kill_trials(args, workdir: Path) -> dict:
 def kill_summary(trials: list, failures: list, partial_after: int | None) -> dict:
     """partial_after is None until the final restart ran (a run cut short says so)."""
     return {
-        "finished": partial_after is not None, "trials": len(trials), "killed_during_write": sum(t["killed_with_partial_file"] for t in trials),
+        "trials": len(trials), "killed_during_write": sum(t["killed_with_partial_file"] for t in trials),
         "files_checked": sum(t["files"] for t in trials), "unloadable_files": sum(len(t["unloadable"]) for t in trials),
         "partial_files_after_final_restart": partial_after, "failures": failures, "per_trial": trials,
     }
@@ -259,7 +259,10 @@ def save(out: str, parts: dict) -> dict:
     """Merge `parts` into the result file under a lock: the parts may run as separate processes
     (`--parts sessions` beside `--parts kill`), each adding what it measured."""
     path = Path(out)
-    with open(path.with_suffix(".lock"), "w") as lock:
+    # locked through its directory: a lock file removed after use could be held by one process
+    # while another locks the file that replaced it
+    lock = os.open(path.parent, os.O_RDONLY)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         result = json.loads(path.read_text()) if path.exists() else {}
         result.update(parts)
@@ -270,7 +273,8 @@ def save(out: str, parts: dict) -> dict:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(result, indent=1))
         os.replace(tmp, path)
-    path.with_suffix(".lock").unlink(missing_ok=True)
+    finally:
+        os.close(lock)  # releases the lock
     return result
 
 
