@@ -39,37 +39,62 @@ BACKEND_NAME = "sgl_memory"
 
 
 class SentinelSafeAllocator:
-    """The tree's view of the KV allocator: frees skip the sentinel slot (page size 1)."""
+    """The tree's view of the KV allocator: every free variant skips the sentinel slot and goes to
+    the same variant of the real allocator (SWA allocators give `free_full` and `free_segment` their
+    own meaning), and `real_freed` counts the real slots given back, which is how eviction measures
+    its progress: inside a free group (`free_group_begin`) the allocator's available size does not
+    move until the group ends."""
 
     def __init__(self, inner, tree: SglMemoryRadixCache):
         self._inner = inner
         self._tree = tree
+        self.real_freed = 0
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
     def _real(self, index: torch.Tensor) -> torch.Tensor:
         sentinel = self._tree.sentinel
-        return index if sentinel is None else index[index != sentinel]
+        real = index if sentinel is None else index[index != sentinel]
+        self.real_freed += real.numel()
+        return real
+
+    def _real_runs(self, index: torch.Tensor, start_pos: int) -> list[tuple[torch.Tensor, int]]:
+        """A kv-row segment without its sentinel entries, as the runs of real slots between them,
+        each with its own start position (a segment is a contiguous stretch of one row)."""
+        sentinel = self._tree.sentinel
+        dead = (index == sentinel) if sentinel is not None else None
+        if dead is None or not bool(dead.any()):
+            self.real_freed += index.numel()
+            return [(index, start_pos)] if index.numel() else []
+        live = torch.nonzero(~dead).flatten().tolist()
+        self.real_freed += len(live)
+        runs, first = [], 0
+        for k in range(1, len(live) + 1):
+            if k == len(live) or live[k] != live[k - 1] + 1:  # a sentinel entry ends the run
+                runs.append((index[live[first] : live[k - 1] + 1], start_pos + live[first]))
+                first = k
+        return runs
 
     def free(self, free_index):
         self._inner.free(self._real(free_index))
 
     def free_full(self, free_index):
-        self._inner.free(self._real(free_index))
+        self._inner.free_full(self._real(free_index))
 
     def free_segment(self, free_index, *, start_pos):
-        self._inner.free(self._real(free_index))
+        for run, pos in self._real_runs(free_index, start_pos):
+            self._inner.free_segment(run, start_pos=pos)
 
     def free_full_segment(self, free_index, *, start_pos):
-        self._inner.free(self._real(free_index))
+        for run, pos in self._real_runs(free_index, start_pos):
+            self._inner.free_full_segment(run, start_pos=pos)
 
     def free_segments(self, segments):
-        for free_index, _ in segments:
-            self.free(free_index)
+        self._inner.free_segments([run for index, pos in segments for run in self._real_runs(index, pos)])
 
     def free_full_segments(self, segments):
-        self.free_segments(segments)
+        self._inner.free_full_segments([run for index, pos in segments for run in self._real_runs(index, pos)])
 
 
 class SglMemoryRadixCache(RadixCache):
@@ -244,18 +269,18 @@ class SglMemoryRadixCache(RadixCache):
         return self.protected_size_ - self._dead_protected + held
 
     def evict(self, params: EvictParams) -> EvictResult:
-        """Sentinel entries free nothing: keep evicting until the real slots asked for are free."""
+        """Sentinel entries free nothing: keep evicting until the real slots asked for are freed.
+        Progress is what the allocator view counts as freed, not the allocator's available size,
+        which stays put inside a deferred free group."""
         if self.pruner is None:
             return super().evict(params)
-        total = EvictResult()
-        target = self._allocator.available_size() + params.num_tokens
-        while self._allocator.available_size() < target:
-            need = target - self._allocator.available_size()
-            result = super().evict(EvictParams(num_tokens=need))
-            total.num_tokens_evicted += result.num_tokens_evicted
+        view = self.token_to_kv_pool_allocator
+        start = view.real_freed
+        while view.real_freed - start < params.num_tokens:
+            result = super().evict(EvictParams(num_tokens=params.num_tokens - (view.real_freed - start)))
             if result.num_tokens_evicted == 0:
                 break
-        return total
+        return EvictResult(num_tokens_evicted=view.real_freed - start)
 
 
 class PoolTooSmall(RuntimeError):

@@ -160,3 +160,211 @@ def test_evict_respects_num_tokens():
     assert 5 <= evicted <= 8  # whole leaves are evicted, so it may overshoot by less than one leaf
     assert cache.total_size() == 20 - evicted
     assert len(alloc.freed) == evicted
+
+
+# --- every mode against plain RadixCache, on SGLang's real allocators ------------------------------
+
+POOL_TOKENS = 96
+
+
+class TinyKvPool:
+    """Two layers of [slots, 1 head, 4]: what the tree's mechanisms read off a KV pool."""
+
+    layer_num = 2
+    start_layer = 0
+
+    def __init__(self, size):
+        self.k = [torch.zeros(size, 1, 4) for _ in range(self.layer_num)]
+        self.v = [torch.zeros(size, 1, 4) for _ in range(self.layer_num)]
+
+    def get_key_buffer(self, layer):
+        return self.k[layer]
+
+    def get_value_buffer(self, layer):
+        return self.v[layer]
+
+
+def real_allocator(page_size):
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    pool = TinyKvPool(POOL_TOKENS + page_size)
+    if page_size == 1:
+        return TokenToKVPoolAllocator(POOL_TOKENS, torch.float32, "cpu", pool, need_sort=False)
+    return PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size, torch.float32, "cpu", pool, need_sort=False)
+
+
+def mode_config(mode, tmp_path):
+    from sgl_memory.config import IntentConfig, MemoryConfig, MemoryRetrievalConfig, PersistConfig
+
+    return {
+        "off": MemoryConfig(),
+        "intent": MemoryConfig(intent=IntentConfig(enabled=True)),
+        "persist": MemoryConfig(persist=PersistConfig(enabled=True, dir=str(tmp_path / "store"))),
+        "memory": MemoryConfig(memory=MemoryRetrievalConfig(enabled=True)),
+    }[mode]
+
+
+def tree_context(tmp_path):
+    """What the tree reads of SGLang's TreeCacheBuildContext to build its mechanisms."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+
+    hf = Qwen2Config(hidden_size=64, num_attention_heads=16, num_key_value_heads=1, num_hidden_layers=2)
+    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), tp_rank=0, tp_size=1,
+                           server_args=SimpleNamespace(model_path=str(tmp_path), served_model_name="contract"))  # fmt: skip
+
+
+class CountingClock:
+    """Distinct, increasing access times, so LRU eviction orders both trees' leaves the same way."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        self.now += 1.0
+        return self.now
+
+    def perf_counter(self):
+        return self.now
+
+
+MODES = [("off", 1), ("off", 4), ("intent", 1), ("persist", 1), ("persist", 4), ("memory", 1)]
+
+
+@pytest.mark.parametrize("mode,page_size", MODES, ids=[f"{m}-page{p}" for m, p in MODES])
+def test_every_mode_keeps_the_plain_radix_cache_contract(mode, page_size, tmp_path, monkeypatch):
+    """Random insert / match (with splits) / lock / unlock / evict (half of them inside a deferred free
+    group, as SGLang's result processing opens one) with extra keys, applied to plain RadixCache and
+    to our tree in one mode, each on its own real SGLang allocator: after every step both hold the
+    same tokens in the same slots (by allocation order), report the same sizes, and account for every
+    slot of the pool; every eviction frees as many tokens as plain RadixCache's."""
+    from sglang.srt.mem_cache import radix_cache as sglang_radix
+
+    from sgl_memory.intent import pruner as pruner_module
+
+    monkeypatch.setattr(sglang_radix, "time", CountingClock())
+    monkeypatch.setattr(pruner_module, "_PRUNER", None)
+    trees, allocators = [], []
+    for cls in (RadixCache, SglMemoryRadixCache):
+        allocator = real_allocator(page_size)
+        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size)
+        tree = cls(params) if cls is RadixCache else cls(params, mode_config(mode, tmp_path), tree_context(tmp_path))
+        trees.append(tree)
+        allocators.append(allocator)
+    plain, ours = trees
+    held_by_ours = 1 if ours.sentinel is not None else 0  # the pruning sentinel is a real slot
+    logical = [{}, {}]  # slot -> allocation order, per tree: slots differ, allocation order must not
+    rng = random.Random(hash((mode, page_size)) & 0xFFFF)
+    inserted: list[list[int]] = []
+    locks: list[list] = []
+    counter = 0
+
+    def check():
+        assert ours.total_size() == plain.total_size()
+        assert ours.evictable_size() == plain.evictable_size()
+        assert ours.protected_size() - held_by_ours == plain.protected_size()
+        held = [sorted(logical[i][s] for s in (t.all_values_flatten().tolist() if t.total_size() else [])) for i, t in enumerate(trees)]
+        assert held[1] == held[0]
+        for tree, allocator in zip(trees, allocators):
+            assert allocator.available_size() + tree.evictable_size() + tree.protected_size() == POOL_TOKENS
+
+    for _ in range(300):
+        op = rng.random()
+        extra = rng.choice([None, None, "a", "b"])
+        if op < 0.4:
+            if inserted and rng.random() < 0.6:
+                base = rng.choice(inserted)
+                seq = base[: rng.randint(0, len(base)) // page_size * page_size]
+            else:
+                seq = []
+            seq = seq + [rng.randint(0, 4) for _ in range(page_size * rng.randint(1, 3))]
+            if any(a.available_size() < len(seq) for a in allocators):
+                for tree in trees:
+                    tree.evict(EvictParams(num_tokens=len(seq)))
+            results = []
+            for i, (tree, allocator) in enumerate(zip(trees, allocators)):
+                slots = allocator.alloc(len(seq))
+                assert slots is not None
+                for j, s in enumerate(slots.tolist()):
+                    logical[i][s] = counter + j
+                result = tree.insert(InsertParams(key=RadixKey(seq, extra), value=slots.to(torch.int64)))
+                allocator.free(slots[: result.prefix_len])  # the scheduler frees what the tree already held
+                results.append(result.prefix_len)
+            counter += len(seq)
+            assert results[1] == results[0]
+            inserted.append(seq)
+        elif op < 0.65:
+            query = (rng.choice(inserted)[: rng.randint(0, 12)] if inserted else []) + [rng.randint(0, 4)]
+            found = [tree.match_prefix(MatchPrefixParams(key=RadixKey(query, extra))) for tree in trees]
+            assert found[1].device_prefix_len == found[0].device_prefix_len
+            paths = [[logical[i][s] for s in t.path_device_indices(f.last_device_node).tolist()] for i, (t, f) in enumerate(zip(trees, found))]
+            assert paths[1] == paths[0]
+            if rng.random() < 0.5 and found[0].device_prefix_len:
+                locks.append([(t, f.last_device_node) for t, f in zip(trees, found)])
+                for tree, node in locks[-1]:
+                    tree.inc_lock_ref(node)
+        elif op < 0.75 and locks:
+            for tree, node in locks.pop(rng.randrange(len(locks))):
+                tree.dec_lock_ref(node)
+        else:
+            want = rng.randint(1, 3 * page_size)
+            grouped = rng.random() < 0.5
+            evicted = []
+            for tree, allocator in zip(trees, allocators):
+                if grouped:
+                    allocator.free_group_begin()
+                evicted.append(tree.evict(EvictParams(num_tokens=want)).num_tokens_evicted)
+                if grouped:
+                    allocator.free_group_end()
+            assert evicted[1] == evicted[0]
+        check()
+
+
+def test_sentinel_safe_allocator_forwards_each_free_variant():
+    """free_full / free_segment / their batched forms reach the same variant of the real allocator
+    (an SWA allocator's free_full must not free the SWA slot), with the sentinel's entries cut out
+    and each remaining run of a segment at its own start position."""
+    from types import SimpleNamespace
+
+    from sgl_memory.radix_cache import SentinelSafeAllocator
+
+    calls = []
+
+    class Recorder:
+        def free(self, index):
+            calls.append(("free", index.tolist(), None))
+
+        def free_full(self, index):
+            calls.append(("free_full", index.tolist(), None))
+
+        def free_segment(self, index, *, start_pos):
+            calls.append(("free_segment", index.tolist(), start_pos))
+
+        def free_full_segment(self, index, *, start_pos):
+            calls.append(("free_full_segment", index.tolist(), start_pos))
+
+        def free_segments(self, segments):
+            calls.append(("free_segments", [(i.tolist(), p) for i, p in segments], None))
+
+        def free_full_segments(self, segments):
+            calls.append(("free_full_segments", [(i.tolist(), p) for i, p in segments], None))
+
+    view = SentinelSafeAllocator(Recorder(), SimpleNamespace(sentinel=7))
+    row = torch.tensor([3, 4, 7, 7, 5, 7, 6])  # positions 10..16 of a row; 7 is the sentinel
+    view.free(row)
+    view.free_full(row)
+    view.free_segment(row, start_pos=10)
+    view.free_full_segment(row, start_pos=10)
+    view.free_segments([(row, 10), (torch.tensor([8, 9]), 20)])
+    view.free_full_segments([(torch.tensor([7, 9]), 30)])
+    assert calls == [
+        ("free", [3, 4, 5, 6], None),
+        ("free_full", [3, 4, 5, 6], None),
+        ("free_segment", [3, 4], 10), ("free_segment", [5], 14), ("free_segment", [6], 16),
+        ("free_full_segment", [3, 4], 10), ("free_full_segment", [5], 14), ("free_full_segment", [6], 16),
+        ("free_segments", [([3, 4], 10), ([5], 14), ([6], 16), ([8, 9], 20)], None),
+        ("free_full_segments", [([9], 31)], None),
+    ]  # fmt: skip
+    assert view.real_freed == 4 * 5 + 2 + 1
