@@ -5,17 +5,14 @@ adapters apart): a tenant, a memory assembly, a probe each append `\\x00<kind>:<
 client may send an `extra_key` of its own, so before anything is appended the client's part is
 escaped to a string without NUL (`client_namespace`): no client value can then spell one of ours,
 and the tenant namespace comes from `sgl_memory.tenant` alone. The field is parsed once, here (a
-bad one is a 400), and every mechanism gets the parsed spec. Persistence runs next: its text-level
-match may rewrite the prompt's token ids, which intent pruning then reads to find its spans. KV
-memory (never on together with either) puts a memory-mode request's retrieved blocks before its
-prompt."""
+bad one is a 400), and the tree admits the request through each of its mechanisms with the parsed
+spec, in the order `mechanism.ORDER` gives (the order in which they rewrite the prompt)."""
 
 from __future__ import annotations
 
 from sgl_memory import prometheus
 from sgl_memory.config import MemoryConfig
-from sgl_memory.intent.pruner import get_pruner
-from sgl_memory.intent.request import SpecError, check_served, of_request
+from sgl_memory.request import SpecError, check_served, of_request
 
 OFF = MemoryConfig()  # what a server runs when its tree is not ours (or is disabled): no mechanism
 
@@ -44,13 +41,6 @@ def admit_hook(scheduler, req, *args, **kwargs):
         return None
     if spec.tenant is not None:
         req.extra_key = f"{req.extra_key or ''}\x00tenant:{spec.tenant}"
-    persist = getattr(tree, "persist", None)
-    if persist is not None:
-        persist.admit(scheduler, req, spec)
-    memart = getattr(tree, "memart", None)
-    if memart is not None:
-        memart.admit(scheduler, req, spec)
-    pruner = get_pruner()
-    if pruner is not None:
-        pruner.admit(scheduler, req, spec)
+    if getattr(tree, "mechanisms", None):
+        tree.admit(scheduler, req, spec)
     return None

@@ -71,7 +71,7 @@ class PersistConfig:
 
 
 @dataclass(frozen=True)
-class MemoryRetrievalConfig:
+class MemArtConfig:
     """KV memory blocks retrieved per request (MemArt): see sgl_memory/memart/README.md."""
 
     enabled: bool = False
@@ -102,17 +102,13 @@ class MemoryRetrievalConfig:
 class MemoryConfig:
     intent: IntentConfig = field(default_factory=IntentConfig)
     persist: PersistConfig = field(default_factory=PersistConfig)
-    memory: MemoryRetrievalConfig = field(default_factory=MemoryRetrievalConfig)
+    memory: MemArtConfig = field(default_factory=MemArtConfig)
 
-    def check_supported(self) -> None:
-        """Refuse combinations of mechanisms that are not wired together yet."""
-        if self.intent.enabled and self.persist.enabled:
-            # a pruned path holds sentinel positions, which a stored session cannot carry yet
-            raise ConfigError("persist.enabled and intent.enabled together are not supported yet; switch one off")
-        if self.memory.enabled and (self.intent.enabled or self.persist.enabled):
-            # memory blocks are cut from unpruned paths, and the session store does not hold them yet
-            raise ConfigError("memory.enabled together with intent.enabled or persist.enabled is not supported yet; "
-                              "switch the others off")  # fmt: skip
+
+def choices(section: type, name: str) -> tuple[str, ...]:
+    """The allowed values of a named option (a Literal field): the one list the request field's
+    validation reads too. Each is the key set of its mechanism's registry (a unit test holds them equal)."""
+    return typing.get_args(typing.get_type_hints(section)[name])
 
 
 def _require(ok: bool, key: str, allowed: str) -> None:

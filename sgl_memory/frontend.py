@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-from sgl_memory.intent.request import FIELD
+from sgl_memory.request import FIELD
 
 ARGUMENTS = ("session_id", "tenant", "memory")
 

@@ -21,8 +21,8 @@ import json
 from sgl_memory import SGLANG_VERSION, __version__, prometheus
 from sgl_memory.config import from_env
 from sgl_memory.config import MemoryConfig
-from sgl_memory.intent.request import FIELD, SpecError, check_served, parse
-from sgl_memory.intent.stats import STATS
+from sgl_memory.request import FIELD, SpecError, check_served, encode, parse
+from sgl_memory.metrics import STATS
 
 NATIVE = "/generate"
 OPENAI = ("/v1/chat/completions", "/v1/completions")
@@ -62,18 +62,18 @@ def move_field(path: str, body: dict, config: MemoryConfig) -> dict:
         return body
     raw = body.pop(FIELD)
     check_served(parse(raw), config)
-    encoded = json.dumps(raw)
     if path == NATIVE:
         params = body.get("sampling_params")
-        for sp in params if isinstance(params, list) else [body.setdefault("sampling_params", params or {})]:
+        targets = params if isinstance(params, list) else [body.setdefault("sampling_params", params or {})]
+        for sp in targets:
             if not isinstance(sp, dict):
                 raise SpecError("sampling_params must be an object to carry sgl_memory")
-            sp.setdefault("custom_params", {})[FIELD] = encoded
+            sp["custom_params"] = encode(sp.get("custom_params"), raw)
     else:
-        custom = body.setdefault("custom_params", {})
-        if not isinstance(custom, dict):
+        custom = body.get("custom_params")
+        if custom is not None and not isinstance(custom, dict):
             raise SpecError("custom_params must be an object to carry sgl_memory")
-        custom[FIELD] = encoded
+        body["custom_params"] = encode(custom, raw)
     return body
 
 

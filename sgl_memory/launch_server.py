@@ -66,8 +66,11 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
     parser.add_argument("--memory-config", default=None)
     ours, rest = parser.parse_known_args(argv)
 
+    from sgl_memory import radix_cache
+    from sgl_memory.attention import cpu_backend
+
     cfg = memory_config.load(ours.memory_config)
-    cfg.check_supported()
+    radix_cache.check_config(cfg)  # the tree checks again where it is built; here it fails before start-up
     if ours.memory_config:
         os.environ[memory_config.CONFIG_ENV] = str(Path(ours.memory_config).resolve())
 
@@ -77,9 +80,6 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
     def default(flag: str, *value: str) -> None:
         if not _has_flag(out, flag):
             out.extend([flag, *value])
-
-    from sgl_memory import radix_cache
-    from sgl_memory.attention import cpu_backend
 
     default("--radix-cache-backend", radix_cache.BACKEND_NAME)
     spec = models.MODELS.get(ours.model)

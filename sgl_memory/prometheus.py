@@ -3,7 +3,7 @@
 SGLang runs prometheus_client in multiprocess mode: every process writes its values to files in
 PROMETHEUS_MULTIPROC_DIR, and the HTTP process's /metrics collects them all. So each value is
 recorded in the process that knows it:
-- per-request metrics in the HTTP process, as they arrive in meta_info (intent/stats.py; streamed
+- per-request metrics in the HTTP process, as they arrive in meta_info (sgl_memory/metrics.py; streamed
   requests included), and the requests our validation refused (http_api.py);
 - memory pool and session store sizes, and session file write errors, in the scheduler process.
 

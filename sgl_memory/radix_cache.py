@@ -13,25 +13,31 @@ it to that). With intent pruning on, the tree also owns the dead-slot substrate 
 - the compression event runs in `checkpoint` at the end of a request's prefill, before its row is
   inserted, so the tree stores the pruned row and the next turn reuses it.
 
-With persistence on, the tree owns the session store (persist/manager.py): a released request's
-path is captured for its session, and flush_cache waits for pending writes.
-
-With KV memory on, the tree owns the sessions' memory pools (memart/manager.py): a released
-session request's new tokens become memory blocks.
+The memory mechanisms (sgl_memory/mechanism.py: intent pruning, session persistence, KV memory)
+are built by the tree from the config, in `mechanism.ORDER`, and the tree is their only owner: it
+admits a request through each (admission.py calls `admit`), gives each its checkpoint and its
+release, and drains their workers before flush_cache empties it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sgl_memory import prometheus
-from sgl_memory.config import MemoryConfig, from_env
+from sgl_memory import mechanism, prometheus, runtime
+from sgl_memory.config import ConfigError, MemoryConfig, from_env
 from sgl_memory.intent.paths import find_branch, with_branch
+from sgl_memory.mechanism import Mechanism
+from sgl_memory.sessions import SessionRegistry
+
+# Importing a mechanism's module registers it (mechanism.register); the tree is the one layer that
+# knows them all.
+MECHANISM_MODULES = ("sgl_memory.persist.manager", "sgl_memory.memart.manager", "sgl_memory.intent.pruner")
 
 logger = logging.getLogger(__name__)
 
@@ -99,40 +105,30 @@ class SentinelSafeAllocator:
 
 class SglMemoryRadixCache(RadixCache):
     sentinel: int | None = None
-    pruner = None
-    persist = None
-    memart = None
+    _allocator = None  # the real allocator, when the tree holds a sentinel (token_to_kv_pool_allocator is the view)
 
     def __init__(self, params, config: MemoryConfig | None = None, ctx=None):
         self._dead_evictable = self._dead_protected = 0
+        self.mechanisms: list[Mechanism] = []
+        self.sessions = SessionRegistry()  # every mechanism's per-session state, one slot each
         super().__init__(params)
         self.memory_config = config or MemoryConfig()
-        if self.memory_config.persist.enabled and not self.disable and ctx is not None:
-            from sgl_memory.persist.manager import SessionPersistence, cache_spec
+        if self.disable:
+            return
+        check_config(self.memory_config)
+        for name in mechanism.enabled(self.memory_config):
+            cls = mechanism.REGISTRY[name]
+            if cls.needs_sentinel and self._allocator is None:
+                if self.page_size != 1:
+                    raise ValueError(f"{name} needs page size 1 (got {self.page_size}): it points single positions at the sentinel slot")
+                self._allocator = self.token_to_kv_pool_allocator
+                self.token_to_kv_pool_allocator = SentinelSafeAllocator(self._allocator, self)
+                self._take_sentinel()
+            self.mechanisms.append(cls.build(getattr(self.memory_config, name), self, ctx))
+        runtime.bind(self)
 
-            pool = self.token_to_kv_pool_allocator.get_kvcache()
-            spec = cache_spec(ctx.model_config, ctx.server_args, pool, self.page_size, ctx.tp_rank, ctx.tp_size)
-            self.persist = SessionPersistence(self.memory_config.persist, self, spec)
-            logger.info("session store: %s (%s, quant %s)", self.persist.files.root, spec.model_id, self.memory_config.persist.quant)
-        if self.memory_config.memory.enabled and not self.disable and ctx is not None:
-            from sgl_memory.memart.manager import MemoryManager
-            from sgl_memory.rope import Rope
-
-            if self.page_size != 1 or ctx.tp_size != 1:
-                # assemblies are token-exact prefixes, and every TP rank would score its own heads
-                raise ValueError(f"KV memory needs page size 1 and one TP rank (got {self.page_size}, {ctx.tp_size})")
-            self.memart = MemoryManager(self.memory_config.memory, self, Rope.from_hf_config(ctx.model_config.hf_config))
-            logger.info("KV memory: blocks of %d tokens, top_k %d, %s-%s", self.memory_config.memory.block_size,
-                        self.memory_config.memory.top_k, self.memory_config.memory.norm, self.memory_config.memory.agg)  # fmt: skip
-        if self.memory_config.intent.enabled and not self.disable:
-            from sgl_memory.intent.pruner import get_pruner
-
-            if self.page_size != 1:
-                raise ValueError(f"intent pruning needs page size 1 (got {self.page_size})")
-            self._allocator = self.token_to_kv_pool_allocator
-            self.token_to_kv_pool_allocator = SentinelSafeAllocator(self._allocator, self)
-            self.pruner = get_pruner(self.memory_config.intent)
-            self._take_sentinel()
+    def mechanism(self, name: str) -> Mechanism | None:
+        return next((m for m in self.mechanisms if m.name == name), None)
 
     # --- the sentinel ---------------------------------------------------------------------------
 
@@ -141,28 +137,25 @@ class SglMemoryRadixCache(RadixCache):
         if slot is None:
             raise RuntimeError("no KV slot free for the intent-pruning sentinel")
         self.sentinel = int(slot[0])
-        self.pruner.sentinel = self.sentinel
         # V of the sentinel is zero, a second line of defence behind the attention filter.
         pool = self._allocator.get_kvcache()
         for layer in range(pool.layer_num):
             pool.get_key_buffer(layer)[self.sentinel].zero_()
             pool.get_value_buffer(layer)[self.sentinel].zero_()
-        logger.info("intent pruning: sentinel KV slot %d", self.sentinel)
+        logger.info("dead-slot substrate: sentinel KV slot %d", self.sentinel)
 
     def reset(self):
-        if self.persist is not None:
-            self.persist.drain()  # flush_cache: captured turns reach the store before the tree empties
+        for m in self.mechanisms:
+            m.drain()  # flush_cache: captured turns reach their stores before the tree empties
         super().reset()
         self._dead_evictable = self._dead_protected = 0
-        if self.sentinel is not None:
-            # flush_cache clears the allocator right after this: the slot is retaken on next use.
-            self.sentinel = None
-            self.pruner.sentinel = None
+        # flush_cache clears the allocator right after this: the slot is retaken on next use.
+        self.sentinel = None
 
     def match_prefix(self, params):
-        if self.pruner is not None and self.sentinel is None:
+        if self._allocator is not None and self.sentinel is None:
             self._take_sentinel()
-        state = getattr(params.req, "sgl_intent", None) if self.pruner is not None else None
+        state = getattr(params.req, "sgl_intent", None) if self._allocator is not None else None
         if state is None or not state.enabled or self.disable:
             return super().match_prefix(params)
         # A pruning request matches its session's pruned path (intent/paths.py) and never takes the
@@ -182,31 +175,32 @@ class SglMemoryRadixCache(RadixCache):
             token_ids = with_branch(token_ids, state.branch_at, state.branch_token)
         return super()._insert_cache(req, token_ids, **kwargs)
 
-    # --- the compression event ------------------------------------------------------------------
+    # --- a request's life: admission (admission.py), checkpoint, release -------------------------
+
+    def admit(self, scheduler, req, spec) -> None:
+        for m in self.mechanisms:
+            if req.finished():
+                return  # an earlier mechanism refused it
+            m.admit(scheduler, req, spec)
 
     def checkpoint(self, req, *, up_to: int):
-        state = getattr(req, "sgl_intent", None)
-        if self.pruner is None or state is None or state.decided or req.finished() or not req.output_ids:
-            return super().checkpoint(req, up_to=up_to)
-        edit = self.pruner.compress(req, self)
-        if edit is None or state.layout == "dead_slot":
-            super().checkpoint(req, up_to=up_to)
-            if edit is not None:
-                # checkpoint rewrote the row from the tree, whose (shared) prefix is unpruned
-                row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-                row[edit.dropped] = self.sentinel
-        else:
+        edit = None
+        for m in self.mechanisms:
+            edit = m.on_checkpoint(req, self) or edit
+        if edit is not None and edit.private:
             # compact: the re-packed row is private to the request and stays out of the tree
             req.skip_radix_cache_insert = True
+            return
+        super().checkpoint(req, up_to=up_to)
+        if edit is not None:
+            # checkpoint rewrote the row from the tree, whose (shared) prefix is unpruned
+            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+            row[edit.dropped] = self.sentinel
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
-        if self.pruner is not None:
-            self.pruner.release(req)
-        if self.persist is not None:
-            self.persist.capture(req)
-        if self.memart is not None:
-            self.memart.release(req)
+        for m in self.mechanisms:
+            m.on_release(req)
 
     def free_real(self, slots: torch.Tensor) -> None:
         self._allocator.free(slots)
@@ -252,7 +246,7 @@ class SglMemoryRadixCache(RadixCache):
 
     def _move_dead(self, node, from_lock: int, sign: int) -> None:
         """Nodes whose lock_ref crosses 0 <-> 1 move between evictable and protected."""
-        if self.pruner is None or self.disable:
+        if self._allocator is None or self.disable:
             return  # no sentinel, no dead entries: the plain tree pays no extra walk
         while node is not None and node is not self.root_node:
             if node.lock_ref == from_lock:
@@ -272,7 +266,7 @@ class SglMemoryRadixCache(RadixCache):
         """Sentinel entries free nothing: keep evicting until the real slots asked for are freed.
         Progress is what the allocator view counts as freed, not the allocator's available size,
         which stays put inside a deferred free group."""
-        if self.pruner is None:
+        if self._allocator is None:
             return super().evict(params)
         view = self.token_to_kv_pool_allocator
         start = view.real_freed
@@ -281,6 +275,17 @@ class SglMemoryRadixCache(RadixCache):
             if result.num_tokens_evicted == 0:
                 break
         return EvictResult(num_tokens_evicted=view.real_freed - start)
+
+
+def check_config(config: MemoryConfig) -> None:
+    """The start-up guard: a ConfigError naming every pair of enabled mechanisms that cannot run
+    together. Called where the tree is built (so a plain `sglang.launch_server` with the plugin gets
+    it) and by our launcher before anything starts."""
+    for module in MECHANISM_MODULES:
+        importlib.import_module(module)
+    problems = mechanism.conflicts(config)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 class PoolTooSmall(RuntimeError):

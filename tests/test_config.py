@@ -55,14 +55,35 @@ def test_missing_file_is_a_config_error(tmp_path):
         config.load(tmp_path / "absent.yaml")
 
 
-def test_combinations_not_wired_yet_are_refused(tmp_path):
-    for other in ("intent", "persist"):
-        cfg = config.load(write(tmp_path, f"memory:\n  enabled: true\n{other}:\n  enabled: true\n"))
-        with pytest.raises(config.ConfigError, match="memory.enabled together with"):
-            cfg.check_supported()
-    config.load(write(tmp_path, "memory:\n  enabled: true\n")).check_supported()
-    both = config.load(write(tmp_path, "persist:\n  enabled: true\nintent:\n  enabled: true\n"))
-    with pytest.raises(config.ConfigError, match="not supported yet"):
-        both.check_supported()
-    config.load(write(tmp_path, "persist:\n  enabled: true\n")).check_supported()
-    config.MemoryConfig().check_supported()
+def test_combinations_not_wired_yet_are_refused_where_the_tree_is_built(tmp_path):
+    """The guard runs in the tree's constructor (a plain sglang.launch_server with the plugin gets
+    it) and names each pair that cannot run together; single mechanisms pass."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sgl_memory.radix_cache import SglMemoryRadixCache, check_config
+
+    pairs = {("intent", "persist"), ("intent", "memory"), ("persist", "memory")}
+    for a, b in pairs:
+        cfg = config.load(write(tmp_path, f"{a}:\n  enabled: true\n{b}:\n  enabled: true\n"))
+        with pytest.raises(config.ConfigError, match="together are not supported yet") as exc:
+            check_config(cfg)
+        assert f"{a}.enabled" in str(exc.value) or f"{b}.enabled" in str(exc.value)
+        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1)
+        with pytest.raises(config.ConfigError):
+            SglMemoryRadixCache(params, cfg)
+    for single in ("intent", "persist", "memory"):
+        check_config(config.load(write(tmp_path, f"{single}:\n  enabled: true\n")))
+    check_config(config.MemoryConfig())
+
+
+def test_named_options_are_the_registries(tmp_path):
+    """The config's option lists (which the request field's validation reads) are the registries'
+    key sets: a scorer or a norm added to its registry and not to the config would be unreachable."""
+    from sgl_memory.intent.layouts import LAYOUTS
+    from sgl_memory.intent.scorers import SCORERS
+    from sgl_memory.memart.retrieval import AGGS, NORMS
+
+    assert set(config.choices(config.IntentConfig, "scorer")) == set(SCORERS)
+    assert set(config.choices(config.IntentConfig, "layout")) == set(LAYOUTS)
+    assert set(config.choices(config.MemArtConfig, "norm")) == set(NORMS)
+    assert set(config.choices(config.MemArtConfig, "agg")) == set(AGGS)

@@ -11,9 +11,10 @@ import torch
 
 from sgl_memory.intent import scorers
 from sgl_memory.intent.layouts import apply_dead_slot, freeable
-from sgl_memory.intent.request import SpecError, parse
-from sgl_memory.intent.sessions import QueryMemory, SessionStore, resolve_key
-from sgl_memory.intent.spans import RoleMarkers, find_spans
+from sgl_memory.request import SpecError, parse
+from sgl_memory.intent.sessions import QueryMemory, resolve_key
+from sgl_memory.sessions import SessionRegistry
+from sgl_memory.spans import RoleMarkers, find_spans
 from sgl_memory.rope import Rope
 
 # --- QueryMemory and sessions ------------------------------------------------------------------
@@ -41,22 +42,41 @@ def test_query_memory_follows_the_recurrence_and_stays_unit_norm():
     assert memory.updates == 6
 
 
-def test_session_store_is_lru_with_capacity():
-    store = SessionStore(capacity=2, decay=0.5)
-    a, b = store.get("a"), store.get("b")
-    assert store.get("a") is a  # touches a
-    store.get("c")  # evicts b, the least recently used
-    assert "a" in store and "c" in store and "b" not in store
-    assert store.get("b") is not b and store.evictions == 2
+def test_session_registry_bounds_each_mechanisms_slots_least_recently_used_first():
+    registry = SessionRegistry()
+    registry.limit("intent", 2)
+    registry.limit("persist", 1, keep=lambda value: value == "unwritten")
+    a = registry.get(("", "a"), "intent", lambda: QueryMemory(0.5))
+    registry.get(("", "b"), "intent", lambda: QueryMemory(0.5))
+    assert registry.get(("", "a"), "intent") is a  # touches a
+    registry.get(("", "c"), "intent", lambda: QueryMemory(0.5))  # drops b's slot, the least recently used
+    assert registry.get(("", "b"), "intent") is None and registry.get(("", "a"), "intent") is a
+    assert registry.count("intent") == 2 and registry.dropped["intent"] == 1
+    # another mechanism's slot of the same session is its own: a bound on one leaves the other
+    registry.get(("", "a"), "persist", lambda: "unwritten")
+    registry.get(("", "c"), "persist", lambda: "written")  # a's slot must stay: c's is the new one
+    assert registry.count("persist") == 2  # over the bound until a's turn is written
+    registry.get(("", "d"), "persist", lambda: "written")
+    assert [k for k, _ in registry.slots("persist")] == [("", "a"), ("", "d")]
+    assert registry.get(("", "a"), "intent") is a
+    # tenants never share a session
+    assert registry.get(("t2", "a"), "intent") is None
+    registry.pop(("", "a"), "intent")
+    registry.pop(("", "a"), "persist")
+    assert ("", "a") not in [k for k, _ in registry.slots("intent") + registry.slots("persist")]
 
 
 def test_concurrent_sessions_never_touch_each_other():
-    store = SessionStore(capacity=64, decay=0.9)
+    registry = SessionRegistry()
+    registry.limit("intent", 64)
     vectors = {f"s{i}": torch.randn(2, 2, 4) for i in range(8)}
+
+    def memory(key):
+        return registry.get(("", key), "intent", lambda: QueryMemory(0.9))
 
     def run(key):
         for _ in range(50):
-            store.get(key).update(vectors[key])
+            memory(key).update(vectors[key])
 
     threads = [threading.Thread(target=run, args=(k,)) for k in vectors]
     for t in threads:
@@ -65,8 +85,8 @@ def test_concurrent_sessions_never_touch_each_other():
         t.join()
     for key, v in vectors.items():
         # a fixed input is a fixed point of the recurrence: any foreign update would move it
-        assert torch.allclose(store.get(key).state, v / v.norm(dim=-1, keepdim=True), atol=1e-6)
-        assert store.get(key).updates == 50
+        assert torch.allclose(memory(key).state, v / v.norm(dim=-1, keepdim=True), atol=1e-6)
+        assert memory(key).updates == 50
 
 
 def test_session_key_resolution_order_and_tenant_namespaces():
@@ -81,6 +101,9 @@ def test_session_key_resolution_order_and_tenant_namespaces():
     assert key(session_id="s")[0] != key(session_id="s", tenant="t2")[0]
     assert key(session_span=None)[0] == resolve_key(None, None, None, tokens[:64] + [7], None, 64, "r2")[0]
     assert key(session_span=None, token_ids=tokens[:10])[0] != resolve_key(None, None, None, tokens[:10], None, 64, "r2")[0]
+    # an explicit id is the (tenant, id) every mechanism shares; derived keys cannot spell a client id
+    assert key(session_id="s", tenant="t") == (("t", "s"), "session_id")
+    assert all(key(**kw)[0][1].startswith("\x00") for kw in ({"sglang_session": "g"}, {}, {"session_span": None}))
 
 
 # --- spans -------------------------------------------------------------------------------------
@@ -299,10 +322,10 @@ def test_rope_refuses_scaled_variants():
 def test_branch_tokens_are_negative_and_name_session_and_pruning():
     from sgl_memory.intent.paths import branch_token
 
-    tokens = {branch_token(key, scorer, budget, "dead_slot") for key in ("\x00id:a", "\x00id:b", "t\x00id:a")
+    tokens = {branch_token(key, scorer, budget, "dead_slot") for key in (("", "a"), ("", "b"), ("t", "a"), ("", "ta"))
               for scorer in ("memory", "snapkv") for budget in (64, 65)}  # fmt: skip
-    assert len(tokens) == 12 and all(-(2**63) <= t < 0 for t in tokens)
-    assert branch_token("\x00id:a", "memory", 64, "dead_slot") == branch_token("\x00id:a", "memory", 64, "dead_slot")
+    assert len(tokens) == 16 and all(-(2**63) <= t < 0 for t in tokens)
+    assert branch_token(("", "a"), "memory", 64, "dead_slot") == branch_token(("", "a"), "memory", 64, "dead_slot")
 
 
 def test_find_branch_walks_the_plain_path_to_the_session_branch():
@@ -340,8 +363,8 @@ def test_a_client_extra_key_never_contains_the_namespace_separator(key):
 
 
 def test_a_mechanism_the_server_runs_without_is_refused_naming_its_key():
-    from sgl_memory.config import IntentConfig, MemoryConfig, MemoryRetrievalConfig
-    from sgl_memory.intent.request import check_served
+    from sgl_memory.config import IntentConfig, MemoryConfig, MemArtConfig
+    from sgl_memory.request import check_served
 
     off = MemoryConfig()
     for raw, key in (({"budget": 9}, "intent.enabled"), ({"scorer": "h2o", "layout": "compact"}, "intent.enabled"),
@@ -350,4 +373,4 @@ def test_a_mechanism_the_server_runs_without_is_refused_naming_its_key():
             check_served(parse(raw), off)
     check_served(parse({"session_id": "s", "tenant": "t"}), off)  # naming a session asks for nothing
     check_served(parse({"budget": 9}), MemoryConfig(intent=IntentConfig(enabled=True)))
-    check_served(parse({"session_id": "s", "memory": {}}), MemoryConfig(memory=MemoryRetrievalConfig(enabled=True)))
+    check_served(parse({"session_id": "s", "memory": {}}), MemoryConfig(memory=MemArtConfig(enabled=True)))

@@ -11,12 +11,12 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
 
-from sgl_memory.intent.request import SpecError, parse
+from sgl_memory.request import SpecError, parse
 from sgl_memory.kernels.aabb_score import aabb_scores
-from sgl_memory.intent.spans import RoleMarkers, find_spans
-from sgl_memory.memart.blocks import SessionMemory
+from sgl_memory.spans import RoleMarkers, find_spans
+from sgl_memory.memart.blocks import MemArtPool
 from sgl_memory.memart.manager import assemble, scoring_positions, unrotate
-from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, top_blocks
+from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, score_blocks, top_blocks
 from sgl_memory.rope import Rope
 
 # --- the AABB bound ----------------------------------------------------------------------------
@@ -89,10 +89,44 @@ def test_retrieval_equals_brute_force(scoring, norm, agg, seed):
     scores = block_scores(logits, norm, agg, 60.0)
     assert torch.allclose(scores.double(), torch.tensor(total, dtype=torch.float64), rtol=1e-4, atol=1e-7)
     assert top_blocks(scores, 4) == want
+    # the server's pass over slices of the prompt tokens (one token per slice at a 1-byte cap)
+    for cap in (1, 1 << 30):
+        sliced = score_blocks(q, keys, keys.amin(2), keys.amax(2), scoring, norm, agg, 60.0, cap_bytes=cap)
+        assert torch.allclose(sliced.double(), torch.tensor(total, dtype=torch.float64), rtol=1e-4, atol=1e-7)
+
+
+SCAN_RSS = """
+import resource, sys, torch
+from sgl_memory.memart.retrieval import score_blocks
+torch.set_num_threads(1)
+L, T, H, Hkv, D, N, S = 12, 1024, 14, 2, 64, 1024, 16  # the default model's scoring layers, a 1k-token turn
+q, keys = torch.randn(L, T, H, D), torch.randn(L, N, S, Hkv, D)
+lo, hi = keys.amin(2), keys.amax(2)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+score_blocks(q, keys, lo, hi, sys.argv[1], "softmax", "max")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+@pytest.mark.parametrize("scoring", ["exact", "aabb"])
+def test_scoring_a_long_turn_against_a_large_pool_stays_under_the_scan_cap(scoring):
+    """A 1k-token turn against 1024 blocks: unsliced, the logits and their softmax are 1.4 GB and
+    the exact scan's products 2.8 GB (a 1.5k-token turn drove the scheduler to 6.8 GB, and the
+    kernel killed it); sliced, the peak resident memory grows by less than the cap plus the inputs'
+    copies (float32 view of q, one block chunk)."""
+    import subprocess
+    import sys
+
+    from sgl_memory.memart.retrieval import SCAN_BYTES
+
+    out = subprocess.run([sys.executable, "-c", SCAN_RSS, scoring], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown = int(out.stdout.strip().splitlines()[-1])
+    assert grown < SCAN_BYTES + (128 << 20), f"peak RSS grew by {grown / 2**20:.0f} MiB"
 
 
 def test_index_pads_short_blocks_without_changing_their_scores():
-    memory = SessionMemory(capacity=100)
+    memory = MemArtPool(capacity=100)
     keys = turn(memory, 10, 0)  # blocks of 4, 4 and 2 tokens
     index = memory.index(layers=1, block_size=4)
     assert index.keys.shape == (1, 3, 4, 1, 8) and index.ids == [0, 1, 2]
@@ -142,7 +176,7 @@ def test_rerotated_blocks_equal_keys_computed_at_the_new_positions():
     cached = torch.stack([hf_rope(raw[layer], old, config) for layer in range(L)]).to(torch.bfloat16)
     free = unrotate(cached, old, rope)
 
-    memory = SessionMemory(capacity=100)
+    memory = MemArtPool(capacity=100)
     memory.add_turn(list(range(12)), free[:, :12], cached[:, :12], block_size=12)
     memory.add_turn(list(range(12, 24)), free[:, 12:], cached[:, 12:], block_size=12)
     blocks = memory.take([1, 0])
@@ -160,7 +194,7 @@ def test_position_free_keys_return_exactly_at_their_own_positions():
     rope = Rope(head_dim=64, theta=1e6)
     cached = (torch.randn(3, 40, 2, 64) * 5).to(torch.bfloat16)
     positions = torch.arange(40)
-    memory = SessionMemory(capacity=100)
+    memory = MemArtPool(capacity=100)
     memory.add_turn(list(range(40)), unrotate(cached, positions, rope), cached, block_size=16)
     placed, values = assemble(memory.take([0, 1, 2]), rope)
     assert torch.equal(placed, cached) and torch.equal(values, cached)
@@ -177,7 +211,7 @@ def turn(memory, n, seed, size=4):
 
 
 def test_turns_become_blocks_with_their_aabbs_and_metadata():
-    memory = SessionMemory(capacity=100)
+    memory = MemArtPool(capacity=100)
     keys = turn(memory, 10, 0)
     turn(memory, 3, 1)
     index = memory.index(layers=2, block_size=4)
@@ -194,7 +228,7 @@ def test_a_retrieval_ingests_the_turns_a_slow_worker_has_not_added():
     after the turn the worker is adding."""
     import threading
 
-    memory = SessionMemory(capacity=100)
+    memory = MemArtPool(capacity=100)
     started, release = threading.Event(), threading.Event()
 
     def slow(keys, positions):  # the worker's un-rotation, stalled
@@ -218,7 +252,7 @@ def test_a_retrieval_ingests_the_turns_a_slow_worker_has_not_added():
 
 @pytest.mark.parametrize("eviction, survivors", [("fifo", [2, 3, 4, 5]), ("lru", [0, 3, 4, 5])])
 def test_capacity_evicts_by_policy(eviction, survivors):
-    memory = SessionMemory(capacity=4, eviction=eviction)
+    memory = MemArtPool(capacity=4, eviction=eviction)
     turn(memory, 12, 0)  # blocks 0, 1, 2
     memory.take([0])  # block 0 retrieved: LRU keeps it
     turn(memory, 12, 1)  # blocks 3, 4, 5: two must go

@@ -9,6 +9,7 @@ import pytest
 from conftest import TEST_MODEL
 from sgl_memory import models
 from sgl_memory.persist import textmatch
+from sgl_memory.tree_fill import common_prefix
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_extend_across_a_token_boundary_reuses_the_whole_stored_path(tok):
     # the stored path ends inside what the next prompt tokenizes as one token
     stored_text, prompt_text = CHAT + "The Baltic Se", CHAT + "The Baltic Sea.<|im_end|>\n<|im_start|>user\nMore?"
     stored, prompt, m = run(tok, stored_text, prompt_text)
-    assert textmatch.common_prefix(stored, prompt) < len(stored)  # a token-level match falls short
+    assert common_prefix(stored, prompt) < len(stored)  # a token-level match falls short
     assert m.outcome == textmatch.EXTEND and m.reuse == len(stored)
     assert m.input_ids[: len(stored)] == stored
     assert tok.decode(m.input_ids, skip_special_tokens=False) == prompt_text
@@ -57,7 +58,7 @@ def test_diverge_reuses_up_to_the_last_safe_boundary(tok):
     stored, prompt, m = run(tok, stored_text, prompt_text)
     assert m.outcome == textmatch.DIVERGE
     assert m.reuse == longest_repeated_prefix(tok, stored, prompt_text)
-    assert m.reuse > textmatch.common_prefix(stored, prompt) or m.input_ids == prompt
+    assert m.reuse > common_prefix(stored, prompt) or m.input_ids == prompt
     assert m.input_ids[: m.reuse] == stored[: m.reuse]
     assert tok.decode(m.input_ids, skip_special_tokens=False) == prompt_text
 

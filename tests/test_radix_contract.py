@@ -195,13 +195,13 @@ def real_allocator(page_size):
 
 
 def mode_config(mode, tmp_path):
-    from sgl_memory.config import IntentConfig, MemoryConfig, MemoryRetrievalConfig, PersistConfig
+    from sgl_memory.config import IntentConfig, MemoryConfig, MemArtConfig, PersistConfig
 
     return {
         "off": MemoryConfig(),
         "intent": MemoryConfig(intent=IntentConfig(enabled=True)),
         "persist": MemoryConfig(persist=PersistConfig(enabled=True, dir=str(tmp_path / "store"))),
-        "memory": MemoryConfig(memory=MemoryRetrievalConfig(enabled=True)),
+        "memory": MemoryConfig(memory=MemArtConfig(enabled=True)),
     }[mode]
 
 
@@ -242,10 +242,7 @@ def test_every_mode_keeps_the_plain_radix_cache_contract(mode, page_size, tmp_pa
     slot of the pool; every eviction frees as many tokens as plain RadixCache's."""
     from sglang.srt.mem_cache import radix_cache as sglang_radix
 
-    from sgl_memory.intent import pruner as pruner_module
-
     monkeypatch.setattr(sglang_radix, "time", CountingClock())
-    monkeypatch.setattr(pruner_module, "_PRUNER", None)
     trees, allocators = [], []
     for cls in (RadixCache, SglMemoryRadixCache):
         allocator = real_allocator(page_size)

@@ -27,9 +27,8 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory.config import IntentConfig, MemoryConfig
-from sgl_memory.intent import pruner as pruner_module
-from sgl_memory.intent.request import of_request
-from sgl_memory.intent.spans import RoleMarkers
+from sgl_memory.request import of_request
+from sgl_memory.spans import RoleMarkers
 from sgl_memory.radix_cache import SglMemoryRadixCache
 
 POOL = 400
@@ -83,14 +82,13 @@ class FakeReq:
 class Sim:
     def __init__(self, seed):
         self.rng = random.Random(seed)
-        pruner_module._PRUNER = None
         self.kv = FakeKvPool(POOL)
         self.alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", self.kv, need_sort=False)
         self.rtt = ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
         config = MemoryConfig(intent=IntentConfig(enabled=True, query_tail=2, session_prefix_tokens=4))
         params = CacheInitParams(disable=False, req_to_token_pool=self.rtt, token_to_kv_pool_allocator=self.alloc, page_size=1)
         self.tree = SglMemoryRadixCache(params, config)
-        self.pruner = self.tree.pruner
+        self.pruner = self.tree.mechanism("intent")
         self.pruner.markers = RoleMarkers(None, {})
         self.free_rows = list(range(ROWS))
         self.running: list[FakeReq] = []
@@ -122,7 +120,7 @@ class Sim:
         tokens = base[: self.rng.randint(2, len(base))] + [self.rng.randint(0, 6) for _ in range(self.rng.randint(1, 10))]
         req = FakeReq(f"r{self.next_rid}", tokens, budget=self.rng.choice((2, 5, 9, 14)))
         self.next_rid += 1
-        self.pruner.admit(None, req, of_request(req))  # the scheduler admits before it matches
+        self.tree.admit(None, req, of_request(req))  # the scheduler admits before it matches
         match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1]), req=req))
         prefix = self.tree.path_device_indices(match.last_device_node)
         req.lock = self.tree.lock(match.last_device_node)

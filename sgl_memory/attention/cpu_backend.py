@@ -21,9 +21,9 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+from sgl_memory import runtime
 from sgl_memory.attention.kv_source import KvSource, locate
 from sgl_memory.attention.merged import attend
-from sgl_memory.intent.pruner import get_pruner
 
 BACKEND_NAME = "sgl_memory_cpu"
 
@@ -86,8 +86,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
         else:
             prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
             new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
-        pruner = get_pruner()
-        sentinel = pruner.sentinel if pruner is not None else None
+        sentinel = runtime.sentinel()
         self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens), sentinel)
         self.planned_tokens = sum(new_lens)
 

@@ -9,12 +9,12 @@ Translated ids (a unified pool's page ids) are not slot ids and are left alone.
 
 from __future__ import annotations
 
-from sgl_memory.intent.pruner import get_pruner
+from sgl_memory import runtime
 from sgl_memory.kernels.compact_kv_indices import drop_sentinel_
 
 
 def after_pack_read_stream(translated, translator, plan, *, indptr, out, **kwargs):
-    pruner = get_pruner()
-    if pruner is not None and pruner.sentinel is not None and not translated:
-        drop_sentinel_(indptr, out, pruner.sentinel)
+    sentinel = runtime.sentinel()
+    if sentinel is not None and not translated:
+        drop_sentinel_(indptr, out, sentinel)
     return None

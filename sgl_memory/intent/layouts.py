@@ -37,6 +37,7 @@ class RowEdit:
     dropped: torch.Tensor  # positions now pointing at the sentinel
     freed: int
     position_shift: int = 0  # compact: model position = SGLang position + shift
+    private: bool = False  # the row no longer matches its tokens' positions: keep it out of the tree
 
 
 def apply_dead_slot(row: torch.Tensor, kept: torch.Tensor, length: int, protected: int, sentinel: int, free) -> RowEdit:
@@ -75,4 +76,4 @@ def apply_compact(
         free(to_free)
     row[:k] = fresh.to(row.dtype)
     row[k:length] = sentinel
-    return RowEdit(torch.arange(k, length), int(to_free.numel()), position_shift=k - length)
+    return RowEdit(torch.arange(k, length), int(to_free.numel()), position_shift=k - length, private=True)

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_memory import prometheus
-from sgl_memory.attention.extend_rows import extend_rows
+from sgl_memory import capture, mechanism, metrics, prometheus, runtime
+from sgl_memory.capture import ExtendRows
 from sgl_memory.config import IntentConfig
-from sgl_memory.intent import scorers, stats
+from sgl_memory.intent import scorers
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
 from sgl_memory.intent.paths import branch_token
-from sgl_memory.intent.request import FIELD, MemorySpec, SpecError
-from sgl_memory.intent.sessions import SessionStore, resolve_key
-from sgl_memory.intent.spans import RoleMarkers, Spans, find_spans
+from sgl_memory.request import FIELD, MemorySpec, SpecError
+from sgl_memory.intent.sessions import QueryMemory, resolve_key
+from sgl_memory.spans import RoleMarkers, Spans, find_spans
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class RequestIntent:
     layout: str
     spans: Spans
     prompt_len: int
-    session_key: str | None
+    session_key: tuple[str, str] | None
     key_source: str | None
     budget_reason: str | None = None  # why the budget applied is not the one configured
     branch_token: int = 0  # the key id that starts this session's pruned paths (intent/paths.py)
@@ -85,15 +85,25 @@ class RequestIntent:
     freed: int = 0
 
 
-class IntentPruner:
-    def __init__(self, config: IntentConfig):
-        self.config = config
-        self.sessions = SessionStore(config.session_capacity, config.decay)
+@mechanism.register("intent")
+class IntentPruner(mechanism.Mechanism):
+    conflicts = {"persist": "a pruned path holds sentinel positions, which a stored session cannot carry yet",
+                 "memory": "memory blocks are cut from whole paths, not from pruned ones yet"}  # fmt: skip
+    needs_sentinel = True
+
+    def __init__(self, config: IntentConfig, tree):
+        self.config, self.tree = config, tree
+        tree.sessions.limit(self.name, config.session_capacity)
         self.markers: RoleMarkers | None = None
         self.rope = None
-        self.sentinel: int | None = None
         self.captures: dict[str, QueryCapture] = {}
         self.position_shifts: dict[str, int] = {}  # compact layout: model position = position + shift
+
+    @classmethod
+    def build(cls, config: IntentConfig, tree, ctx) -> IntentPruner:
+        pruner = cls(config, tree)
+        capture.subscribe(cls.name, pruner)
+        return pruner
 
     # --- admission (scheduler hook, before the request is queued) --------------------------------
 
@@ -111,10 +121,10 @@ class IntentPruner:
         state = req.sgl_intent
         if state.enabled:
             window = self.config.window if scorers.SCORERS[state.scorer].needs_window else 0
-            capture = self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
+            query_capture = self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
             # rows a scorer reads are computed by this request's own prefill, never taken from the
             # cache, so the kept set does not depend on what the tree held (radix_cache.match_prefix)
-            state.capture_start = min(capture.span_start, capture.window_start)
+            state.capture_start = min(query_capture.span_start, query_capture.window_start)
             if state.layout == "compact" and self.rope is None:
                 from sgl_memory.rope import Rope
 
@@ -149,33 +159,48 @@ class IntentPruner:
         return RequestIntent(enabled, budget, cfg.scorer, cfg.layout, spans, len(tokens), key, source, budget_reason=reason,
                              branch_token=token)  # fmt: skip
 
-    def bind_captures(self, forward_batch) -> list[tuple[QueryCapture, int, int, int]]:
-        """(capture, first query row, first position, rows) of each request of this forward whose
-        prompt is being prefilled."""
+    # --- query capture (a capture.py subscriber) -------------------------------------------------
+
+    def capturing(self) -> bool:
+        return bool(self.captures)
+
+    def bind(self, rows: list[ExtendRows]) -> list[tuple[QueryCapture, ExtendRows]]:
+        """The requests of this forward whose prompt is being prefilled."""
         bound = []
-        for rows in extend_rows(forward_batch):
-            capture = self.captures.get(rows.rid)
-            if capture is not None and rows.prefix < capture.length:
-                bound.append((capture, rows.start, rows.prefix, rows.count))
+        for r in rows:
+            query_capture = self.captures.get(r.rid)
+            if query_capture is not None and r.prefix < query_capture.length:
+                bound.append((query_capture, r))
         return bound
+
+    def take(self, bound, layer, q, k, v) -> None:
+        for query_capture, r in bound:
+            rows = q[r.start : r.start + r.count].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim)
+            query_capture.add(layer.layer_id, rows, r.prefix)
 
     # --- the compression event (radix tree, after the last prefill chunk) -----------------------
 
-    def compress(self, req, tree) -> RowEdit | None:
-        state: RequestIntent = req.sgl_intent
+    def on_checkpoint(self, req, tree) -> RowEdit | None:
+        """The compression event: once per request, at the end of its prefill."""
+        state: RequestIntent | None = getattr(req, "sgl_intent", None)
+        if state is None or state.decided or req.finished() or not req.output_ids:
+            return None
         state.decided = True
-        capture = self.captures.pop(req.rid, None)
+        query_capture = self.captures.pop(req.rid, None)
         if not state.enabled:
             return None
         t0 = time.perf_counter()
         length = state.prompt_len
         row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         slots = row[:length].to(torch.int64)
-        live = slots != self.sentinel
-        q_mean = capture.q_mean() if capture is not None else None
-        q_window = capture.q_window() if capture is not None else torch.zeros(0)
+        live = slots != tree.sentinel
+        q_mean = query_capture.q_mean() if query_capture is not None else None
+        q_window = query_capture.q_window() if query_capture is not None else torch.zeros(0)
         scorer = scorers.get(state.scorer)
-        memory = self.sessions.get(state.session_key).update(q_mean) if q_mean is not None else None
+        memory = None
+        if q_mean is not None:
+            query_memory = self.tree.sessions.get(state.session_key, self.name, lambda: QueryMemory(self.config.decay))
+            memory = query_memory.update(q_mean)
         n_live = int(live.sum())
         state.live_after = n_live
         if n_live <= state.budget:
@@ -212,7 +237,7 @@ class IntentPruner:
         protected = req.kv.cache_protected_len
         state: RequestIntent = req.sgl_intent
         if state.layout == "dead_slot":
-            edit = apply_dead_slot(row, kept, length, protected, self.sentinel, tree.free_real)
+            edit = apply_dead_slot(row, kept, length, protected, tree.sentinel, tree.free_real)
             if state.branch_at is None and edit.dropped.numel():
                 # the path stops being a plain prefill's at its first own pruned position, or, when only
                 # the shared prefix was pruned (in this row alone), at the first token decoded after it
@@ -220,7 +245,7 @@ class IntentPruner:
                 state.branch_at = int(own[0]) if own.numel() else length
             return edit
         edit = apply_compact(
-            row, kept, length, protected, self.sentinel, tree._allocator.alloc, tree.free_real,
+            row, kept, length, protected, tree.sentinel, tree._allocator.alloc, tree.free_real,
             [pool.get_key_buffer(i) for i in range(pool.layer_num)],
             [pool.get_value_buffer(i) for i in range(pool.layer_num)], self.rope,
         )  # fmt: skip
@@ -233,16 +258,16 @@ class IntentPruner:
 
     # --- release: metrics into meta_info -------------------------------------------------------
 
-    def release(self, req) -> None:
+    def on_release(self, req) -> None:
         self.captures.pop(req.rid, None)
         self.position_shifts.pop(req.rid, None)
         state: RequestIntent | None = getattr(req, "sgl_intent", None)
         if state is None:
             return
-        stats.attach(req, metrics(state, len(req.output_ids)))
+        metrics.attach(req, request_metrics(state, len(req.output_ids)))
 
 
-def metrics(state: RequestIntent, output_len: int) -> dict:
+def request_metrics(state: RequestIntent, output_len: int) -> dict:
     """IntentKV's per-request metrics. Decode step j (1 .. T-1) attends to prompt + j tokens."""
     length = state.prompt_len
     live = state.live_after if state.live_after is not None else length
@@ -264,36 +289,10 @@ def metrics(state: RequestIntent, output_len: int) -> dict:
     }
 
 
-_PRUNER: IntentPruner | None = None
-
-
-def get_pruner(config: IntentConfig | None = None) -> IntentPruner | None:
-    """The process's pruner: created by the radix tree when intent pruning is on, None otherwise."""
-    global _PRUNER
-    if config is not None and _PRUNER is None:
-        _PRUNER = IntentPruner(config)
-    return _PRUNER
-
-
-def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
-    """BEFORE hook on RadixAttention.forward: post-RoPE query rows of prompts being prefilled go to
-    their request's QueryCapture, as every attention layer receives them (any backend, eager mode)."""
-    pruner = get_pruner()
-    if pruner is None or not pruner.captures or not forward_batch.rids or forward_batch.forward_mode.is_decode():
-        return None
-    bound = getattr(forward_batch, "sgl_captures", None)
-    if bound is None:
-        bound = forward_batch.sgl_captures = pruner.bind_captures(forward_batch)
-    for capture, q_start, first_pos, n in bound:
-        rows = q[q_start : q_start + n].reshape(n, layer.tp_q_head_num, layer.qk_head_dim)
-        capture.add(layer.layer_id, rows, first_pos)
-    return None
-
-
 def shift_positions_hook(forward_batch, *args, **kwargs):
     """AFTER hook on ForwardBatch.init_new: requests re-packed by the `compact` layout run at
     position + shift (their KV was moved to positions 0..K-1), whatever the attention backend."""
-    pruner = get_pruner()
+    pruner = runtime.mechanism("intent")
     if pruner is None or not pruner.position_shifts or not forward_batch.rids:
         return None
     if forward_batch.forward_mode.is_decode():

@@ -1,4 +1,5 @@
-"""Sessions: which agent a request belongs to, and that session's QueryMemory.
+"""Which session a request belongs to, and that session's QueryMemory (its slot in the tree's
+session registry, sgl_memory/sessions.py).
 
 QueryMemory (IntentKV eq. 2) is one post-RoPE query row per layer and query head, updated once per
 request as an EMA of the mean query over the actionable span and projected back to unit norm along
@@ -9,10 +10,10 @@ of the rule score collapses onto one key.
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 
 import torch
+
+from sgl_memory.sessions import SessionKey
 
 # Where a session key came from, strongest first (IntentKV appendix A).
 KEY_SOURCES = ("session_id", "sglang_session", "session_span", "prefix_hash", "request")
@@ -26,18 +27,19 @@ def resolve_key(
     session_span: tuple[int, int] | None,
     prefix_tokens: int,
     rid: str,
-) -> tuple[str, str]:
-    """(key, source) for a request; the tenant namespaces every key so tenants never share one."""
-    ns = f"{tenant or ''}\x00"
+) -> tuple[SessionKey, str]:
+    """(key, source) for a request. An explicit session id is the session every mechanism shares;
+    the other sources name sessions with a NUL-led id, which no client session id can spell."""
+    ns = tenant or ""
     if session_id:
-        return ns + "id:" + session_id, "session_id"
+        return (ns, session_id), "session_id"
     if sglang_session:
-        return ns + "sglang:" + sglang_session, "sglang_session"
+        return (ns, "\x00sglang:" + sglang_session), "sglang_session"
     if session_span is not None and session_span[1] > session_span[0]:
-        return ns + "span:" + _digest(token_ids[session_span[0] : session_span[1]]), "session_span"
+        return (ns, "\x00span:" + _digest(token_ids[session_span[0] : session_span[1]])), "session_span"
     if len(token_ids) >= prefix_tokens:
-        return ns + "prefix:" + _digest(token_ids[:prefix_tokens]), "prefix_hash"
-    return ns + "request:" + rid, "request"
+        return (ns, "\x00prefix:" + _digest(token_ids[:prefix_tokens])), "prefix_hash"
+    return (ns, "\x00request:" + rid), "request"
 
 
 def _digest(token_ids) -> str:
@@ -64,32 +66,3 @@ class QueryMemory:
             self.state = unit_rows(self.decay * self.state + (1.0 - self.decay) * q_mean)
         self.updates += 1
         return self.state
-
-
-class SessionStore:
-    """LRU map from session key to QueryMemory; safe to use from several threads."""
-
-    def __init__(self, capacity: int, decay: float):
-        self.capacity = capacity
-        self.decay = decay
-        self._items: OrderedDict[str, QueryMemory] = OrderedDict()
-        self._lock = threading.Lock()
-        self.evictions = 0
-
-    def get(self, key: str) -> QueryMemory:
-        with self._lock:
-            memory = self._items.get(key)
-            if memory is None:
-                memory = self._items[key] = QueryMemory(self.decay)
-                while len(self._items) > self.capacity:
-                    self._items.popitem(last=False)
-                    self.evictions += 1
-            else:
-                self._items.move_to_end(key)
-            return memory
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)

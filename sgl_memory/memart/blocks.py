@@ -67,7 +67,7 @@ EVICTIONS = {
 
 
 @dataclass
-class SessionMemory:
+class MemArtPool:
     capacity: int
     eviction: str = "lru"
     blocks: dict[int, Block] = field(default_factory=dict)  # insertion order is chronological order

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 from array import array
@@ -34,23 +33,21 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_memory import prometheus, tree_fill
-from sgl_memory.attention.extend_rows import extend_rows
-from sgl_memory.config import MemoryRetrievalConfig
-from sgl_memory.intent import stats
-from sgl_memory.intent.request import MemorySpec
-from sgl_memory.intent.spans import RoleMarkers, find_spans
-from sgl_memory.memart.blocks import Block, SessionMemory
-from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, top_blocks
-from sgl_memory.persist.textmatch import common_prefix
+from sgl_memory import capture, mechanism, metrics, prometheus, tree_fill
+from sgl_memory.capture import ExtendRows
+from sgl_memory.config import MemArtConfig
+from sgl_memory.memart.blocks import Block, MemArtPool
+from sgl_memory.memart.retrieval import score_blocks, top_blocks
+from sgl_memory.request import MemorySpec
 from sgl_memory.rope import Rope
+from sgl_memory.spans import RoleMarkers, find_spans
+from sgl_memory.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 MAX_SESSIONS = 1024  # session pools kept; the least recently used beyond are dropped
 MAX_PROBES = 32  # recent probes kept for their request (a request with n > 1 samples uses its probe n times)
 
-_MANAGER: MemoryManager | None = None  # the capture hook's way to this process's manager
 
 
 @dataclass
@@ -120,31 +117,54 @@ class TurnState:
                 "memory_refused": self.refused}  # fmt: skip
 
 
-class MemoryManager:
-    def __init__(self, config: MemoryRetrievalConfig, tree, rope: Rope):
-        global _MANAGER
+@mechanism.register("memory")
+class MemArtManager(mechanism.Mechanism):
+    def __init__(self, config: MemArtConfig, tree, rope: Rope):
         self.config, self.tree, self.rope = config, tree, rope
         layer_num = tree.token_to_kv_pool_allocator.get_kvcache().layer_num
         self.layers = max(1, round(layer_num * config.score_layers))
-        self.sessions: OrderedDict[tuple[str, str], SessionMemory] = OrderedDict()
+        tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda pool: pool.busy())
         self.probes: OrderedDict[str, Probe] = OrderedDict()
-        self.capturing: dict[str, Probe] = {}  # rid -> probe being prefilled
+        self.probing: dict[str, Probe] = {}  # rid -> probe being prefilled
         self.markers: RoleMarkers | None = None
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._work, name="sgl-memory-memart", daemon=True).start()
-        _MANAGER = self
+        self._worker = Worker("sgl-memory-memart", self._work, lambda m: f"a session memory of {len(m.blocks)} blocks")
 
-    def session(self, owner: tuple[str, str], create: bool) -> SessionMemory | None:
-        with self._lock:
-            memory = self.sessions.get(owner)
-            if memory is not None:
-                self.sessions.move_to_end(owner)
-            elif create:
-                memory = self.sessions[owner] = SessionMemory(self.config.capacity_blocks, self.config.eviction)
-                while len(self.sessions) > MAX_SESSIONS:
-                    self.sessions.popitem(last=False)
-            return memory
+    @classmethod
+    def build(cls, config: MemArtConfig, tree, ctx) -> MemArtManager:
+        tp_size = ctx.tp_size if ctx is not None else 1
+        if tree.page_size != 1 or tp_size != 1:
+            # assemblies are token-exact prefixes, and every TP rank would score its own heads
+            raise ValueError(f"KV memory needs page size 1 and one TP rank (got {tree.page_size}, {tp_size})")
+        if ctx is None:
+            raise ValueError("KV memory needs the scheduler's build context (the model's RoPE)")
+        manager = cls(config, tree, Rope.from_hf_config(ctx.model_config.hf_config))
+        capture.subscribe(cls.name, manager)
+        logger.info("KV memory: blocks of %d tokens, top_k %d, %s-%s", config.block_size, config.top_k, config.norm, config.agg)
+        return manager
+
+    def drain(self, timeout: float | None = None) -> bool:
+        return self._worker.drain(timeout)
+
+    # --- probe capture (a capture.py subscriber) -------------------------------------------------
+
+    def capturing(self) -> bool:
+        return bool(self.probing)
+
+    def bind(self, rows: list[ExtendRows]) -> list[tuple[Probe, ExtendRows]]:
+        return [(self.probing[r.rid], r) for r in rows if r.rid in self.probing]
+
+    def take(self, bound, layer, q, k, v) -> None:
+        for probe, r in bound:
+            rows = slice(r.start, r.start + r.count)
+            probe.add(layer.layer_id, q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim),
+                      k[rows].reshape(r.count, layer.tp_k_head_num, layer.qk_head_dim),
+                      v[rows].reshape(r.count, layer.tp_v_head_num, layer.v_head_dim),
+                      torch.arange(r.prefix, r.prefix + r.count), self.rope)  # fmt: skip
+
+    def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
+        make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction)) if create else None
+        return self.tree.sessions.get(owner, self.name, make)
 
     # --- admission -------------------------------------------------------------------------------
 
@@ -174,7 +194,7 @@ class MemoryManager:
         # a key of its own: the probe must compute every token (no prefix hit) and leave nothing behind
         req.extra_key = f"{req.extra_key or ''}\x00memory-probe:{probe_id}"
         req.skip_radix_cache_insert = True
-        self.capturing[req.rid] = probe
+        self.probing[req.rid] = probe
         with self._lock:
             self.probes[probe_id] = probe
             while len(self.probes) > MAX_PROBES:
@@ -196,11 +216,8 @@ class MemoryManager:
         if not ids:
             return
         q = probe.queries()
-        if (query.scoring or self.config.scoring) == "exact":
-            logits = exact_logits(q, index.keys)
-        else:
-            logits = aabb_logits(q, index.lo, index.hi)
-        scores = block_scores(logits, query.norm or self.config.norm, query.agg or self.config.agg, self.config.rr_constant)
+        scores = score_blocks(q, index.keys, index.lo, index.hi, query.scoring or self.config.scoring,
+                              query.norm or self.config.norm, query.agg or self.config.agg, self.config.rr_constant)  # fmt: skip
         limit = getattr(scheduler, "max_req_input_len", None)
         budget = (limit - len(req.origin_input_ids)) if limit else None
         chosen, used = [], 0
@@ -245,58 +262,52 @@ class MemoryManager:
 
     # --- release: record the turn off the request's path ----------------------------------------
 
-    def release(self, req) -> None:
+    def on_release(self, req) -> None:
         state: TurnState | None = getattr(req, "sgl_memart", None)
         if state is None:
             return
         if state.mode == "probe":
-            self.capturing.pop(req.rid, None)
+            self.probing.pop(req.rid, None)
             return
         memory = self.session(state.owner, create=True)
-        stats.attach(req, state.metrics(req, len(memory.blocks)))
+        metrics.attach(req, state.metrics(req, len(memory.blocks)))
         if not state.store or self.tree.disable:
             return
-        tokens = [*req.origin_input_ids, *req.output_ids]
-        key = RadixKey(array("q", tokens), req.extra_key, cache_salt=req.cache_salt)
-        match = self.tree.match_prefix(MatchPrefixParams(key=key))
-        end = match.device_prefix_len  # tokens whose KV exists (the last output token has none)
+        # tokens whose KV exists (the last output token has none)
+        path = tree_fill.held_path(self.tree, [*req.origin_input_ids, *req.output_ids], req.extra_key, req.cache_salt)
         if state.mode == "record":
-            start = common_prefix(memory.path, tokens[:end])
-            memory.path = tokens[:end]
+            start = tree_fill.common_prefix(memory.path, path.tokens)
+            memory.path = path.tokens
         else:
             start = state.memory_end  # the turn itself: not its system message, not the placed blocks
-        if end <= start:
+        if len(path) <= start:
             return
-        slots = self.tree.path_device_indices(match.last_device_node)[start:end]
-        keys, values = tree_fill.copy_out(self.tree, slots)
-        memory.submit(tokens[start:end], torch.arange(start, end), keys, values)
-        self._queue.put(memory)
+        kv = tree_fill.copy_path(self.tree, path, start)
+        memory.submit(path.tokens[start:], torch.arange(start, len(path)), kv.keys, kv.values)
+        self._worker.submit(memory)
 
     def _unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return unrotate(keys, positions, self.rope)
 
-    def _work(self) -> None:
-        while True:
-            memory = self._queue.get()
-            memory.ingest(self._unrotate, self.config.block_size)
-            self._bound_pools(memory)
+    def _work(self, memory: MemArtPool) -> None:
+        memory.ingest(self._unrotate, self.config.block_size)
+        self._bound_pools(memory)
 
-    def _bound_pools(self, current: SessionMemory) -> None:
-        """All pools together within memory.pool_bytes: the least recently used sessions are dropped
-        whole; if the session just added to is still over, its own blocks are evicted by policy."""
-        with self._lock:
-            total = sum(m.bytes for m in self.sessions.values())
-            for owner in list(self.sessions):
-                if total <= self.config.pool_bytes:
-                    break
-                if self.sessions[owner] is not current and not self.sessions[owner].busy():
-                    dropped = self.sessions.pop(owner)
-                    total -= dropped.bytes
-                    logger.info("memory: pool_bytes %d reached: dropped the memory of session %r", self.config.pool_bytes, owner[1])
+    def _bound_pools(self, current: MemArtPool) -> None:
+        """All pools together within memory.pool_bytes: the least recently used sessions' pools are
+        dropped whole; if the session just added to is still over, its own blocks are evicted by policy."""
+        pools = self.tree.sessions.slots(self.name)
+        total = sum(pool.bytes for _, pool in pools)
+        for owner, pool in pools:
+            if total <= self.config.pool_bytes:
+                break
+            if pool is not current and not pool.busy():
+                self.tree.sessions.pop(owner, self.name)
+                total -= pool.bytes
+                logger.info("memory: pool_bytes %d reached: dropped the memory of session %r", self.config.pool_bytes, owner[1])
         if total > self.config.pool_bytes:
             current.trim(max(0, current.bytes - (total - self.config.pool_bytes)))
-        with self._lock:
-            pools = list(self.sessions.values())
+        pools = [pool for _, pool in self.tree.sessions.slots(self.name)]
         prometheus.memory_pool(sum(m.bytes for m in pools), sum(len(m.blocks) for m in pools))
 
 
@@ -341,21 +352,3 @@ def assemble(blocks: list[Block], rope: Rope, at: int = 0) -> tuple[torch.Tensor
     values = torch.cat([b.values for b in blocks], dim=1)
     rotated = rotate_layers(keys, torch.arange(at, at + keys.shape[1]), rope)
     return rotated.to(values.dtype).contiguous(), values
-
-
-def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
-    """BEFORE hook on RadixAttention.forward: probe prompts' queries as each attention layer gets them."""
-    manager = _MANAGER
-    if manager is None or not manager.capturing or not forward_batch.rids or forward_batch.forward_mode.is_decode():
-        return None
-    bound = getattr(forward_batch, "sgl_probes", None)
-    if bound is None:  # once per forward, not per layer
-        bound = forward_batch.sgl_probes = [(manager.capturing[r.rid], r) for r in extend_rows(forward_batch)
-                                            if r.rid in manager.capturing]  # fmt: skip
-    for probe, r in bound:
-        rows = slice(r.start, r.start + r.count)
-        probe.add(layer.layer_id, q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim),
-                  k[rows].reshape(r.count, layer.tp_k_head_num, layer.qk_head_dim),
-                  v[rows].reshape(r.count, layer.tp_v_head_num, layer.v_head_dim),
-                  torch.arange(r.prefix, r.prefix + r.count), manager.rope)  # fmt: skip
-    return None

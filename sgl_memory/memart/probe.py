@@ -10,19 +10,16 @@ costs one prefill of the request's own tokens, reported as `probe_tokens`.
 
 from __future__ import annotations
 
-import json
 import uuid
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sgl_memory.config import from_env
-from sgl_memory.intent.request import FIELD, SpecError, check_served, parse
+from sgl_memory.request import FIELD, SpecError, check_served, decode, encode, parse
 
 
 def _raw_field(sampling_params) -> dict | None:
-    custom = (sampling_params or {}).get("custom_params") or {}
-    raw = custom.get(FIELD)
-    return json.loads(raw) if isinstance(raw, str) else raw
+    return decode((sampling_params or {}).get("custom_params"))
 
 
 def memory_field(obj) -> dict | None:
@@ -47,9 +44,7 @@ def memory_field(obj) -> dict | None:
 
 
 def _with_field(params: dict, raw: dict, **params_overrides) -> dict:
-    custom = dict(params.get("custom_params") or {})
-    custom[FIELD] = json.dumps(raw)
-    return {**params, **params_overrides, "custom_params": custom}
+    return {**params, **params_overrides, "custom_params": encode(params.get("custom_params"), raw)}
 
 
 async def generate_hook(original, manager, obj, request=None):

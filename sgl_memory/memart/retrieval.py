@@ -26,6 +26,7 @@ import torch
 from sgl_memory.kernels.aabb_score import aabb_scores
 
 EXACT_CHUNK = 256  # blocks per step of the exact scan: bounds the [L, T, H, blocks, block_size] product
+SCAN_BYTES = 256 << 20  # transient memory of one scoring pass, whatever the prompt length and pool size
 
 
 def aabb_logits(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -66,6 +67,34 @@ def block_scores(logits: torch.Tensor, norm: str, agg: str, rr_constant: float =
     """Block logits [L, T, H, N] -> one score per block [N]."""
     per_token = NORMS[norm](logits, rr_constant)
     return AGGS[agg](per_token, 1).mean(dim=(0, 1))
+
+
+def score_blocks(q: torch.Tensor, keys: torch.Tensor | None, lo: torch.Tensor | None, hi: torch.Tensor | None,
+                 scoring: str, norm: str, agg: str, rr_constant: float = 60.0, cap_bytes: int = SCAN_BYTES) -> torch.Tensor:
+    """`block_scores` of the `scoring` logits of q [L, T, H, D] over the blocks (keys [L, N, S, Hkv, D]
+    for `exact`, lo / hi [L, N, Hkv, D] for `aabb`), computed over slices of the prompt tokens so
+    that the logits and the exact scan's products stay under `cap_bytes`. Normalisation is per
+    (layer, head, token) row, so the rows of one slice are final; the aggregation over tokens is a
+    running sum or max, and the mean over layers and heads comes last."""
+    L, T, H, _ = q.shape
+    N = (keys if scoring == "exact" else lo).shape[1]
+    per_token = 3 * L * H * N * 4  # the slice's logits, their normalisation, one intermediate of either
+    if scoring == "exact":
+        per_token += L * H * min(N, EXACT_CHUNK) * keys.shape[2] * 4  # the scan's q.k products
+    step = max(1, cap_bytes // max(per_token, 1))
+    total = None
+    for t0 in range(0, T, step):
+        part = q[:, t0 : t0 + step]
+        logits = exact_logits(part, keys) if scoring == "exact" else aabb_logits(part, lo, hi)
+        rows = AGGS[agg](NORMS[norm](logits, rr_constant), 1)  # [L, H, N]
+        del logits
+        if total is None:
+            total = rows
+        elif agg == "sum":
+            total += rows
+        else:
+            torch.maximum(total, rows, out=total)
+    return total.mean(dim=(0, 1))
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> list[int]:

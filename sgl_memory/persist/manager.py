@@ -22,11 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import queue
 import threading
 import time
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,12 +32,13 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_memory import prometheus, tree_fill
+from sgl_memory import mechanism, metrics, prometheus, tree_fill
 from sgl_memory.config import PersistConfig
-from sgl_memory.intent import stats
-from sgl_memory.intent.request import MemorySpec
+from sgl_memory.request import MemorySpec
+from sgl_memory.sessions import session_key
 from sgl_memory.persist import textmatch
 from sgl_memory.persist.store import CacheSpec, SessionFiles, SessionRecord, StoreError
+from sgl_memory.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -113,21 +112,30 @@ def cache_spec(model_config, server_args, pool, page_size: int, tp_rank: int, tp
                      buffer.shape[-1], str(buffer.dtype).removeprefix("torch."), page_size, f"tp{tp_rank}/{tp_size}")  # fmt: skip
 
 
-class SessionPersistence:
+@mechanism.register("persist")
+class SessionPersistence(mechanism.Mechanism):
+    conflicts = {"memory": "the session store does not hold the memory pool yet"}
+
     def __init__(self, config: PersistConfig, tree, spec: CacheSpec):
         self.config, self.tree, self.spec = config, tree, spec
         self.files = SessionFiles(config.dir, spec, quant=config.quant, kivi=config.kivi)
-        self.sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()
-        self._sessions_lock = threading.Lock()
-        self._queue: queue.SimpleQueue[Session | None] = queue.SimpleQueue()
-        self._idle = threading.Condition()
-        self._queued = 0
+        # a session stays in memory while it holds turns that are nowhere else (not yet written, or
+        # a write failed); the rest are re-read from disk when they come back
+        tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda s: bool(s.pending) or (bool(s.tokens) and not s.on_disk))
         self.tokenizer = None
-        self._writer = threading.Thread(target=self._write_loop, name="sgl-memory-persist", daemon=True)
-        self._writer.start()
+        self._writer = Worker("sgl-memory-persist", self._write, lambda s: f"session {s.session_id!r} (tenant {s.tenant!r})")
         if self.files.removed_partial:
             logger.info("session store: removed %d partial file(s) of writers that died", self.files.removed_partial)
         self._probe()
+
+    @classmethod
+    def build(cls, config: PersistConfig, tree, ctx) -> SessionPersistence:
+        if ctx is None:
+            raise ValueError("session persistence needs the scheduler's build context (model and pool layout)")
+        pool = tree.token_to_kv_pool_allocator.get_kvcache()
+        spec = cache_spec(ctx.model_config, ctx.server_args, pool, tree.page_size, ctx.tp_rank, ctx.tp_size)
+        logger.info("session store: %s (%s, quant %s)", Path(config.dir).expanduser(), spec.model_id, config.quant)
+        return cls(config, tree, spec)
 
     def _probe(self) -> None:
         try:
@@ -144,18 +152,8 @@ class SessionPersistence:
         return self.tree.token_to_kv_pool_allocator.get_kvcache()
 
     def _session(self, tenant: str | None, session_id: str, create: bool) -> Session | None:
-        key = (tenant or "", session_id)
-        with self._sessions_lock:
-            session = self.sessions.get(key)
-            if session is not None:
-                self.sessions.move_to_end(key)
-            elif create:
-                session = self.sessions[key] = Session(tenant, session_id)
-                for old_key in list(self.sessions)[: max(0, len(self.sessions) - MAX_SESSIONS)]:
-                    old = self.sessions[old_key]
-                    if not old.pending and old.on_disk:
-                        del self.sessions[old_key]
-            return session
+        make = (lambda: Session(tenant, session_id)) if create else None
+        return self.tree.sessions.get(session_key(tenant, session_id), self.name, make)
 
     def _decode_text(self, tokens) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
@@ -221,7 +219,7 @@ class SessionPersistence:
             req.origin_input_ids = array("q", result.input_ids)
             req.origin_input_ids_unpadded = req.origin_input_ids
         ids = list(req.origin_input_ids)
-        state.reuse = result.reuse if ids[: result.reuse] == stored[: result.reuse] else textmatch.common_prefix(stored, ids)
+        state.reuse = result.reuse if ids[: result.reuse] == stored[: result.reuse] else tree_fill.common_prefix(stored, ids)
 
     def _restore(self, req, session: Session, state: TurnState, source: str) -> None:
         tree = self.tree
@@ -252,36 +250,31 @@ class SessionPersistence:
 
     # --- release: capture the turn, write it off the request's path ------------------------------
 
-    def capture(self, req) -> None:
+    def on_release(self, req) -> None:
+        """Capture the turn: the KV of the request's path that the stored record lacks, off the pool
+        now (the slots are the tree's to evict), encoded and written by the worker."""
         state: TurnState | None = getattr(req, "sgl_persist", None)
         if state is None:
             return
         session = self._session(state.tenant, state.session_id, create=True)
-        stats.attach(req, state.metrics(session.error))
+        metrics.attach(req, state.metrics(session.error))
         if self.config.write_policy == "off" or self.tree.disable:
             return
-        tokens = [*req.origin_input_ids, *req.output_ids]
-        key = RadixKey(array("q", tokens), req.extra_key, cache_salt=req.cache_salt)
-        match = self.tree.match_prefix(MatchPrefixParams(key=key))
-        length = match.device_prefix_len
-        if length == 0:
+        path = tree_fill.held_path(self.tree, [*req.origin_input_ids, *req.output_ids], req.extra_key, req.cache_salt)
+        if not len(path):
             return
-        path = tokens[:length]
         with session.lock:
             held = session.tokens if session.record is not None or session.pending else []
             size = self.files.block_size
             if session.record is not None and (session.record.quant, session.record.kivi) != (self.config.quant, self.config.kivi):
                 held = []  # written with other settings: re-encode all of it
-            start = textmatch.common_prefix(held, path) // size * size
-            if path == held:
+            if path.tokens == held:
                 return
-            slots = self.tree.path_device_indices(match.last_device_node)[start:length]
-            keys, values = tree_fill.copy_out(self.tree, slots)
-            session.pending.append((path, start, keys, values))
-            session.tokens, session.text = path, None
-        with self._idle:
-            self._queued += 1
-        self._queue.put(session)
+            start = tree_fill.common_prefix(held, path.tokens) // size * size
+            kv = tree_fill.copy_path(self.tree, path, start)
+            session.pending.append((path.tokens, start, kv.keys, kv.values))
+            session.tokens, session.text = path.tokens, None
+        self._writer.submit(session)
 
     def _encode_pending(self, session: Session) -> None:
         """Fold the captured turns into the stored form; caller holds session.lock."""
@@ -290,18 +283,6 @@ class SessionPersistence:
             session.record = SessionRecord(path, "", old + self.files.encode(keys, values), self.config.quant,
                                            self.config.kivi, self.files.block_size)  # fmt: skip
         session.pending.clear()
-
-    def _write_loop(self) -> None:
-        while True:
-            session = self._queue.get()
-            try:
-                self._write(session)
-            except Exception:  # the writer must outlive any one session's failure
-                logger.exception("session store: writer failed on session %r", session.session_id)
-            finally:
-                with self._idle:
-                    self._queued -= 1
-                    self._idle.notify_all()
 
     def _write(self, session: Session) -> None:
         with session.lock:
@@ -324,17 +305,15 @@ class SessionPersistence:
         session.on_disk, session.error = True, None
         for path in self.files.enforce_quota(self.config.quota_bytes):
             logger.info("session store: quota %d bytes: removed %s", self.config.quota_bytes, path.name)
-            with self._sessions_lock:
-                for other in self.sessions.values():
-                    if self.files.path(other.tenant, other.session_id) == path:
-                        other.on_disk = False
+            for _, other in self.tree.sessions.slots(self.name):
+                if self.files.path(other.tenant, other.session_id) == path:
+                    other.on_disk = False
         prometheus.store(self.files.disk_bytes, self._trim_warm())
 
     def _trim_warm(self) -> int:
         """Drop the stored form of least recently used sessions that are safely on disk; returns
         the bytes of stored form left in memory."""
-        with self._sessions_lock:
-            sessions = list(self.sessions.values())
+        sessions = [session for _, session in self.tree.sessions.slots(self.name)]
         total = sum(s.record.nbytes() for s in sessions if s.record is not None)
         for session in sessions:
             if total <= self.config.warm_bytes:
@@ -350,5 +329,4 @@ class SessionPersistence:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every captured turn is written (flush_cache calls this before it empties the tree)."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._queued == 0, timeout)
+        return self._writer.drain(timeout)

@@ -17,9 +17,10 @@ plus the tokenization of the rest, so the stored KV is reused whole:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from sgl_memory.tree_fill import common_prefix
 
 EXACT, EXTEND, DIVERGE, DISCARD = "exact", "extend", "diverge", "discard"
 
@@ -30,18 +31,6 @@ class TextMatch:
     reuse: int  # stored tokens the request reuses
     input_ids: list[int]  # the request's ids: stored[:reuse] + the tokenization of the rest
     matched_chars: int
-
-
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    """Length of the common prefix (os.path.commonprefix compares element-wise, in C for str)."""
-    if isinstance(a, str) and isinstance(b, str):
-        return len(os.path.commonprefix([a, b]))
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def match(

@@ -1,7 +1,8 @@
 """The per-request `sgl_memory` field: parsing and validation shared by the HTTP layer and the scheduler.
 
 Clients send it as a top-level object on the native `/generate` body and on the OpenAI bodies;
-the HTTP layer moves it into SGLang's `custom_params`, which is how it reaches the scheduler.
+the HTTP layer moves it into SGLang's `custom_params`, which is how it reaches the scheduler. Every
+mechanism reads the one parsed `MemorySpec`; named options are checked against the config's lists.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 
-from sgl_memory.config import MAX_BUDGET, IntentConfig, MemoryConfig
-from sgl_memory.intent import scorers
-from sgl_memory.intent.layouts import LAYOUTS
+from sgl_memory.config import MAX_BUDGET, IntentConfig, MemoryConfig, MemArtConfig, choices
 
 FIELD = "sgl_memory"
 MAX_ID_LEN = 256
@@ -25,7 +24,7 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class MemoryQuery:
+class MemArtQuery:
     """`sgl_memory.memory`: the request carries only its new turn and the server places the
     session's relevant memory blocks before it (sgl_memory/memart)."""
 
@@ -51,7 +50,7 @@ class MemorySpec:
     budget: int | None = None
     scorer: str | None = None
     layout: str | None = None
-    memory: MemoryQuery | None = None
+    memory: MemArtQuery | None = None
 
     def intent(self, base: IntentConfig) -> IntentConfig:
         """The server's intent config with this request's overrides."""
@@ -81,7 +80,7 @@ def _choice(value, choices, where: str):
     return value
 
 
-def _memory(raw, internal: bool) -> MemoryQuery | None:
+def _memory(raw, internal: bool) -> MemArtQuery | None:
     if raw is None:
         return None
     where = f"{FIELD}.memory"
@@ -95,16 +94,15 @@ def _memory(raw, internal: bool) -> MemoryQuery | None:
     top_k = raw.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
         raise SpecError(f"{where}.top_k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
-    for name, choices in (("norm", ("softmax", "rr")), ("agg", ("sum", "max")), ("scoring", ("exact", "aabb")),
-                          ("placement", ("first", "after_system"))):
-        _choice(raw.get(name), choices, f"{where}.{name}")
+    for name in ("norm", "agg", "scoring", "placement"):
+        _choice(raw.get(name), choices(MemArtConfig, name), f"{where}.{name}")
     store = raw.get("store", True)
     if not isinstance(store, bool):
         raise SpecError(f"{where}.store must be true or false, got {store!r}")
     probe = raw.get("probe")
     if probe is not None and not isinstance(probe, str):
         raise SpecError(f"{where}.probe must be a string")
-    return MemoryQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store, probe)
+    return MemArtQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store, probe)
 
 
 def parse(raw, internal: bool = False) -> MemorySpec:
@@ -120,8 +118,8 @@ def parse(raw, internal: bool = False) -> MemorySpec:
     budget = raw.get("budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET):
         raise SpecError(f"{FIELD}.budget must be an integer in [1, {MAX_BUDGET}], got {budget!r}")
-    scorer = _choice(raw.get("scorer"), sorted(scorers.SCORERS), f"{FIELD}.scorer")
-    layout = _choice(raw.get("layout"), LAYOUTS, f"{FIELD}.layout")
+    scorer = _choice(raw.get("scorer"), choices(IntentConfig, "scorer"), f"{FIELD}.scorer")
+    layout = _choice(raw.get("layout"), choices(IntentConfig, "layout"), f"{FIELD}.layout")
     memory = _memory(raw.get("memory"), internal)
     if memory is not None and raw.get("session_id") is None:
         raise SpecError(f"{FIELD}.memory needs {FIELD}.session_id: memory belongs to a session")
@@ -145,13 +143,26 @@ def check_served(spec: MemorySpec, config: MemoryConfig) -> None:
         raise SpecError(f"{FIELD}.memory: KV memory is off on this server (memory.enabled: false)")
 
 
-def of_request(req) -> MemorySpec:
-    """The spec a scheduler request carries in its custom_params (the HTTP layer put it there)."""
-    custom = getattr(req.sampling_params, "custom_params", None) or {}
-    raw = custom.get(FIELD)
+# The wire format: the raw field travels in SGLang's `custom_params` as a JSON string under FIELD
+# (SGLang passes custom_params through to the scheduler's sampling params untouched).
+
+
+def encode(custom_params: dict | None, raw) -> dict:
+    """custom_params with the raw field put in (a new dict; the caller's is not changed)."""
+    return {**(custom_params or {}), FIELD: json.dumps(raw)}
+
+
+def decode(custom_params: dict | None):
+    """The raw field out of custom_params (None when absent); a SpecError when it is not JSON."""
+    raw = (custom_params or {}).get(FIELD)
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise SpecError(f"{FIELD} is not valid JSON: {exc}") from None
-    return parse(raw, internal=True)
+    return raw
+
+
+def of_request(req) -> MemorySpec:
+    """The spec a scheduler request carries in its custom_params (the HTTP layer put it there)."""
+    return parse(decode(getattr(req.sampling_params, "custom_params", None)), internal=True)

@@ -10,7 +10,7 @@ import threading
 from collections import Counter, OrderedDict
 
 from sgl_memory import prometheus
-from sgl_memory.intent.request import FIELD
+from sgl_memory.request import FIELD
 
 RECENT = 4096  # per-request metrics kept for the OpenAI response rewrite (by response id)
 SUMMED = ("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms",

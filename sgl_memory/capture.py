@@ -1,0 +1,67 @@
+"""One tap on the attention layers' inputs during prefill, which mechanisms subscribe to.
+
+Intent pruning reads the post-RoPE query rows of its requests' prompts (QueryMemory, SnapKV's
+window); KV memory reads a probe prompt's queries, keys and values. Both need them as every
+attention layer receives them, whatever the backend, so one BEFORE hook on
+`RadixAttention.forward` (patches/hooks.yaml) hands each extend forward to the subscribers that
+have a request in it.
+
+The batch packs the new tokens of its requests one after another: request i's query, key and value
+rows start where request i-1's end, and its first new token sits at position prefix_len (what the
+radix tree already held); `extend_rows` says where each request's rows are.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+
+class ExtendRows(NamedTuple):
+    rid: str
+    start: int  # first row of the request in the batch's q / k / v
+    prefix: int  # position of that row
+    count: int
+
+
+def extend_rows(forward_batch) -> list[ExtendRows]:
+    prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
+    new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+    rows, start = [], 0
+    for rid, prefix, n in zip(forward_batch.rids, prefix_lens, new_lens):
+        rows.append(ExtendRows(rid, start, prefix, n))
+        start += n
+    return rows
+
+
+class Subscriber(Protocol):
+    def capturing(self) -> bool:
+        """Whether any request is waiting for rows now (checked on every layer call: keep it cheap)."""
+
+    def bind(self, rows: list[ExtendRows]) -> list:
+        """The parts of this forward's requests this subscriber takes, once per forward; empty: none."""
+
+    def take(self, bound: list, layer, q, k, v) -> None:
+        """One attention layer's inputs of the requests `bind` chose."""
+
+
+_SUBSCRIBERS: dict[str, Subscriber] = {}
+
+
+def subscribe(name: str, subscriber: Subscriber) -> None:
+    """One subscriber per name: a rebuilt tree's mechanism replaces the old one's."""
+    _SUBSCRIBERS[name] = subscriber
+
+
+def forward_hook(layer, q, k, v, forward_batch, *args, **kwargs):
+    """BEFORE hook on RadixAttention.forward: each subscriber's rows of an extend forward."""
+    active = [s for s in _SUBSCRIBERS.values() if s.capturing()]
+    if not active or not forward_batch.rids or forward_batch.forward_mode.is_decode():
+        return None
+    bound = getattr(forward_batch, "sgl_capture", None)
+    if bound is None:  # once per forward, not per layer
+        rows = extend_rows(forward_batch)
+        bound = forward_batch.sgl_capture = [(s, s.bind(rows)) for s in active]
+    for subscriber, parts in bound:
+        if parts:
+            subscriber.take(parts, layer, q, k, v)
+    return None

@@ -1,0 +1,88 @@
+"""Sessions: every mechanism's per-session state in one registry.
+
+A session is (tenant, session id): the tenant namespaces everything, so two tenants never share a
+session. Each session holds one slot per mechanism (intent's QueryMemory, persistence's stored
+path, KV memory's block pool). Sessions are kept least recently used first; each mechanism bounds
+the number of its own slots and says which of them must not be dropped yet (a turn not yet
+written, a pool a worker is filling): when it is over its bound, its slots of the least recently
+used sessions go first. A session without slots is forgotten.
+
+The scheduler thread and the mechanisms' workers both use it, so every operation takes its lock;
+what a slot holds is the mechanism's to guard.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+SessionKey = tuple[str, str]  # (tenant or "", session id)
+
+
+def session_key(tenant: str | None, session_id: str) -> SessionKey:
+    return (tenant or "", session_id)
+
+
+class SessionRegistry:
+    def __init__(self):
+        self._sessions: OrderedDict[SessionKey, dict[str, object]] = OrderedDict()
+        self._limits: dict[str, tuple[int, Callable[[object], bool]]] = {}
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.dropped: dict[str, int] = {}  # slots dropped for their bound, per mechanism
+
+    def limit(self, name: str, capacity: int, keep: Callable[[object], bool] = lambda value: False) -> None:
+        """At most `capacity` slots named `name`; `keep(value)` true: not to be dropped now."""
+        with self._lock:
+            self._limits[name] = (capacity, keep)
+
+    def get(self, key: SessionKey, name: str, create: Callable[[], object] | None = None):
+        """The session's slot (the session becomes the most recently used); made by `create` when
+        missing and `create` is given, None otherwise."""
+        with self._lock:
+            slots = self._sessions.get(key)
+            if slots is not None:
+                self._sessions.move_to_end(key)
+            value = slots.get(name) if slots is not None else None
+            if value is None and create is not None:
+                value = create()
+                self._sessions.setdefault(key, {})[name] = value
+                self._counts[name] = self._counts.get(name, 0) + 1
+                self._bound(name, spare=key)
+            return value
+
+    def pop(self, key: SessionKey, name: str):
+        with self._lock:
+            return self._pop(key, name)
+
+    def slots(self, name: str) -> list[tuple[SessionKey, object]]:
+        """Every session's slot of this name, least recently used first (a snapshot)."""
+        with self._lock:
+            return [(key, slots[name]) for key, slots in self._sessions.items() if name in slots]
+
+    def count(self, name: str) -> int:
+        with self._lock:
+            return self._counts.get(name, 0)
+
+    def _pop(self, key: SessionKey, name: str):
+        slots = self._sessions.get(key)
+        if slots is None or name not in slots:
+            return None
+        value = slots.pop(name)
+        self._counts[name] -= 1
+        if not slots:
+            del self._sessions[key]
+        return value
+
+    def _bound(self, name: str, spare: SessionKey) -> None:
+        capacity, keep = self._limits.get(name, (None, None))
+        if capacity is None or self._counts[name] <= capacity:
+            return
+        for key in list(self._sessions):
+            if self._counts[name] <= capacity:
+                break
+            value = self._sessions[key].get(name)
+            if key != spare and value is not None and not keep(value):
+                self._pop(key, name)
+                self.dropped[name] = self.dropped.get(name, 0) + 1
