@@ -1,9 +1,9 @@
 """sgl-memory's HTTP surface on SGLang's FastAPI app (hook: patches/hooks.yaml).
 
 - `GET /sgl_memory/info` and `GET /sgl_memory/stats`;
-- the per-request `sgl_memory` field on `/generate`, `/v1/chat/completions` and `/v1/completions`:
-  validated here (a bad field is a 400 before anything reaches the engine) and moved into SGLang's
-  `custom_params`, which carries it to the scheduler;
+- the per-request `sgl_memory` field on `/generate`, `/v1/chat/completions`, `/v1/completions` and
+  `/v1/responses`: validated here (a bad field is a 400 before anything reaches the engine) and
+  moved into SGLang's `custom_params`, which carries it to the scheduler;
 - bounds on those bodies that SGLang does not check: a size cap (413) and JSON nested too deeply
   to parse (400; SGLang's own parser would answer it with a 500);
 - a prompt of zero tokens, or with a token id outside the vocabulary, is a 400 (TokenizerManager
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from contextvars import ContextVar
 
 from sgl_memory import SGLANG_VERSION, __version__, prometheus
 from sgl_memory.config import from_env
@@ -25,7 +26,12 @@ from sgl_memory.request import FIELD, SpecError, check_served, encode, parse
 from sgl_memory.metrics import STATS
 
 NATIVE = "/generate"
-OPENAI = ("/v1/chat/completions", "/v1/completions")
+RESPONSES = "/v1/responses"
+OPENAI = ("/v1/chat/completions", "/v1/completions", RESPONSES)
+# /v1/responses bodies have no custom_params (SGLang's ResponsesRequest drops unknown fields): the
+# field rides this context variable from the middleware to the to_sampling_params hook, both of
+# which run in the request's own task
+RESPONSES_FIELD: ContextVar = ContextVar("sgl_memory_responses_field", default=None)
 MAX_BODY_BYTES = 64 << 20  # a full-context prompt is well under 1 MiB of JSON; a batch of them fits too
 
 
@@ -62,7 +68,9 @@ def move_field(path: str, body: dict, config: MemoryConfig) -> dict:
         return body
     raw = body.pop(FIELD)
     check_served(parse(raw), config)
-    if path == NATIVE:
+    if path == RESPONSES:
+        RESPONSES_FIELD.set(raw)
+    elif path == NATIVE:
         params = body.get("sampling_params")
         targets = params if isinstance(params, list) else [body.setdefault("sampling_params", params or {})]
         for sp in targets:
@@ -160,6 +168,15 @@ def _with_metrics(send):
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     return wrapped
+
+
+def responses_field_hook(result, request, *args, **kwargs):
+    """AFTER hook on ResponsesRequest.to_sampling_params: a /v1/responses request's field goes into
+    its sampling params' custom_params, as the other routes' does in their bodies."""
+    raw = RESPONSES_FIELD.get()
+    if raw is not None and isinstance(result, dict):
+        result["custom_params"] = encode(result.get("custom_params"), raw)
+    return result
 
 
 def refuse_unservable_input(manager, obj, input_ids, *args, **kwargs):

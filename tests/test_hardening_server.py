@@ -106,10 +106,12 @@ def test_a_client_extra_key_cannot_reach_a_tenants_namespace(server):
         ({"session_id": "s", "memory": {"mode": "retrieve"}}, "memory.enabled"),
     ],
 )
-@pytest.mark.parametrize("api", ["native", "openai"])
+@pytest.mark.parametrize("api", ["native", "openai", "responses"])
 def test_asking_for_a_mechanism_the_server_runs_without_is_a_400(server, field, key, api):
     if api == "native":
         r = server.post("/generate", {"text": "Prune me.", "sampling_params": GREEDY, "sgl_memory": field})
+    elif api == "responses":
+        r = server.post("/v1/responses", {"input": "Prune me.", "max_output_tokens": 4, "sgl_memory": field})
     else:
         r = server.post("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "Prune me."}],
                                                   "max_tokens": 2, "sgl_memory": field})  # fmt: skip

@@ -283,6 +283,23 @@ def test_a_plain_request_over_the_configured_budget_is_served_with_its_forced_se
     assert usage["prompt_tokens"] > m["budget"] + 200  # the history between the spans was pruned
 
 
+def test_the_responses_api_carries_the_field_and_the_metrics(intent_server):
+    """/v1/responses has no custom_params of its own: the field still reaches the scheduler (the
+    pruning it asks for happens) and the response carries the metrics, as chat completions do."""
+    rules = " ".join(f"Rule {i}: call tool_{i % 11} with argument {i * 17 % 101}." for i in range(60))
+    model = intent_server.get("/v1/models").json()["data"][0]["id"]  # /v1/responses takes no "default"
+    turns = [{"role": "user", "content": rules}, {"role": "assistant", "content": "Noted."},
+             {"role": "user", "content": "Which tool does rule 7 call?"}]  # fmt: skip
+    body = {"model": model, "input": turns, "max_output_tokens": 6, "temperature": 0}
+    r = intent_server.post("/v1/responses", {**body, "sgl_memory": {"session_id": "responses-1", "budget": 64}})
+    assert r.status_code == 200, r.text
+    m = r.json()["sgl_memory"]
+    assert m["budget"] == 64 and m["compression_events"] == 1 and m["session_key_source"] == "session_id"
+    assert m["peak_request_tokens"] - m["live_kv_tokens"] > 300  # the history was pruned to the budget
+    bad = intent_server.post("/v1/responses", {**body, "sgl_memory": {"budget": "many"}})
+    assert bad.status_code == 400 and "budget" in bad.text
+
+
 def test_concurrent_sessions_flush_and_stats(intent_server, tokenizer):
     scorers = ["memory", "query", "snapkv", "h2o", "streaming_llm", "random"]
     before = intent_server.get("/sgl_memory/stats").json()
