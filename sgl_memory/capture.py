@@ -54,12 +54,12 @@ def subscribe(name: str, subscriber: Subscriber) -> None:
 
 def forward_hook(layer, q, k, v, forward_batch, *args, **kwargs):
     """BEFORE hook on RadixAttention.forward: each subscriber's rows of an extend forward."""
-    active = [s for s in _SUBSCRIBERS.values() if s.capturing()]
-    if not active or not forward_batch.rids or forward_batch.forward_mode.is_decode():
-        return None
+    if not forward_batch.rids or forward_batch.forward_mode.is_decode():
+        return None  # decode steps, every layer of every token: nothing to capture
     bound = getattr(forward_batch, "sgl_capture", None)
     if bound is None:  # once per forward, not per layer
-        rows = extend_rows(forward_batch)
+        active = [s for s in _SUBSCRIBERS.values() if s.capturing()]
+        rows = extend_rows(forward_batch) if active else []
         bound = forward_batch.sgl_capture = [(s, s.bind(rows)) for s in active]
     for subscriber, parts in bound:
         if parts:

@@ -47,9 +47,10 @@ class Mechanism(ABC):
         """After the tree released the request (scheduler thread): attach its metrics, copy out what
         it keeps (tree_fill.copy_path) and queue the rest of the work for its worker."""
 
-    def drain(self) -> None:
-        """Return when the work queued so far is done (flush_cache, a clean shutdown, tests)."""
-
+    def drain(self, timeout: float | None = None) -> bool:
+        """Return when the work queued so far is done (flush_cache, a clean shutdown, tests); False
+        if `timeout` seconds passed first."""
+        return True
 
 
 def register(name: str):

@@ -88,7 +88,6 @@ class HeldPath:
 
 @dataclass
 class PathKV:
-    start: int  # position of the first row
     keys: torch.Tensor  # [layers, n, heads, dim], host memory
     values: torch.Tensor
     live: torch.Tensor  # [n] bool: False where the position was pruned (its slot is the sentinel)
@@ -107,4 +106,4 @@ def copy_path(tree, path: HeldPath, start: int, end: int | None = None) -> PathK
     keys, values = copy_out(tree, slots)
     sentinel = getattr(tree, "sentinel", None)
     live = slots != sentinel if sentinel is not None else torch.ones(slots.numel(), dtype=torch.bool)
-    return PathKV(start, keys, values, live.cpu())
+    return PathKV(keys, values, live.cpu())
