@@ -11,11 +11,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-# The order of admission, which is the order in which mechanisms rewrite a request's tokens:
-# - persist first: its text-level match may replace the prompt's ids with the stored session's;
-# - memory next: it puts retrieved blocks before the (possibly rewritten) prompt;
+import torch
+
+# The order of admission, which is the order in which mechanisms rewrite a request's tokens (every
+# mechanism's `open` runs before the first admission, so all of them see a session loaded from disk):
+# - memory first: it puts retrieved blocks before a memory-mode request's prompt, under a key of
+#   their own (persistence leaves such a request alone: the assembly is rebuilt from the pool);
+# - persist next: its text-level match may replace a full-history prompt's ids with the stored
+#   session's, and it restores their KV;
 # - intent last: it finds its forced spans and session in the final tokens.
-ORDER = ("persist", "memory", "intent")
+# Release runs in the same order, so the turn memory queues into the pool is in the session state
+# persistence writes after it.
+ORDER = ("memory", "persist", "intent")
 
 REGISTRY: dict[str, type[Mechanism]] = {}
 
@@ -33,6 +40,12 @@ class Mechanism(ABC):
         (model config, server args, TP rank; None in unit tests that build a bare tree). Raises
         ValueError for a server it cannot serve (page size, TP size, model)."""
 
+    def open(self, scheduler, req, spec) -> None:
+        """Before any mechanism admits the request (scheduler thread): bring its session into this
+        server's memory. Persistence loads a session seen by an earlier server from its file and
+        hands the other mechanisms their part (the tree's import_session), so that every admission,
+        whatever its place in ORDER, sees the session's state."""
+
     def admit(self, scheduler, req, spec) -> None:
         """Before the request is queued (scheduler thread), after the mechanisms earlier in ORDER.
         May rewrite `req.origin_input_ids` and `req.extra_key`, attach its per-request state to the
@@ -46,6 +59,16 @@ class Mechanism(ABC):
     def on_release(self, req) -> None:
         """After the tree released the request (scheduler thread): attach its metrics, copy out what
         it keeps (tree_fill.copy_path) and queue the rest of the work for its worker."""
+
+    def export_session(self, key) -> dict[str, torch.Tensor]:
+        """What this mechanism holds for the session (tenant, id) that a later server needs to
+        continue it, as named host tensors (session persistence stores them next to the session's
+        path); {} when it holds nothing. Called off the scheduler thread."""
+        return {}
+
+    def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back what `export_session` gave, on a server that loads the session from its file;
+        state this server already holds for the session is newer and is kept."""
 
     def drain(self, timeout: float | None = None) -> bool:
         """Return when the work queued so far is done (flush_cache, a clean shutdown, tests); False

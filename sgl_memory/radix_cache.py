@@ -37,7 +37,7 @@ from sgl_memory.sessions import SessionRegistry
 
 # Importing a mechanism's module registers it (mechanism.register); the tree is the one layer that
 # knows them all.
-MECHANISM_MODULES = ("sgl_memory.persist.manager", "sgl_memory.memart.manager", "sgl_memory.intent.pruner")
+MECHANISM_MODULES = ("sgl_memory.memart.manager", "sgl_memory.persist.manager", "sgl_memory.intent.pruner")
 
 logger = logging.getLogger(__name__)
 
@@ -169,15 +169,25 @@ class SglMemoryRadixCache(RadixCache):
         state.branch_at = branch if branch is not None and result.device_prefix_len > branch else None
         return result
 
-    def _insert_cache(self, req, token_ids, **kwargs):
+    def branch(self, req) -> tuple[int, int] | None:
+        """(position, key id) where the request's key in the tree leaves its tokens: a pruned path
+        hangs below its branch token (intent/paths.py). None for a plain path."""
         state = getattr(req, "sgl_intent", None)
-        if state is not None and state.branch_at is not None:
-            token_ids = with_branch(token_ids, state.branch_at, state.branch_token)
+        if state is None or state.branch_at is None:
+            return None
+        return state.branch_at, state.branch_token
+
+    def _insert_cache(self, req, token_ids, **kwargs):
+        branch = self.branch(req)
+        if branch is not None:
+            token_ids = with_branch(token_ids, *branch)
         return super()._insert_cache(req, token_ids, **kwargs)
 
     # --- a request's life: admission (admission.py), checkpoint, release -------------------------
 
     def admit(self, scheduler, req, spec) -> None:
+        for m in self.mechanisms:
+            m.open(scheduler, req, spec)
         for m in self.mechanisms:
             if req.finished():
                 return  # an earlier mechanism refused it
@@ -201,6 +211,21 @@ class SglMemoryRadixCache(RadixCache):
         super().on_release(req, checkpointed=checkpointed)
         for m in self.mechanisms:
             m.on_release(req)
+
+    def export_session(self, key, skip: Mechanism | None = None) -> dict[str, torch.Tensor]:
+        """Every mechanism's state of the session (but `skip`'s), its tensors named `<mechanism>.<name>`."""
+        out = {}
+        for m in self.mechanisms:
+            if m is not skip:
+                out.update({f"{m.name}.{name}": t for name, t in m.export_session(key).items()})
+        return out
+
+    def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
+        """Hand each enabled mechanism its part of an exported state (a disabled one's is ignored)."""
+        for m in self.mechanisms:
+            own = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == m.name}
+            if own:
+                m.import_session(key, own)
 
     def free_real(self, slots: torch.Tensor) -> None:
         self._allocator.free(slots)

@@ -52,6 +52,13 @@ class MemorySpec:
     layout: str | None = None
     memory: MemArtQuery | None = None
 
+    @property
+    def is_probe(self) -> bool:
+        """The query pass the HTTP hook runs before a memory-mode request (memart/probe.py): it
+        computes its prompt for KV memory's retrieval and leaves nothing behind, so no other
+        mechanism acts on it."""
+        return self.memory is not None and self.memory.mode == "probe"
+
     def intent(self, base: IntentConfig) -> IntentConfig:
         """The server's intent config with this request's overrides."""
         overrides = {k: v for k, v in (("budget", self.budget), ("scorer", self.scorer), ("layout", self.layout)) if v is not None}

@@ -4,11 +4,14 @@ Into the tree (`place`): persistence (a session restored from its file) and KV m
 blocks assembled before a request) both end the same way: the tree holds the first `have` tokens of
 a key, and the KV of the rest is known. The rest goes into freshly allocated slots (evicting if
 needed, the matched part locked meanwhile) and the whole path is inserted, so the next
-`match_prefix` of the scheduler finds it and the request prefills only what follows.
+`match_prefix` of the scheduler finds it and the request prefills only what follows. A path that
+was pruned comes with its live mask: its dead positions point at this tree's sentinel slot and
+take no slot of their own.
 
 Out of the tree (`held_path`, `copy_path`): at a request's release, the path its tokens left in the
-tree is matched and the KV of a stretch of it copied to host memory, with the mask of positions that
-are live (a pruned position points at the sentinel slot and holds no KV of its token).
+tree is matched under the request's own key (a pruned path hangs below its branch token,
+intent/paths.py) and the KV of a stretch of it copied to host memory, with the mask of positions
+that are live (a pruned position points at the sentinel slot and holds no KV of its token).
 """
 
 from __future__ import annotations
@@ -30,28 +33,38 @@ def pool_layers(pool) -> range:
 
 def alloc(tree, n: int) -> torch.Tensor | None:
     allocator = tree.token_to_kv_pool_allocator
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64)
     if allocator.available_size() < n:
         tree.evict(EvictParams(num_tokens=n - allocator.available_size()))
     return allocator.alloc(n) if allocator.available_size() >= n else None
 
 
-def place(tree, key, match, keys, values) -> bool:
+def place(tree, key, match, keys, values, live: torch.Tensor | None = None) -> bool:
     """Write keys/values [layers, n, heads, dim] for key[have:] (have = what `match` found) and insert
-    the whole key; False when no slots can be freed for them (the caller prefills instead)."""
+    the whole key; False when no slots can be freed for them (the caller prefills instead). `live`
+    [n] (None: all live) marks the positions that hold KV; the others point at the tree's sentinel
+    slot, which the tree must have."""
     have = match.device_prefix_len
+    n = len(key.token_ids) - have
+    live = torch.ones(n, dtype=torch.bool) if live is None else live.to(torch.bool).cpu()
+    if not bool(live.all()) and getattr(tree, "sentinel", None) is None:
+        raise ValueError("a pruned path can only be placed into a tree with a sentinel slot")
     pool = tree.token_to_kv_pool_allocator.get_kvcache()
     tree.inc_lock_ref(match.last_device_node)  # eviction for the new slots must spare the matched part
     try:
-        slots = alloc(tree, len(key.token_ids) - have)
+        slots = alloc(tree, int(live.sum()))
         if slots is None:
             return False
         for i, layer in enumerate(pool_layers(pool)):
-            pool.get_key_buffer(layer)[slots] = keys[i].to(slots.device)
-            pool.get_value_buffer(layer)[slots] = values[i].to(slots.device)
+            pool.get_key_buffer(layer)[slots] = keys[i][live].to(slots.device)
+            pool.get_value_buffer(layer)[slots] = values[i][live].to(slots.device)
+        value = torch.full((n,), tree.sentinel if tree.sentinel is not None else -1, dtype=torch.int64)
+        value[live] = slots.to(torch.int64).cpu()
         prefix = tree.path_device_indices(match.last_device_node)[:have].to(torch.int64)
-        result = tree.insert(InsertParams(key=key, value=torch.cat([prefix, slots.to(torch.int64)])))
+        result = tree.insert(InsertParams(key=key, value=torch.cat([prefix, value.to(prefix.device)])))
         if result.prefix_len > have:  # cannot happen while the scheduler thread is ours; never leak
-            tree.token_to_kv_pool_allocator.free(slots[: result.prefix_len - have])
+            tree.token_to_kv_pool_allocator.free(value[: result.prefix_len - have].to(prefix.device))
     finally:
         tree.dec_lock_ref(match.last_device_node)
     return True
@@ -81,9 +94,21 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
 class HeldPath:
     tokens: list[int]  # the leading tokens whose KV the tree holds under the namespace asked
     node: object  # the tree node where they end
+    branch: tuple[int, int] | None = None  # (position, key id) where the path's key leaves the tokens
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def key(self, extra_key: str | None, cache_salt=None) -> RadixKey:
+        """The tree key of the path: its tokens, the branch token at the branch position."""
+        return path_key(self.tokens, self.branch, extra_key, cache_salt)
+
+
+def path_key(tokens, branch: tuple[int, int] | None, extra_key: str | None, cache_salt=None) -> RadixKey:
+    ids = array("q", tokens)
+    if branch is not None and branch[0] < len(ids):
+        ids[branch[0]] = branch[1]
+    return RadixKey(ids, extra_key, cache_salt=cache_salt)
 
 
 @dataclass
@@ -93,17 +118,27 @@ class PathKV:
     live: torch.Tensor  # [n] bool: False where the position was pruned (its slot is the sentinel)
 
 
-def held_path(tree, tokens: list[int], extra_key: str | None, cache_salt=None) -> HeldPath:
-    """How much of `tokens` the tree holds in this namespace (a read: it may split a node, as every
-    match does, but inserts and frees nothing)."""
-    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), extra_key, cache_salt=cache_salt)))
-    return HeldPath(tokens[: match.device_prefix_len], match.last_device_node)
+def held_path(tree, req) -> HeldPath:
+    """How much of a released request's tokens (prompt and output) the tree holds under the key the
+    request inserted them with (a read: it may split a node, as every match does, but inserts and
+    frees nothing)."""
+    tokens = [*req.origin_input_ids, *req.output_ids]
+    branch = tree.branch(req)
+    match = tree.match_prefix(MatchPrefixParams(key=path_key(tokens, branch, req.extra_key, req.cache_salt)))
+    n = match.device_prefix_len
+    return HeldPath(tokens[:n], match.last_device_node, branch if branch is not None and branch[0] < n else None)
+
+
+def path_live(tree, path: HeldPath) -> torch.Tensor:
+    """[len(path)] bool: the positions of a held path that hold KV (not the sentinel slot)."""
+    slots = tree.path_device_indices(path.node)[: len(path)]
+    sentinel = getattr(tree, "sentinel", None)
+    return (slots != sentinel).cpu() if sentinel is not None else torch.ones(slots.numel(), dtype=torch.bool)
 
 
 def copy_path(tree, path: HeldPath, start: int, end: int | None = None) -> PathKV:
-    """KV of positions [start, end) of a held path, copied off the pool, with its live mask."""
-    slots = tree.path_device_indices(path.node)[start : len(path) if end is None else end]
-    keys, values = copy_out(tree, slots)
-    sentinel = getattr(tree, "sentinel", None)
-    live = slots != sentinel if sentinel is not None else torch.ones(slots.numel(), dtype=torch.bool)
-    return PathKV(keys, values, live.cpu())
+    """KV of positions [start, end) of a held path, copied off the pool, with its live mask (a
+    pruned position's KV is the sentinel's: zeros)."""
+    end = len(path) if end is None else end
+    keys, values = copy_out(tree, tree.path_device_indices(path.node)[start:end])
+    return PathKV(keys, values, path_live(tree, path)[start:end])

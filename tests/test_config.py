@@ -55,25 +55,34 @@ def test_missing_file_is_a_config_error(tmp_path):
         config.load(tmp_path / "absent.yaml")
 
 
-def test_combinations_not_wired_yet_are_refused_where_the_tree_is_built(tmp_path):
-    """The guard runs in the tree's constructor (a plain sglang.launch_server with the plugin gets
-    it) and names each pair that cannot run together; single mechanisms pass."""
+def test_every_combination_of_the_three_mechanisms_is_accepted(tmp_path):
+    """intent, persist and memory compose: no pair and not all three is refused at start-up."""
+    from sgl_memory.radix_cache import check_config
+
+    names = ("intent", "persist", "memory")
+    combos = [(a,) for a in names] + [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]] + [names]
+    for combo in combos:
+        check_config(config.load(write(tmp_path, "".join(f"{n}:\n  enabled: true\n" for n in combo))))
+    check_config(config.MemoryConfig())
+
+
+def test_a_declared_conflict_is_refused_where_the_tree_is_built(tmp_path, monkeypatch):
+    """A mechanism that cannot run beside another says so in `conflicts`; the guard runs in the
+    tree's constructor (a plain sglang.launch_server with the plugin gets it) and names the pair."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
+    from sgl_memory import mechanism
     from sgl_memory.radix_cache import SglMemoryRadixCache, check_config
 
-    pairs = {("intent", "persist"), ("intent", "memory"), ("persist", "memory")}
-    for a, b in pairs:
-        cfg = config.load(write(tmp_path, f"{a}:\n  enabled: true\n{b}:\n  enabled: true\n"))
-        with pytest.raises(config.ConfigError, match="together are not supported yet") as exc:
-            check_config(cfg)
-        assert f"{a}.enabled" in str(exc.value) or f"{b}.enabled" in str(exc.value)
-        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1)
-        with pytest.raises(config.ConfigError):
-            SglMemoryRadixCache(params, cfg)
-    for single in ("intent", "persist", "memory"):
-        check_config(config.load(write(tmp_path, f"{single}:\n  enabled: true\n")))
-    check_config(config.MemoryConfig())
+    check_config(config.MemoryConfig())  # imports (registers) every mechanism
+    monkeypatch.setattr(mechanism.REGISTRY["memory"], "conflicts", {"intent": "a reason"})
+    cfg = config.load(write(tmp_path, "intent:\n  enabled: true\nmemory:\n  enabled: true\n"))
+    with pytest.raises(config.ConfigError, match="memory.enabled and intent.enabled together are not supported yet: a reason"):
+        check_config(cfg)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1)
+    with pytest.raises(config.ConfigError):
+        SglMemoryRadixCache(params, cfg)
+    check_config(config.load(write(tmp_path, "intent:\n  enabled: true\npersist:\n  enabled: true\n")))
 
 
 def test_named_options_are_the_registries(tmp_path):

@@ -81,14 +81,13 @@ class RequestIntent:
     decided: bool = False
     live_after: int | None = None  # live prompt tokens after the event (None: no event)
     events: int = 0
+    memory_turns: int = 0  # turns folded into the session's QueryMemory, this one included
     scoring_ms: float = 0.0
     freed: int = 0
 
 
 @mechanism.register("intent")
 class IntentPruner(mechanism.Mechanism):
-    conflicts = {"persist": "a pruned path holds sentinel positions, which a stored session cannot carry yet",
-                 "memory": "memory blocks are cut from whole paths, not from pruned ones yet"}  # fmt: skip
     needs_sentinel = True
 
     def __init__(self, config: IntentConfig, tree):
@@ -105,10 +104,27 @@ class IntentPruner(mechanism.Mechanism):
         capture.subscribe(cls.name, pruner)
         return pruner
 
+    # --- the session's QueryMemory, kept with the session by persistence -------------------------
+
+    def export_session(self, key) -> dict[str, torch.Tensor]:
+        memory = self.tree.sessions.get(key, self.name)
+        state = memory.state if memory is not None else None  # read once: update() replaces it whole
+        if state is None:
+            return {}
+        return {"query_memory": state, "updates": torch.tensor([memory.updates])}
+
+    def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
+        if "query_memory" not in tensors:
+            return
+        memory = self.tree.sessions.get(key, self.name, lambda: QueryMemory(self.config.decay))
+        if memory.state is None:
+            memory.state = tensors["query_memory"].float()
+            memory.updates = int(tensors["updates"][0]) if "updates" in tensors else 1
+
     # --- admission (scheduler hook, before the request is queued) --------------------------------
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
-        if getattr(req, "sgl_intent", None) is not None or req.finished():
+        if getattr(req, "sgl_intent", None) is not None or req.finished() or spec.is_probe:
             return
         if self.markers is None:
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
@@ -201,6 +217,7 @@ class IntentPruner(mechanism.Mechanism):
         if q_mean is not None:
             query_memory = self.tree.sessions.get(state.session_key, self.name, lambda: QueryMemory(self.config.decay))
             memory = query_memory.update(q_mean)
+            state.memory_turns = query_memory.updates
         n_live = int(live.sum())
         state.live_after = n_live
         if n_live <= state.budget:
@@ -279,6 +296,7 @@ def request_metrics(state: RequestIntent, output_len: int) -> dict:
         "raw_kv_reads": steps * length + grown,
         "eff_kv_reads": steps * live + grown,
         "compression_events": state.events,
+        "query_memory_turns": state.memory_turns,
         "session_key_source": state.key_source,
         "scoring_ms": round(state.scoring_ms, 3),
         "budget": state.budget if state.enabled else None,

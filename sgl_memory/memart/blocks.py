@@ -153,6 +153,44 @@ class MemArtPool:
                 self._index = BlockIndex.of(list(self.blocks.values()), layers, block_size)
             return self._index
 
+    def export(self) -> dict[str, torch.Tensor]:
+        """The pool as flat tensors (its blocks concatenated, per-block metadata alongside), exact:
+        a pool loaded from them retrieves and places what this one would."""
+        with self.lock:
+            blocks = list(self.blocks.values())
+            meta = torch.tensor([self.turns, self.clock, self.next_id, self.evicted], dtype=torch.int64)
+            path = torch.tensor(self.path, dtype=torch.int64)
+            if not blocks:
+                return {"meta": meta, "path": path}
+            column = lambda name: torch.tensor([getattr(b, name) for b in blocks], dtype=torch.int64)  # noqa: E731
+            return {
+                "meta": meta, "path": path, "ids": column("id"), "turn": column("turn"), "offset": column("offset"),
+                "used": column("used"), "made": torch.tensor([b.made for b in blocks], dtype=torch.float64),
+                "lengths": torch.tensor([len(b.tokens) for b in blocks], dtype=torch.int64),
+                "tokens": torch.tensor([t for b in blocks for t in b.tokens], dtype=torch.int64),
+                "keys": torch.cat([b.keys for b in blocks], 1), "values": torch.cat([b.values for b in blocks], 1),
+            }  # fmt: skip
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take the state `export` gave (into an empty pool); the boxes are recomputed from the keys."""
+        with self.lock:
+            self.turns, self.clock, self.next_id, self.evicted = (int(x) for x in tensors["meta"])
+            self.path = tensors["path"].tolist()
+            if "ids" not in tensors:
+                return
+            tokens, keys, values = tensors["tokens"].tolist(), tensors["keys"], tensors["values"]
+            start = 0
+            for i, n in enumerate(tensors["lengths"].tolist()):
+                k = keys[:, start : start + n].clone()
+                block = Block(int(tensors["ids"][i]), tokens[start : start + n], k, values[:, start : start + n].clone(),
+                              k.amin(dim=1), k.amax(dim=1), int(tensors["turn"][i]), int(tensors["offset"][i]),
+                              float(tensors["made"][i]), int(tensors["used"][i]))  # fmt: skip
+                self.blocks[block.id] = block
+                self.bytes += block.nbytes()
+                start += n
+            self._evict(lambda: len(self.blocks) > self.capacity)
+            self._index = None
+
     def take(self, ids: list[int]) -> list[Block]:
         """The blocks of these ids in chronological order, marked as used now."""
         with self.lock:

@@ -102,6 +102,7 @@ class TurnState:
     store: bool = True
     memory_start: int = 0  # the placed blocks are positions [memory_start, memory_end) of the request
     memory_end: int = 0
+    turn_start: int = 0  # where the request's last message starts (after the placed blocks)
     retrieved_blocks: int = 0
     retrieved_turns: list[int] = field(default_factory=list)
     retrieved_spans: list[list[int]] = field(default_factory=list)  # [turn, offset in turn, tokens] per block
@@ -179,15 +180,19 @@ class MemArtManager(mechanism.Mechanism):
             self._admit_probe(scheduler, req, owner, query.probe)
         else:
             req.sgl_memart = state = TurnState(owner, "retrieve", store=query.store)
+            state.turn_start = self._spans(scheduler, list(req.origin_input_ids)).query_start
             t0 = time.perf_counter()
             self._retrieve(scheduler, req, state, query)
             state.retrieval_ms = (time.perf_counter() - t0) * 1000
 
-    def _admit_probe(self, scheduler, req, owner, probe_id: str | None) -> None:
+    def _spans(self, scheduler, ids: list[int]):
         if self.markers is None:
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
+        return find_spans(ids, self.markers, len(ids))
+
+    def _admit_probe(self, scheduler, req, owner, probe_id: str | None) -> None:
         ids = list(req.origin_input_ids)
-        spans = find_spans(ids, self.markers, len(ids))
+        spans = self._spans(scheduler, ids)
         scoring = scoring_positions(ids, spans, self.config.score_tokens, self.markers, getattr(scheduler, "tokenizer", None))
         probe = Probe(owner, scoring, self.layers, len(ids), spans.system_end)
         req.sgl_memart = TurnState(owner, "probe")
@@ -257,6 +262,8 @@ class MemArtManager(mechanism.Mechanism):
         req.origin_input_ids_unpadded = req.origin_input_ids
         req.extra_key = extra_key
         state.memory_start, state.memory_end, state.retrieved_blocks = system, len(tokens), len(blocks)
+        if state.turn_start >= system:
+            state.turn_start += len(memory_tokens)
         state.retrieved_turns = sorted({b.turn for b in blocks})
         state.retrieved_spans = [[b.turn, b.offset, len(b.tokens)] for b in blocks]
 
@@ -273,18 +280,41 @@ class MemArtManager(mechanism.Mechanism):
         metrics.attach(req, state.metrics(req, len(memory.blocks)))
         if not state.store or self.tree.disable:
             return
-        # tokens whose KV exists (the last output token has none)
-        path = tree_fill.held_path(self.tree, [*req.origin_input_ids, *req.output_ids], req.extra_key, req.cache_salt)
+        # tokens whose KV exists (the last output token has none), under the request's own key
+        path = tree_fill.held_path(self.tree, req)
         if state.mode == "record":
+            # a full-history request: what the session's last one did not hold already
             start = tree_fill.common_prefix(memory.path, path.tokens)
             memory.path = path.tokens
         else:
-            start = state.memory_end  # the turn itself: not its system message, not the placed blocks
+            # its last message and its answer: the history it carries was recorded when it was new,
+            # and the system message and the placed blocks are not the turn
+            start = state.turn_start
         if len(path) <= start:
             return
         kv = tree_fill.copy_path(self.tree, path, start)
-        memory.submit(path.tokens[start:], torch.arange(start, len(path)), kv.keys, kv.values)
-        self._worker.submit(memory)
+        # a pruned position holds no KV of its token (intent): memory keeps the live ones
+        live = kv.live
+        positions = torch.arange(start, len(path))[live]
+        tokens = [t for t, keep in zip(path.tokens[start:], live.tolist()) if keep]
+        if tokens:
+            memory.submit(tokens, positions, kv.keys[:, live], kv.values[:, live])
+            self._worker.submit(memory)
+
+    # --- the session's pool, kept with the session by persistence ---------------------------------
+
+    def export_session(self, key) -> dict[str, torch.Tensor]:
+        memory = self.session(key, create=False)
+        if memory is None:
+            return {}
+        memory.ingest(self._unrotate, self.config.block_size)  # turns still queued belong to it
+        return memory.export()
+
+    def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
+        memory = self.session(key, create=True)
+        if not memory.blocks and not memory.turns:
+            memory.load(tensors)
+            self._bound_pools(memory)
 
     def _unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return unrotate(keys, positions, self.rope)

@@ -30,14 +30,13 @@ from pathlib import Path
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory import mechanism, metrics, prometheus, tree_fill
 from sgl_memory.config import PersistConfig
 from sgl_memory.request import MemorySpec
 from sgl_memory.sessions import session_key
 from sgl_memory.persist import textmatch
-from sgl_memory.persist.store import CacheSpec, SessionFiles, SessionRecord, StoreError
+from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError
 from sgl_memory.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -46,17 +45,41 @@ MAX_SESSIONS = 4096  # sessions whose token path is kept in memory; the rest are
 
 
 @dataclass
+class Captured:
+    """One turn's path as copied off the pool at release: its KV from `start` (a block boundary)."""
+
+    tokens: list[int]
+    start: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    live: torch.Tensor | None  # of the whole path; None: every position is live
+    branch: tuple[int, int] | None
+    extra_key: str | None
+
+
+@dataclass
 class Session:
     tenant: str | None
     session_id: str
     tokens: list[int] = field(default_factory=list)  # newest known path (record + pending)
     text: str | None = None  # decode(tokens), computed when first needed
+    live: torch.Tensor | None = None  # of `tokens`, as the record's
+    branch: tuple[int, int] | None = None
+    extra_key: str | None = ANY_NAMESPACE
     record: SessionRecord | None = None  # the warm tier; lags `tokens` while `pending` is not empty
-    pending: list[tuple[list[int], int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    pending: list[Captured] = field(default_factory=list)
+    state_changed: bool = False  # another mechanism's state of the session changed since the last write
     on_disk: bool = False
     error: str | None = None  # the last write's failure, reported at the session's next turn
     lock: threading.Lock = field(default_factory=threading.Lock)
     io: threading.Lock = field(default_factory=threading.Lock)
+
+    def adopt(self, record: SessionRecord) -> None:
+        self.tokens, self.text, self.record = record.token_ids, record.text, record
+        self.live, self.branch, self.extra_key = record.live, record.branch, record.extra_key
+
+    def key(self):
+        return session_key(self.tenant, self.session_id)
 
 
 @dataclass
@@ -71,6 +94,8 @@ class TurnState:
     restored_from: str | None = None
     refused: str | None = None
     reuse: int = 0  # stored tokens the (possibly rewritten) prompt repeats
+    loaded: bool = False  # this request loaded the session from its file
+    memory_mode: bool = False  # a KV-memory request: its path is not the session's history
 
     def metrics(self, error: str | None) -> dict:
         return {"text_match": self.text_match, "restored_tokens": self.restored_tokens,
@@ -114,14 +139,12 @@ def cache_spec(model_config, server_args, pool, page_size: int, tp_rank: int, tp
 
 @mechanism.register("persist")
 class SessionPersistence(mechanism.Mechanism):
-    conflicts = {"memory": "the session store does not hold the memory pool yet"}
-
     def __init__(self, config: PersistConfig, tree, spec: CacheSpec):
         self.config, self.tree, self.spec = config, tree, spec
         self.files = SessionFiles(config.dir, spec, quant=config.quant, kivi=config.kivi)
         # a session stays in memory while it holds turns that are nowhere else (not yet written, or
         # a write failed); the rest are re-read from disk when they come back
-        tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda s: bool(s.pending) or (bool(s.tokens) and not s.on_disk))
+        tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda s: bool(s.pending) or s.state_changed or (bool(s.tokens) and not s.on_disk))
         self.tokenizer = None
         self._writer = Worker("sgl-memory-persist", self._write, lambda s: f"session {s.session_id!r} (tenant {s.tenant!r})")
         if self.files.removed_partial:
@@ -160,26 +183,39 @@ class SessionPersistence(mechanism.Mechanism):
 
     # --- admission: text match and restore ------------------------------------------------------
 
-    def admit(self, scheduler, req, spec: MemorySpec) -> None:
-        if hasattr(req, "sgl_persist") or req.finished():
-            return
-        if spec.session_id is None or self.tree.disable:
+    def open(self, scheduler, req, spec: MemorySpec) -> None:
+        """Load a session this server has not seen (or dropped) from its file, before any mechanism
+        admits the request: the other mechanisms' state in the file goes back to them."""
+        if hasattr(req, "sgl_persist") or req.finished() or spec.session_id is None or spec.is_probe or self.tree.disable:
             return
         if self.tokenizer is None:
             self.tokenizer = scheduler.tokenizer
-        state = req.sgl_persist = TurnState(spec.tenant, spec.session_id)
+        state = req.sgl_persist = TurnState(spec.tenant, spec.session_id, memory_mode=spec.memory is not None)
+        t0 = time.perf_counter()
+        if self._session(spec.tenant, spec.session_id, create=False) is None:
+            state.loaded = self._load(state) is not None
+        state.restore_ms = (time.perf_counter() - t0) * 1000
+
+    def admit(self, scheduler, req, spec: MemorySpec) -> None:
+        state: TurnState | None = getattr(req, "sgl_persist", None)
+        if state is None or req.finished() or state.memory_mode:
+            return  # a memory-mode prompt is an assembly of recalled blocks, rebuilt from the pool
         t0 = time.perf_counter()
         session = self._session(spec.tenant, spec.session_id, create=False)
-        from_disk = session is None
-        if from_disk:
-            session = self._load(state)
         if session is None or not session.tokens:
             return  # a new session
+        if session.extra_key not in (ANY_NAMESPACE, req.extra_key):
+            # stored under another namespace (another KV-memory assembly, another client key): its
+            # KV was computed in another context and must not be found from this one
+            state.text_match = textmatch.DISCARD
+            return
         self._match_text(scheduler, req, session, state)
         if state.text_match != textmatch.DISCARD:
-            self._restore(req, session, state, "disk" if from_disk else "memory")
+            self._restore(req, session, state, "disk" if state.loaded else "memory")
         if state.restored_tokens:
-            state.restore_ms = (time.perf_counter() - t0) * 1000
+            state.restore_ms += (time.perf_counter() - t0) * 1000
+        else:
+            state.restore_ms = 0.0
 
     def _load(self, state: TurnState) -> Session | None:
         """A session seen by an earlier server (or dropped from memory): its file, checked."""
@@ -190,7 +226,9 @@ class SessionPersistence(mechanism.Mechanism):
             record = self._read(state)
             if record is None:
                 return None
-            session.tokens, session.text, session.record, session.on_disk = record.token_ids, record.text, record, True
+            session.adopt(record)
+            session.on_disk = True
+        self.tree.import_session(session.key(), record.state)
         return session
 
     def _read(self, state: TurnState) -> SessionRecord | None:
@@ -226,8 +264,17 @@ class SessionPersistence(mechanism.Mechanism):
         reuse = state.reuse - state.reuse % tree.page_size
         if reuse <= 0:
             return
-        key = RadixKey(array("q", req.origin_input_ids[:reuse]), req.extra_key, cache_salt=req.cache_salt)
-        match = tree.match_prefix(MatchPrefixParams(key=key))
+        with session.lock:
+            branch, live = session.branch, session.live
+        key = tree_fill.path_key(req.origin_input_ids[:reuse], branch, req.extra_key, req.cache_salt)
+        match = tree.match_prefix(MatchPrefixParams(key=key))  # (re)takes the sentinel of a pruning tree
+        if getattr(tree, "sentinel", None) is None and (branch is not None or live is not None):
+            # a pruned path past its branch is only found by a pruning request, which this server
+            # does not serve; before the branch it is a plain path
+            dead = torch.nonzero(~live).flatten() if live is not None else torch.zeros(0)
+            reuse = min([reuse] + ([branch[0]] if branch else []) + [int(d) for d in dead[:1]])
+            key = tree_fill.path_key(req.origin_input_ids[:reuse], None, req.extra_key, req.cache_salt)
+            match = tree.match_prefix(MatchPrefixParams(key=key))
         have = match.device_prefix_len
         if have >= reuse:
             return  # hot: the tree holds it
@@ -238,11 +285,11 @@ class SessionPersistence(mechanism.Mechanism):
                 with session.io:
                     record = session.record = self._read(state)
                 source = "disk"
-            if record is None or record.token_ids[:reuse] != list(key.token_ids):
+            if record is None or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse]) or record.branch != branch:
                 return
             pool = self.pool
             keys, values = self.files.decode(record, have, reuse, dtype=pool.get_key_buffer(tree_fill.pool_layers(pool)[0]).dtype)
-        if not tree_fill.place(tree, key, match, keys, values):
+        if not tree_fill.place(tree, key, match, keys, values, None if live is None else live[have:reuse]):
             logger.warning("session store: no free KV slots to restore %d tokens of session %r; prefilling instead",
                            reuse - have, state.session_id)  # fmt: skip
             return
@@ -260,37 +307,68 @@ class SessionPersistence(mechanism.Mechanism):
         metrics.attach(req, state.metrics(session.error))
         if self.config.write_policy == "off" or self.tree.disable:
             return
-        path = tree_fill.held_path(self.tree, [*req.origin_input_ids, *req.output_ids], req.extra_key, req.cache_salt)
+        if state.memory_mode:
+            # its path is an assembly of recalled blocks, not the session's history: the stored path
+            # stays, and the memory pool the turn went into is written with it
+            with session.lock:
+                session.state_changed = True
+            self._writer.submit(session)
+            return
+        path = tree_fill.held_path(self.tree, req)
         if not len(path):
             return
+        live = tree_fill.path_live(self.tree, path)
+        live = None if bool(live.all()) else live
         with session.lock:
-            held = session.tokens if session.record is not None or session.pending else []
-            size = self.files.block_size
-            if session.record is not None and (session.record.quant, session.record.kivi) != (self.config.quant, self.config.kivi):
-                held = []  # written with other settings: re-encode all of it
-            if path.tokens == held:
+            same = self._same_prefix(session, path, live, req.extra_key)
+            if same == len(path) == len(session.tokens):
                 return
-            start = tree_fill.common_prefix(held, path.tokens) // size * size
+            start = same // self.files.block_size * self.files.block_size
             kv = tree_fill.copy_path(self.tree, path, start)
-            session.pending.append((path.tokens, start, kv.keys, kv.values))
-            session.tokens, session.text = path.tokens, None
+            session.pending.append(Captured(path.tokens, start, kv.keys, kv.values, live, path.branch, req.extra_key))
+            session.tokens, session.text, session.live, session.branch, session.extra_key = (
+                path.tokens, None, live, path.branch, req.extra_key)  # fmt: skip
         self._writer.submit(session)
+
+    def _same_prefix(self, session: Session, path: tree_fill.HeldPath, live, extra_key) -> int:
+        """How many leading positions of the stored path the new one holds with the same KV (same
+        namespace, tokens, branch and live mask), so only the rest is copied and encoded again."""
+        if (session.record is None and not session.pending) or session.extra_key != extra_key:
+            return 0
+        if session.record is not None and (session.record.quant, session.record.kivi) != (self.config.quant, self.config.kivi):
+            return 0  # written with other settings: re-encode all of it
+        same = tree_fill.common_prefix(session.tokens, path.tokens)
+        if session.branch != path.branch:
+            same = min([same] + [b[0] for b in (session.branch, path.branch) if b is not None])
+        if session.live is not None or live is not None:
+            old = session.live[:same] if session.live is not None else torch.ones(same, dtype=torch.bool)
+            new = live[:same] if live is not None else torch.ones(same, dtype=torch.bool)
+            differ = torch.nonzero(old != new).flatten()
+            same = int(differ[0]) if differ.numel() else same
+        return same
 
     def _encode_pending(self, session: Session) -> None:
         """Fold the captured turns into the stored form; caller holds session.lock."""
-        for path, start, keys, values in session.pending:
-            old = session.record.blocks[: start // self.files.block_size] if session.record is not None and start else []
-            session.record = SessionRecord(path, "", old + self.files.encode(keys, values), self.config.quant,
-                                           self.config.kivi, self.files.block_size)  # fmt: skip
+        for c in session.pending:
+            old = session.record.blocks[: c.start // self.files.block_size] if session.record is not None and c.start else []
+            state = session.record.state if session.record is not None else {}
+            session.record = SessionRecord(c.tokens, "", old + self.files.encode(c.keys, c.values), self.config.quant,
+                                           self.config.kivi, self.files.block_size, c.extra_key, c.branch, c.live, state)  # fmt: skip
         session.pending.clear()
 
     def _write(self, session: Session) -> None:
         with session.lock:
-            if not session.pending:
+            if not session.pending and not session.state_changed:
                 return  # an earlier queue entry of this session wrote it already
+            session.state_changed = False
             self._encode_pending(session)
+            if session.record is None:  # a session of memory-mode turns only: its state, no path
+                session.record = SessionRecord([], "", [], self.config.quant, self.config.kivi, self.files.block_size)
             record = session.record
             record.text = self._decode_text(record.token_ids) if self.tokenizer is not None else ""
+            # what the other mechanisms hold for the session now (this turn's included: release
+            # runs them first in ORDER, or their state changed before the turn ended)
+            record.state = self.tree.export_session(session.key(), skip=self)
             if session.tokens is record.token_ids:  # no newer turn: the next admission needs this text
                 session.text = record.text
         with session.io:

@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,10 +46,20 @@ class CacheSpec:
     shard: str = "tp0/1"  # a tensor-parallel rank holds its own KV heads, in its own file
 
 
+# The namespace of a path written before files recorded it: restored into any (the old behaviour).
+ANY_NAMESPACE = "\x00any"
+
+
 @dataclass
 class SessionRecord:
     """A session's token path and its KV in stored (encoded) form, one dict of tensors per block of
-    `block_size` tokens: the form both the file and the host-memory (warm) tier hold."""
+    `block_size` tokens: the form both the file and the host-memory (warm) tier hold.
+
+    A path is found in the radix tree by its key, which is more than its tokens: the namespace
+    (`extra_key`: tenant, client key, KV-memory assembly) and, for a pruned path, the branch token
+    at the branch position (intent/paths.py), after which `live` marks the positions that hold KV
+    (a pruned one's stored KV is the sentinel's zeros). `state` holds the other mechanisms' state of
+    the session (the tree's export_session), restored with it."""
 
     token_ids: list[int]
     text: str
@@ -57,9 +67,14 @@ class SessionRecord:
     quant: str
     kivi: bool
     block_size: int
+    extra_key: str | None = ANY_NAMESPACE
+    branch: tuple[int, int] | None = None  # (position, key id)
+    live: torch.Tensor | None = None  # [len(token_ids)] bool; None: every position is live
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for block in self.blocks for t in block.values())
+        tensors = [t for block in self.blocks for t in block.values()] + list(self.state.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _alive(tmp_name: str) -> bool:
@@ -163,10 +178,14 @@ class SessionFiles:
         tensors = {"token_ids": torch.tensor(record.token_ids, dtype=torch.int64)}
         for b, block in enumerate(record.blocks):
             tensors.update({f"b{b}.{name}": t for name, t in block.items()})
+        if record.live is not None:
+            tensors["live"] = record.live.to(torch.uint8)
+        tensors.update({f"s.{name}": t.contiguous() for name, t in record.state.items()})
         meta = {
             "format_version": str(FORMAT_VERSION), "tenant": tenant or "", "session_id": session_id,
             "spec": json.dumps(asdict(self.spec)), "quant": record.quant, "kivi": str(record.kivi),
             "block_size": str(record.block_size), "tokens": str(len(record.token_ids)), "text": record.text,
+            "extra_key": json.dumps(record.extra_key), "branch": json.dumps(record.branch),
         }  # fmt: skip
         meta["checksum"] = _checksum(tensors, meta)
         path = self.path(tenant, session_id)
@@ -207,12 +226,19 @@ class SessionFiles:
         self._check(path, meta, tensors, tenant, session_id)
         os.utime(path)  # a read is a use: quota eviction is least recently used
         blocks: dict[int, dict[str, torch.Tensor]] = {}
+        state = {}
         for name, t in tensors.items():
-            if name != "token_ids":
+            if name.startswith("s."):
+                state[name[2:]] = t
+            elif name not in ("token_ids", "live"):
                 b, rest = name.split(".", 1)
                 blocks.setdefault(int(b[1:]), {})[rest] = t
+        branch = json.loads(meta.get("branch", "null"))
+        live = tensors["live"].to(torch.bool) if "live" in tensors else None
         return SessionRecord(tensors["token_ids"].tolist(), meta["text"], [blocks[b] for b in sorted(blocks)],
-                             meta["quant"], meta["kivi"] == "True", int(meta["block_size"]))  # fmt: skip
+                             meta["quant"], meta["kivi"] == "True", int(meta["block_size"]),
+                             json.loads(meta["extra_key"]) if "extra_key" in meta else ANY_NAMESPACE,
+                             tuple(branch) if branch else None, live, state)  # fmt: skip
 
     def _check(self, path, meta, tensors, tenant, session_id) -> None:
         if meta.get("format_version") != str(FORMAT_VERSION):
