@@ -26,7 +26,7 @@ import importlib
 import logging
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_memory import mechanism, prometheus, runtime
@@ -201,11 +201,33 @@ class SglMemoryRadixCache(RadixCache):
             # compact: the re-packed row is private to the request and stays out of the tree
             req.skip_radix_cache_insert = True
             return
+        if self._diverges(req, up_to):
+            # the tree holds this pruned key with other positions dead (another request of the
+            # session, e.g. a retry of an earlier turn, pruned the same tokens differently): the
+            # insert would replace this row's live KV by that request's sentinel entries
+            req.skip_radix_cache_insert = True
+            return
         super().checkpoint(req, up_to=up_to)
         if edit is not None:
             # checkpoint rewrote the row from the tree, whose (shared) prefix is unpruned
             row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
             row[edit.dropped] = self.sentinel
+
+    def _diverges(self, req, up_to: int) -> bool:
+        """Whether the tree already holds the request's pruned key past its protected prefix with
+        other positions live than the request's row. A pruned key names the session and its
+        pruning, not which positions a scorer kept, so two requests can prune one key apart."""
+        branch = self.branch(req)
+        if branch is None:
+            return False
+        key = RadixKey(with_branch(req.full_untruncated_fill_ids[:up_to], *branch), req.extra_key, cache_salt=req.cache_salt)
+        held = RadixCache.match_prefix(self, MatchPrefixParams(key=key)).last_device_node
+        tree = self.path_device_indices(held)
+        start = req.kv.cache_protected_len
+        if len(tree) <= start:
+            return False
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][start : len(tree)].to(tree.device)
+        return bool(((tree[start:] == self.sentinel) != (row == self.sentinel)).any())
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)

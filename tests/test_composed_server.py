@@ -1,9 +1,11 @@
 """Intent pruning, session persistence and KV memory together in one real server (SmolLM2-135M,
 bfloat16 pool, bf16 session store).
 
-One agent session of 40 turns: the client resends its whole history (full-history turns), which
-intent prunes to a small budget, persistence writes after every turn and KV memory records; at turn
-20 the server restarts; at turn 40 a memory-mode request asks about turn 1.
+One agent session of 40 turns: each turn brings a tool observation and a question, and the client
+resends its whole history (full-history turns), which intent prunes to a small budget (the
+observations are history it may drop; the question is the turn's actionable span), persistence
+writes after every turn and KV memory records; at turn 20 the server restarts; at turn 40 a
+memory-mode request asks about turn 1.
 
 The reference for the restart is the same server that never restarted: server A runs turns 1-20,
 its store is copied once turn 20 is written (the file then holds turn 20's pruned path, its live
@@ -37,6 +39,11 @@ TOPICS = ["rivers", "owls", "copper", "tea", "glaciers", "violins", "bees", "com
 TURNS = [f"{FACT} Please remember it."] + [f"Tell me one short fact about {t}." for t in TOPICS]  # turns 1..39
 
 
+def observation(turn: int) -> dict:
+    readings = ", ".join(f"sensor {j} read {(turn * 37 + j * 11) % 100}" for j in range(6))
+    return {"role": "user", "content": f"Tool output {turn}: {readings}."}
+
+
 def write_config(d: Path, store: Path) -> Path:
     path = d / "memory.yaml"
     path.write_text(f"""
@@ -65,11 +72,16 @@ def chat(server, messages, max_tokens=12, **memory):
     return out["choices"][0]["message"]["content"], out["usage"], out["sgl_memory"]
 
 
+def next_turn(messages, text) -> list[dict]:
+    """The request of the next turn: after the first, a tool observation comes before the question."""
+    return messages + ([observation(len(messages))] if len(messages) > 1 else []) + [{"role": "user", "content": text}]
+
+
 def run(server, messages, turns):
     """Full-history turns; appends to messages; returns [(answer, usage, metrics)]."""
     results = []
     for text in turns:
-        messages.append({"role": "user", "content": text})
+        messages[:] = next_turn(messages, text)
         answer, usage, metrics = chat(server, messages)
         messages.append({"role": "assistant", "content": answer})
         results.append((answer, usage, metrics))
@@ -133,7 +145,7 @@ def test_the_stored_session_holds_the_pruned_path_its_live_mask_and_the_other_me
 
 def test_the_turn_after_a_restart_equals_the_turn_on_a_server_that_never_restarted(session):
     b, messages, _, at_21, _ = session
-    answer, usage, metrics = chat(b, messages + [{"role": "user", "content": TURNS[20]}])
+    answer, usage, metrics = chat(b, next_turn(messages, TURNS[20]))
     ref_answer, ref_usage, ref = at_21
     assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, metrics
     # the pruned path came back with its dead positions: the same prefix is reused, the same
@@ -149,10 +161,10 @@ def test_a_fact_from_turn_1_is_recalled_as_kv_at_turn_40_after_the_restart(sessi
     b, messages, _, _, _ = session
     from transformers import AutoTokenizer
 
-    messages = messages + [{"role": "user", "content": TURNS[20]}]
+    messages = next_turn(messages, TURNS[20])
     messages.append({"role": "assistant", "content": chat(b, messages)[0]})
     run(b, messages, TURNS[21:])  # turns 22-39
-    assert len(messages) == 1 + 2 * 39
+    assert len(messages) == 1 + 2 * 39 + 38
     answer, usage, metrics = chat(b, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={})
     # turn 1 is the pool's first turn (its whole first request): the fact's tokens must be placed
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))

@@ -250,6 +250,36 @@ def test_a_retrieval_ingests_the_turns_a_slow_worker_has_not_added():
     assert not memory.busy()
 
 
+def test_an_exported_pool_loads_into_one_that_retrieves_the_same_blocks():
+    """What persistence stores of a session's memory: a pool rebuilt from its export has the same
+    blocks (tokens, keys, values, boxes, turn, offset, recency) and counters, so a retrieval from it
+    scores, picks and places exactly what the original would; its boxes are recomputed, not stored."""
+    memory = MemArtPool(capacity=6)
+    for seed in range(3):
+        turn(memory, 10, seed)  # 9 blocks made, 3 evicted
+    memory.take([5])
+    memory.path = [1, 2, 3]
+    exported = memory.export()
+    assert "lo" not in exported and "hi" not in exported
+    loaded = MemArtPool(capacity=6)
+    loaded.load(exported)
+    assert (loaded.turns, loaded.clock, loaded.next_id, loaded.evicted, loaded.path) == (3, 1, 9, 3, [1, 2, 3])
+    assert list(loaded.blocks) == list(memory.blocks) and loaded.bytes == memory.bytes
+    for i, b in memory.blocks.items():
+        c = loaded.blocks[i]
+        assert (c.tokens, c.turn, c.offset, c.used, c.made) == (b.tokens, b.turn, b.offset, b.used, b.made)
+        for name in ("keys", "values", "lo", "hi"):
+            assert torch.equal(getattr(c, name), getattr(b, name)) and getattr(c, name).dtype == getattr(b, name).dtype
+    q = torch.randn(2, 5, 2, 8)
+    want, got = memory.index(2, 4), loaded.index(2, 4)
+    assert want.ids == got.ids
+    assert torch.equal(score_blocks(q, want.keys, want.lo, want.hi, "exact", "softmax", "max", 60.0),
+                       score_blocks(q, got.keys, got.lo, got.hi, "exact", "softmax", "max", 60.0))
+    empty = MemArtPool(capacity=6)
+    empty.load(MemArtPool(capacity=6).export())
+    assert not empty.blocks and empty.turns == 0
+
+
 @pytest.mark.parametrize("eviction, survivors", [("fifo", [2, 3, 4, 5]), ("lru", [0, 3, 4, 5])])
 def test_capacity_evicts_by_policy(eviction, survivors):
     memory = MemArtPool(capacity=4, eviction=eviction)

@@ -10,12 +10,17 @@ tree's own counters:
 - the tree's evictable + protected sizes equal the real slots it holds (+ the sentinel), so
   SGLang's idle leak check (available + evictable + protected == total) holds;
 - every running request still reads, at each live position, the KV written for that token there.
+
+The second simulation runs all three mechanisms in one tree: sessions whose paths persistence
+restores (from its host-memory tier, with their live masks) after eviction, and memory-mode
+requests whose blocks KV memory places before the prompt.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from array import array
 
 import pytest
 import torch
@@ -26,8 +31,13 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_memory.config import IntentConfig, MemoryConfig
+from sgl_memory import mechanism
+from sgl_memory.config import IntentConfig, MemArtConfig, MemoryConfig, PersistConfig
+from sgl_memory.memart.manager import MemArtManager, Probe
+from sgl_memory.persist.manager import SessionPersistence
+from sgl_memory.persist.store import CacheSpec
 from sgl_memory.request import of_request
+from sgl_memory.rope import Rope
 from sgl_memory.spans import RoleMarkers
 from sgl_memory.radix_cache import SglMemoryRadixCache
 
@@ -53,18 +63,20 @@ class FakeKvPool:
 
 
 class FakeReq:
-    def __init__(self, rid, tokens, budget):
+    def __init__(self, rid, tokens, budget, **field):
         self.rid = rid
-        self.origin_input_ids = list(tokens)
-        self.seq = list(tokens)  # tokens with KV written
+        self.origin_input_ids = array("q", tokens)  # as SGLang's Req holds them
+        self.seq = array("q", tokens)  # tokens with KV written
         self.output_ids: list[int] = []
         self.kv = ReqKvInfo()
         self.extra_key = self.cache_salt = self.priority = None
         self.lock = self.last_node = None
         self.customized_info = None
         self.skip_radix_cache_insert = False
+        self.return_logprob = False
+        self.cached_tokens = 0
         self.done = False
-        spec = {"budget": budget, "scorer": "random"}
+        spec = {"budget": budget, "scorer": "random", **field}
 
         class SP:
             custom_params = {"sgl_memory": json.dumps(spec)}
@@ -97,6 +109,15 @@ class Sim:
         self.pruned = 0
         self.reused = 0  # requests that matched into a pruned path of their own session
 
+    def prompt(self) -> tuple[list[int], int]:
+        """A prompt and the shared prefix it starts from."""
+        base = self.rng.randrange(len(self.bases))
+        tail = [self.rng.randint(0, 6) for _ in range(self.rng.randint(1, 10))]
+        return self.bases[base][: self.rng.randint(2, len(self.bases[base]))] + tail, base
+
+    def request(self, rid, tokens, base):
+        return FakeReq(rid, tokens, budget=self.rng.choice((2, 5, 9, 14)))
+
     def row(self, req):
         return self.rtt.req_to_token[req.kv.req_pool_idx]
 
@@ -116,13 +137,13 @@ class Sim:
     def start(self):
         if not self.free_rows:
             return
-        base = self.rng.choice(self.bases)
-        tokens = base[: self.rng.randint(2, len(base))] + [self.rng.randint(0, 6) for _ in range(self.rng.randint(1, 10))]
-        req = FakeReq(f"r{self.next_rid}", tokens, budget=self.rng.choice((2, 5, 9, 14)))
+        req = self.request(f"r{self.next_rid}", *self.prompt())
         self.next_rid += 1
         self.tree.admit(None, req, of_request(req))  # the scheduler admits before it matches
-        match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1]), req=req))
+        tokens = req.seq = array("q", req.origin_input_ids)  # a mechanism may rewrite them
+        match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1], req.extra_key), req=req))
         prefix = self.tree.path_device_indices(match.last_device_node)
+        assert len(prefix) == match.device_prefix_len <= len(tokens) - 1
         req.lock = self.tree.lock(match.last_device_node)
         new = self.take(len(tokens) - len(prefix))
         if new is None:
@@ -149,11 +170,14 @@ class Sim:
         req.output_ids.append(self.rng.randint(0, 6))
 
     def finish(self, req):
+        """SGLang's release_kv_cache: a request barred from the tree is not inserted."""
         req.done = True
-        self.tree.checkpoint(req, up_to=len(req.seq))
+        checkpoint = not req.skip_radix_cache_insert
+        if checkpoint:
+            self.tree.checkpoint(req, up_to=len(req.seq))
         self.tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, len(req.seq))])
         self.tree.unlock(req.lock)
-        self.tree.on_release(req, checkpointed=True)
+        self.tree.on_release(req, checkpointed=checkpoint)
         self.free_rows.append(req.kv.req_pool_idx)
         self.running.remove(req)
 
@@ -189,7 +213,12 @@ class Sim:
             live = (row != sentinel).nonzero().flatten()
             got = self.kv.v[0][row[live], 0]
             want = torch.stack([torch.tensor([float(req.seq[p]), float(p)]) for p in live.tolist()])
+            placed = live < self.placed_end(req)  # memory blocks: their tokens' KV, from where it was made
+            got[placed, 1] = want[placed, 1]
             assert torch.equal(got, want), f"{req.rid} reads KV that is not its own"
+
+    def placed_end(self, req) -> int:
+        return 0
 
     def check_pruned_paths(self, node, branched: bool):
         """A sentinel entry sits only at or after a branch key (intent/paths.py): a path that a
@@ -215,3 +244,87 @@ def test_random_prune_evict_finish_cycles_conserve_slots(seed):
     sim.tree.evict(EvictParams(num_tokens=POOL))
     sim.check()
     assert sim.alloc.available_size() == POOL - 1  # everything back but the sentinel
+
+
+class Chars:
+    """A tokenizer of one character per token, for persistence's text match."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + i) for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 97 for c in text]
+
+
+class AllSim(Sim):
+    """Intent, persistence and KV memory in one tree, as the server builds them (in ORDER), over
+    sessions named after the shared prefixes: record turns, memory-mode turns with a hand-made
+    query pass, restores of evicted paths from the host-memory tier."""
+
+    def __init__(self, seed, store):
+        super().__init__(seed)
+        spec = CacheSpec("toy", "cfg", layers=2, kv_heads=1, head_dim=2, dtype="float32", page_size=1)
+        persist = SessionPersistence(PersistConfig(enabled=True, dir=str(store), quant="bf16"), self.tree, spec)
+        persist.tokenizer = Chars()
+        memory = MemArtManager(MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree, Rope(head_dim=2, theta=10000.0))
+        memory.markers = RoleMarkers(None, {})
+        self.tree.mechanisms = sorted([*self.tree.mechanisms, persist, memory], key=lambda m: mechanism.ORDER.index(m.name))
+        self.persist, self.memory = persist, memory
+        self.placed = self.restored = 0
+        self.last: dict[int, list[int]] = {}  # session -> its last finished record turn's tokens
+
+    def prompt(self) -> tuple[list[int], int]:
+        """Half the time a session's next turn: its last turn and a few new tokens."""
+        tokens, base = super().prompt()
+        if base in self.last and self.rng.random() < 0.5 and len(self.last[base]) < CONTEXT - 20:
+            tokens = self.last[base] + tokens[-self.rng.randint(1, 6) :]
+        return tokens, base
+
+    def finish(self, req):
+        super().finish(req)
+        if req.sgl_memart.mode == "record":
+            self.last[int(req.sgl_persist.session_id[1:])] = list(req.seq)
+
+    def step(self):
+        if self.rng.random() < 0.05:  # pressure: most of the tree goes, stored sessions come back
+            self.tree.evict(EvictParams(num_tokens=POOL))
+        else:
+            super().step()
+
+    def request(self, rid, tokens, base):
+        field = {"session_id": f"s{base}"}
+        if self.rng.random() < 0.3:  # a memory-mode turn: its query pass ran first
+            probe = Probe(("", f"s{base}"), list(range(len(tokens))), self.memory.layers, len(tokens), 0,
+                          rows={0: torch.randn(len(tokens), 1, 2)})  # fmt: skip
+            self.memory.probes[rid] = probe
+            field["memory"] = {"mode": "retrieve", "probe": rid}
+        return FakeReq(rid, tokens, budget=self.rng.choice((2, 5, 9, 14)), **field)
+
+    def start(self):
+        before = len(self.running)
+        super().start()
+        if len(self.running) > before:
+            req = self.running[-1]
+            self.placed += bool(getattr(req, "sgl_memart", None) and req.sgl_memart.retrieved_blocks)
+            self.restored += bool(getattr(req, "sgl_persist", None) and req.sgl_persist.restored_tokens)
+
+    def placed_end(self, req) -> int:
+        state = getattr(req, "sgl_memart", None)
+        return state.memory_end if state is not None else 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_all_mechanisms_together_conserve_slots_and_read_their_own_kv(seed, tmp_path):
+    sim = AllSim(seed, tmp_path)
+    for _ in range(400):
+        sim.step()
+        sim.check()
+    while sim.running:
+        sim.finish(sim.running[0])
+        sim.check()
+    assert sim.pruned > 10 and sim.placed > 3 and sim.restored > 3, (sim.pruned, sim.placed, sim.restored)
+    for m in sim.tree.mechanisms:
+        assert m.drain(30)
+    sim.tree.evict(EvictParams(num_tokens=POOL))
+    sim.check()
+    assert sim.alloc.available_size() == POOL - 1

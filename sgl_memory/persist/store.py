@@ -67,7 +67,7 @@ class SessionRecord:
     quant: str
     kivi: bool
     block_size: int
-    extra_key: str | None = ANY_NAMESPACE
+    extra_key: str | None = None
     branch: tuple[int, int] | None = None  # (position, key id)
     live: torch.Tensor | None = None  # [len(token_ids)] bool; None: every position is live
     state: dict[str, torch.Tensor] = field(default_factory=dict)
