@@ -79,9 +79,9 @@ class MemArtConfig:
     top_k: int = 32
     norm: Literal["softmax", "rr"] = "softmax"
     agg: Literal["sum", "max"] = "max"
-    capacity_blocks: int = 4096  # per session; beyond it the eviction policy drops blocks
+    capacity_blocks: int = 4096  # per session; beyond it the eviction policy drops (or merges) blocks
     pool_bytes: int = 4 << 30  # host memory of all sessions' pools; least recently used sessions go first
-    eviction: Literal["lru", "fifo"] = "lru"
+    eviction: Literal["lru", "fifo", "merge"] = "lru"
     scoring: Literal["exact", "aabb"] = "exact"  # a block's logit: its best key's, or the AABB bound
     score_layers: float = 0.5  # the share of layers, from the first, whose queries score blocks
     score_tokens: Literal["text", "query", "all"] = "text"  # text: the last user turn without markup

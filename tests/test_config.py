@@ -90,9 +90,11 @@ def test_named_options_are_the_registries(tmp_path):
     key sets: a scorer or a norm added to its registry and not to the config would be unreachable."""
     from sgl_memory.intent.layouts import LAYOUTS
     from sgl_memory.intent.scorers import SCORERS
+    from sgl_memory.memart.blocks import EVICTIONS
     from sgl_memory.memart.retrieval import AGGS, NORMS
 
     assert set(config.choices(config.IntentConfig, "scorer")) == set(SCORERS)
     assert set(config.choices(config.IntentConfig, "layout")) == set(LAYOUTS)
     assert set(config.choices(config.MemArtConfig, "norm")) == set(NORMS)
     assert set(config.choices(config.MemArtConfig, "agg")) == set(AGGS)
+    assert set(config.choices(config.MemArtConfig, "eviction")) == set(EVICTIONS)

@@ -161,9 +161,11 @@ def test_memory_turns_are_stored_unless_told_not_to(mem_server, tok):
     kept = generate(mem_server, q, {"session_id": "grow", "memory": retrieve(store=True)}, n=8)
     after = generate(mem_server, q, {"session_id": "grow", "memory": retrieve(store=False)})["meta_info"]["sgl_memory"]
     assert kept["meta_info"]["sgl_memory"]["memory_blocks"] == before["memory_blocks"]  # counted before its own turn
-    new_tokens = len(q) + 8 - 1  # the turn's own prompt and output, less the last output token
+    # the turn is its last message and its output (less the last output token, which has no KV):
+    # not the system message, which every memory-mode request repeats, and not the placed blocks
+    new_tokens = len(q) - system_end(tok, q) + 8 - 1
     assert after["memory_blocks"] == before["memory_blocks"] + -(-new_tokens // 16)
-    # after the system message: the turn is recorded without its system message and the blocks
+    # the same with the blocks after the system message
     generate(mem_server, q, {"session_id": "grow", "memory": retrieve(store=True, placement="after_system")}, n=8)
     last = generate(mem_server, q, {"session_id": "grow", "memory": retrieve(store=False)})["meta_info"]["sgl_memory"]
     assert last["memory_blocks"] == after["memory_blocks"] + -(-(len(q) - system_end(tok, q) + 7) // 16)

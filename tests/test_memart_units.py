@@ -250,6 +250,42 @@ def test_a_retrieval_ingests_the_turns_a_slow_worker_has_not_added():
     assert not memory.busy()
 
 
+def test_merging_keeps_a_full_pool_at_its_capacity_and_keeps_the_strongest_keys_of_old_text():
+    """Eviction `merge`: over capacity, the least recently retrieved block is folded into its
+    neighbour of the same turn; the merged block holds at most block_size tokens, those whose
+    position-free keys are largest (averaged over layers and heads), in their order; turns are never
+    mixed; the pool's bytes stay those of `capacity` blocks whatever the session's length."""
+    size, capacity = 4, 6
+    memory = MemArtPool(capacity=capacity, eviction="merge", block_size=size)
+    turns = {seed: turn(memory, 12, seed, size) for seed in range(8)}  # 24 blocks' worth of turns
+    memory.take([max(memory.blocks)])  # the newest block retrieved: merged last
+    turn(memory, 12, 8, size)
+    assert len(memory.blocks) == capacity and memory.merged > 0 and memory.bytes == sum(b.nbytes() for b in memory.blocks.values())
+    assert memory.bytes <= capacity * memory.blocks[max(memory.blocks)].nbytes()
+    ids = list(memory.blocks)
+    assert ids == sorted(ids)
+    for block in memory.blocks.values():
+        assert len(block.tokens) <= size
+        if block.turn in turns:
+            keys = turns[block.turn]
+            positions = [t - block.turn * 100 for t in block.tokens]
+            assert positions == sorted(positions)  # a subsequence of its own turn, in order
+            assert torch.equal(block.keys, keys[:, positions])
+            assert torch.equal(block.lo, keys[:, positions].amin(1)) and torch.equal(block.hi, keys[:, positions].amax(1))
+    # a merged block kept the largest keys of what it folded: brute force on a two-block turn
+    two = MemArtPool(capacity=1, eviction="merge", block_size=size)
+    keys = turn(two, 2 * size, 3, size)
+    (block,) = two.blocks.values()
+    strength = keys.norm(dim=-1).mean(dim=(0, 2))
+    want = sorted(sorted(range(2 * size), key=lambda i: -strength[i])[:size])
+    assert [t - 300 for t in block.tokens] == want
+    # without a neighbour of the same turn, merging falls back to dropping the least recently used
+    single = MemArtPool(capacity=2, eviction="merge", block_size=size)
+    for seed in range(3):
+        turn(single, size, seed, size)
+    assert [b.turn for b in single.blocks.values()] == [1, 2] and single.evicted == 1
+
+
 def test_an_exported_pool_loads_into_one_that_retrieves_the_same_blocks():
     """What persistence stores of a session's memory: a pool rebuilt from its export has the same
     blocks (tokens, keys, values, boxes, turn, offset, recency) and counters, so a retrieval from it

@@ -59,10 +59,13 @@ class BlockIndex:
                    torch.stack([b.hi[:layers] for b in blocks], 1), torch.stack(padded, 1))  # fmt: skip
 
 
-# which block a full pool drops first (smallest key)
+# which block a full pool drops (or, with `merge`, folds into its neighbour) first: smallest key
 EVICTIONS = {
     "lru": lambda b: (b.used, b.id),  # least recently retrieved, the oldest among equals
     "fifo": lambda b: b.id,
+    # least recently retrieved first, folded into the neighbouring block of its turn: the two keep
+    # one block's worth of their tokens, those of the largest keys (see MemArtPool._merge_one)
+    "merge": lambda b: (b.used, b.id),
 }
 
 
@@ -70,12 +73,14 @@ EVICTIONS = {
 class MemArtPool:
     capacity: int
     eviction: str = "lru"
+    block_size: int = 16  # what a merged block holds at most
     blocks: dict[int, Block] = field(default_factory=dict)  # insertion order is chronological order
     path: list[int] = field(default_factory=list)  # the last full-history request's KV path
     turns: int = 0
     clock: int = 0  # counts retrievals, for LRU
     next_id: int = 0
     evicted: int = 0
+    merged: int = 0  # blocks folded into a neighbour (eviction `merge`)
     bytes: int = 0  # host memory of its blocks
     inbox: deque = field(default_factory=deque)  # submitted turns not added yet, oldest first
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards blocks, inbox, counters
@@ -135,8 +140,14 @@ class MemArtPool:
             self._evict(lambda: self.bytes > max_bytes)
 
     def _evict(self, over) -> None:
-        """Drop blocks in eviction order while over(); caller holds the lock."""
+        """Merge (policy `merge`), then drop blocks in eviction order while over(); caller holds the lock."""
         if not over():
+            return
+        if self.eviction == "merge":
+            while over() and self._merge_one():
+                pass
+        if not over():
+            self._index = None
             return
         for victim in sorted(self.blocks.values(), key=EVICTIONS[self.eviction]):
             del self.blocks[victim.id]
@@ -145,6 +156,38 @@ class MemArtPool:
             if not over():
                 break
         self._index = None
+
+    def _merge_one(self) -> bool:
+        """Fold the least recently retrieved block that has a neighbour of its own turn (the block
+        before or after it, the less recently retrieved of the two) into one block of at most
+        `block_size` tokens: the tokens whose position-free keys have the largest norm, averaged over
+        layers and heads (a larger key scores higher against any query of its direction), in their
+        order. The pool then holds old, rarely recalled text at a lower density instead of losing
+        it. False when no block has a neighbour to merge with."""
+        order = list(self.blocks)
+        at = {block_id: i for i, block_id in enumerate(order)}
+        for block in sorted(self.blocks.values(), key=EVICTIONS["merge"]):
+            i = at[block.id]
+            near = [self.blocks[order[j]] for j in (i - 1, i + 1) if 0 <= j < len(order)]
+            near = [b for b in near if b.turn == block.turn]
+            if not near:
+                continue
+            other = min(near, key=EVICTIONS["merge"])
+            first, second = (block, other) if block.id < other.id else (other, block)
+            keys, values = torch.cat([first.keys, second.keys], 1), torch.cat([first.values, second.values], 1)
+            tokens = first.tokens + second.tokens
+            if len(tokens) > self.block_size:
+                strength = keys.norm(dim=-1).mean(dim=(0, 2))
+                keep = strength.topk(self.block_size).indices.sort().values
+                keys, values, tokens = keys[:, keep], values[:, keep], [tokens[k] for k in keep.tolist()]
+            merged = Block(first.id, tokens, keys.contiguous(), values.contiguous(), keys.amin(1), keys.amax(1),
+                           first.turn, first.offset, min(first.made, second.made), max(first.used, second.used))  # fmt: skip
+            self.bytes += merged.nbytes() - first.nbytes() - second.nbytes()
+            del self.blocks[second.id]
+            self.blocks[first.id] = merged  # an existing key keeps its place: chronological order holds
+            self.merged += 1
+            return True
+        return False
 
     def index(self, layers: int, block_size: int) -> BlockIndex:
         """The scoring view of the first `layers` layers, rebuilt after the pool changes."""
@@ -158,7 +201,7 @@ class MemArtPool:
         a pool loaded from them retrieves and places what this one would."""
         with self.lock:
             blocks = list(self.blocks.values())
-            meta = torch.tensor([self.turns, self.clock, self.next_id, self.evicted], dtype=torch.int64)
+            meta = torch.tensor([self.turns, self.clock, self.next_id, self.evicted, self.merged], dtype=torch.int64)
             path = torch.tensor(self.path, dtype=torch.int64)
             if not blocks:
                 return {"meta": meta, "path": path}
@@ -174,7 +217,7 @@ class MemArtPool:
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the state `export` gave (into an empty pool); the boxes are recomputed from the keys."""
         with self.lock:
-            self.turns, self.clock, self.next_id, self.evicted = (int(x) for x in tensors["meta"])
+            self.turns, self.clock, self.next_id, self.evicted, self.merged = (int(x) for x in tensors["meta"])
             self.path = tensors["path"].tolist()
             if "ids" not in tensors:
                 return

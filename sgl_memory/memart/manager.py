@@ -164,7 +164,7 @@ class MemArtManager(mechanism.Mechanism):
                       torch.arange(r.prefix, r.prefix + r.count), self.rope)  # fmt: skip
 
     def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
-        make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction)) if create else None
+        make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size)) if create else None
         return self.tree.sessions.get(owner, self.name, make)
 
     # --- admission -------------------------------------------------------------------------------

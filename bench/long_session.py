@@ -1,0 +1,249 @@
+"""One long agent session, side by side: plain SGLang, intent pruning, KV memory, all three, and
+all three with a server restart at the midpoint, in one run.
+
+The session is a LoCoMo development conversation (`../shared/data/locomo/`) fed to the assistant
+two dialogue lines per user turn (the assistant acknowledges each in a few tokens), with a question
+about an early part of the conversation interleaved every `--question-every` turns: a QA item of
+categories 1-4 whose evidence was shown at least `--min-age` turns before. Every method sees the
+same turns in the same order:
+
+- plain: plain SGLang, the whole history in every request, until the model's context is full;
+- intent: our server with intent pruning (budget `--budget`), the whole history, until the context
+  is full (pruning bounds the live KV, not the prompt);
+- memory: our server with KV memory; each request carries the system message and its own turn,
+  and the server places the session's relevant blocks before it;
+- all: intent + persistence + memory in one server; each request carries the system message, the
+  last `--window` exchanges and its own turn; memory places blocks before it, intent prunes the
+  whole to the budget, persistence writes the session (QueryMemory and memory pool) after each turn;
+- all+restart: the same, and the server is stopped and started again (on the same session store)
+  at the midpoint;
+- all-cap-lru, all-cap-merge: `all` with each session's memory capped at `--capacity` blocks,
+  over capacity dropping the least recently retrieved blocks (lru) or folding them into their
+  neighbours (merge): bounded host memory, and what it costs in recall.
+
+Per turn: TTFT (time to the first streamed chunk), prompt tokens, prefill tokens (prompt - cached,
+plus the memory probe's tokens), live KV tokens during decode, the host memory of the memory pools
+(Prometheus gauge); per question, token F1 of the answer and evidence recall: the share of the
+question's evidence turns whose KV the request holds (in its prompt for the full-history methods,
+among the retrieved blocks' turns for the memory methods), which does not depend on the model's
+ability to answer. Writes bench/results/long_session.json and .png.
+
+    .venv/bin/python bench/long_session.py [--turns 200] [--methods plain intent memory all all+restart]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from common import RESULTS
+from locomo import data
+from locomo.metrics import token_f1
+from sgl_memory import harness, models
+
+SYSTEM = "You are a memory assistant. Acknowledge each part of the conversation in a few words; answer questions about it in a short phrase."
+METHODS = ("plain", "intent", "memory", "all", "all+restart", "all-cap-lru", "all-cap-merge")
+ACK_TOKENS, ANSWER_TOKENS = 8, 16
+
+
+def session(turn_count: int, every: int, min_age: int) -> list[dict]:
+    """The user turns: {'text', 'question', 'answer'} (question turns carry their gold answer)."""
+    sample = data.load()[0]
+    lines = data.turns(sample)
+    questions = [q for q in data.questions(sample, 0) if q.category in (1, 2, 3, 4)]
+    shown_at: dict[str, int] = {}  # dia_id -> the user turn that showed it
+    out, line, used = [], 0, set()
+    while len(out) < turn_count and line < len(lines):
+        if len(out) % every == every - 1:
+            ready = [q for q in questions if q.qa_index not in used and q.evidence
+                     and all(e in shown_at and shown_at[e] <= len(out) - min_age for e in q.evidence)]  # fmt: skip
+            if ready:
+                q = ready[0]
+                used.add(q.qa_index)
+                evidence = sorted({shown_at[e] for e in q.evidence})
+                out.append({"text": f"Question: {q.question}", "question": True, "answer": q.answer, "evidence": evidence})
+                continue
+        pair = lines[line : line + 2]
+        line += 2
+        for t in pair:
+            shown_at[t.dia_id] = len(out)
+        text = "\n".join(t.line(dated=t.index == 0 or lines[t.index - 1].session != t.session) for t in pair)
+        out.append({"text": text, "question": False, "answer": None})
+    return out
+
+
+def config(method: str, budget: int, store: Path, capacity: int) -> str:
+    memory = "memory:\n  enabled: true\n  block_size: 16\n  top_k: 16\n"
+    if method.startswith("all-cap-"):
+        memory += f"  capacity_blocks: {capacity}\n  eviction: {method.removeprefix('all-cap-')}\n"
+    sections = {
+        "intent": f"intent:\n  enabled: true\n  budget: {budget}\n",
+        "memory": memory,
+        "persist": f"persist:\n  enabled: true\n  dir: {store}\n",
+    }
+    names = ["intent", "persist", "memory"] if method.startswith("all") else [method]
+    return "".join(sections[n] for n in names)
+
+
+def start(method: str, model: str, work: Path, budget: int, capacity: int):
+    path = models.model_dir(model)
+    log = work / f"{method.replace('+', '-')}-{time.time():.0f}.log"
+    if method == "plain":
+        cmd, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"), "--enable-metrics")
+        return harness.start(cmd, log, env)
+    cfg = work / f"{method.replace('+', '-')}.yaml"
+    cfg.write_text(config(method, budget, work / f"store-{method}", capacity))
+    return harness.start(harness.our_command(model, "--memory-config", str(cfg), "--enable-metrics"), log)
+
+
+def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple[str, float, dict]:
+    """Greedy streamed /generate: (text, TTFT in s, the final meta_info)."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
+    if field is not None:
+        body["sgl_memory"] = field
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=1800) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
+        for raw in r.iter_lines():
+            if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(raw[5:])
+    return last["text"], ttft, last["meta_info"]
+
+
+def pool_bytes(server) -> float:
+    samples = server.prometheus("sgl_memory_memory_pool_bytes")
+    return sum(samples.values())
+
+
+def run_method(method: str, turns: list[dict], tokenizer, args, work: Path) -> list[dict]:
+    server = start(method, args.model, work, args.budget, args.capacity)
+    rows, history = [], [{"role": "system", "content": SYSTEM}]
+    context = getattr(tokenizer, "model_max_length", 8192)
+    try:
+        for i, turn in enumerate(tqdm(turns, desc=method)):
+            if method == "all+restart" and i == len(turns) // 2:
+                harness.stop(server)
+                server = start(method, args.model, work, args.budget, args.capacity)
+            user = {"role": "user", "content": turn["text"]}
+            if method in ("plain", "intent"):
+                messages = history + [user]
+            elif method == "memory":
+                messages = [history[0], user]
+            else:
+                messages = [history[0]] + history[1:][-2 * args.window :] + [user]
+            ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+            max_tokens = ANSWER_TOKENS if turn["question"] else ACK_TOKENS
+            if len(ids) + max_tokens > context:
+                rows.append({"method": method, "turn": i, "overflow": True})
+                break
+            field = None
+            if method != "plain":
+                field = {"session_id": "long-session"}
+                if method != "intent":
+                    field["memory"] = {}
+            text, ttft, meta = stream(server, ids, max_tokens, field)
+            ours = meta.get("sgl_memory") or {}
+            row = {"method": method, "turn": i, "question": turn["question"], "ttft_s": ttft,
+                   "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta.get("cached_tokens", 0),
+                   "probe_tokens": ours.get("probe_tokens", 0),
+                   "live_kv_tokens": ours.get("live_kv_tokens", meta["prompt_tokens"] + meta["completion_tokens"]),
+                   "retrieved_blocks": ours.get("retrieved_blocks"), "restored_tokens": ours.get("restored_tokens")}  # fmt: skip
+            row["prefill_tokens"] = row["prompt_tokens"] - row["cached_tokens"] + row["probe_tokens"]
+            row["pool_bytes"] = pool_bytes(server) if method != "plain" else 0
+            if turn["question"]:
+                row["f1"] = token_f1(text, turn["answer"])
+                held = set(ours.get("retrieved_turns") or []) if method not in ("plain", "intent") else set(turn["evidence"])
+                row["evidence_recall"] = sum(e in held for e in turn["evidence"]) / len(turn["evidence"])
+            rows.append(row)
+            history += [user, {"role": "assistant", "content": text}]
+    finally:
+        harness.stop(server)
+    return rows
+
+
+def summary(rows: list[dict], turns: int) -> dict:
+    done = [r for r in rows if not r.get("overflow")]
+    late = [r for r in done if r["turn"] >= turns // 2]
+    qs = [r["f1"] for r in done if "f1" in r]
+    recall = [r["evidence_recall"] for r in done if "evidence_recall" in r]
+    mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+    return {
+        "turns_served": len(done), "overflow_at": next((r["turn"] for r in rows if r.get("overflow")), None),
+        "questions": len(qs), "f1": mean(qs), "evidence_recall": mean(recall),
+        "ttft_s_first_half": mean([r["ttft_s"] for r in done if r["turn"] < turns // 2]),
+        "ttft_s_second_half": mean([r["ttft_s"] for r in late]),
+        "prefill_tokens_second_half": mean([r["prefill_tokens"] for r in late]),
+        "live_kv_tokens_last": done[-1]["live_kv_tokens"] if done else None,
+        "pool_bytes_last": done[-1]["pool_bytes"] if done else None,
+    }  # fmt: skip
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fields = [("ttft_s", "TTFT (s)"), ("prefill_tokens", "prefill tokens"), ("live_kv_tokens", "live KV tokens"),
+              ("pool_bytes", "memory pool (bytes)")]  # fmt: skip
+    fig, axes = plt.subplots(1, len(fields) + 1, figsize=(5 * (len(fields) + 1), 4))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for ax, (key, label) in zip(axes, fields):
+        for m in methods:
+            pts = [(r["turn"], r[key]) for r in rows if r["method"] == m and not r.get("overflow")]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, lw=1)
+        ax.set_xlabel("turn")
+        ax.set_title(label)
+    ax = axes[-1]
+    for m in methods:
+        pts = [(r["turn"], r["evidence_recall"]) for r in rows if r["method"] == m and "evidence_recall" in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m, lw=1, ms=3)
+    ax.set_xlabel("turn")
+    ax.set_title("evidence recall (questions about early turns)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--turns", type=int, default=200)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--window", type=int, default=3, help="exchanges of history the `all` methods resend")
+    ap.add_argument("--question-every", type=int, default=10)
+    ap.add_argument("--min-age", type=int, default=40)
+    ap.add_argument("--capacity", type=int, default=128, help="memory blocks per session of the all-cap methods")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models.model_dir(args.model))
+    turns = session(args.turns, args.question_every, args.min_age)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in args.methods:
+            rows += run_method(method, turns, tokenizer, args, Path(tmp))
+    result = {"model": args.model, "turns": len(turns), "questions": sum(t["question"] for t in turns),
+              "args": vars(args), "summary": {m: summary([r for r in rows if r["method"] == m], len(turns)) for m in args.methods},
+              "rows": rows}  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "long_session.json").write_text(json.dumps(result, indent=1))
+    plot(rows, RESULTS / "long_session.png")
+    print(json.dumps(result["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
