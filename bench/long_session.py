@@ -119,6 +119,8 @@ def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple
             if ttft is None:
                 ttft = time.perf_counter() - t0
             last = json.loads(raw[5:])
+    if last is None or "text" not in last:
+        raise RuntimeError(f"the stream ended without a result: {last}")
     return last["text"], ttft, last["meta_info"]
 
 
@@ -153,7 +155,11 @@ def run_method(method: str, turns: list[dict], tokenizer, args, work: Path) -> l
                 field = {"session_id": "long-session"}
                 if method != "intent":
                     field["memory"] = {}
-            text, ttft, meta = stream(server, ids, max_tokens, field)
+            try:
+                text, ttft, meta = stream(server, ids, max_tokens, field)
+            except RuntimeError as exc:  # the server refused it (a context or KV-pool limit): as BCP's overflow
+                rows.append({"method": method, "turn": i, "overflow": True, "error": str(exc)[:300]})
+                break
             ours = meta.get("sgl_memory") or {}
             row = {"method": method, "turn": i, "question": turn["question"], "ttft_s": ttft,
                    "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta.get("cached_tokens", 0),

@@ -20,8 +20,9 @@ import torch
 # - persist next: its text-level match may replace a full-history prompt's ids with the stored
 #   session's, and it restores their KV;
 # - intent last: it finds its forced spans and session in the final tokens.
-# Release runs in the same order, so the turn memory queues into the pool is in the session state
-# persistence writes after it.
+# Checkpoint and release run in the same order: memory copies a turn's prompt before intent prunes
+# the row (what pruning drops stays recallable), and queues the turn into the pool before
+# persistence writes the session's state.
 ORDER = ("memory", "persist", "intent")
 
 REGISTRY: dict[str, type[Mechanism]] = {}
@@ -32,6 +33,9 @@ class Mechanism(ABC):
     # other mechanism -> why the two cannot run in one server (yet); checked where the tree is built
     conflicts: ClassVar[dict[str, str]] = {}
     needs_sentinel: ClassVar[bool] = False  # points positions of rows at the tree's sentinel slot (page size 1)
+    # export_session names whose tensors hold KV [layers, tokens, heads, dim]: "k" keys or "v" values,
+    # which the session store may quantize like the session's own KV; the rest are stored exactly
+    kv_state: ClassVar[dict[str, str]] = {}
 
     @classmethod
     @abstractmethod

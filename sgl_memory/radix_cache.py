@@ -234,13 +234,15 @@ class SglMemoryRadixCache(RadixCache):
         for m in self.mechanisms:
             m.on_release(req)
 
-    def export_session(self, key, skip: Mechanism | None = None) -> dict[str, torch.Tensor]:
-        """Every mechanism's state of the session (but `skip`'s), its tensors named `<mechanism>.<name>`."""
-        out = {}
+    def export_session(self, key, skip: Mechanism | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Every mechanism's state of the session (but `skip`'s), its tensors named
+        `<mechanism>.<name>`, and which of them hold KV (Mechanism.kv_state)."""
+        out, kv = {}, {}
         for m in self.mechanisms:
             if m is not skip:
                 out.update({f"{m.name}.{name}": t for name, t in m.export_session(key).items()})
-        return out
+                kv.update({f"{m.name}.{name}": kind for name, kind in m.kv_state.items() if f"{m.name}.{name}" in out})
+        return out, kv
 
     def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
         """Hand each enabled mechanism its part of an exported state (a disabled one's is ignored)."""

@@ -176,3 +176,17 @@ def test_a_fact_from_turn_1_is_recalled_as_kv_at_turn_40_after_the_restart(sessi
     # all three mechanisms report in one object
     assert metrics["retrieved_blocks"] > 0 and metrics["budget"] == BUDGET and "persist_error" in metrics
     assert usage["prompt_tokens_details"]["cached_tokens"] >= metrics["memory_kv_tokens"]
+
+
+@pytest.mark.parametrize("who", [{"tenant": "other"}, {"session_id": "agent-2"}])
+def test_another_tenant_or_session_gets_nothing_of_the_session_with_all_three_on(session, who):
+    """The same prompts under another tenant, or another session id: no restored path, no recalled
+    block, a QueryMemory of its own, a memory pool of its own."""
+    b, messages, _, _, _ = session
+    _, _, first = chat(b, messages[:2], **who)
+    assert first["restored_tokens"] == 0 and first["text_match"] is None
+    assert first["query_memory_turns"] == 1
+    _, _, recall = chat(b, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={}, **who)
+    # its pool holds only its own first turn (about 45 tokens; the session's holds 39 turns)
+    assert recall["retrieved_turns"] == [0] and recall["memory_blocks"] <= 4
+    assert recall["query_memory_turns"] == 2

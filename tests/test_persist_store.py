@@ -73,6 +73,30 @@ def test_a_pruned_path_round_trips_with_its_key_live_mask_and_session_state(tmp_
     assert plain.extra_key is None and plain.branch is None and plain.live is None and plain.state == {}
 
 
+@pytest.mark.parametrize("quant, kivi", [("bf16", False), ("q8", False), ("q4", True)])
+def test_state_that_holds_kv_is_stored_in_the_files_quantization_and_the_rest_exactly(tmp_path, quant, kivi):
+    """The memory pool's keys and values are KV ([layers, tokens, heads, dim]): stored like the
+    session's blocks (bf16: as held, float32 keys included); the QueryMemory is stored exactly."""
+    files = SessionFiles(tmp_path, SPEC, quant=quant, kivi=kivi)
+    keys, values = torch.randn(3, 70, 2, 64), torch.randn(3, 70, 2, 64).bfloat16()
+    query_memory = torch.randn(3, 4, 64)
+    state = {"memory.keys": keys, "memory.values": values, "intent.query_memory": query_memory}
+    record = dataclasses.replace(session(files, tokens=10), state=state, state_kv={"memory.keys": "k", "memory.values": "v"})
+    path = files.write(None, "s", record)
+    got = files.read(None, "s").state
+    assert torch.equal(got["intent.query_memory"], query_memory)
+    for name, original, axis in (("memory.keys", keys, 1 if kivi else -1), ("memory.values", values, -1)):
+        assert got[name].dtype == original.dtype and got[name].shape == original.shape
+        if quant == "bf16":
+            assert torch.equal(got[name], original)
+        else:
+            bound = error_bound(quantize(original.float(), {"q8": 8, "q4": 4}[quant], axis=axis))
+            assert ((got[name].float() - original.float()).abs() <= bound + original.float().abs() * 2**-7 + 1e-3).all()
+    plain_size = files.write(None, "plain", dataclasses.replace(record, state_kv={})).stat().st_size
+    if quant == "q4":
+        assert path.stat().st_size < 0.4 * plain_size  # float32 keys and bf16 values at about half a byte
+
+
 def test_a_file_written_before_namespaces_were_stored_restores_into_any(tmp_path):
     """Files of the first format carry no namespace: they restore as before (into the request's)."""
     from safetensors.torch import load_file, save_file

@@ -156,6 +156,7 @@ class Sim:
         req.kv.kv_allocated_len = len(tokens)
         self.reused += int(req.sgl_intent.branch_at is not None)
         req.output_ids.append(self.rng.randint(0, 6))  # the prefill's sampled token
+        req.prefilled_row = self.row(req)[: len(tokens)].clone()  # as the mechanisms' checkpoint sees it
         self.tree.checkpoint(req, up_to=len(tokens))
         self.pruned += req.sgl_intent.events
         self.running.append(req)
@@ -270,7 +271,7 @@ class AllSim(Sim):
         memory.markers = RoleMarkers(None, {})
         self.tree.mechanisms = sorted([*self.tree.mechanisms, persist, memory], key=lambda m: mechanism.ORDER.index(m.name))
         self.persist, self.memory = persist, memory
-        self.placed = self.restored = 0
+        self.placed = self.restored = self.recorded_dead = 0
         self.last: dict[int, list[int]] = {}  # session -> its last finished record turn's tokens
 
     def prompt(self) -> tuple[list[int], int]:
@@ -281,9 +282,31 @@ class AllSim(Sim):
         return tokens, base
 
     def finish(self, req):
+        row = self.row(req)[: len(req.origin_input_ids)].clone()
         super().finish(req)
-        if req.sgl_memart.mode == "record":
+        state = req.sgl_memart
+        if state.mode == "record":
             self.last[int(req.sgl_persist.session_id[1:])] = list(req.seq)
+        self.check_recorded(req, state, row)
+
+    def check_recorded(self, req, state, row) -> None:
+        """The turn memory recorded is the prompt from where the session's pool left off as the
+        prefill left it: positions this request's pruning dropped included (copied before pruning;
+        only positions already dead in the prefix it matched have no KV to copy), each with the KV
+        written for its token at its position."""
+        pool = self.memory.session(state.owner, create=False)
+        pool.ingest(self.memory._unrotate, 4)
+        start, n, sentinel = state.prompt_kv_start, len(req.origin_input_ids), self.tree.sentinel
+        had_kv = [p for p in range(start, n) if int(req.prefilled_row[p]) != sentinel]
+        if not had_kv:
+            return
+        newest = [b for b in pool.blocks.values() if b.turn == pool.turns - 1]
+        tokens = [t for b in newest for t in b.tokens][: len(had_kv)]
+        values = torch.cat([b.values for b in newest], 1)[0, : len(had_kv), 0]  # layer 0: (token, position)
+        assert tokens == [req.origin_input_ids[p] for p in had_kv]
+        assert torch.equal(values[:, 0], torch.tensor(tokens, dtype=torch.float32))
+        assert torch.equal(values[:, 1], torch.tensor(had_kv, dtype=torch.float32))
+        self.recorded_dead += sum(int(row[p]) == sentinel for p in had_kv)
 
     def step(self):
         if self.rng.random() < 0.05:  # pressure: most of the tree goes, stored sessions come back
@@ -323,6 +346,7 @@ def test_all_mechanisms_together_conserve_slots_and_read_their_own_kv(seed, tmp_
         sim.finish(sim.running[0])
         sim.check()
     assert sim.pruned > 10 and sim.placed > 3 and sim.restored > 3, (sim.pruned, sim.placed, sim.restored)
+    assert sim.recorded_dead > 0, "memory must have recorded positions that pruning dropped"
     for m in sim.tree.mechanisms:
         assert m.drain(30)
     sim.tree.evict(EvictParams(num_tokens=POOL))

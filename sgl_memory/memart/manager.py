@@ -109,6 +109,8 @@ class TurnState:
     probe_tokens: int = 0
     retrieval_ms: float = 0.0
     refused: str | None = None
+    prompt_kv: tree_fill.PathKV | None = None  # the turn's prompt part, copied before pruning
+    prompt_kv_start: int = 0
 
     def metrics(self, req, memory_blocks: int) -> dict:
         return {"prefill_tokens": len(req.origin_input_ids) - req.cached_tokens, "retrieved_blocks": self.retrieved_blocks,
@@ -120,6 +122,8 @@ class TurnState:
 
 @mechanism.register("memory")
 class MemArtManager(mechanism.Mechanism):
+    kv_state = {"keys": "k", "values": "v"}  # of the pool's export (MemArtPool.export)
+
     def __init__(self, config: MemArtConfig, tree, rope: Rope):
         self.config, self.tree, self.rope = config, tree, rope
         layer_num = tree.token_to_kv_pool_allocator.get_kvcache().layer_num
@@ -267,7 +271,32 @@ class MemArtManager(mechanism.Mechanism):
         state.retrieved_turns = sorted({b.turn for b in blocks})
         state.retrieved_spans = [[b.turn, b.offset, len(b.tokens)] for b in blocks]
 
-    # --- release: record the turn off the request's path ----------------------------------------
+    # --- recording: the turn's prompt at the end of its prefill, its answer at release -----------
+
+    def _turn_start(self, state: TurnState, memory: MemArtPool, tokens: list[int]) -> int:
+        if state.mode == "record":
+            # a full-history request: what the session's last one did not hold already
+            return tree_fill.common_prefix(memory.path, tokens)
+        # its last message: the history it carries was recorded when it was new, and the system
+        # message and the placed blocks are not the turn
+        return state.turn_start
+
+    def on_checkpoint(self, req, tree):
+        """Copy the turn's prompt part off the pool at the end of its prefill, before intent (later
+        in ORDER) prunes the row: what pruning drops from the request stays recallable as KV."""
+        state: TurnState | None = getattr(req, "sgl_memart", None)
+        if state is None or state.mode == "probe" or not state.store or state.prompt_kv is not None:
+            return None
+        if req.finished() or not req.output_ids or tree.disable:
+            return None  # not the end of the prefill
+        prompt = list(req.origin_input_ids)
+        start = self._turn_start(state, self.session(state.owner, create=True), prompt)
+        slots = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx][start : len(prompt)].to(torch.int64)
+        keys, values = tree_fill.copy_out(tree, slots)
+        sentinel = getattr(tree, "sentinel", None)  # a prefix matched from a pruned path may hold dead positions
+        live = (slots != sentinel).cpu() if sentinel is not None else torch.ones(slots.numel(), dtype=torch.bool)
+        state.prompt_kv, state.prompt_kv_start = tree_fill.PathKV(keys, values, live), start
+        return None
 
     def on_release(self, req) -> None:
         state: TurnState | None = getattr(req, "sgl_memart", None)
@@ -282,23 +311,28 @@ class MemArtManager(mechanism.Mechanism):
             return
         # tokens whose KV exists (the last output token has none), under the request's own key
         path = tree_fill.held_path(self.tree, req)
+        prompt = list(req.origin_input_ids)
+        if state.prompt_kv is not None:
+            # the prompt as it was before pruning, then the answer off the tree (never pruned)
+            start, kv, tokens = state.prompt_kv_start, state.prompt_kv, prompt
+            if len(path) > len(prompt) and path.tokens[: len(prompt)] == prompt:
+                tail = tree_fill.copy_path(self.tree, path, len(prompt))
+                tokens = path.tokens
+                kv = tree_fill.PathKV(torch.cat([kv.keys, tail.keys], 1), torch.cat([kv.values, tail.values], 1),
+                                      torch.cat([kv.live, tail.live]))  # fmt: skip
+            state.prompt_kv = None
+        else:  # released before its prefill ended (aborted): what the tree holds of it
+            start, tokens = self._turn_start(state, memory, path.tokens), path.tokens
+            kv = tree_fill.copy_path(self.tree, path, start) if len(path) > start else None
         if state.mode == "record":
-            # a full-history request: what the session's last one did not hold already
-            start = tree_fill.common_prefix(memory.path, path.tokens)
-            memory.path = path.tokens
-        else:
-            # its last message and its answer: the history it carries was recorded when it was new,
-            # and the system message and the placed blocks are not the turn
-            start = state.turn_start
-        if len(path) <= start:
+            memory.path = tokens
+        if kv is None or len(tokens) <= start:
             return
-        kv = tree_fill.copy_path(self.tree, path, start)
-        # a pruned position holds no KV of its token (intent): memory keeps the live ones
         live = kv.live
-        positions = torch.arange(start, len(path))[live]
-        tokens = [t for t, keep in zip(path.tokens[start:], live.tolist()) if keep]
-        if tokens:
-            memory.submit(tokens, positions, kv.keys[:, live], kv.values[:, live])
+        positions = torch.arange(start, len(tokens))[live]
+        kept = [t for t, keep in zip(tokens[start:], live.tolist()) if keep]
+        if kept:
+            memory.submit(kept, positions, kv.keys[:, live], kv.values[:, live])
             self._worker.submit(memory)
 
     # --- the session's pool, kept with the session by persistence ---------------------------------

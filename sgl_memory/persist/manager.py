@@ -229,6 +229,7 @@ class SessionPersistence(mechanism.Mechanism):
             session.adopt(record)
             session.on_disk = True
         self.tree.import_session(session.key(), record.state)
+        record.state = {}  # the mechanisms hold it now; the warm tier keeps the path only
         return session
 
     def _read(self, state: TurnState) -> SessionRecord | None:
@@ -351,9 +352,8 @@ class SessionPersistence(mechanism.Mechanism):
         """Fold the captured turns into the stored form; caller holds session.lock."""
         for c in session.pending:
             old = session.record.blocks[: c.start // self.files.block_size] if session.record is not None and c.start else []
-            state = session.record.state if session.record is not None else {}
             session.record = SessionRecord(c.tokens, "", old + self.files.encode(c.keys, c.values), self.config.quant,
-                                           self.config.kivi, self.files.block_size, c.extra_key, c.branch, c.live, state)  # fmt: skip
+                                           self.config.kivi, self.files.block_size, c.extra_key, c.branch, c.live)  # fmt: skip
         session.pending.clear()
 
     def _write(self, session: Session) -> None:
@@ -362,13 +362,21 @@ class SessionPersistence(mechanism.Mechanism):
                 return  # an earlier queue entry of this session wrote it already
             session.state_changed = False
             self._encode_pending(session)
+            if session.record is None and session.tokens:  # the warm tier dropped the path: it is on disk
+                with session.io:
+                    try:
+                        session.record = self.files.read(session.tenant, session.session_id)
+                    except StoreError as exc:
+                        logger.error("session store: cannot re-read session %r (tenant %r) to write its state: %s",
+                                     session.session_id, session.tenant, exc)  # fmt: skip
+                        return
             if session.record is None:  # a session of memory-mode turns only: its state, no path
                 session.record = SessionRecord([], "", [], self.config.quant, self.config.kivi, self.files.block_size)
             record = session.record
             record.text = self._decode_text(record.token_ids) if self.tokenizer is not None else ""
             # what the other mechanisms hold for the session now (this turn's included: release
             # runs them first in ORDER, or their state changed before the turn ended)
-            record.state = self.tree.export_session(session.key(), skip=self)
+            record.state, record.state_kv = self.tree.export_session(session.key(), skip=self)
             if session.tokens is record.token_ids:  # no newer turn: the next admission needs this text
                 session.text = record.text
         with session.io:
@@ -380,6 +388,8 @@ class SessionPersistence(mechanism.Mechanism):
                 logger.error("session store: %s (session %r, tenant %r); it stays in memory, the server keeps serving",
                              session.error, session.session_id, session.tenant)  # fmt: skip
                 return
+            finally:
+                record.state, record.state_kv = {}, {}  # the mechanisms hold it; the warm tier keeps the path only
         session.on_disk, session.error = True, None
         for path in self.files.enforce_quota(self.config.quota_bytes):
             logger.info("session store: quota %d bytes: removed %s", self.config.quota_bytes, path.name)

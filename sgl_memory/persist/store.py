@@ -70,7 +70,10 @@ class SessionRecord:
     extra_key: str | None = None
     branch: tuple[int, int] | None = None  # (position, key id)
     live: torch.Tensor | None = None  # [len(token_ids)] bool; None: every position is live
+    # name -> "k" or "v": the state tensors that hold KV ([layers, tokens, heads, dim]) and are
+    # stored in the record's quantization like its blocks; the rest are stored exactly
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    state_kv: dict[str, str] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         tensors = [t for block in self.blocks for t in block.values()] + list(self.state.values())
@@ -180,12 +183,21 @@ class SessionFiles:
             tensors.update({f"b{b}.{name}": t for name, t in block.items()})
         if record.live is not None:
             tensors["live"] = record.live.to(torch.uint8)
-        tensors.update({f"s.{name}": t.contiguous() for name, t in record.state.items()})
+        layout = {}
+        for name, t in record.state.items():
+            kind = record.state_kv.get(name)
+            if kind is None or record.quant == "bf16":  # bf16: KV state stored as held (memory keys are float32)
+                tensors[f"s.{name}"] = t.contiguous()
+                continue
+            axis = 1 if kind == "k" and record.kivi else 3
+            encoded = self._encode(kind, t, axis)
+            tensors.update({f"q.{name}.{part.split('.', 1)[1]}": x for part, x in encoded.items()})
+            layout[name] = {"kind": kind, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "axis": axis}
         meta = {
             "format_version": str(FORMAT_VERSION), "tenant": tenant or "", "session_id": session_id,
             "spec": json.dumps(asdict(self.spec)), "quant": record.quant, "kivi": str(record.kivi),
             "block_size": str(record.block_size), "tokens": str(len(record.token_ids)), "text": record.text,
-            "extra_key": json.dumps(record.extra_key), "branch": json.dumps(record.branch),
+            "extra_key": json.dumps(record.extra_key), "branch": json.dumps(record.branch), "state_kv": json.dumps(layout),
         }  # fmt: skip
         meta["checksum"] = _checksum(tensors, meta)
         path = self.path(tenant, session_id)
@@ -226,13 +238,20 @@ class SessionFiles:
         self._check(path, meta, tensors, tenant, session_id)
         os.utime(path)  # a read is a use: quota eviction is least recently used
         blocks: dict[int, dict[str, torch.Tensor]] = {}
-        state = {}
+        state, encoded = {}, {}
         for name, t in tensors.items():
             if name.startswith("s."):
                 state[name[2:]] = t
+            elif name.startswith("q."):
+                owner, part = name[2:].rsplit(".", 1)
+                encoded.setdefault(owner, {})[part] = t
             elif name not in ("token_ids", "live"):
                 b, rest = name.split(".", 1)
                 blocks.setdefault(int(b[1:]), {})[rest] = t
+        for name, spec in json.loads(meta.get("state_kv", "{}")).items():
+            parts = {f"{spec['kind']}.{part}": t for part, t in encoded[name].items()}
+            state[name] = self._decode(parts, spec["kind"], tuple(spec["shape"]), spec["axis"], meta["quant"],
+                                       getattr(torch, spec["dtype"]))  # fmt: skip
         branch = json.loads(meta.get("branch", "null"))
         live = tensors["live"].to(torch.bool) if "live" in tensors else None
         return SessionRecord(tensors["token_ids"].tolist(), meta["text"], [blocks[b] for b in sorted(blocks)],
