@@ -1,7 +1,7 @@
 """Intent pruning, session persistence and KV memory together in one real server (SmolLM2-135M,
-bfloat16 pool, bf16 session store).
+bfloat16 pool, bf16 session store): all three, and each pair on its own server.
 
-One agent session of 40 turns: each turn brings a tool observation and a question, and the client
+All three: one agent session of 40 turns: each turn brings a tool observation and a question, and the client
 resends its whole history (full-history turns), which intent prunes to a small budget (the
 observations are history it may drop; the question is the turn's actionable span), persistence
 writes after every turn and KV memory records; at turn 20 the server restarts; at turn 40 a
@@ -12,12 +12,14 @@ its store is copied once turn 20 is written (the file then holds turn 20's prune
 mask, the QueryMemory and the memory pool), A answers turn 21, and server B, started on the copy,
 answers turn 21 again. A bf16 store of a bf16 pool restores bit-identical KV and the QueryMemory and
 the pool are stored exactly, so B must prune the same positions and answer the same greedy tokens.
+Each pair runs the same session for 12 turns, restarting at turn 6 where persistence is on.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -44,22 +46,32 @@ def observation(turn: int) -> dict:
     return {"role": "user", "content": f"Tool output {turn}: {readings}."}
 
 
-def write_config(d: Path, store: Path) -> Path:
-    path = d / "memory.yaml"
-    path.write_text(f"""
-intent:
-  enabled: true
-  budget: {BUDGET}
-  query_tail: 16
-persist:
-  enabled: true
-  dir: {store}
-  quant: bf16
-memory:
-  enabled: true
-  block_size: 16
-  top_k: 8
-""")
+@dataclass(frozen=True)
+class Case:
+    mechanisms: tuple[str, ...]
+    turns: int  # full-history turns before the memory-mode question
+    restart: int | None  # the turn after which the server restarts (with persistence)
+
+    def has(self, name: str) -> bool:
+        return name in self.mechanisms
+
+
+CASES = {
+    "all": Case(("intent", "persist", "memory"), 39, 20),
+    "intent+persist": Case(("intent", "persist"), 12, 6),
+    "memory+persist": Case(("persist", "memory"), 12, 6),
+    "intent+memory": Case(("intent", "memory"), 12, None),
+}
+SECTIONS = {
+    "intent": f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n",
+    "persist": "persist:\n  enabled: true\n  dir: {store}\n  quant: bf16\n",
+    "memory": "memory:\n  enabled: true\n  block_size: 16\n  top_k: 8\n",
+}
+
+
+def write_config(d: Path, case: Case, store: Path) -> Path:
+    path = d / f"memory-{store.name}.yaml"
+    path.write_text("".join(SECTIONS[n].format(store=store) for n in case.mechanisms))
     return path
 
 
@@ -88,14 +100,20 @@ def run(server, messages, turns):
     return results
 
 
-def wait_written(store: Path, turns: int, timeout: float = 120) -> Path:
-    """The session's file once its writer has stored `turns` turns of QueryMemory."""
+def wait_written(store: Path, case: Case, turns: int, path_tokens: int, timeout: float = 120) -> Path:
+    """The session's file once its writer has stored `turns` turns (of QueryMemory, of the memory
+    pool) and a path of at least `path_tokens` tokens."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         for path in store.glob("*/*/*.safetensors"):
             try:
                 with safe_open(str(path), "pt") as f:
-                    if "s.intent.updates" in f.keys() and int(f.get_tensor("s.intent.updates")[0]) >= turns:
+                    done = int(f.metadata()["tokens"]) >= path_tokens
+                    if case.has("intent"):
+                        done = done and "s.intent.updates" in f.keys() and int(f.get_tensor("s.intent.updates")[0]) >= turns
+                    if case.has("memory"):
+                        done = done and "s.memory.meta" in f.keys() and int(f.get_tensor("s.memory.meta")[0]) >= turns
+                    if done:
                         return path
             except Exception:  # replaced while we read it
                 pass
@@ -103,69 +121,97 @@ def wait_written(store: Path, turns: int, timeout: float = 120) -> Path:
     raise AssertionError(f"the session file did not reach {turns} turns")
 
 
-@pytest.fixture(scope="module")
-def session(tmp_path_factory):
-    d = tmp_path_factory.mktemp("composed")
+@dataclass
+class Session:
+    case: Case
+    server: object  # the server the rest of the session runs on (restarted, where persistence is on)
+    messages: list[dict]  # the history up to the restart point
+    first: list  # [(answer, usage, metrics)] of the turns before it
+    reference: tuple | None  # the next turn on the server that never restarted
+    stored: Path | None  # the session file at the restart point
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def session(request, tmp_path_factory):
+    case = CASES[request.param]
+    d = tmp_path_factory.mktemp(request.param.replace("+", "-"))
     store, snapshot = d / "store", d / "snapshot"
-    a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, store)), *BF16)
+    a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, case, store)), *BF16)
+    if case.restart is None:
+        messages = [SYSTEM]
+        first = run(a, messages, TURNS[: case.turns])
+        yield Session(case, a, messages, first, None, None)
+        stop_server(a)
+        return
     try:
         messages = [SYSTEM]
-        first = run(a, messages, TURNS[:20])
-        stored = wait_written(store, 20)
+        first = run(a, messages, TURNS[: case.restart])
+        last = first[-1][1]
+        stored = wait_written(store, case, case.restart, last["prompt_tokens"])
         shutil.copytree(store, snapshot)
-        at_21 = run(a, list(messages), TURNS[20:21])[0]  # the server that never restarted
+        reference = run(a, list(messages), TURNS[case.restart : case.restart + 1])[0]  # the server that never restarted
     finally:
         stop_server(a)
-    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, snapshot)), *BF16)
-    yield b, messages, first, at_21, stored
+    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, case, snapshot)), *BF16)
+    yield Session(case, b, messages, first, reference, snapshot / stored.relative_to(store))
     stop_server(b)
 
 
+def needs(session: Session, *names: str) -> None:
+    if not all(session.case.has(n) for n in names):
+        pytest.skip(f"needs {' and '.join(names)}")
+
+
 def test_the_session_is_pruned_to_its_budget_every_turn(session):
-    _, _, first, _, _ = session
-    pruned = [m for _, _, m in first if m["compression_events"]]
-    assert len(pruned) >= 10, "the history must outgrow the budget"
-    for _, usage, m in first:
+    needs(session, "intent")
+    pruned = [m for _, _, m in session.first if m["compression_events"]]
+    assert len(pruned) >= len(session.first) // 3, "the history must outgrow the budget"
+    for _, usage, m in session.first:
         assert m["live_kv_tokens"] <= max(BUDGET, m["budget"]) + usage["completion_tokens"]
     # full-history turns reuse the pruned path: only the new turn is prefilled
-    late = first[-1][1]
+    late = session.first[-1][1]
     assert late["prompt_tokens_details"]["cached_tokens"] > late["prompt_tokens"] // 2
 
 
 def test_the_stored_session_holds_the_pruned_path_its_live_mask_and_the_other_mechanisms_state(session):
-    _, _, _, _, stored = session
-    with safe_open(str(stored), "pt") as f:
+    needs(session, "persist")
+    with safe_open(str(session.stored), "pt") as f:
         names = set(f.keys())
-        live = f.get_tensor("live")
         meta = f.metadata()
-    assert {"s.intent.query_memory", "s.memory.keys", "s.memory.values", "s.memory.tokens"} <= names
-    assert live.numel() == int(meta["tokens"]) and 0 < int(live.sum()) < live.numel()
-    assert meta["branch"] != "null"
+        live = f.get_tensor("live") if "live" in names else None
+    if session.case.has("intent"):
+        assert "s.intent.query_memory" in names and meta["branch"] != "null"
+        assert live.numel() == int(meta["tokens"]) and 0 < int(live.sum()) < live.numel()
+    if session.case.has("memory"):
+        assert {"s.memory.keys", "s.memory.values", "s.memory.tokens"} <= names
 
 
 def test_the_turn_after_a_restart_equals_the_turn_on_a_server_that_never_restarted(session):
-    b, messages, _, at_21, _ = session
-    answer, usage, metrics = chat(b, next_turn(messages, TURNS[20]))
-    ref_answer, ref_usage, ref = at_21
+    needs(session, "persist")
+    turn = session.case.restart + 1
+    answer, usage, metrics = chat(session.server, next_turn(session.messages, TURNS[turn - 1]))
+    ref_answer, ref_usage, ref = session.reference
     assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, metrics
-    # the pruned path came back with its dead positions: the same prefix is reused, the same
-    # number of positions is pruned, from a QueryMemory of the same 21 turns, with the same pool
+    # the path came back (with its dead positions): the same prefix is reused; with intent, the same
+    # number of positions is pruned from a QueryMemory of the same turns; with memory, the same pool
     assert usage["prompt_tokens_details"]["cached_tokens"] == ref_usage["prompt_tokens_details"]["cached_tokens"]
-    assert metrics["query_memory_turns"] == ref["query_memory_turns"] == 21
-    assert metrics["freed_slots"] == ref["freed_slots"] and metrics["live_kv_tokens"] == ref["live_kv_tokens"]
-    assert metrics["memory_blocks"] == ref["memory_blocks"] > 0
+    if session.case.has("intent"):
+        assert metrics["query_memory_turns"] == ref["query_memory_turns"] == turn
+        assert metrics["freed_slots"] == ref["freed_slots"] and metrics["live_kv_tokens"] == ref["live_kv_tokens"]
+    if session.case.has("memory"):
+        assert metrics["memory_blocks"] == ref["memory_blocks"] > 0
     assert answer == ref_answer
 
 
-def test_a_fact_from_turn_1_is_recalled_as_kv_at_turn_40_after_the_restart(session):
-    b, messages, _, _, _ = session
+def test_a_fact_from_turn_1_is_recalled_as_kv_at_the_last_turn(session):
+    needs(session, "memory")
     from transformers import AutoTokenizer
 
-    messages = next_turn(messages, TURNS[20])
-    messages.append({"role": "assistant", "content": chat(b, messages)[0]})
-    run(b, messages, TURNS[21:])  # turns 22-39
-    assert len(messages) == 1 + 2 * 39 + 38
-    answer, usage, metrics = chat(b, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={})
+    messages = list(session.messages)
+    done = len(session.first)
+    if session.case.restart is not None:  # the turns after the restart, on the restarted server
+        run(session.server, messages, TURNS[done : session.case.turns])
+    answer, usage, metrics = chat(session.server, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={})
     # turn 1 is the pool's first turn (its whole first request): the fact's tokens must be placed
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
     text = tokenizer.apply_chat_template([SYSTEM, {"role": "user", "content": TURNS[0]}], tokenize=False)
@@ -173,20 +219,23 @@ def test_a_fact_from_turn_1_is_recalled_as_kv_at_turn_40_after_the_restart(sessi
     code = tokenizer.encode(" 4812", add_special_tokens=False)
     at = next(i for i in range(len(turn_1)) if turn_1[i : i + len(code)] == code)
     assert any(turn == 0 and offset <= at < offset + n for turn, offset, n in metrics["retrieved_spans"]), metrics
-    # all three mechanisms report in one object
-    assert metrics["retrieved_blocks"] > 0 and metrics["budget"] == BUDGET and "persist_error" in metrics
-    assert usage["prompt_tokens_details"]["cached_tokens"] >= metrics["memory_kv_tokens"]
+    # every mechanism on reports in the one object
+    assert metrics["retrieved_blocks"] > 0 and usage["prompt_tokens_details"]["cached_tokens"] >= metrics["memory_kv_tokens"]
+    assert (metrics.get("budget") == BUDGET) == session.case.has("intent")
+    assert ("persist_error" in metrics) == session.case.has("persist")
 
 
 @pytest.mark.parametrize("who", [{"tenant": "other"}, {"session_id": "agent-2"}])
-def test_another_tenant_or_session_gets_nothing_of_the_session_with_all_three_on(session, who):
+def test_another_tenant_or_session_gets_nothing_of_the_session(session, who):
     """The same prompts under another tenant, or another session id: no restored path, no recalled
     block, a QueryMemory of its own, a memory pool of its own."""
-    b, messages, _, _, _ = session
+    if session.case.mechanisms != CASES["all"].mechanisms:
+        pytest.skip("run with all three on")
+    b, messages = session.server, session.messages
     _, _, first = chat(b, messages[:2], **who)
     assert first["restored_tokens"] == 0 and first["text_match"] is None
     assert first["query_memory_turns"] == 1
     _, _, recall = chat(b, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={}, **who)
-    # its pool holds only its own first turn (about 45 tokens; the session's holds 39 turns)
+    # its pool holds only its own first turn (about 45 tokens; the session's holds its turns)
     assert recall["retrieved_turns"] == [0] and recall["memory_blocks"] <= 4
     assert recall["query_memory_turns"] == 2
