@@ -29,6 +29,7 @@ among the retrieved blocks' turns for the memory methods), which does not depend
 ability to answer. Writes bench/results/long_session.json and .png.
 
     .venv/bin/python bench/long_session.py [--turns 200] [--methods plain intent memory all all+restart]
+    .venv/bin/python bench/long_session.py --methods all-cap-merge --update   # re-run one method, keep the rest
 """
 
 from __future__ import annotations
@@ -233,6 +234,7 @@ def main() -> None:
     ap.add_argument("--question-every", type=int, default=10)
     ap.add_argument("--min-age", type=int, default=40)
     ap.add_argument("--capacity", type=int, default=128, help="memory blocks per session of the all-cap methods")
+    ap.add_argument("--update", action="store_true", help="replace only these methods' rows in the results file")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -242,11 +244,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods:
             rows += run_method(method, turns, tokenizer, args, Path(tmp))
+    out = RESULTS / "long_session.json"
+    if args.update and out.exists():  # keep the other methods' rows of an earlier run with the same session
+        earlier = json.loads(out.read_text())
+        if earlier["turns"] != len(turns) or earlier["model"] != args.model:
+            raise SystemExit(f"--update: {out} holds another session ({earlier['turns']} turns of {earlier['model']})")
+        rows = sorted([r for r in earlier["rows"] if r["method"] not in args.methods] + rows, key=lambda r: METHODS.index(r["method"]))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
     result = {"model": args.model, "turns": len(turns), "questions": sum(t["question"] for t in turns),
-              "args": vars(args), "summary": {m: summary([r for r in rows if r["method"] == m], len(turns)) for m in args.methods},
+              "args": vars(args), "summary": {m: summary([r for r in rows if r["method"] == m], len(turns)) for m in methods},
               "rows": rows}  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "long_session.json").write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps(result, indent=1))
     plot(rows, RESULTS / "long_session.png")
     print(json.dumps(result["summary"], indent=1))
 
