@@ -70,14 +70,6 @@ def place(tree, key, match, keys, values, live: torch.Tensor | None = None) -> b
     return True
 
 
-def copy_out(tree, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [layers, n, heads, dim] of these slots, copied off the pool to host memory."""
-    pool = tree.token_to_kv_pool_allocator.get_kvcache()
-    keys = torch.stack([pool.get_key_buffer(i)[slots] for i in pool_layers(pool)]).cpu()
-    values = torch.stack([pool.get_value_buffer(i)[slots] for i in pool_layers(pool)]).cpu()
-    return keys, values
-
-
 def common_prefix(a: Sequence, b: Sequence) -> int:
     """Length of the common prefix of two token lists (or strings, compared in C)."""
     if isinstance(a, str) and isinstance(b, str):
@@ -129,16 +121,26 @@ def held_path(tree, req) -> HeldPath:
     return HeldPath(tokens[:n], match.last_device_node, branch if branch is not None and branch[0] < n else None)
 
 
-def path_live(tree, path: HeldPath) -> torch.Tensor:
-    """[len(path)] bool: the positions of a held path that hold KV (not the sentinel slot)."""
-    slots = tree.path_device_indices(path.node)[: len(path)]
+def live_mask(tree, slots: torch.Tensor) -> torch.Tensor:
+    """[n] bool, on the host: the slots that hold KV of their position (not the sentinel slot)."""
     sentinel = getattr(tree, "sentinel", None)
     return (slots != sentinel).cpu() if sentinel is not None else torch.ones(slots.numel(), dtype=torch.bool)
 
 
+def path_live(tree, path: HeldPath) -> torch.Tensor:
+    """[len(path)] bool: the positions of a held path that hold KV."""
+    return live_mask(tree, tree.path_device_indices(path.node)[: len(path)])
+
+
+def copy_slots(tree, slots: torch.Tensor) -> PathKV:
+    """KV [layers, n, heads, dim] of these slots (a row's or a path's), copied off the pool to host
+    memory, with their live mask (a pruned position's KV is the sentinel's: zeros)."""
+    pool = tree.token_to_kv_pool_allocator.get_kvcache()
+    keys = torch.stack([pool.get_key_buffer(i)[slots] for i in pool_layers(pool)]).cpu()
+    values = torch.stack([pool.get_value_buffer(i)[slots] for i in pool_layers(pool)]).cpu()
+    return PathKV(keys, values, live_mask(tree, slots))
+
+
 def copy_path(tree, path: HeldPath, start: int, end: int | None = None) -> PathKV:
-    """KV of positions [start, end) of a held path, copied off the pool, with its live mask (a
-    pruned position's KV is the sentinel's: zeros)."""
-    end = len(path) if end is None else end
-    keys, values = copy_out(tree, tree.path_device_indices(path.node)[start:end])
-    return PathKV(keys, values, path_live(tree, path)[start:end])
+    """KV of positions [start, end) of a held path, copied off the pool, with its live mask."""
+    return copy_slots(tree, tree.path_device_indices(path.node)[start : len(path) if end is None else end])

@@ -193,6 +193,15 @@ class Sim:
         else:
             self.tree.evict(EvictParams(num_tokens=self.rng.randint(1, 40)))
 
+    def run(self, steps: int) -> None:
+        """Random steps, then every running request finished; the invariants checked after each."""
+        for _ in range(steps):
+            self.step()
+            self.check()
+        while self.running:
+            self.finish(self.running[0])
+            self.check()
+
     def check(self):
         sentinel = self.tree.sentinel
         free = torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist()
@@ -234,12 +243,7 @@ class Sim:
 @pytest.mark.parametrize("seed", range(6))
 def test_random_prune_evict_finish_cycles_conserve_slots(seed):
     sim = Sim(seed)
-    for _ in range(400):
-        sim.step()
-        sim.check()
-    while sim.running:
-        sim.finish(sim.running[0])
-        sim.check()
+    sim.run(400)
     assert sim.pruned > 10, "the run must actually prune"
     assert sim.reused > 0, "some request must match into its session's pruned path"
     sim.tree.evict(EvictParams(num_tokens=POOL))
@@ -339,12 +343,7 @@ class AllSim(Sim):
 @pytest.mark.parametrize("seed", range(4))
 def test_all_mechanisms_together_conserve_slots_and_read_their_own_kv(seed, tmp_path):
     sim = AllSim(seed, tmp_path)
-    for _ in range(400):
-        sim.step()
-        sim.check()
-    while sim.running:
-        sim.finish(sim.running[0])
-        sim.check()
+    sim.run(400)
     assert sim.pruned > 10 and sim.placed > 3 and sim.restored > 3, (sim.pruned, sim.placed, sim.restored)
     assert sim.recorded_dead > 0, "memory must have recorded positions that pruning dropped"
     for m in sim.tree.mechanisms:

@@ -291,11 +291,9 @@ class MemArtManager(mechanism.Mechanism):
             return None  # not the end of the prefill
         prompt = list(req.origin_input_ids)
         start = self._turn_start(state, self.session(state.owner, create=True), prompt)
+        # a prefix matched from a pruned path may hold dead positions: the live mask leaves them out
         slots = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx][start : len(prompt)].to(torch.int64)
-        keys, values = tree_fill.copy_out(tree, slots)
-        sentinel = getattr(tree, "sentinel", None)  # a prefix matched from a pruned path may hold dead positions
-        live = (slots != sentinel).cpu() if sentinel is not None else torch.ones(slots.numel(), dtype=torch.bool)
-        state.prompt_kv, state.prompt_kv_start = tree_fill.PathKV(keys, values, live), start
+        state.prompt_kv, state.prompt_kv_start = tree_fill.copy_slots(tree, slots), start
         return None
 
     def on_release(self, req) -> None:

@@ -70,9 +70,9 @@ class SessionRecord:
     extra_key: str | None = None
     branch: tuple[int, int] | None = None  # (position, key id)
     live: torch.Tensor | None = None  # [len(token_ids)] bool; None: every position is live
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
     # name -> "k" or "v": the state tensors that hold KV ([layers, tokens, heads, dim]) and are
     # stored in the record's quantization like its blocks; the rest are stored exactly
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
     state_kv: dict[str, str] = field(default_factory=dict)
 
     def nbytes(self) -> int:
