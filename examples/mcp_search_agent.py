@@ -19,8 +19,11 @@ import argparse
 import asyncio
 import json
 import sys
+from contextlib import asynccontextmanager
 
-from mcp import Client, StdioServerParameters
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamablehttp_client
 from openai import OpenAI
 
 ANSWER = {"type": "function", "function": {
@@ -30,14 +33,24 @@ SYSTEM = ("You are a deep-research agent. Use search to find documents and get_d
           "When you know the answer, call answer with the exact answer only.")  # fmt: skip
 
 
+@asynccontextmanager
+async def connect(mcp):
+    """An MCP client session: `mcp` is a URL (streamable HTTP) or the parameters of a server to start
+    over stdio."""
+    transport = streamablehttp_client(mcp) if isinstance(mcp, str) else stdio_client(mcp)
+    async with transport as (read, write, *_), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
 async def research(question: str, url: str, mcp, session_id: str, budget: int = 512, max_steps: int = 6) -> dict:
     """Returns the answer (None only if the model's last, forced answer did not parse) and each step's
     calls, tool outputs and `sgl_memory` metrics."""
     llm = OpenAI(base_url=url.rstrip("/") + "/v1", api_key="none")
-    async with Client(mcp) as tools_server:
+    async with connect(mcp) as tools_server:
         listed = await tools_server.list_tools()
         tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                   "parameters": t.input_schema}} for t in listed.tools] + [ANSWER]  # fmt: skip
+                                                   "parameters": t.inputSchema}} for t in listed.tools] + [ANSWER]  # fmt: skip
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         steps = []
         for step in range(max_steps):

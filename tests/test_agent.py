@@ -14,17 +14,19 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from sgl_memory import harness, models
 
 from bench.agent import bcp, bfcl, run
+from bench.agent.loop import prompt_token_ids
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The default model (the test model's chat template renders no tools), intent on."""
+    """The default model (the test model's chat template renders no tools), intent and KV memory on."""
     d = tmp_path_factory.mktemp("agent")
-    (d / "memory.yaml").write_text(run.INTENT_CONFIG)
+    (d / "memory.yaml").write_text(run.INTENT_CONFIG + run.MEMORY_CONFIG)
     srv = harness.start(harness.our_command(models.DEFAULT_MODEL, "--memory-config", str(d / "memory.yaml")), d / "server.log")
     yield srv
     harness.stop(srv)
@@ -121,6 +123,15 @@ def test_the_bfcl_cli_runs_a_task_on_a_real_server_and_resumes(server, tmp_path)
     assert any(s["metrics"]["compression_events"] for s in trace["steps"])
     assert all(s["cached_tokens"] >= p["prompt_tokens"] for p, s in zip(trace["steps"], trace["steps"][1:]))
     assert trace["steps"][0]["next_calls"] == [c for s in trace["steps"][1:] for c in s["calls"]][:5]
+    tokenizer = AutoTokenizer.from_pretrained(models.fetch(models.DEFAULT_MODEL))
+    for step, ids in zip(trace["steps"], prompt_token_ids(trace["steps"])):  # the token ids, rebuilt from the deltas
+        assert len(ids) == step["prompt_tokens"] and len(step["token_ids"]["output"]) == step["output_tokens"]
+        text, at = tokenizer.decode(ids), 0
+        for message in trace["messages"][: step["prefix"]]:  # every message of the request, in order
+            at = text.index(message["content"] or message["tool_calls"][0]["function"]["name"], at)
+        for name, _ in step["calls"]:
+            assert name in tokenizer.decode(step["token_ids"]["output"])
+    assert all(s["token_ids"]["shared"] > p["prompt_tokens"] // 2 for p, s in zip(trace["steps"], trace["steps"][1:]))
     (row,) = json.loads((tmp_path / "agent_bfcl.json").read_text())["rows"]
     assert row["tasks"] == 1 and row["budget"] == 8 and row["true_acc"] == float(trace["valid"])
     assert row["compl"] == float(trace["reason"] is None)
@@ -129,10 +140,32 @@ def test_the_bfcl_cli_runs_a_task_on_a_real_server_and_resumes(server, tmp_path)
     assert (tmp_path / "agent_bfcl.tasks.jsonl").read_text() == before
 
 
+@pytest.mark.parametrize("exchanges, kept", [
+    (0, []),
+    (1, ["a2.2", "t2.2.0", "t2.2.1"]),
+    (2, ["a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+    (3, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+    (10, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+])  # fmt: skip
+def test_a_kv_memory_request_carries_the_system_prompt_the_last_user_message_and_its_last_exchanges(exchanges, kept):
+    """The system message, the last user message, then the last `exchanges` assistant messages with
+    everything after each (their tool results); written out by hand."""
+    from bench.agent.loop import windowed
+
+    conversation = [{"role": "system", "content": "tools"}]
+    for turn in range(3):
+        conversation.append({"role": "user", "content": f"u{turn}"})
+        for step in range(turn + 1):  # turn t makes t + 1 calls, the last with two results
+            conversation.append({"role": "assistant", "content": f"a{turn}.{step}"})
+            conversation += [{"role": "tool", "content": f"t{turn}.{step}.{r}"} for r in range(1 + (step == turn))]
+    assert [m["content"] for m in windowed(conversation, exchanges)] == ["tools", "u2", *kept]
+    assert [m["content"] for m in windowed(conversation[:2], exchanges)] == ["tools", "u0"]
+
+
 # --- the BCP-shaped workload ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prediction, gold, correct", [
+JUDGED = [  # hand-checked (prediction, gold answer, correct by a normalised match)
     ("7 May 2023", "7 May 2023", True),
     ("It was on May 7, 2023.", "7 May 2023", True),  # order and punctuation do not matter
     ("The painting was of a sunset", "sunset", True),
@@ -142,9 +175,25 @@ def test_the_bfcl_cli_runs_a_task_on_a_real_server_and_resumes(server, tmp_path)
     ("anything", "", False),  # no gold answer: nothing can match it
     ("Caroline and Melanie", "Melanie and Caroline", True),
     ("two", "2", False),  # a normalised match, not a semantic judge
-])
+]
+
+
+@pytest.mark.parametrize("prediction, gold, correct", JUDGED)
 def test_the_normalised_match_judge_on_hand_checked_cases(prediction, gold, correct):
     assert bcp.judge(prediction, gold) is correct
+
+
+@pytest.mark.server
+def test_bcps_llm_judge_answers_with_its_graders_fields_on_the_server(server):
+    """`--judge llm`: BCP's grader fields (extracted final answer, reasoning, correct) come back from
+    the run's own server as a constrained call, `correct` a boolean, and the verdict is it. Whether
+    the verdicts are right is the model's business: this 0.5B model says correct to most answers,
+    right or wrong (the note on issue 15), hence the normalised match by default."""
+    for prediction, gold, _ in JUDGED[:5]:
+        verdict = bcp.llm_judge(server.url, "When did Melanie paint a sunrise?", prediction, gold)
+        assert isinstance(verdict.get("correct"), bool), verdict
+        assert isinstance(verdict["extracted_final_answer"], str) and isinstance(verdict["reasoning"], str)
+        assert verdict["valid"] is verdict["correct"]
 
 
 def test_a_documents_rare_phrase_finds_it_and_results_stay_frozen_per_query(tmp_path):
@@ -168,17 +217,19 @@ def test_a_documents_rare_phrase_finds_it_and_results_stay_frozen_per_query(tmp_
 
 @pytest.mark.server
 def test_the_bcp_cli_answers_a_question_on_a_real_server(server, tmp_path):
-    """One LoCoMo question through `python -m bench.agent --workload bcp`, full cache and IntentKV
-    at a 32-token history budget, with next-action agreement: the agent's tool results are the
-    corpus's (search results as the frozen cache lists them), each trajectory ends in an answer
-    judged against the gold answer or in a recorded non-completion, the history budget pruned the
-    searches' output, and agreement was asked at each of the full cache's decision points."""
-    argv = ["--url", server.url, "--workload", "bcp", "--methods", "full cache", "intentkv-memory/*", "--budgets", "32",
-            "--tasks", "locomo-c0-*", "--limit", "1", "--max-steps", "3", "--max-tokens", "64", "--agreement",
-            "--out", str(tmp_path)]  # fmt: skip
+    """One LoCoMo question through `python -m bench.agent --workload bcp`, full cache, IntentKV at a
+    32-token history budget and KV memory with a one-exchange window, with next-action agreement: the
+    agent's tool results are the corpus's (search results as the frozen cache lists them), each
+    trajectory ends in an answer judged against the gold answer or in a recorded non-completion, the
+    history budget pruned the searches' output, KV memory's requests left out the older exchanges
+    and got blocks back from the session's memory instead, and agreement was asked at each of the full
+    cache's decision points."""
+    argv = ["--url", server.url, "--workload", "bcp", "--methods", "full cache", "intentkv-memory/*", "kv memory",
+            "--budgets", "32", "--memory-window", "1", "--tasks", "locomo-c0-*", "--limit", "1", "--max-steps", "3",
+            "--max-tokens", "64", "--agreement", "--out", str(tmp_path)]  # fmt: skip
     run.main(argv)
     traces = {t["method"]: t for t in map(json.loads, (tmp_path / "agent_bcp.traces.jsonl").read_text().splitlines())}
-    assert set(traces) == {"full cache", "intentkv-memory/dead_slot@32"}
+    assert set(traces) == {"full cache", "intentkv-memory/dead_slot@32", "kv memory"}
     cache = json.loads((tmp_path / "agent_bcp.search_cache.json").read_text())
     corpus = {d.docid: d for d in bcp.locomo_corpus()}
     for trace in traces.values():
@@ -195,10 +246,18 @@ def test_the_bcp_cli_answers_a_question_on_a_real_server(server, tmp_path):
     pruned = traces["intentkv-memory/dead_slot@32"]["steps"]
     assert any(s["metrics"]["compression_events"] for s in pruned[1:])
     assert not any(s["metrics"].get("compression_events") for s in traces["full cache"]["steps"])
-    (agreement,) = [json.loads(line) for line in (tmp_path / "agent_bcp.agreement.jsonl").read_text().splitlines()]
-    assert agreement["method"] == "intentkv-memory/dead_slot@32" and agreement["points"] == len(traces["full cache"]["steps"])
+    recalled = traces["kv memory"]
+    tokenizer = AutoTokenizer.from_pretrained(models.fetch(models.DEFAULT_MODEL))
+    for i, (step, ids) in enumerate(zip(recalled["steps"], prompt_token_ids(recalled["steps"]))):
+        assert i == 0 or step["metrics"]["retrieved_blocks"] > 0
+        if i >= 1:  # the request held the last exchange's tool results only; older ones come back as blocks
+            assert tokenizer.decode(ids).count("<tool_response>") == len(recalled["steps"][i - 1]["results"])
+    (agreement,) = [json.loads(line) for line in (tmp_path / "agent_bcp.agreement.jsonl").read_text().splitlines()
+                    if json.loads(line)["method"] == "intentkv-memory/dead_slot@32"]  # fmt: skip
+    assert agreement["points"] == len(traces["full cache"]["steps"])
     rows = {r["method"]: r for r in json.loads((tmp_path / "agent_bcp.json").read_text())["rows"]}
     assert rows["intentkv-memory/dead_slot@32"]["next_action_agreement"] == agreement["agree"] / agreement["points"]
+    assert rows["kv memory"]["agreement_points"] == len(traces["full cache"]["steps"])
     assert rows["full cache"]["f1"] == traces["full cache"]["f1"] and rows["full cache"]["next_action_agreement"] is None
 
 
@@ -243,18 +302,18 @@ def test_the_mcp_server_serves_bcps_tools_with_the_workloads_retrieval():
     """BCP's tool names, arguments and result shapes, answered from the workload's corpus."""
     import asyncio
 
-    from mcp import Client
+    from mcp.shared.memory import create_connected_server_and_client_session
 
     from bench.agent import mcp_server
 
     corpus = bcp.Corpus(bcp.locomo_corpus())
 
     async def talk():
-        async with Client(mcp_server.build(corpus)) as client:
-            names = {t.name: t.input_schema["required"] for t in (await client.list_tools()).tools}
-            hits = (await client.call_tool("search", {"query": "Melanie paint sunrise"})).structured_content["result"]
-            doc = (await client.call_tool("get_document", {"docid": "c0s1"})).structured_content["result"]
-            missing = (await client.call_tool("get_document", {"docid": "nope"})).structured_content["result"]
+        async with create_connected_server_and_client_session(mcp_server.build(corpus)) as client:
+            names = {t.name: t.inputSchema["required"] for t in (await client.list_tools()).tools}
+            hits = (await client.call_tool("search", {"query": "Melanie paint sunrise"})).structuredContent["result"]
+            doc = (await client.call_tool("get_document", {"docid": "c0s1"})).structuredContent["result"]
+            missing = (await client.call_tool("get_document", {"docid": "nope"})).structuredContent["result"]
             return names, hits, doc, missing
 
     names, hits, doc, missing = asyncio.run(talk())
@@ -290,3 +349,74 @@ def test_an_mcp_client_agent_completes_a_query_on_sgl_memory(server):
                 at = [output.find(d.docid) for d in corpus.search(arguments["query"])]
                 assert -1 not in at and at == sorted(at), output[:200]
     assert searched
+
+
+@pytest.fixture
+def mcp_sse(tmp_path):
+    """bench.agent.mcp_server over SSE, BCP's default MCP transport for its qwen-agent client."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    port = harness.free_port()
+    log = (tmp_path / "mcp.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "bench.agent.mcp_server", "--transport", "sse", "--port", str(port)],
+                            cwd=Path(__file__).resolve().parents[1], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "mcp.log").read_text()
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/sse"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.server
+def test_bcps_qwen_agent_client_runs_against_sgl_memory_and_the_mcp_server(server, mcp_sse, monkeypatch):
+    """BrowseComp-Plus's qwen-agent client, configured as its search_agent/qwen_client.py configures
+    it (an `Assistant` with the model server's /v1 and the MCP server's URL; the `sgl_memory` field
+    through `generate_cfg.extra_body`), unchanged otherwise.
+    - BCP's defaults (qwen-agent's own tool-call prompt, tool choice auto) complete the query by
+      BCP's rule (the last message is the assistant's, with text); this model writes its call as
+      bare JSON, which that prompt does not parse, so it answers without searching;
+    - through the OpenAI tools API with tool_choice required (`use_raw_api`), the model's searches run
+      through MCP and return the workload's BM25 results; it never stops calling tools, so the run
+      ends at qwen-agent's LLM-call cap (lowered to 3 here).
+    Every request reached sgl-memory in its session (the server's counters)."""
+    import re
+
+    import requests
+    from qwen_agent.agents import Assistant, fncall_agent
+
+    def ask(question: str, session_id: str, **cfg) -> list[dict]:
+        llm = {"model": "default", "model_server": server.url + "/v1", "api_key": "EMPTY",
+               "generate_cfg": {"max_tokens": 64, "temperature": 0, **cfg,
+                                "extra_body": {"sgl_memory": {"session_id": session_id, "budget": 32, "budget_mode": "history"}}}}  # fmt: skip
+        bot = Assistant(llm=llm, function_list=[{"mcpServers": {"search-server": {"url": mcp_sse}}}])
+        response = []
+        for response in bot.run(messages=[{"role": "user", "content": question}]):
+            pass
+        return response
+
+    def stats() -> dict:
+        return requests.get(server.url + "/sgl_memory/stats", timeout=30).json()
+
+    before = stats()
+    response = ask("When did Melanie paint a sunrise?", "qwen-agent-default")
+    assert response and response[-1]["role"] == "assistant" and response[-1]["content"].strip(), response
+
+    monkeypatch.setattr(fncall_agent, "MAX_LLM_CALL_PER_RUN", 3)
+    response = ask("When did Melanie paint a sunrise?", "qwen-agent-required", use_raw_api=True, tool_choice="required")
+    calls = [(m, r) for m, r in zip(response, response[1:]) if m.get("function_call") and r["role"] == "function"]
+    assert len(calls) == 3, response
+    corpus = bcp.Corpus(bcp.locomo_corpus())
+    for message, result in calls:
+        assert message["function_call"]["name"] == "search-server-search"
+        query = json.loads(message["function_call"]["arguments"])["query"]
+        assert re.findall(r'"docid": "([^"]+)"', result["content"]) == [d.docid for d in corpus.search(query)]
+    after = stats()
+    assert after["session_key_sources"]["session_id"] - before["session_key_sources"].get("session_id", 0) >= 1 + 3
+    assert after["totals"]["compression_events"] > before["totals"]["compression_events"]

@@ -11,14 +11,16 @@ Trace format (`agent_<workload>.traces.jsonl`, one JSON object per line, per met
 - `workload`, `model`, `method`, `fields` (the `sgl_memory` request field, null for plain SGLang),
   `task`, `category`;
 - `messages`: the conversation as the agent last sent it plus its final reply (OpenAI chat format;
-  the tools offered are BFCL's docs, reproducible from the task id), from which the chat template
-  gives the exact prompt token ids;
+  the tools offered are BFCL's docs, reproducible from the task id);
 - `steps`: per decision, `turn`, `step`, `calls` ([name, arguments] as the model emitted them),
   `text`, `executed` (BFCL call strings run) and `results`, `next_calls` (the next five calls'
   [name, arguments]: the future-action labels), the step's `metrics` (`sgl_memory` object) and
   costs (`prompt_tokens`, `cached_tokens`, `output_tokens`, `peak_request_tokens`, `live_kv_tokens`,
-  `raw_kv_reads`, `eff_kv_reads`, `latency_s`), `finish_reason`, and `prefix` (how many of
-  `messages` the step's request held: the decision point a teacher-forced replay starts from);
+  `raw_kv_reads`, `eff_kv_reads`, `latency_s`), `finish_reason`, `prefix` (how many of
+  `messages` the step's request held: the decision point a teacher-forced replay starts from), and
+  `token_ids`: the prompt's ids as the server tokenised them, stored after the ones it shares with the
+  previous step's prompt (`shared` ids, then `prompt`; `loop.prompt_token_ids` rebuilds them all),
+  and the `output` ids the model generated;
 - `decoded` (per turn, per step, the call strings the checker replays), `reason` (non-completion:
   null, `turn_cap`, `overflow`, `error`), `error`, `valid` and `error_type` (BFCL's verdict).
 """

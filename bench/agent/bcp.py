@@ -14,9 +14,11 @@ Data:
   optionally `title` / `url`) and `--bcp-queries` (the decrypted queries, jsonl with `query_id`,
   `query`, `answer`).
 
-Judging follows BCP's evaluation shape (a judge labels each completed answer correct or not): by
-default a normalised match (every token of the gold answer, normalised as LoCoMo's evaluation
-does, appears in the prediction), which a small model can be scored by; LoCoMo token F1 alongside.
+Judging follows BCP's evaluation (a judge labels each completed answer correct or not): by default
+a normalised match (every token of the gold answer, normalised as LoCoMo's evaluation does, appears
+in the prediction), which a small model can be scored by; with `--judge llm`, BCP's LLM judge
+asked on the same server (`llm_judge`; the normalised match is kept beside it); LoCoMo token F1
+alongside either.
 """
 
 from __future__ import annotations
@@ -139,6 +141,35 @@ def judge(prediction: str, gold: str) -> bool:
     return bool(want) and not (want - have)
 
 
+JUDGE_PROMPT = """Decide whether the response below answers the question correctly, judged only against the
+correct answer given.
+
+Question: {question}
+Response: {response}
+Correct answer: {gold}
+
+Report the final exact answer the response gives (None if it gives none), say in one sentence whether
+it differs in any meaningful way from the correct answer (do not solve the question yourself, do not
+argue for another answer), then whether it is correct: true only if it matches the correct answer or
+is within a small margin for a number."""
+JUDGEMENT = {"type": "function", "function": {"name": "judgement", "description": "The verdict on the response.",
+             "parameters": {"type": "object", "required": ["extracted_final_answer", "reasoning", "correct"], "properties": {
+                 "extracted_final_answer": {"type": "string"}, "reasoning": {"type": "string"},
+                 "correct": {"type": "boolean"}}}}}  # fmt: skip
+
+
+def llm_judge(url: str, question: str, response: str, gold: str, max_tokens: int = 256) -> dict:
+    """BCP's LLM judge (its grader's fields: the extracted final answer, the reasoning, correct yes /
+    no), asked on the server at `url` with no `sgl_memory` field. The verdict is a named tool call,
+    so the server's constrained decoding always returns the fields, from a small model too; a
+    verdict cut off or unparsed counts as incorrect."""
+    reply = Endpoint(url, None, max_tokens).ask(
+        [{"role": "user", "content": JUDGE_PROMPT.format(question=question, response=response, gold=gold)}],
+        [JUDGEMENT], session_id="", tool_choice={"type": "function", "function": {"name": "judgement"}})  # fmt: skip
+    verdict = reply.calls[0].arguments if reply.calls else {}
+    return {**verdict, "valid": verdict.get("correct") is True}
+
+
 def snippet(doc: Document) -> str:
     return " ".join(doc.text.split()[:SNIPPET_WORDS])
 
@@ -152,8 +183,8 @@ def render(docs: list[Document]) -> str:
 class Workload:
     """What run.py drives: tasks and how one runs; built from the CLI's data options."""
 
-    def __init__(self, corpus: Corpus, tasks: list[Task]):
-        self.corpus, self.todo = corpus, tasks
+    def __init__(self, corpus: Corpus, tasks: list[Task], llm_judge: bool = False):
+        self.corpus, self.todo, self.llm_judge = corpus, tasks, llm_judge
 
     def tasks(self, categories=None, limit: int | None = None) -> list[Task]:
         return [t for t in self.todo if categories is None or t.category in categories]
@@ -196,7 +227,11 @@ class Workload:
         except Refused as exc:
             reason, error = exc.reason, str(exc)
         label_next_calls(steps)
-        valid = reason is None and judge(prediction, task.answer)
+        match = reason is None and judge(prediction, task.answer)
+        verdict = {"match": match}
+        if self.llm_judge and reason is None:
+            verdict["judge"] = llm_judge(endpoint.url, task.question, prediction, task.answer)
+        valid = verdict["judge"]["valid"] if "judge" in verdict else match
         f1 = token_f1(prediction, task.answer) if reason is None else 0.0
         return {"messages": messages, "steps": steps, "reason": reason, "error": error, "prediction": prediction,
-                "gold": task.answer, "valid": valid, "f1": f1, "error_type": reason}  # fmt: skip
+                "gold": task.answer, "valid": valid, "f1": f1, "error_type": reason, **verdict}  # fmt: skip

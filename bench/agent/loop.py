@@ -53,12 +53,16 @@ class Reply:
     latency_s: float
     finish_reason: str | None = None  # "length": cut off by max_tokens (a call cut off there is lost)
     metrics: dict = field(default_factory=dict)  # the response's `sgl_memory` object ({} on plain SGLang)
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt's token ids as the server tokenised it
+    output_ids: list[int] = field(default_factory=list)
+    shared: int = 0  # how many leading prompt ids equal the session's previous prompt's
 
     def record(self, turn: int, step: int, prefix: int) -> dict:
         """The step's trace record: where it stood (`prefix`: how many messages its request held),
         what the model emitted, the server's metrics and the step's costs."""
         return {"turn": turn, "step": step, "prefix": prefix, "calls": [[c.name, c.arguments] for c in self.calls],
-                "text": self.text, "metrics": self.metrics, **self.costs()}  # fmt: skip
+                "text": self.text, "metrics": self.metrics, **self.costs(),
+                "token_ids": {"shared": self.shared, "prompt": self.prompt_ids[self.shared:], "output": self.output_ids}}  # fmt: skip
 
     def exchange(self, calls: list[Call], results: list[str]) -> list[dict]:
         """The messages the agent appends for calls it ran: its assistant message with them, then one
@@ -74,18 +78,35 @@ class Reply:
                 **kv_costs(self.metrics, self.prompt_tokens, self.output_tokens)}  # fmt: skip
 
 
+def windowed(messages: list[dict], exchanges: int) -> list[dict]:
+    """What a KV-memory request carries: the system message, the last user message and the last
+    `exchanges` exchanges after it (each from an assistant message on, so tool results keep their
+    call); the server brings back the rest from the session's memory."""
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(system) - 1)
+    tail = messages[last_user + 1 :]
+    starts = [i for i, m in enumerate(tail) if m["role"] == "assistant"]
+    cut = starts[max(len(starts) - exchanges, 0)] if exchanges and starts else len(tail)
+    return system + messages[len(system) : last_user + 1][-1:] + tail[cut:]
+
+
 @dataclass
 class Endpoint:
-    """A server and what a method adds to each request: the `sgl_memory` field (None: plain SGLang)."""
+    """A server and what a method adds to each request: the `sgl_memory` field (None: plain SGLang)
+    and, for KV memory, the window of messages it sends (None: the whole conversation)."""
 
     url: str
     memory: dict | None = None
     max_tokens: int = 256
     timeout_s: float = 600
+    window: int | None = None
+    last_prompt: tuple[str, list[int]] = ("", [])  # (session, ids): what the next prompt's ids are stored against
 
     def ask(self, messages: list[dict], tools: list[dict], session_id: str, tool_choice="required") -> Reply:
+        if self.window is not None:
+            messages = windowed(messages, self.window)
         body = {"model": "default", "messages": messages, "tools": tools, "tool_choice": tool_choice,
-                "temperature": 0, "max_tokens": self.max_tokens}  # fmt: skip
+                "temperature": 0, "max_tokens": self.max_tokens, "return_token_ids": True}  # fmt: skip
         if self.memory is not None:
             body["sgl_memory"] = {**self.memory, "session_id": session_id}
         t0 = time.perf_counter()
@@ -110,8 +131,23 @@ class Endpoint:
             calls.append(Call(call.get("id") or f"call_{i}", call["function"]["name"], arguments))
         usage = out["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        ids = out["choices"][0].get("prompt_token_ids") or []
+        before = self.last_prompt[1] if self.last_prompt[0] == session_id else []
+        shared = next((i for i, (a, b) in enumerate(zip(ids, before)) if a != b), min(len(ids), len(before)))
+        self.last_prompt = (session_id, ids)
         return Reply(calls, message.get("content") or "", usage["prompt_tokens"], cached, usage["completion_tokens"],
-                     latency, out["choices"][0].get("finish_reason"), out.get("sgl_memory") or {})  # fmt: skip
+                     latency, out["choices"][0].get("finish_reason"), out.get("sgl_memory") or {},
+                     ids, out["choices"][0].get("response_token_ids") or [], shared)  # fmt: skip
+
+
+def prompt_token_ids(steps: list[dict]) -> list[list[int]]:
+    """Each step's whole prompt ids from a trace, whose steps store theirs after what they share with
+    the previous step's (`token_ids`: `shared`, `prompt`)."""
+    out: list[list[int]] = []
+    for step in steps:
+        ids = step["token_ids"]
+        out.append((out[-1][: ids["shared"]] if out else []) + ids["prompt"])
+    return out
 
 
 def label_next_calls(steps: list[dict], k: int = 5) -> None:

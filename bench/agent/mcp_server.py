@@ -5,7 +5,7 @@ sgl-memory and this corpus unchanged. Retrieval is the workload's own (bench/age
 results frozen per query).
 
     python -m bench.agent.mcp_server --transport streamable-http --port 8000   # http://127.0.0.1:8000/mcp
-    python -m bench.agent.mcp_server --transport sse --port 8000
+    python -m bench.agent.mcp_server --transport sse --port 8000               # http://127.0.0.1:8000/sse
     python -m bench.agent.mcp_server --transport stdio                       # a client starts it itself
     ... --bcp-corpus corpus.jsonl                                            # BCP's corpus instead of LoCoMo's
 """
@@ -15,13 +15,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.fastmcp import FastMCP
 
 from . import bcp
 
 
-def build(corpus: bcp.Corpus, k: int = bcp.TOP_K) -> MCPServer:
-    server = MCPServer(name="search-server")
+def build(corpus: bcp.Corpus, k: int = bcp.TOP_K, port: int = 8000) -> FastMCP:
+    """`mcp` 1.x's FastMCP, which BCP's own server (fastmcp 2.9) and its qwen-agent client build on:
+    qwen-agent 0.0.34 does not run on `mcp` 2.x."""
+    server = FastMCP(name="search-server", port=port)
 
     @server.tool(name="search", description=f"Search the corpus; returns the top {k} documents as docid and the "
                                             f"first {bcp.SNIPPET_WORDS} words of their text.")  # fmt: skip
@@ -45,8 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", type=Path, help="the frozen search cache to share with runs (bench/agent's agent_bcp.search_cache.json)")
     args = ap.parse_args(argv)
     docs = bcp.bcp_corpus(args.bcp_corpus) if args.bcp_corpus else bcp.locomo_corpus()
-    server = build(bcp.Corpus(docs, args.cache), args.k)
-    server.run(args.transport, **({} if args.transport == "stdio" else {"port": args.port}))
+    build(bcp.Corpus(docs, args.cache), args.k, args.port).run(args.transport)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """The agent benchmark: every method on the same tasks in one run, resumable, with traces.
 
-Methods: on one sgl-memory server (its radix cache flushed between methods, so no method reuses
-another's prefixes) our full cache and, per budget, StreamingLLM / SnapKV / H2O on `compact` and on
-`dead_slot` and IntentKV `query` and `memory` (bench/common.py `pruning_methods`); then `plain`
-(plain SGLang, full cache, its own server). Budgets are history budgets (`budget_mode: history`,
+Methods: on one sgl-memory server with intent on (its radix cache flushed between methods, so no
+method reuses another's prefixes) our full cache and, per budget, StreamingLLM / SnapKV / H2O on
+`compact` and on `dead_slot` and IntentKV `query` and `memory` (bench/common.py `pruning_methods`);
+then `kv memory` (our server with KV memory on: each request carries the system prompt, the last
+user message and the last `--memory-window` exchanges, and the session's memory brings back the
+rest as KV blocks); then `plain` (plain SGLang, full cache, its own server). Budgets are history budgets (`budget_mode: history`,
 the IntentKV paper's): BFCL's tool docs alone are 1.6k-4.7k tokens and sit in the system prompt,
 which a total budget would have to hold.
 
@@ -39,12 +41,17 @@ from .loop import Endpoint, Refused
 
 WORKLOADS = ("bfcl", "bcp")
 INTENT_CONFIG = "intent:\n  enabled: true\n"
+MEMORY_CONFIG = "memory:\n  enabled: true\n"
 REFERENCE = "full cache"  # our server without pruning: what next-action agreement compares with
+# KV memory: each request carries the system prompt (the tool docs), the last user message and the
+# last --memory-window exchanges; the session's memory places its most relevant earlier blocks after
+# the system prompt, so the tool docs stay one prefix every step reuses.
+KV_MEMORY = ("kv memory", {"memory": {"placement": "after_system"}})
 
 
 def methods(budgets: list[int]) -> list[tuple[str, dict | None]]:
     """(name, the request's `sgl_memory` fields; None for plain SGLang), plain first."""
-    out: list[tuple[str, dict | None]] = [("plain", None)]
+    out: list[tuple[str, dict | None]] = [("plain", None), KV_MEMORY]
     for name, fields in pruning_methods(budgets):
         out.append((name, fields if name == "full cache" else {**fields, "budget_mode": "history"}))
     # the same IntentKV with the system prompt (the tool docs) compressible: which of the two is right
@@ -52,6 +59,12 @@ def methods(budgets: list[int]) -> list[tuple[str, dict | None]]:
         out.append((f"intentkv-memory+system/dead_slot@{b}",
                     {"budget": b, "budget_mode": "history", "system_prompt": "compressible", "scorer": "memory", "layout": "dead_slot"}))  # fmt: skip
     return out
+
+
+def server_of(fields: dict | None) -> str:
+    """Which server a method runs on: plain SGLang, ours with intent on, or ours with KV memory on
+    (its own: memory records every session's turns, which would cost the other methods)."""
+    return "plain" if fields is None else "memory" if "memory" in fields else "intent"
 
 
 def budget_of(fields: dict | None) -> int | None:
@@ -148,7 +161,8 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """True Acc and next-action agreement against effective live KV, one marker per method and
-    budget (the IntentKV paper's figure): grey full cache, red compact, blue dead_slot, green IntentKV."""
+    budget (the IntentKV paper's figure): grey full cache, red compact, blue dead_slot, green IntentKV,
+    purple KV memory."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,8 +172,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     markers = "osD^v<>Xph*P"
     for i, r in enumerate(rows):
         family = r["method"].split("@")[0]
-        color = "tab:gray" if r["budget"] is None else "tab:green" if "intentkv" in family else \
-            "tab:blue" if "dead_slot" in family else "tab:red"  # fmt: skip
+        color = "tab:purple" if family == KV_MEMORY[0] else "tab:gray" if r["budget"] is None else \
+            "tab:green" if "intentkv" in family else "tab:blue" if "dead_slot" in family else "tab:red"  # fmt: skip
         for ax, key in zip(axes, ("true_acc", "next_action_agreement")):
             if r.get(key) is not None:
                 ax.scatter(r["eff_live_kv"], r[key], color=color, marker=markers[i % len(markers)], s=60,
@@ -182,18 +196,18 @@ def workload(args):
         raise SystemExit("--bcp-corpus and --bcp-queries go together")
     docs = bcp.bcp_corpus(args.bcp_corpus) if args.bcp_corpus else bcp.locomo_corpus()
     todo = bcp.bcp_tasks(args.bcp_queries, args.limit) if args.bcp_queries else bcp.locomo_tasks(args.limit)
-    return bcp.Workload(bcp.Corpus(docs, args.out / "agent_bcp.search_cache.json"), todo)
+    return bcp.Workload(bcp.Corpus(docs, args.out / "agent_bcp.search_cache.json"), todo, llm_judge=args.judge == "llm")
 
 
-def start(plain: bool, model: str, work: Path):
+def start(kind: str, model: str, work: Path):
     model_path = models.fetch(model)
-    if plain:
+    if kind == "plain":
         spec = models.MODELS.get(model)
         parser = ["--tool-call-parser", spec.tool_call_parser] if spec and spec.tool_call_parser else []
         cmd, env = harness.plain_sglang(model_path, *harness.cpu_flags(model_path, "torch_native"), "--enable-cache-report", *parser)
         return harness.start(cmd, work / "plain.log", env=env)
-    (work / "memory.yaml").write_text(INTENT_CONFIG)
-    return harness.start(harness.our_command(model, "--memory-config", str(work / "memory.yaml")), work / "ours.log")
+    (work / "memory.yaml").write_text(INTENT_CONFIG if kind == "intent" else MEMORY_CONFIG)
+    return harness.start(harness.our_command(model, "--memory-config", str(work / "memory.yaml")), work / f"{kind}.log")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,12 +224,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="steps with calls per turn before the turn cap (bfcl: BFCL's 20; bcp: 10)")
     ap.add_argument("--bcp-corpus", type=Path, help="BCP's corpus jsonl (docid, text[, title, url])")
     ap.add_argument("--bcp-queries", type=Path, help="BCP's decrypted queries jsonl (query_id, query, answer)")
+    ap.add_argument("--judge", choices=("match", "llm"), default="match",
+                    help="bcp: the normalised-match judge, or BCP's LLM judge on the run's own server")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--agreement", action="store_true",
                     help="also measure next-action agreement with the full cache (a teacher-forced pass per method)")
-    ap.add_argument("--url", help="an sgl-memory server already running with intent on (its radix cache is flushed "
-                                  "between methods); default: the benchmark starts its own")  # fmt: skip
+    ap.add_argument("--memory-window", type=int, default=2,
+                    help="kv memory: the exchanges (a call and its results) each request carries after the last user message")
+    ap.add_argument("--url", help="an sgl-memory server already running with intent (and, for kv memory, memory) on; its "
+                                  "radix cache is flushed between methods; default: the benchmark starts its own")  # fmt: skip
     args = ap.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -241,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, fields in group:
             if fields is not None:  # each method starts from an empty tree: none reuses another's prefixes
                 requests.post(url + "/flush_cache?timeout=60", timeout=120).raise_for_status()
-            endpoint = Endpoint(url, fields, args.max_tokens)
+            endpoint = Endpoint(url, fields, args.max_tokens, window=args.memory_window if server_of(fields) == "memory" else None)
             for task in tqdm([t for t in todo if wanted(name, t)], desc=name):
                 if (name, task.id) not in done:
                     t0 = time.perf_counter()
@@ -257,17 +275,17 @@ def main(argv: list[str] | None = None) -> None:
                     score = agreement(work, task, endpoint, references[task.id], session_id(name, task.id, run_id + "-agree"))
                     append(agreement_path, {"method": name, "task": task.id, **score})
 
-    for plain in (False, True):  # ours first: the full cache is the reference plain is compared with
-        group = [(n, f) for n, f in chosen if (f is None) == plain and any(wanted(n, t) for t in todo)]
+    for kind in ("intent", "memory", "plain"):  # the full cache first: the reference the others are compared with
+        group = [(n, f) for n, f in chosen if server_of(f) == kind and any(wanted(n, t) for t in todo)]
         if not group:
             continue
         if args.url:
-            if plain:
+            if kind == "plain":
                 raise SystemExit("method plain runs on a plain SGLang server the benchmark starts: leave out --url")
             run_methods(args.url.rstrip("/"), group)
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            server = start(plain, args.model, Path(tmp))
+            server = start(kind, args.model, Path(tmp))
             try:
                 run_methods(server.url, group)
             finally:
