@@ -3,9 +3,11 @@ method on the same tasks, accuracy next to system cost (the IntentKV paper's met
 
     python -m bench.agent --workload bfcl --methods plain 'full cache' 'intentkv-*' --budgets 512 --limit 2
 
-Modules: `loop.py` (one decision through /v1/chat/completions, its costs, future-action labels),
-`bfcl.py` (BFCL v4 multi-turn through the pinned `bfcl-eval` package: tasks, back-ends, checker),
-`run.py` (methods, servers, resumable runs, aggregation, table, plot).
+Modules: `loop.py` (one decision through /v1/chat/completions, its costs, token ids, the KV-memory
+window, future-action labels), `bfcl.py` (BFCL v4 multi-turn through the pinned `bfcl-eval`
+package: tasks, back-ends, checker), `bcp.py` (the BrowseComp-Plus-shaped search workload: corpus,
+BM25 with frozen results, judges), `mcp_server.py` (its tools over MCP), `run.py` (methods,
+servers, resumable runs, aggregation, table, plot).
 
 Trace format (`agent_<workload>.traces.jsonl`, one JSON object per line, per method and task):
 - `workload`, `model`, `method`, `fields` (the `sgl_memory` request field, null for plain SGLang),
@@ -21,6 +23,10 @@ Trace format (`agent_<workload>.traces.jsonl`, one JSON object per line, per met
   `token_ids`: the prompt's ids as the server tokenised them, stored after the ones it shares with the
   previous step's prompt (`shared` ids, then `prompt`; `loop.prompt_token_ids` rebuilds them all),
   and the `output` ids the model generated;
-- `decoded` (per turn, per step, the call strings the checker replays), `reason` (non-completion:
-  null, `turn_cap`, `overflow`, `error`), `error`, `valid` and `error_type` (BFCL's verdict).
+- BFCL: `decoded` (per turn, per step, the call strings the checker replays), `reason`
+  (non-completion: null, `turn_cap`, `overflow`, `error`), `error`, `valid` and `error_type` (BFCL's
+  verdict);
+- BCP: `prediction`, `gold`, `reason` (null, `turn_cap`, `overflow`, `error`, `empty`), `error`,
+  `match` (the normalised match), `judge` (with `--judge llm`: BCP's grader fields
+  `extracted_final_answer`, `reasoning`, `correct`), `valid` (the verdict used), `f1`.
 """
