@@ -375,7 +375,7 @@ def mcp_sse(tmp_path):
 
 
 @pytest.mark.server
-def test_bcps_qwen_agent_client_runs_against_sgl_memory_and_the_mcp_server(server, mcp_sse, monkeypatch):
+def test_bcps_qwen_agent_client_runs_against_sgl_memory_and_the_mcp_server(server, mcp_sse, monkeypatch, tmp_path):
     """BrowseComp-Plus's qwen-agent client, configured as its search_agent/qwen_client.py configures
     it (an `Assistant` with the model server's /v1 and the MCP server's URL; the `sgl_memory` field
     through `generate_cfg.extra_body`), unchanged otherwise.
@@ -390,6 +390,8 @@ def test_bcps_qwen_agent_client_runs_against_sgl_memory_and_the_mcp_server(serve
 
     import requests
     from qwen_agent.agents import Assistant, fncall_agent
+
+    monkeypatch.chdir(tmp_path)  # qwen-agent's tools make their `workspace` folder in the working directory
 
     def ask(question: str, session_id: str, **cfg) -> list[dict]:
         llm = {"model": "default", "model_server": server.url + "/v1", "api_key": "EMPTY",

@@ -5,9 +5,9 @@ method reuses another's prefixes) our full cache and, per budget, StreamingLLM /
 `compact` and on `dead_slot` and IntentKV `query` and `memory` (bench/common.py `pruning_methods`);
 then `kv memory` (our server with KV memory on: each request carries the system prompt, the last
 user message and the last `--memory-window` exchanges, and the session's memory brings back the
-rest as KV blocks); then `plain` (plain SGLang, full cache, its own server). Budgets are history budgets (`budget_mode: history`,
-the IntentKV paper's): BFCL's tool docs alone are 1.6k-4.7k tokens and sit in the system prompt,
-which a total budget would have to hold.
+rest as KV blocks); then `plain` (plain SGLang, full cache, its own server). Budgets are history
+budgets (`budget_mode: history`, the IntentKV paper's): BFCL's tool docs alone are 1.6k-4.7k tokens
+and sit in the system prompt, which a total budget would have to hold.
 
 With --agreement, each method also gets the full cache's conversation at each of its decision
 points (teacher-forced) and its next call is compared with the full cache's.
@@ -235,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--url", help="an sgl-memory server already running with intent (and, for kv memory, memory) on; its "
                                   "radix cache is flushed between methods; default: the benchmark starts its own")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.memory_window < 0:
+        ap.error("--memory-window takes a number of exchanges >= 0")
 
     args.out.mkdir(parents=True, exist_ok=True)
     work = workload(args)
