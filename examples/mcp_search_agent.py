@@ -53,9 +53,9 @@ async def research(question: str, url: str, mcp, session_id: str, budget: int = 
                                                    "parameters": t.inputSchema}} for t in listed.tools] + [ANSWER]  # fmt: skip
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         steps = []
-        for step in range(max_steps):
+        for i in range(max_steps):
             # the last step must answer: a bounded agent always returns one
-            choice = {"type": "function", "function": {"name": "answer"}} if step == max_steps - 1 else "required"
+            choice = {"type": "function", "function": {"name": "answer"}} if i == max_steps - 1 else "required"
             response = llm.chat.completions.create(
                 model="default", messages=messages, tools=tools, tool_choice=choice, temperature=0, max_tokens=96,
                 extra_body={"sgl_memory": {"session_id": session_id, "budget": budget, "budget_mode": "history"}})  # fmt: skip

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import requests
 
 from bench.common import kv_costs
+from sgl_memory.tree_fill import common_prefix
 
 
 class Refused(RuntimeError):
@@ -133,7 +134,7 @@ class Endpoint:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         ids = out["choices"][0].get("prompt_token_ids") or []
         before = self.last_prompt[1] if self.last_prompt[0] == session_id else []
-        shared = next((i for i, (a, b) in enumerate(zip(ids, before)) if a != b), min(len(ids), len(before)))
+        shared = common_prefix(ids, before)
         self.last_prompt = (session_id, ids)
         return Reply(calls, message.get("content") or "", usage["prompt_tokens"], cached, usage["completion_tokens"],
                      latency, out["choices"][0].get("finish_reason"), out.get("sgl_memory") or {},
