@@ -18,6 +18,7 @@ import yaml
 
 CONFIG_ENV = "SGLMEMORY_CONFIG"  # how the launcher hands the file to SGLang's child processes
 MAX_BUDGET = (1 << 31) - 1  # beyond any context length; keeps every metric inside 64-bit JSON integers
+MAX_HOPS = 64  # keep's importance propagation rounds (it stops earlier once its set is stable)
 
 
 class ConfigError(ValueError):
@@ -95,6 +96,10 @@ class MemArtConfig:
     roles: Literal["chatml", "llama3", "none"] = "chatml"  # chat template family that marks turns
     placement: Literal["first", "after_system"] = "first"  # where the blocks go in the prompt
     rr_constant: float = 60.0  # c in 1 / (rank + c)
+    # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep
+    # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the
+    # blocks' tokens prefilled again in the request's context)
+    recompute: Literal["none", "keep", "cacheblend", "full"] = "none"
 
     def validate(self, path: str) -> None:
         _require(self.block_size >= 1, f"{path}.block_size", "an integer >= 1")
@@ -106,10 +111,38 @@ class MemArtConfig:
 
 
 @dataclass(frozen=True)
+class KeepConfig:
+    """Recomputation of the placed memory blocks that matter (KEEP, and CacheBlend as its baseline):
+    see sgl_memory/keep/README.md."""
+
+    enabled: bool = False
+    # share of the placed segments (keep) or tokens (cacheblend) recomputed at layer 1; layer 0
+    # recomputes all of them, and layer l the share ratio ** (1 + decay * (l - 1) / (layers - 2)),
+    # each layer's set inside the one before (a row dropped at a layer has no hidden state after it)
+    ratio: float = 0.3
+    decay: float = 0.5
+    hops: int = 4  # importance propagation rounds of keep (1: the new turn's attention alone)
+    trace_dir: str = ""  # diagnostics: each repaired request's memory KV and selections, one file per request
+
+    def validate(self, path: str) -> None:
+        _require(0.0 <= self.ratio <= 1.0, f"{path}.ratio", "a number in [0, 1]")
+        _require(self.decay >= 0.0, f"{path}.decay", "a number >= 0")
+        _require(1 <= self.hops <= MAX_HOPS, f"{path}.hops", f"an integer in [1, {MAX_HOPS}]")
+
+
+@dataclass(frozen=True)
 class MemoryConfig:
     intent: IntentConfig = field(default_factory=IntentConfig)
     persist: PersistConfig = field(default_factory=PersistConfig)
     memory: MemArtConfig = field(default_factory=MemArtConfig)
+    keep: KeepConfig = field(default_factory=KeepConfig)
+
+    def validate(self, path: str) -> None:
+        if self.memory.recompute in REPAIRS and not self.keep.enabled:
+            raise ConfigError(f"memory.recompute: {self.memory.recompute!r} needs keep.enabled: true")
+
+
+REPAIRS = ("keep", "cacheblend")  # the recompute modes the keep mechanism carries out
 
 
 def choices(section: type, name: str) -> tuple[str, ...]:

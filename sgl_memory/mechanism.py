@@ -17,13 +17,15 @@ import torch
 # mechanism's `open` runs before the first admission, so all of them see a session loaded from disk):
 # - memory first: it puts retrieved blocks before a memory-mode request's prompt, under a key of
 #   their own (persistence leaves such a request alone: the assembly is rebuilt from the pool);
+# - keep next: it repairs the blocks memory placed among the request's prefill tokens (reuse.py),
+#   and its capture subscriber writes their KV before intent's reads the layer;
 # - persist next: its text-level match may replace a full-history prompt's ids with the stored
 #   session's, and it restores their KV;
 # - intent last: it finds its forced spans and session in the final tokens.
 # Checkpoint and release run in the same order: memory copies a turn's prompt before intent prunes
 # the row (what pruning drops stays recallable), and queues the turn into the pool before
 # persistence writes the session's state.
-ORDER = ("memory", "persist", "intent")
+ORDER = ("memory", "keep", "persist", "intent")
 
 REGISTRY: dict[str, type[Mechanism]] = {}
 

@@ -37,7 +37,7 @@ from sgl_memory.sessions import SessionRegistry
 
 # Importing a mechanism's module registers it (mechanism.register); the tree is the one layer that
 # knows them all.
-MECHANISM_MODULES = ("sgl_memory.memart.manager", "sgl_memory.persist.manager", "sgl_memory.intent.pruner")
+MECHANISM_MODULES = ("sgl_memory.memart.manager", "sgl_memory.keep.manager", "sgl_memory.persist.manager", "sgl_memory.intent.pruner")
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 
-from sgl_memory.config import MAX_BUDGET, IntentConfig, MemoryConfig, MemArtConfig, choices
+from sgl_memory.config import MAX_BUDGET, MAX_HOPS, REPAIRS, IntentConfig, MemoryConfig, MemArtConfig, choices
 
 FIELD = "sgl_memory"
 MAX_ID_LEN = 256
@@ -35,6 +35,9 @@ class MemArtQuery:
     scoring: str | None = None
     placement: str | None = None
     store: bool = True  # False: this turn is not added to the session's memory
+    recompute: str | None = None  # None: the server's memory.recompute
+    recompute_ratio: float | None = None  # None: the server's keep.ratio
+    hops: int | None = None  # None: the server's keep.hops
     probe: str | None = None  # internal: the id of the query pass the HTTP hook ran first
 
 
@@ -95,7 +98,8 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     where = f"{FIELD}.memory"
     if not isinstance(raw, dict):
         raise SpecError(f"{where} must be an object")
-    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store") + (("probe",) if internal else ())
+    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store", "recompute", "recompute_ratio", "hops")
+    allowed += ("probe",) if internal else ()
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
         raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
@@ -103,15 +107,23 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     top_k = raw.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
         raise SpecError(f"{where}.top_k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
-    for name in ("norm", "agg", "scoring", "placement"):
+    for name in ("norm", "agg", "scoring", "placement", "recompute"):
         _choice(raw.get(name), choices(MemArtConfig, name), f"{where}.{name}")
+    ratio = raw.get("recompute_ratio")
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
+        raise SpecError(f"{where}.recompute_ratio must be a number in [0, 1], got {ratio!r}")
+    hops = raw.get("hops")
+    if hops is not None and (isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS):
+        raise SpecError(f"{where}.hops must be an integer in [1, {MAX_HOPS}], got {hops!r}")
     store = raw.get("store", True)
     if not isinstance(store, bool):
         raise SpecError(f"{where}.store must be true or false, got {store!r}")
     probe = raw.get("probe")
     if probe is not None and not isinstance(probe, str):
         raise SpecError(f"{where}.probe must be a string")
-    return MemArtQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store, probe)
+    return MemArtQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store,
+                       recompute=raw.get("recompute"), recompute_ratio=None if ratio is None else float(ratio), hops=hops,
+                       probe=probe)  # fmt: skip
 
 
 def parse(raw, internal: bool = False) -> MemorySpec:
@@ -154,6 +166,9 @@ def check_served(spec: MemorySpec, config: MemoryConfig) -> None:
         raise SpecError(f"{', '.join(asked)}: intent pruning is off on this server (intent.enabled: false)")
     if spec.memory is not None and not config.memory.enabled:
         raise SpecError(f"{FIELD}.memory: KV memory is off on this server (memory.enabled: false)")
+    if spec.memory is not None and spec.memory.recompute in REPAIRS and not config.keep.enabled:
+        raise SpecError(f"{FIELD}.memory.recompute {spec.memory.recompute!r}: the repair of memory blocks is off on this "
+                        "server (keep.enabled: false)")  # fmt: skip
 
 
 # The wire format: the raw field travels in SGLang's `custom_params` as a JSON string under FIELD

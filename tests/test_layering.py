@@ -11,8 +11,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_memory"
 GROUND = {"config", "request", "metrics", "spans", "capture", "runtime", "mechanism", "sessions", "worker", "tree_fill", "rope",
-          "prometheus", "kernels", "__init__"}  # fmt: skip
-MECHANISMS = {"intent", "persist", "memart"}
+          "prometheus", "kernels", "reuse", "__init__"}  # fmt: skip
+MECHANISMS = {"intent", "persist", "memart", "keep"}
 
 
 def imported(path: Path) -> set[str]:

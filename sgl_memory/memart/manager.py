@@ -35,10 +35,11 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory import capture, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.capture import ExtendRows
-from sgl_memory.config import MemArtConfig
+from sgl_memory.config import REPAIRS, MemArtConfig
 from sgl_memory.memart.blocks import Block, MemArtPool
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 from sgl_memory.request import MemorySpec
+from sgl_memory.reuse import ReusedKV
 from sgl_memory.rope import Rope
 from sgl_memory.spans import RoleMarkers, find_spans
 from sgl_memory.worker import Worker
@@ -100,6 +101,7 @@ class TurnState:
     owner: tuple[str, str]
     mode: str  # "record" (full-history turn), "retrieve", "probe"
     store: bool = True
+    recompute: str = "none"  # what repairs the placed blocks (MemArtConfig.recompute)
     memory_start: int = 0  # the placed blocks are positions [memory_start, memory_end) of the request
     memory_end: int = 0
     turn_start: int = 0  # where the request's last message starts (after the placed blocks)
@@ -112,12 +114,19 @@ class TurnState:
     prompt_kv: tree_fill.PathKV | None = None  # the turn's prompt part, copied before pruning
     prompt_kv_start: int = 0
 
-    def metrics(self, req, memory_blocks: int) -> dict:
-        return {"prefill_tokens": len(req.origin_input_ids) - req.cached_tokens, "retrieved_blocks": self.retrieved_blocks,
-                "retrieved_turns": self.retrieved_turns, "retrieved_spans": self.retrieved_spans,
-                "memory_kv_tokens": self.memory_end - self.memory_start, "probe_tokens": self.probe_tokens,
-                "retrieval_ms": round(self.retrieval_ms, 3), "memory_blocks": memory_blocks,
-                "memory_refused": self.refused}  # fmt: skip
+    def metrics(self, req, memory_blocks: int, layers: int) -> dict:
+        out = {"prefill_tokens": len(req.origin_input_ids) - req.cached_tokens, "retrieved_blocks": self.retrieved_blocks,
+               "retrieved_turns": self.retrieved_turns, "retrieved_spans": self.retrieved_spans,
+               "memory_kv_tokens": self.memory_end - self.memory_start, "probe_tokens": self.probe_tokens,
+               "retrieval_ms": round(self.retrieval_ms, 3), "memory_blocks": memory_blocks,
+               "memory_refused": self.refused}  # fmt: skip
+        if self.mode == "retrieve":
+            out["recompute"] = self.recompute
+            if self.recompute not in REPAIRS:  # the keep mechanism reports its own
+                full = self.recompute == "full" and self.memory_end > self.memory_start
+                out["recomputed_tokens"] = (self.memory_end - self.memory_start) * layers if full else 0
+                out["recompute_share"] = 1.0 if full else 0.0
+        return out
 
 
 @mechanism.register("memory")
@@ -183,7 +192,8 @@ class MemArtManager(mechanism.Mechanism):
         elif query.mode == "probe":
             self._admit_probe(scheduler, req, owner, query.probe)
         else:
-            req.sgl_memart = state = TurnState(owner, "retrieve", store=query.store)
+            req.sgl_memart = state = TurnState(owner, "retrieve", store=query.store,
+                                               recompute=query.recompute or self.config.recompute)  # fmt: skip
             state.turn_start = self._spans(scheduler, list(req.origin_input_ids)).query_start
             t0 = time.perf_counter()
             self._retrieve(scheduler, req, state, query)
@@ -238,30 +248,45 @@ class MemArtManager(mechanism.Mechanism):
             used += n
         blocks = memory.take(chosen)
         if blocks:
-            self._place(req, state, blocks, probe, (query.placement or self.config.placement) == "after_system")
+            self._place(req, state, blocks, probe, query)
 
-    def _place(self, req, state: TurnState, blocks: list[Block], probe: Probe, after_system: bool) -> None:
+    def _place(self, req, state: TurnState, blocks: list[Block], probe: Probe, query) -> None:
         """[system message] [blocks] [the rest of the prompt], a conversation's own order; or
-        [blocks] [prompt] (MemArt's concatenation)."""
+        [blocks] [prompt] (MemArt's concatenation). Reused as placed (`recompute: none`), the
+        blocks are a prefix hit; with a repair or a full recompute they are prefilled as part of
+        the request, and only the system message comes from the tree."""
         prompt = list(req.origin_input_ids)
+        after_system = (query.placement or self.config.placement) == "after_system"
         system = probe.system_end if after_system and probe.system_kv else 0
         memory_tokens = [t for b in blocks for t in b.tokens]
         tokens = prompt[:system] + memory_tokens
         digest = hashlib.blake2b(array("q", [b.id for b in blocks]).tobytes(), digest_size=12).hexdigest()
         extra_key = f"{req.extra_key or ''}\x00memory:{state.owner[1]}:{digest}"
-        key = RadixKey(array("q", tokens), extra_key, cache_salt=req.cache_salt)
+        placed = tokens
+        if state.recompute != "none":
+            # a full recompute of these blocks is the same KV for every request that places them
+            # (their tokens in this order); a repair's depends on the request's turn too
+            extra_key += f":{state.recompute}" + (f":{query.probe}" if state.recompute in REPAIRS else "")
+            placed = tokens[:system]
+        key = RadixKey(array("q", placed), extra_key, cache_salt=req.cache_salt)
         match = self.tree.match_prefix(MatchPrefixParams(key=key))
         have = match.device_prefix_len
-        if have < len(tokens):
-            keys, values = assemble(blocks, self.rope, at=system)
-            if system:
-                system_k, system_v = probe.system()
-                keys, values = torch.cat([system_k.to(keys.dtype), keys], 1), torch.cat([system_v.to(values.dtype), values], 1)
+        if have < len(placed):
+            if state.recompute != "none":
+                keys, values = probe.system()
+            else:
+                keys, values = assemble(blocks, self.rope, at=system)
+                if system:
+                    system_k, system_v = probe.system()
+                    keys, values = torch.cat([system_k.to(keys.dtype), keys], 1), torch.cat([system_v.to(values.dtype), values], 1)
             if not tree_fill.place(self.tree, key, match, keys[:, have:], values[:, have:]):
                 state.refused = "no free KV slots for the memory blocks"
                 logger.warning("memory: no free KV slots for %d memory tokens of session %r; answering without memory",
-                               len(tokens), state.owner[1])  # fmt: skip
+                               len(placed), state.owner[1])  # fmt: skip
                 return
+        if state.recompute in REPAIRS:
+            keys, values = assemble(blocks, self.rope, at=system)
+            req.sgl_reuse = ReusedKV(system, keys, values, [len(b.tokens) for b in blocks], state.recompute)
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         req.extra_key = extra_key
@@ -304,7 +329,7 @@ class MemArtManager(mechanism.Mechanism):
             self.probing.pop(req.rid, None)
             return
         memory = self.session(state.owner, create=True)
-        metrics.attach(req, state.metrics(req, len(memory.blocks)))
+        metrics.attach(req, state.metrics(req, len(memory.blocks), self.tree.token_to_kv_pool_allocator.get_kvcache().layer_num))
         if not state.store or self.tree.disable:
             return
         # tokens whose KV exists (the last output token has none), under the request's own key

@@ -1,0 +1,145 @@
+"""Which placed rows the next layer recomputes: KEEP's segments by multi-hop importance, CacheBlend's
+tokens by KV deviation. One class per method, registered under its `recompute` name.
+
+A selector sees one layer of one request after the placed KV was written over the rows this layer
+does not recompute (`LayerView`), and names the rows the next layer recomputes, among this layer's
+(a row dropped at a layer has no hidden state after it, so the sets are nested).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class LayerView:
+    q_mem: torch.Tensor  # [M, H, D] queries of the placed rows (meaningful where `candidates`)
+    k_mem: torch.Tensor  # [M, Hkv, D] keys of the placed rows: recomputed where `candidates`, placed elsewhere
+    v_mem: torch.Tensor  # [M, Hkv, Dv]
+    q_turn: torch.Tensor  # [T, H, D] the rows after the placed ones: the request's new turn
+    k_turn: torch.Tensor  # [T, Hkv, D]
+    placed_k: torch.Tensor  # [M, Hkv, D] the placed KV of this layer
+    placed_v: torch.Tensor
+    candidates: torch.Tensor  # [M] bool: the rows this layer recomputed
+    segment: torch.Tensor  # [M] the segment index of each row
+
+
+REGISTRY: dict[str, type[Selector]] = {}
+
+
+def register(name: str):
+    def wrap(cls):
+        cls.name = name
+        REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+class Selector(ABC):
+    name: ClassVar[str]
+    unit: ClassVar[str]  # what the ratio counts: "segment" or "token"
+
+    @abstractmethod
+    def select(self, view: LayerView, n: int) -> torch.Tensor:
+        """[M] bool: the rows the next layer recomputes, `n` units (whole segments, or tokens)
+        among this layer's candidates (all of them when fewer are candidates)."""
+
+
+def top(scores: torch.Tensor, eligible: torch.Tensor, n: int) -> torch.Tensor:
+    """[len(scores)] bool: the n highest scores among the eligible entries, ties to the earlier one."""
+    order = torch.sort(scores.masked_fill(~eligible, -math.inf), descending=True, stable=True).indices
+    picked = torch.zeros_like(eligible)
+    picked[order[: min(n, int(eligible.sum()))]] = True
+    return picked
+
+
+def _expand(k: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: [n, Hkv, D] keys repeated to [n, H, D] in the model's head order."""
+    return k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+def turn_attention(view: LayerView) -> torch.Tensor:
+    """[M] the new turn's attention to each placed token, averaged over heads and turn rows. Each
+    turn row's softmax runs over the placed keys and the turn's keys up to itself (the system
+    message before the blocks is left out: a row constant that does not change the ranking)."""
+    heads, m, t = view.q_turn.shape[1], view.k_mem.shape[0], view.k_turn.shape[0]
+    keys = _expand(torch.cat([view.k_mem, view.k_turn]), heads).float()
+    logits = torch.einsum("thd,khd->htk", view.q_turn.float(), keys) / math.sqrt(keys.shape[-1])
+    later = torch.ones(t, t, dtype=torch.bool, device=logits.device).triu(1)
+    logits[:, :, m:] = logits[:, :, m:].masked_fill(later, -math.inf)
+    return logits.softmax(-1)[:, :, :m].mean((0, 1))
+
+
+def segment_attention(view: LayerView, segments: int) -> torch.Tensor:
+    """[S, S] cross-attention between placed segments: row a is how much segment a's rows attend to
+    segment b's tokens (softmax over the placed keys up to each row, averaged over heads and a's
+    rows, summed over b's tokens); only the candidates' rows are meaningful, the diagonal is zero."""
+    heads, m = view.q_mem.shape[1], view.k_mem.shape[0]
+    rows = view.candidates.nonzero().squeeze(1)
+    logits = torch.einsum("rhd,khd->hrk", view.q_mem[rows].float(), _expand(view.k_mem, heads).float())
+    logits = logits / math.sqrt(view.k_mem.shape[-1])
+    later = torch.arange(m, device=logits.device)[None, :] > rows[:, None]
+    weights = logits.masked_fill(later, -math.inf).softmax(-1).mean(0)  # [rows, M]
+    seg = view.segment.to(logits.device)
+    by_token = torch.zeros(segments, m, device=logits.device).index_add_(0, seg[rows], weights)
+    count = torch.zeros(segments, device=logits.device).index_add_(0, seg[rows], torch.ones(len(rows), device=logits.device))
+    cross = torch.zeros(segments, segments, device=logits.device).index_add_(1, seg, by_token) / count.clamp(min=1)[:, None]
+    return cross.fill_diagonal_(0.0)
+
+
+@register("keep")
+@dataclass
+class MultiHop(Selector):
+    """KEEP (section 4.2): importance starts as the new turn's attention to each segment; the top n
+    segments form the relevant set, and each segment's importance becomes the mean of the turn's
+    and the relevant segments' attention to it, until the set is stable or `hops` sets were formed.
+    The turn stays a member of the average (KEEP's update names only the relevant set): a segment
+    no placed segment attends to, such as the last one under causal attention, would otherwise
+    lose the turn's evidence after one hop."""
+
+    unit: ClassVar[str] = "segment"
+    hops: int = 4
+
+    def select(self, view: LayerView, n: int) -> torch.Tensor:
+        segments = int(view.segment.max()) + 1 if len(view.segment) else 0
+        seg = view.segment.to(view.candidates.device)
+        eligible = torch.zeros(segments, dtype=torch.bool, device=seg.device).index_fill_(0, seg[view.candidates], True)
+        query = torch.zeros(segments, device=seg.device).index_add_(0, seg, turn_attention(view).to(seg.device))
+        chosen = top(query, eligible, n)
+        if self.hops > 1 and n < int(eligible.sum()):
+            cross = segment_attention(view, segments).to(seg.device)
+            for _ in range(self.hops - 1):
+                importance = (query + cross[chosen].sum(0)) / (1 + int(chosen.sum()))
+                again = top(importance, eligible, n)
+                if bool((again == chosen).all()):
+                    break
+                chosen = again
+        return chosen[seg]
+
+
+@register("cacheblend")
+@dataclass
+class KVDeviation(Selector):
+    """CacheBlend: the tokens whose recomputed KV deviates most from the placed KV (squared L2
+    over the keys and values of every head) go on to the next layer."""
+
+    unit: ClassVar[str] = "token"
+
+    def select(self, view: LayerView, n: int) -> torch.Tensor:
+        dk = (view.k_mem.float() - view.placed_k.float()).pow(2).sum((1, 2))
+        dv = (view.v_mem.float() - view.placed_v.float()).pow(2).sum((1, 2))
+        return top(dk + dv, view.candidates, n)
+
+
+def ratio_at(layer: int, layers: int, ratio: float, decay: float) -> float:
+    """The share of units layer `layer` recomputes: all at layer 0, `ratio` at layer 1, down to
+    ratio ** (1 + decay) at the last layer (geometric in between, so ratio 1 stays 1 everywhere)."""
+    if layer == 0:
+        return 1.0
+    return ratio ** (1 + decay * (layer - 1) / max(1, layers - 2))

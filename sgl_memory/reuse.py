@@ -1,0 +1,32 @@
+"""Reusable KV placed among a request's new tokens: what a mechanism that places KV (memory) leaves
+for the one that repairs it (keep), so that neither imports the other.
+
+KV memory places blocks whose KV was computed in other contexts. Reused as a prefix hit, that KV
+is never recomputed ("full reuse"). When the request asks for a repair, memory makes the blocks'
+tokens part of the request's prefill instead and attaches a `ReusedKV` as `req.sgl_reuse`: the keep
+mechanism then writes the placed KV over the rows it decides not to recompute, layer by layer,
+inside the forward (keep/README.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ReusedKV:
+    start: int  # request position of the first placed token; the placed tokens are [start, start + M)
+    keys: torch.Tensor  # [layers, M, kv heads, head dim], post-RoPE at positions start..start+M-1, host memory
+    values: torch.Tensor  # [layers, M, kv heads, head dim]
+    segments: list[int]  # token counts of the placed segments (memory blocks), in order; they sum to M
+    method: str  # the repair asked for: "keep" or "cacheblend" (config.REPAIRS)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.keys.shape[1]
+
+    def segment_of_token(self) -> torch.Tensor:
+        """[M] the segment index of each placed token."""
+        return torch.repeat_interleave(torch.arange(len(self.segments)), torch.tensor(self.segments))
