@@ -1,0 +1,158 @@
+"""The keep selectors against loop-written references, the ratio schedule, and the config and
+request checks of the recompute modes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sgl_memory import config, request
+from sgl_memory.keep.select import REGISTRY, KVDeviation, LayerView, MultiHop, ratio_at
+
+
+def view(seed: int, sizes=(5, 16, 3, 9, 16), turn=7, heads=4, kv_heads=2, dim=8, candidates=None) -> LayerView:
+    g = torch.Generator().manual_seed(seed)
+    m = sum(sizes)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    segment = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    cand = torch.ones(m, dtype=torch.bool) if candidates is None else candidates
+    return LayerView(r(m, heads, dim), r(m, kv_heads, dim), r(m, kv_heads, dim), r(turn, heads, dim), r(turn, kv_heads, dim),
+                     r(m, kv_heads, dim), r(m, kv_heads, dim), cand, segment)  # fmt: skip
+
+
+def softmax_row(logits: list[float]) -> list[float]:
+    top = max(logits)
+    e = [math.exp(x - top) for x in logits]
+    return [x / sum(e) for x in e]
+
+
+def reference_keep(v: LayerView, n: int, hops: int) -> list[int]:
+    """KEEP's propagation written out with loops, one (head, row) softmax at a time."""
+    m, t, heads = v.k_mem.shape[0], v.k_turn.shape[0], v.q_mem.shape[1]
+    group = heads // v.k_mem.shape[1]
+    seg = v.segment.tolist()
+    segs = max(seg) + 1
+    d = v.q_mem.shape[2]
+    keys = torch.cat([v.k_mem, v.k_turn])
+    query = [0.0] * segs
+    for h in range(heads):
+        for i in range(t):
+            visible = list(range(m)) + [m + j for j in range(i + 1)]
+            w = softmax_row([float(v.q_turn[i, h] @ keys[k, h // group]) / math.sqrt(d) for k in visible])
+            for k in range(m):
+                query[seg[k]] += w[k] / (heads * t)
+    cand = [s for s in range(segs) if any(v.candidates[k] and seg[k] == s for k in range(m))]
+
+    def pick(scores):
+        return sorted(sorted(cand)[:], key=lambda s: -scores[s])[: min(n, len(cand))]
+
+    chosen = pick(query)
+    if hops == 1 or n >= len(cand):
+        return sorted(chosen)
+    cross = [[0.0] * segs for _ in range(segs)]
+    rows_of = {s: [k for k in range(m) if seg[k] == s and v.candidates[k]] for s in range(segs)}
+    for a in range(segs):
+        for r in rows_of[a]:
+            for h in range(heads):
+                w = softmax_row([float(v.q_mem[r, h] @ v.k_mem[k, h // group]) / math.sqrt(d) for k in range(r + 1)])
+                for k in range(r + 1):
+                    if seg[k] != a:
+                        cross[a][seg[k]] += w[k] / (heads * len(rows_of[a]))
+    for _ in range(hops - 1):
+        importance = [(query[b] + sum(cross[a][b] for a in chosen)) / (1 + len(chosen)) for b in range(segs)]
+        again = pick(importance)
+        if sorted(again) == sorted(chosen):
+            break
+        chosen = again
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("hops", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(4))
+def test_keep_selects_the_segments_of_a_loop_written_propagation(seed, n, hops):
+    cand = torch.ones(49, dtype=torch.bool)
+    if seed % 2:
+        cand[5:21] = False  # segment 1 was dropped at an earlier layer
+    v = view(seed, candidates=cand)
+    got = MultiHop(hops).select(v, n)
+    segments = sorted(set(v.segment[got].tolist()))
+    assert segments == reference_keep(v, n, hops)
+    assert bool((got == torch.isin(v.segment, torch.tensor(segments))).all())  # whole segments
+
+
+def test_propagation_reaches_a_segment_the_turn_does_not_attend_to():
+    """One hop picks what the turn attends to; the later hops add what that segment attends to."""
+    heads, dim = 2, 4
+    sizes = (4, 4, 4)
+    m = sum(sizes)
+    e = torch.eye(dim)
+    k_mem = torch.zeros(m, 1, dim)
+    k_mem[0:4, 0] = 8 * e[0]  # segment 0: what segment 2 looks at
+    k_mem[4:8, 0] = e[1]  # segment 1: what the turn looks at a little
+    k_mem[8:12, 0] = 8 * e[1]  # segment 2: what the turn looks at most
+    q_mem = torch.zeros(m, heads, dim)
+    q_mem[8:12] = e[0]  # segment 2's rows attend to segment 0
+    q_turn = e[1].expand(3, heads, dim).clone()
+    v = LayerView(q_mem, k_mem, k_mem.clone(), q_turn, torch.zeros(3, 1, dim), k_mem.clone(), k_mem.clone(),
+                  torch.ones(m, dtype=torch.bool), torch.repeat_interleave(torch.arange(3), torch.tensor(sizes)))  # fmt: skip
+    one = set(v.segment[MultiHop(1).select(v, 2)].tolist())
+    many = set(v.segment[MultiHop(4).select(v, 2)].tolist())
+    assert one == {1, 2} and many == {0, 2}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cacheblend_selects_the_largest_kv_deviations_among_the_candidates(seed):
+    cand = torch.rand(49, generator=torch.Generator().manual_seed(seed)) < 0.6
+    v = view(seed, candidates=cand)
+    got = KVDeviation().select(v, 10)
+    dev = [float(((v.k_mem[i] - v.placed_k[i]) ** 2).sum() + ((v.v_mem[i] - v.placed_v[i]) ** 2).sum()) for i in range(49)]
+    want = sorted((i for i in range(49) if cand[i]), key=lambda i: -dev[i])[:10]
+    assert sorted(got.nonzero().squeeze(1).tolist()) == sorted(want)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_selector_stays_inside_its_candidates(name):
+    cand = torch.zeros(49, dtype=torch.bool)
+    cand[21:49] = True  # segments 2, 3 and 4
+    v = view(7, candidates=cand)
+    selector = REGISTRY[name]()
+    for n in (0, 1, 2, 100):
+        got = selector.select(v, n)
+        assert not bool((got & ~cand).any())
+        units = len(set(v.segment[got].tolist())) if selector.unit == "segment" else int(got.sum())
+        assert units == min(n, 3 if selector.unit == "segment" else 28)
+
+
+def test_the_ratio_schedule():
+    layers = 24
+    for ratio in (0.0, 0.1, 0.3, 0.7, 1.0):
+        shares = [ratio_at(i, layers, ratio, 0.5) for i in range(layers)]
+        assert shares[0] == 1.0 and shares[1] == pytest.approx(ratio)
+        assert shares[-1] == pytest.approx(ratio**1.5)
+        assert all(a >= b for a, b in zip(shares[1:], shares[2:]))
+    assert all(ratio_at(i, layers, 1.0, 2.0) == 1.0 for i in range(layers))
+    assert all(ratio_at(i, layers, 0.3, 0.0) == pytest.approx(0.3) for i in range(1, layers))
+
+
+def test_a_repair_needs_the_keep_mechanism():
+    with pytest.raises(config.ConfigError, match="keep.enabled"):
+        config.from_dict({"memory": {"enabled": True, "recompute": "cacheblend"}})
+    assert config.from_dict({"memory": {"enabled": True, "recompute": "full"}}).memory.recompute == "full"
+    served = config.from_dict({"memory": {"enabled": True}})
+    for mode in ("keep", "cacheblend"):
+        spec = request.parse({"session_id": "s", "memory": {"recompute": mode}})
+        with pytest.raises(request.SpecError, match="keep.enabled"):
+            request.check_served(spec, served)
+    for mode in ("none", "full"):
+        request.check_served(request.parse({"session_id": "s", "memory": {"recompute": mode}}), served)
+
+
+@pytest.mark.parametrize("field,value,needle", [("recompute", "some", "recompute"), ("recompute", 1, "recompute"),
+                                                ("recompute_ratio", 1.5, "recompute_ratio"), ("recompute_ratio", True, "recompute_ratio"),
+                                                ("hops", 0, "hops"), ("hops", 2.5, "hops")])  # fmt: skip
+def test_bad_recompute_fields(field, value, needle):
+    with pytest.raises(request.SpecError, match=needle):
+        request.parse({"session_id": "s", "memory": {field: value}})
