@@ -8,27 +8,34 @@ have a request in it.
 
 The batch packs the new tokens of its requests one after another: request i's query, key and value
 rows start where request i-1's end, and its first new token sits at position prefix_len (what the
-radix tree already held); `extend_rows` says where each request's rows are.
+radix tree already held); `extend_rows` says where each request's rows are. When a layer computes
+only some rows of a request (compact.py), its rows carry their positions.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
+import torch
+
 
 class ExtendRows(NamedTuple):
     rid: str
     start: int  # first row of the request in the batch's q / k / v
-    prefix: int  # position of that row
+    prefix: int  # position of that row (the request's first new token)
     count: int
+    pool_row: int = -1  # the request's row of the slot map (req_to_token)
+    # the rows' positions when a layer computes only some of them (compact.py); None: prefix..prefix+count-1
+    positions: torch.Tensor | None = None
 
 
 def extend_rows(forward_batch) -> list[ExtendRows]:
     prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
     new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+    pool_rows = forward_batch.req_pool_indices.tolist()
     rows, start = [], 0
-    for rid, prefix, n in zip(forward_batch.rids, prefix_lens, new_lens):
-        rows.append(ExtendRows(rid, start, prefix, n))
+    for rid, prefix, n, pool_row in zip(forward_batch.rids, prefix_lens, new_lens, pool_rows):
+        rows.append(ExtendRows(rid, start, prefix, n, pool_row))
         start += n
     return rows
 
@@ -56,11 +63,14 @@ def forward_hook(layer, q, k, v, forward_batch, *args, **kwargs):
     """BEFORE hook on RadixAttention.forward: each subscriber's rows of an extend forward."""
     if not forward_batch.rids or forward_batch.forward_mode.is_decode():
         return None  # decode steps, every layer of every token: nothing to capture
+    layout = getattr(forward_batch, "sgl_layout", None)  # compact.py: the rows this layer computes
+    version = layout.version if layout is not None else 0
     bound = getattr(forward_batch, "sgl_capture", None)
-    if bound is None:  # once per forward, not per layer
+    if bound is None or getattr(forward_batch, "sgl_capture_version", 0) != version:  # once per forward and row layout
         active = [s for s in _SUBSCRIBERS.values() if s.capturing()]
-        rows = extend_rows(forward_batch) if active else []
+        rows = (layout.current() if layout is not None else extend_rows(forward_batch)) if active else []
         bound = forward_batch.sgl_capture = [(s, s.bind(rows)) for s in active]
+        forward_batch.sgl_capture_version = version
     for subscriber, parts in bound:
         if parts:
             subscriber.take(parts, layer, q, k, v)

@@ -122,6 +122,9 @@ class KeepConfig:
     ratio: float = 0.3
     decay: float = 0.5
     hops: int = 4  # importance propagation rounds of keep (1: the new turn's attention alone)
+    # drop the rows no later layer recomputes from the hidden states (the speed-up, on backends that
+    # attend a row layout); false: write the placed KV over them at full cost (the same attention)
+    compact: bool = True
     trace_dir: str = ""  # diagnostics: each repaired request's memory KV and selections, one file per request
 
     def validate(self, path: str) -> None:

@@ -11,6 +11,10 @@ windows, non-causal layers, speculative modes) stay torch_native's.
 
 With intent pruning on (sgl_memory.intent), `kv_slots` leaves the sentinel slot out of every index
 list, so attention reads only the kept entries of a pruned request.
+
+A layer may compute only some rows of a request (sgl_memory.compact: KEEP drops placed memory rows it
+does not recompute); the backend then plans that layer from the forward's row layout, and such a
+request's rows attend by position over its whole slot list.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from sgl_memory import runtime
+from sgl_memory import compact, runtime
 from sgl_memory.attention.kv_source import KvSource, locate
-from sgl_memory.attention.merged import attend
+from sgl_memory.attention.merged import attend, attend_masked
 
 BACKEND_NAME = "sgl_memory_cpu"
 
@@ -38,10 +42,40 @@ class RequestPlan:
     own: KvSource | None  # the new tokens' own keys, seen causally (n_new > 1)
 
 
+@dataclass(frozen=True)
+class SparsePlan:
+    """A request of which this layer computes only some rows: each attends to every key at a
+    position up to its own (its dropped rows' KV included, which the pool holds)."""
+
+    q_start: int
+    n_new: int
+    keys: KvSource
+    key_positions: torch.Tensor  # [kv] of `keys` (positions pruned to the sentinel left out)
+    q_positions: torch.Tensor  # [n_new]
+
+
+def plan_layout(req_to_token: torch.Tensor, rows, sentinel: int | None = None) -> list:
+    """Plans of one layer from the forward's row layout (compact.RowLayout.current())."""
+    plans = []
+    for r in rows:
+        if r.positions is None:
+            plans += plan_requests(req_to_token, [r.pool_row], [r.prefix], [r.count], sentinel, q_start=r.start)
+            continue
+        end = int(r.positions[-1]) + 1 if r.count else r.prefix
+        slots = req_to_token[r.pool_row, :end]
+        positions = torch.arange(end, device=slots.device)
+        if sentinel is not None:
+            live = slots != sentinel
+            slots, positions = slots[live], positions[live]
+        plans.append(SparsePlan(r.start, r.count, locate(slots), positions, r.positions.to(slots.device)))
+    return plans
+
+
 def plan_requests(
-    req_to_token: torch.Tensor, rows: list[int], prefix_lens: list[int], new_lens: list[int], sentinel: int | None = None
+    req_to_token: torch.Tensor, rows: list[int], prefix_lens: list[int], new_lens: list[int], sentinel: int | None = None,
+    q_start: int = 0,
 ) -> list[RequestPlan]:
-    plans, q_start = [], 0
+    plans = []
     for row, prefix, n in zip(rows, prefix_lens, new_lens):
         if n == 1:
             plans.append(RequestPlan(q_start, n, locate(kv_slots(req_to_token, row, 0, prefix + 1, sentinel)), None))
@@ -62,6 +96,11 @@ def kv_slots(req_to_token: torch.Tensor, row: int, start: int, stop: int, sentin
 
 def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
     for p in plans:
+        if isinstance(p, SparsePlan):
+            mask = p.key_positions[None, :] <= p.q_positions[:, None]
+            end = p.q_start + p.n_new
+            output[p.q_start : end] = attend_masked(query[p.q_start : end], p.keys.read_joined(k_cache), p.keys.read_joined(v_cache), mask, scaling)
+            continue
         visible = list(zip(p.visible.read(k_cache), p.visible.read(v_cache)))
         own = None if p.own is None else (p.own.read_joined(k_cache), p.own.read_joined(v_cache))
         end = p.q_start + p.n_new
@@ -70,12 +109,15 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
 
 
 class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
-    plans: list[RequestPlan] | None = None
+    plans: list | None = None
     planned_tokens = 0  # query rows the plans cover; a layer called with other rows is not ours
+    supports_row_layout = True  # sgl_memory.compact may drop rows between layers
+    forward_batch = None
+    layout_version = 0  # of the row layout the plans follow
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
-        self.plans = None
+        self.plans, self.forward_batch, self.layout_version = None, forward_batch, 0
         mode = forward_batch.forward_mode
         if mode not in _PLANNED_MODES or forward_batch.encoder_lens is not None:
             return
@@ -104,6 +146,11 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
                                  seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None,
                                  scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
                                  sliding_window_size=None):  # fmt: skip
+        layout = compact.layout(self.forward_batch) if self.plans is not None else None
+        if layout is not None and layout.version != self.layout_version:
+            rows = layout.current()
+            self.plans = plan_layout(self.req_to_token_pool.req_to_token, rows, runtime.sentinel())
+            self.planned_tokens, self.layout_version = sum(r.count for r in rows), layout.version
         if causal and self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
             return run_plans(self.plans, query, output, k_cache, v_cache, scaling)
         return super()._run_sdpa_forward_extend(

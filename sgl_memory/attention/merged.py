@@ -58,3 +58,16 @@ def attend(
         weights = torch.softmax(lse, dim=0).unsqueeze(-1)
         out = (torch.stack(outs).float() * weights).sum(0).to(q.dtype)
     return out.permute(2, 0, 1, 3).reshape(n, heads, -1)
+
+
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """q [n, H, D] over k, v [len, KVH, D] where mask [n, len] is True: for query rows that are not
+    one run (a layer that computes only some rows of a request). Returns [n, H, Dv]."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    q_folded = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q_folded, _as_heads_first(k, q.dtype), _as_heads_first(v, q.dtype), attn_mask=mask.repeat(group, 1), scale=scale
+    )
+    return out.view(kv_heads, group, n, -1).permute(2, 0, 1, 3).reshape(n, heads, -1)

@@ -6,9 +6,10 @@ prefill (a capture.py subscriber: the BEFORE hook on RadixAttention.forward sees
 and v before the backend stores and attends them), the rows the layer does not recompute get the
 placed KV written over their fresh K and V, so the backend stores and attends the placed KV there;
 then the selector names the rows the next layer recomputes. What the request attends to is what a
-forward that computes only the selected rows would give. Its cost is still a full prefill of the
-blocks: dropping the other rows from the hidden states between layers is the speed-up still to come
-(README.md, "Limits").
+forward that computes only the selected rows would give. With `compact` on (the default) the rows
+no later layer recomputes are also dropped from the hidden states after each layer (compact.py, on
+the backends that attend a row layout): their KV at the later layers goes into the pool from the
+placed KV, layer by layer, and the layers run over fewer rows, which is where the time goes down.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_memory import capture, mechanism, metrics, tree_fill
+from sgl_memory import capture, compact, mechanism, metrics, tree_fill
 from sgl_memory.capture import ExtendRows
 from sgl_memory.config import KeepConfig
 from sgl_memory.keep.select import REGISTRY, LayerView, Selector, ratio_at
@@ -47,6 +48,7 @@ class Blend:
     per_layer: list[int] = field(default_factory=list)
     history: list[torch.Tensor] = field(default_factory=list)  # the selections, when traced
     select_ms: float = 0.0
+    dropped_rows: bool = False  # whether later layers ran without the rows not recomputed (compact.py)
     refused: str | None = None
 
     def __post_init__(self):
@@ -56,25 +58,41 @@ class Blend:
     def units(self) -> int:
         return len(self.reuse.segments) if self.selector.unit == "segment" else self.reuse.keys.shape[1]
 
-    def layer(self, layer_id: int, attn, q, k, v, rows: ExtendRows, trace: bool) -> None:
+    def layer(self, layer_id: int, attn, q, k, v, rows: ExtendRows, tree, trace: bool) -> None:
+        """One attention layer, before the backend stores and attends its KV: the placed KV goes
+        where this layer does not recompute (over the fresh rows in place, or into the pool for rows
+        compact.py dropped), then the selector names the next layer's rows."""
         if self.refused:
             return
-        if layer_id != self.next_layer or rows.prefix > self.reuse.start or rows.prefix + rows.count < self.prompt_len:
+        positions = rows.positions if rows.positions is not None else torch.arange(rows.prefix, rows.prefix + rows.count)
+        positions = positions.cpu()
+        if layer_id != self.next_layer or rows.prefix > self.reuse.start or int(positions[-1]) + 1 < self.prompt_len:
             # the placed rows and the turn must be in one forward, from the first layer on
             self.refused = "the prefill was split (chunked prefill); the blocks were recomputed in full"
             return
         self.next_layer += 1
-        m = self.reuse.keys.shape[1]
-        first = rows.start + self.reuse.start - rows.prefix
-        mem = slice(first, first + m)
-        turn = slice(first + m, rows.start + rows.count)
+        start, end = self.reuse.start, self.reuse.end
+        batch = rows.start + torch.arange(len(positions))
+        in_memory = (positions >= start) & (positions < end)
+        present = torch.zeros(end - start, dtype=torch.bool)
+        present[positions[in_memory] - start] = True
+        mem_rows, turn_rows = batch[in_memory], batch[positions >= end]
         keys = k.view(-1, attn.tp_k_head_num, attn.qk_head_dim)
         values = v.view(-1, attn.tp_v_head_num, attn.v_head_dim)
-        placed_k = self.reuse.keys[layer_id].to(k.device, non_blocking=True)
-        placed_v = self.reuse.values[layer_id].to(v.device, non_blocking=True)
-        selected = self.selected.to(k.device)
-        keys[mem][~selected] = placed_k[~selected].to(keys.dtype)
-        values[mem][~selected] = placed_v[~selected].to(values.dtype)
+        placed_k = self.reuse.keys[layer_id].to(k.device, non_blocking=True).to(keys.dtype)
+        placed_v = self.reuse.values[layer_id].to(v.device, non_blocking=True).to(values.dtype)
+        over = (present & ~self.selected)[present]  # present rows this layer does not recompute
+        if bool(over.any()):
+            keys[mem_rows[over].to(k.device)] = placed_k[present & ~self.selected]
+            values[mem_rows[over].to(k.device)] = placed_v[present & ~self.selected]
+        absent = ~present
+        if bool(absent.any()):  # rows no longer computed: their placed KV into their slots
+            self.dropped_rows = True
+            slot_map = tree.req_to_token_pool.req_to_token
+            slots = slot_map[rows.pool_row, (start + absent.nonzero().squeeze(1)).to(slot_map.device)].to(torch.int64)
+            pool = tree.token_to_kv_pool_allocator.get_kvcache()
+            pool.get_key_buffer(layer_id)[slots] = placed_k[absent.to(k.device)]
+            pool.get_value_buffer(layer_id)[slots] = placed_v[absent.to(k.device)]
         self.per_layer.append(int(self.selected.sum()))
         if trace:
             self.history.append(self.selected.clone())
@@ -82,18 +100,29 @@ class Blend:
             return  # the last layer, or none left to recompute (the later layers take the placed KV)
         t0 = time.perf_counter()
         queries = q.view(-1, attn.tp_q_head_num, attn.qk_head_dim)
-        view = LayerView(queries[mem], keys[mem], values[mem], queries[turn], keys[turn], placed_k, placed_v, selected,
+        k_mem, v_mem = placed_k.clone(), placed_v.clone()
+        q_mem = queries.new_zeros(end - start, *queries.shape[1:])
+        idx = present.to(k.device)
+        k_mem[idx], v_mem[idx], q_mem[idx] = keys[mem_rows.to(k.device)], values[mem_rows.to(k.device)], queries[mem_rows.to(k.device)]
+        turn = turn_rows.to(k.device)
+        view = LayerView(q_mem, k_mem, v_mem, queries[turn], keys[turn], placed_k, placed_v, self.selected.to(k.device),
                          self.segment.to(k.device))  # fmt: skip
         n = math.ceil(ratio_at(layer_id + 1, self.layers, self.ratio, self.decay) * self.units())
         self.selected = self.selector.select(view, n).cpu()
         self.select_ms += (time.perf_counter() - t0) * 1000
+
+    def dropped(self) -> torch.Tensor:
+        """Positions of the placed rows the next layer does not recompute."""
+        if self.refused:
+            return torch.zeros(0, dtype=torch.int64)
+        return self.reuse.start + (~self.selected).nonzero().squeeze(1)
 
     def metrics(self) -> dict:
         m = self.reuse.keys.shape[1]
         recomputed = sum(self.per_layer) if not self.refused else m * self.layers
         return {"recomputed_tokens": recomputed, "recomputed_per_layer": self.per_layer,
                 "recompute_share": round(recomputed / max(1, m * self.layers), 6), "recompute_ms": round(self.select_ms, 3),
-                "recompute_refused": self.refused}  # fmt: skip
+                "recompute_dropped_rows": self.dropped_rows, "recompute_refused": self.refused}  # fmt: skip
 
 
 @mechanism.register("keep")
@@ -107,6 +136,8 @@ class KeepManager(mechanism.Mechanism):
     def build(cls, config: KeepConfig, tree, ctx) -> KeepManager:
         manager = cls(config, tree)
         capture.subscribe(cls.name, manager)
+        if config.compact:
+            compact.register(cls.name, manager)
         return manager
 
     def admit(self, scheduler, req, spec) -> None:
@@ -129,7 +160,12 @@ class KeepManager(mechanism.Mechanism):
 
     def take(self, bound, layer, q, k, v) -> None:
         for blend, rows in bound:
-            blend.layer(layer.layer_id, layer, q, k, v, rows, bool(self.config.trace_dir))
+            blend.layer(layer.layer_id, layer, q, k, v, rows, self.tree, bool(self.config.trace_dir))
+
+    # --- dropping the rows no later layer recomputes (a compact.py compactor) --------------------
+
+    def dropped(self, rows: list[ExtendRows], layer_id: int) -> dict[str, torch.Tensor]:
+        return {r.rid: self.blends[r.rid].dropped() for r in rows if r.rid in self.blends}
 
     # --- release ---------------------------------------------------------------------------------
 

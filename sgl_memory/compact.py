@@ -1,0 +1,162 @@
+"""Rows a prefill stops computing between decoder layers: one forward's row layout, and the seam
+that applies it (an AROUND hook on the served models' decoder layers, patches/hooks.yaml).
+
+KEEP recomputes a shrinking share of a request's placed memory rows layer by layer (keep/). A row
+not recomputed at layer l+1 needs no hidden state after layer l: its KV at the later layers is the
+placed KV, which the keep mechanism writes into the pool itself. Dropping the row from the hidden
+states is where the time goes down: every later layer's projections, MLP and attention queries run
+over fewer rows.
+
+A forward packs the new tokens of its requests one after another (capture.ExtendRows). The layout
+holds which of those rows the current layer computes. After each layer the registered compactors
+(keep) say which rows the next layer still needs; the hook cuts the layer's output and residual to
+them through SGLang's residual stream (the hand-off it uses for micro-batches), and before each
+layer it cuts the positions and the KV write locations to match. After the last layer the rows come
+back to their places (zeros where dropped), so the final norm and the logits see the batch they
+expect: the dropped rows are placed memory, never a request's last token.
+
+Only the attention backend that reads the layout (`supports_row_layout`, our CPU backend) can attend
+a request whose rows are not contiguous; on any other backend, and in a forward where another
+capture subscriber reads rows, nothing is dropped: the compactors fall back to writing the placed KV
+over the rows they do not need (the same attention, at full cost).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from sglang.srt.model_executor.forward_context import get_attn_backend
+
+from sgl_memory.capture import ExtendRows, extend_rows
+
+
+class RowLayout:
+    """The rows of one extend forward that the current layer computes."""
+
+    def __init__(self, rows: list[ExtendRows]):
+        self.full = rows  # every request's rows as the forward packed them
+        self.total = sum(r.count for r in rows)
+        self.kept = torch.ones(self.total, dtype=torch.bool)
+        self.index: torch.Tensor | None = None  # the kept rows (None: all of them)
+        self.version = 0
+
+    def current(self) -> list[ExtendRows]:
+        """Each request's rows at the current layer: where they start among the kept rows, how many,
+        and their positions when some of them were dropped."""
+        out, start = [], 0
+        for r in self.full:
+            kept = self.kept[r.start : r.start + r.count]
+            n = int(kept.sum())
+            positions = None if n == r.count else r.prefix + kept.nonzero().squeeze(1)
+            out.append(r._replace(start=start, count=n, positions=positions))
+            start += n
+        return out
+
+    def cut(self, kept: torch.Tensor) -> torch.Tensor:
+        """Keep only `kept` [total] of the rows from now on; returns which of the current rows stay."""
+        stay = kept[self.kept] if self.index is not None else kept
+        self.kept = kept
+        self.index = kept.nonzero().squeeze(1) if not bool(kept.all()) else None
+        self.version += 1
+        return stay
+
+
+class Compactor(Protocol):
+    def dropped(self, rows: list[ExtendRows], layer_id: int) -> dict[str, torch.Tensor]:
+        """After layer `layer_id`, per request id: the positions of its rows (among `rows`, this
+        layer's) that no later layer computes; requests not named keep their rows."""
+
+
+_COMPACTORS: dict[str, Compactor] = {}
+
+
+def register(name: str, compactor: Compactor) -> None:
+    """One compactor per name: a rebuilt tree's mechanism replaces the old one's."""
+    _COMPACTORS[name] = compactor
+
+
+def layout(forward_batch) -> RowLayout | None:
+    return getattr(forward_batch, "sgl_layout", None)
+
+
+def _may_drop(forward_batch) -> bool:
+    """Rows can be dropped when the backend attends a row layout and no capture subscriber but a
+    compactor takes rows of this forward (another would read rows it expects contiguous)."""
+    if not getattr(get_attn_backend(), "supports_row_layout", False):
+        return False
+    if getattr(forward_batch.residual_stream, "transport", None) is not None:
+        return False  # rows in flight to other ranks
+    bound = getattr(forward_batch, "sgl_capture", None) or []
+    return all(s in _COMPACTORS.values() for s, parts in bound if parts)
+
+
+def _restart(forward_batch, value: torch.Tensor, residual: torch.Tensor | None, update):
+    from sglang.srt.layers.layer_boundary.residual.stream import ResidualStream
+
+    handle, forward_batch.residual_stream = ResidualStream.from_handoff(value, residual, update)
+    return handle
+
+
+def _cut(forward_batch, hidden, stay: torch.Tensor):
+    """The layer's output and residual, only the rows `stay`, as the stream the next layer reads."""
+    stream = forward_batch.residual_stream
+    update = stream.pending.update if stream.pending is not None else None
+    value, residual = stream.export(hidden)
+    stay = stay.to(value.device)
+    return _restart(forward_batch, value[stay], None if residual is None else residual[stay], update)
+
+
+def _restore(forward_batch, hidden, rows: RowLayout):
+    """The layer's output and residual back at their rows of the whole forward (zeros where dropped)."""
+    stream = forward_batch.residual_stream
+    update = stream.pending.update if stream.pending is not None else None
+    value, residual = stream.export(hidden)
+    index = rows.index.to(value.device)
+
+    def spread(x):
+        if x is None:
+            return None
+        full = x.new_zeros(rows.total, *x.shape[1:])
+        full[index] = x
+        return full
+
+    return _restart(forward_batch, spread(value), spread(residual), update)
+
+
+def _last_layer() -> int | None:
+    pool = getattr(get_attn_backend(), "token_to_kv_pool", None)  # rows are only dropped where it exists
+    return None if pool is None else (getattr(pool, "start_layer", 0) or 0) + pool.layer_num - 1
+
+
+def layer_hook(original, layer, positions, hidden_states, forward_batch, *args, **kwargs):
+    """AROUND hook on a decoder layer's forward: the layer runs over the rows the layout keeps."""
+    mode = forward_batch.forward_mode
+    if not _COMPACTORS or not mode.is_extend() or not forward_batch.rids:
+        return original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
+    layer_id = layer.self_attn.attn.layer_id
+    rows = layout(forward_batch)
+    if rows is None:
+        if layer_id != 0:
+            return original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
+        rows = forward_batch.sgl_layout = RowLayout(extend_rows(forward_batch))
+    full_loc = forward_batch.out_cache_loc
+    if rows.index is not None:
+        positions = positions[rows.index.to(positions.device)]
+        forward_batch.out_cache_loc = full_loc[rows.index.to(full_loc.device)]
+    try:
+        out = original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
+    finally:
+        forward_batch.out_cache_loc = full_loc
+    if layer_id == _last_layer():
+        return out if rows.index is None else _restore(forward_batch, out, rows)
+    if not _may_drop(forward_batch):
+        return out
+    kept = rows.kept.clone()
+    for compactor in _COMPACTORS.values():
+        for rid, dropped in compactor.dropped(rows.current(), layer_id).items():
+            full = next(r for r in rows.full if r.rid == rid)
+            kept[full.start + (dropped.cpu() - full.prefix)] = False
+    if bool((kept != rows.kept).any()):
+        out = _cut(forward_batch, out, rows.cut(kept).nonzero().squeeze(1))
+    return out
