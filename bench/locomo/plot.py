@@ -40,3 +40,31 @@ def plot(result: dict, path: Path, order: list[str]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_recompute(table: dict, path: Path) -> None:
+    """Accuracy against time to first token per variant (KEEP's trade-off), and the share of the
+    placed KV each recomputed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in table["rows"] if r["ttft_s"] is not None]
+    if not rows:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    for r in rows:
+        ax1.scatter(r["ttft_s"], r["f1"], s=40)
+        ax1.annotate(r["method"].split("-max")[-1].strip("-") or r["method"], (r["ttft_s"], r["f1"]), fontsize=7)
+    ax1.set_xlabel("time to first token, s (mean)")
+    ax1.set_ylabel("token F1 (mean)")
+    ax1.set_title("accuracy vs TTFT")
+    labels = [r["method"].split("-max")[-1].strip("-") or r["method"] for r in rows]
+    ax2.bar(range(len(rows)), [r["recompute_share"] or 0 for r in rows])
+    ax2.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+    ax2.set_title("recomputed share of placed KV (tokens x layers)")
+    fig.suptitle(f"LoCoMo recomputation of placed memory, {table['settings']['model']}, questions: {sorted({r['tasks'] for r in rows})}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import requests
 from tqdm import tqdm
 
 from sgl_memory import harness, models
@@ -42,7 +43,8 @@ from . import data, metrics, prompts
 from .retrieval import TurnRetriever
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-METHOD_GROUPS = ("memart", "norm-agg", "aabb", "placement", "block8", "full", "text")
+METHOD_GROUPS = ("memart", "norm-agg", "aabb", "placement", "block8", "full", "text", "recompute")
+RATIOS = (0.1, 0.3)  # keep and cacheblend recomputation ratios (the share at layer 1) of the recompute group
 MAIN_NORM, MAIN_AGG = "softmax", "max"  # the server's defaults (bench/locomo/retrieval_study.py)
 LONG_REQUEST_S = 3600  # a cold 24k-token prefill on 2 cores takes minutes
 
@@ -56,6 +58,9 @@ class Variant:
     agg: str = MAIN_AGG
     scoring: str = "exact"  # a block's logit: its best key's, or the AABB bound (MemArt's)
     placement: str = "first"  # of the memory blocks: first (MemArt), or after the system message
+    recompute: str = "none"  # what repairs the placed blocks (sgl_memory/keep): none | keep | cacheblend | full
+    ratio: float | None = None  # keep / cacheblend: the share recomputed at layer 1
+    hops: int | None = None  # keep: importance propagation rounds (None: the server's)
 
     @property
     def label(self) -> str:
@@ -64,6 +69,9 @@ class Variant:
         if self.method == "text":
             return f"text-k{self.top_k}"  # budget from the main MemArt variant at this top_k
         suffix = ("-aabb" if self.scoring == "aabb" else "") + ("-after-system" if self.placement == "after_system" else "")
+        if self.recompute != "none":
+            suffix += f"-{self.recompute}" + (f"-r{self.ratio}" if self.ratio is not None else "")
+            suffix += f"-hops{self.hops}" if self.hops is not None else ""
         return f"memart-bs{self.block_size}-k{self.top_k}-{self.norm}-{self.agg}{suffix}"
 
 
@@ -88,6 +96,11 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
             out.append(Variant("memart", 16, top_k, placement="after_system"))  # [system][blocks][question]
         elif group == "block8":
             out.append(Variant("memart", 8, top_k * 2))  # same KV tokens as block 16
+        elif group == "recompute":  # KEEP against full recompute and CacheBlend (sgl_memory/keep)
+            out.append(Variant("memart", 16, top_k, recompute="full"))
+            out += [Variant("memart", 16, top_k, recompute="keep", ratio=r) for r in RATIOS]
+            out.append(Variant("memart", 16, top_k, recompute="keep", ratio=RATIOS[-1], hops=1))  # without multi-hop
+            out += [Variant("memart", 16, top_k, recompute="cacheblend", ratio=r) for r in RATIOS]
         else:
             out.append(Variant(group, 16, top_k))
     return out
@@ -169,16 +182,23 @@ class Results:
 
 
 def generate(server, input_ids: list[int], max_new_tokens: int, memory: dict | None = None) -> tuple[str, dict, float]:
-    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    """The answer, its meta_info with `ttft_s` added (the first streamed chunk, measured here: the
+    probe of a memory-mode request included), and the wall time."""
+    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, "stream": True}
     if memory is not None:
         body["sgl_memory"] = memory
     t0 = time.perf_counter()
-    r = server.post("/generate", body, timeout=LONG_REQUEST_S)
+    ttft, last = None, None
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=LONG_REQUEST_S) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:1000]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            ttft = time.perf_counter() - t0 if ttft is None else ttft
+            last = json.loads(line[len(b"data:"):])
     wall = time.perf_counter() - t0
-    if r.status_code != 200:
-        raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:1000]}")
-    out = r.json()
-    return out["text"], out["meta_info"], wall
+    return last["text"], {**last["meta_info"], "ttft_s": ttft}, wall
 
 
 def server_config(directory: Path, block_size: int, top_k: int, memory_on: bool, capacity_blocks: int) -> Path:
@@ -187,6 +207,7 @@ def server_config(directory: Path, block_size: int, top_k: int, memory_on: bool,
         "memory:\n"
         f"  enabled: {str(memory_on).lower()}\n  block_size: {block_size}\n  top_k: {top_k}\n"
         f"  norm: {MAIN_NORM}\n  agg: {MAIN_AGG}\n  capacity_blocks: {capacity_blocks}\n"
+        f"keep:\n  enabled: {str(memory_on).lower()}\n"  # the recompute variants' repairs
     )
     return path
 
@@ -237,7 +258,11 @@ class Runner:
             return prompts.with_context(self.tokenizer, excerpt, q.question), None, extra
         memory = {"session_id": sid, "memory": {"mode": "retrieve", "top_k": variant.top_k, "norm": variant.norm,
                                                 "agg": variant.agg, "scoring": variant.scoring, "placement": variant.placement,
-                                                "store": False}}  # fmt: skip
+                                                "store": False, "recompute": variant.recompute}}  # fmt: skip
+        if variant.ratio is not None:
+            memory["memory"]["recompute_ratio"] = variant.ratio
+        if variant.hops is not None:
+            memory["memory"]["hops"] = variant.hops
         return prompts.question_only(self.tokenizer, q.question), memory, {}
 
     def ask(self, server, variant: Variant, conv: Conversation, q: data.Question, sid: str | None) -> None:
@@ -284,12 +309,14 @@ def score(embedder, variant: Variant, q: data.Question, ids: list[int], text: st
         "prompt_tokens": prompt_tokens, "cached_tokens": cached, "memory_kv_tokens": memory_kv,
         "prefill_tokens": mem.get("prefill_tokens", prompt_tokens - cached),
         "kv_decode_tokens": prompt_tokens + memory_kv + completion, "completion_tokens": completion,
-        "e2e_latency": meta.get("e2e_latency"), "wall_s": wall,
-        **{k: mem[k] for k in ("retrieved_blocks", "probe_tokens", "retrieval_ms") if k in mem}, **extra,
+        "e2e_latency": meta.get("e2e_latency"), "ttft_s": meta.get("ttft_s"), "wall_s": wall,
+        **{k: mem[k] for k in ("retrieved_blocks", "probe_tokens", "retrieval_ms", "recompute", "recomputed_tokens",
+                               "recompute_share", "recompute_ms", "recompute_dropped_rows") if k in mem}, **extra,
     }  # fmt: skip
 
 
-MEANS = ("f1", "bleu1", "sim", "evidence_recall", "prefill_tokens", "kv_decode_tokens", "memory_kv_tokens", "e2e_latency", "wall_s")
+MEANS = ("f1", "bleu1", "sim", "evidence_recall", "prefill_tokens", "kv_decode_tokens", "memory_kv_tokens", "e2e_latency", "ttft_s",
+         "wall_s", "recomputed_tokens", "recompute_share")
 
 
 def _mean(rows: list[dict], name: str) -> float | None:
@@ -348,6 +375,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data", type=Path, default=data.DATA)
     ap.add_argument("--out", type=Path, default=RESULTS / "locomo.json")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing results file")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="also write the per-variant summary here as a list `rows` (with a plot beside it)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.questions_per_conversation <= 0:
         args.questions_per_conversation = 1 << 30
@@ -367,11 +396,12 @@ def _fmt(x, spec: str) -> str:
 def report(result: dict, vs_order: list[str], ingest: dict[str, float]) -> None:
     """The table, with seconds per question: the cost a reader compares first."""
     summary = result["summary"]
-    print(f"{'variant':32} {'n':>4} {'F1':>6} {'BLEU1':>6} {'sim':>6} {'recall':>6} {'prefill':>8} {'KV dec':>7} {'s/q':>7}")
+    print(f"{'variant':48} {'n':>4} {'F1':>6} {'BLEU1':>6} {'sim':>6} {'recall':>6} {'prefill':>8} {'KV dec':>7} {'TTFT':>6} {'s/q':>7}")
     for label in sorted(summary, key=lambda s: (vs_order.index(s) if s in vs_order else len(vs_order), s)):
         s = summary[label]
-        print(f"{label:32} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {_fmt(s['bleu1'], '6.3f')} {_fmt(s['sim'], '6.3f')} "
-              f"{_fmt(s['evidence_recall'], '6.3f')} {_fmt(s['prefill_tokens'], '8.0f')} {_fmt(s['kv_decode_tokens'], '7.0f')} {_fmt(s['wall_s'], '7.2f')}")  # fmt: skip
+        print(f"{label:48} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {_fmt(s['bleu1'], '6.3f')} {_fmt(s['sim'], '6.3f')} "
+              f"{_fmt(s['evidence_recall'], '6.3f')} {_fmt(s['prefill_tokens'], '8.0f')} {_fmt(s['kv_decode_tokens'], '7.0f')} "
+              f"{_fmt(s['ttft_s'], '6.2f')} {_fmt(s['wall_s'], '7.2f')}")  # fmt: skip
     for bs, seconds in ingest.items():
         print(f"memart ingestion {bs}: {seconds:.1f} s per conversation")
 
@@ -382,7 +412,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from .plot import plot
+    from .plot import plot, plot_recompute
 
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(args.model))
     convs = conversations(args, tokenizer)
@@ -423,3 +453,21 @@ def main(argv=None) -> None:
     results.save()
     plot(result, args.out.with_suffix(".png"), [v.label for v in vs])
     report(result, [v.label for v in vs], result["ingest_s_per_conversation"])
+    if args.table:
+        table = {"settings": settings(args), "questions_file": str(args.out), "rows": table_rows(result["summary"], vs)}
+        args.table.write_text(json.dumps(table, indent=1))
+        plot_recompute(table, args.table.with_suffix(".png"))
+
+
+def table_rows(summary: dict, vs: list[Variant]) -> list[dict]:
+    """One row per variant of this run: accuracy, time to first token, prefill and recomputation."""
+    rows = []
+    for v in vs:
+        s = summary.get(v.label)
+        if s is None:
+            continue
+        rows.append({"method": v.label, "recompute": v.recompute if v.method == "memart" else v.method, "ratio": v.ratio,
+                     "hops": v.hops, "tasks": s["n"], "f1": s["f1"], "bleu1": s["bleu1"], "evidence_recall": s["evidence_recall"],
+                     "ttft_s": s["ttft_s"], "prefill_tokens": s["prefill_tokens"], "recomputed_tokens": s["recomputed_tokens"],
+                     "recompute_share": s["recompute_share"], "by_category": s["by_category"]})  # fmt: skip
+    return rows
