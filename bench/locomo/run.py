@@ -61,6 +61,11 @@ class Variant:
     recompute: str = "none"  # what repairs the placed blocks (sgl_memory/keep): none | keep | cacheblend | full
     ratio: float | None = None  # keep / cacheblend: the share recomputed at layer 1
     hops: int | None = None  # keep: importance propagation rounds (None: the server's)
+    compact: bool = True  # of the server it runs on: keep drops the rows it does not recompute (False: full cost)
+
+    @property
+    def server(self) -> tuple[int, bool]:
+        return self.block_size, self.compact
 
     @property
     def label(self) -> str:
@@ -72,6 +77,7 @@ class Variant:
         if self.recompute != "none":
             suffix += f"-{self.recompute}" + (f"-r{self.ratio}" if self.ratio is not None else "")
             suffix += f"-hops{self.hops}" if self.hops is not None else ""
+            suffix += "" if self.compact else "-no-drop"
         return f"memart-bs{self.block_size}-k{self.top_k}-{self.norm}-{self.agg}{suffix}"
 
 
@@ -100,6 +106,7 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
             out.append(Variant("memart", 16, top_k, recompute="full"))
             out += [Variant("memart", 16, top_k, recompute="keep", ratio=r) for r in RATIOS]
             out.append(Variant("memart", 16, top_k, recompute="keep", ratio=RATIOS[-1], hops=1))  # without multi-hop
+            out.append(Variant("memart", 16, top_k, recompute="keep", ratio=RATIOS[-1], compact=False))  # without row dropping
             out += [Variant("memart", 16, top_k, recompute="cacheblend", ratio=r) for r in RATIOS]
         else:
             out.append(Variant(group, 16, top_k))
@@ -201,13 +208,13 @@ def generate(server, input_ids: list[int], max_new_tokens: int, memory: dict | N
     return last["text"], {**last["meta_info"], "ttft_s": ttft}, wall
 
 
-def server_config(directory: Path, block_size: int, top_k: int, memory_on: bool, capacity_blocks: int) -> Path:
-    path = directory / f"locomo-bs{block_size}.yaml"
+def server_config(directory: Path, block_size: int, top_k: int, memory_on: bool, capacity_blocks: int, compact: bool) -> Path:
+    path = directory / f"locomo-bs{block_size}{'' if compact else '-no-drop'}.yaml"
     path.write_text(
         "memory:\n"
         f"  enabled: {str(memory_on).lower()}\n  block_size: {block_size}\n  top_k: {top_k}\n"
         f"  norm: {MAIN_NORM}\n  agg: {MAIN_AGG}\n  capacity_blocks: {capacity_blocks}\n"
-        f"keep:\n  enabled: {str(memory_on).lower()}\n"  # the recompute variants' repairs
+        f"keep:\n  enabled: {str(memory_on).lower()}\n  compact: {str(compact).lower()}\n"  # the recompute variants' repairs
     )
     return path
 
@@ -349,14 +356,14 @@ def ingest_cost(results: Results) -> dict[str, float]:
     return {bs: sum(v) / len(v) for bs, v in out.items()}
 
 
-def pending(results: Results, vs: list[Variant], convs: list[Conversation]) -> dict[int, dict[Variant, dict]]:
-    """Per server block size: variant -> conversation -> questions without a result yet."""
-    out: dict[int, dict[Variant, dict]] = {}
+def pending(results: Results, vs: list[Variant], convs: list[Conversation]) -> dict[tuple[int, bool], dict[Variant, dict]]:
+    """Per server (block size, row dropping): variant -> conversation -> questions without a result yet."""
+    out: dict[tuple[int, bool], dict[Variant, dict]] = {}
     for v in vs:
         for c in convs:
             qs = [q for q in c.questions if results.row(v.label, q) is None]
             if qs:
-                out.setdefault(v.block_size, {}).setdefault(v, {})[c.index] = qs
+                out.setdefault(v.server, {}).setdefault(v, {})[c.index] = qs
     return out
 
 
@@ -429,16 +436,16 @@ def main(argv=None) -> None:
     logs.mkdir(exist_ok=True)
     with tqdm(total=total, desc="questions", disable=None) as bar:
         runner = Runner(args, tokenizer, embedder, results, bar)
-        for block_size in sorted(work, reverse=True):
-            todo = work[block_size]
+        for block_size, compact in sorted(work, reverse=True):
+            todo = work[(block_size, compact)]
             top_k = next((v.top_k for v in todo if v.method == "memart"), args.top_k)
             memory_on = any(v.method == "memart" for v in todo)
             # the memory section stays off when no MemArt variant runs: the other methods do not need it
             capacity = max(4096, sum(math.ceil(len(c.ingest_ids) / block_size) + 64 for c in convs))
-            config = server_config(logs, block_size, top_k, memory_on, capacity)
+            config = server_config(logs, block_size, top_k, memory_on, capacity, compact)
             command = harness.our_command(args.model, "--memory-config", str(config), *server_flags(args.model, convs))
-            log = logs / f"server-bs{block_size}.log"
-            bar.set_description(f"starting server bs{block_size}")
+            log = logs / config.with_suffix(".log").name
+            bar.set_description(f"starting server {config.stem}")
             server = harness.start(command, log)
             try:
                 runner.serve(server, todo, convs)

@@ -76,17 +76,19 @@ def turn_attention(view: LayerView) -> torch.Tensor:
     return logits.softmax(-1)[:, :, :m].mean((0, 1))
 
 
-def segment_attention(view: LayerView, segments: int) -> torch.Tensor:
-    """[S, S] cross-attention between placed segments: row a is how much segment a's rows attend to
-    segment b's tokens (softmax over the placed keys up to each row, averaged over heads and a's
-    rows, summed over b's tokens); only the candidates' rows are meaningful, the diagonal is zero."""
+def segment_attention(view: LayerView, segments: int, which: torch.Tensor) -> torch.Tensor:
+    """[S, S] cross-attention between placed segments, rows `which` [S] filled (the others zero):
+    row a is how much segment a's rows attend to segment b's tokens (softmax over the placed keys
+    up to each row, averaged over heads and a's candidate rows, summed over b's tokens); the
+    diagonal is zero."""
     heads, m = view.q_mem.shape[1], view.k_mem.shape[0]
-    rows = view.candidates.nonzero().squeeze(1)
+    seg = view.segment.to(view.candidates.device)
+    rows = (view.candidates & which[seg]).nonzero().squeeze(1)
     logits = torch.einsum("rhd,khd->hrk", view.q_mem[rows].float(), _expand(view.k_mem, heads).float())
     logits = logits / math.sqrt(view.k_mem.shape[-1])
     later = torch.arange(m, device=logits.device)[None, :] > rows[:, None]
     weights = logits.masked_fill(later, -math.inf).softmax(-1).mean(0)  # [rows, M]
-    seg = view.segment.to(logits.device)
+    seg = seg.to(logits.device)
     by_token = torch.zeros(segments, m, device=logits.device).index_add_(0, seg[rows], weights)
     count = torch.zeros(segments, device=logits.device).index_add_(0, seg[rows], torch.ones(len(rows), device=logits.device))
     cross = torch.zeros(segments, segments, device=logits.device).index_add_(1, seg, by_token) / count.clamp(min=1)[:, None]
@@ -113,8 +115,13 @@ class MultiHop(Selector):
         query = torch.zeros(segments, device=seg.device).index_add_(0, seg, turn_attention(view).to(seg.device))
         chosen = top(query, eligible, n)
         if self.hops > 1 and n < int(eligible.sum()):
-            cross = segment_attention(view, segments).to(seg.device)
+            # a segment's row of the cross-attention is computed when it first joins the set
+            cross = torch.zeros(segments, segments, device=seg.device)
+            known = torch.zeros(segments, dtype=torch.bool, device=seg.device)
             for _ in range(self.hops - 1):
+                if bool((chosen & ~known).any()):
+                    cross += segment_attention(view, segments, chosen & ~known).to(seg.device)
+                    known |= chosen
                 importance = (query + cross[chosen].sum(0)) / (1 + int(chosen.sum()))
                 again = top(importance, eligible, n)
                 if bool((again == chosen).all()):
