@@ -96,6 +96,10 @@ class MemArtConfig:
     roles: Literal["chatml", "llama3", "none"] = "chatml"  # chat template family that marks turns
     placement: Literal["first", "after_system"] = "first"  # where the blocks go in the prompt
     rr_constant: float = 60.0  # c in 1 / (rank + c)
+    cut: Literal["tokens", "lines"] = "tokens"  # lines: a block also ends after each line end
+    # placed with each chosen block: the first block of its turn (turn), of its line (line, where
+    # blocks are cut at lines), or both; a block from the middle of a turn then has its context
+    header: Literal["none", "turn", "line", "turn_line"] = "none"
     # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep
     # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the
     # blocks' tokens prefilled again in the request's context)
@@ -125,12 +129,18 @@ class KeepConfig:
     # drop the rows no later layer recomputes from the hidden states (the speed-up, on backends that
     # attend a row layout); false: write the placed KV over them at full cost (the same attention)
     compact: bool = True
+    # how the placed KV reaches each layer (keep/loading.py): when the layer starts (sync), while the
+    # layer before computes (next_layer), or that plus preloading the rows no later layer
+    # recomputes while the loader is idle (balanced, KEEP's layer-balanced loading)
+    loading: Literal["sync", "next_layer", "balanced"] = "balanced"
+    tier_bandwidth: float = 0.0  # bytes/s of a simulated slower tier for the placed KV (0: none)
     trace_dir: str = ""  # diagnostics: each repaired request's memory KV and selections, one file per request
 
     def validate(self, path: str) -> None:
         _require(0.0 <= self.ratio <= 1.0, f"{path}.ratio", "a number in [0, 1]")
         _require(self.decay >= 0.0, f"{path}.decay", "a number >= 0")
         _require(1 <= self.hops <= MAX_HOPS, f"{path}.hops", f"an integer in [1, {MAX_HOPS}]")
+        _require(self.tier_bandwidth >= 0.0, f"{path}.tier_bandwidth", "a number >= 0 (bytes per second; 0: no simulated tier)")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class MemArtQuery:
     scoring: str | None = None
     placement: str | None = None
     store: bool = True  # False: this turn is not added to the session's memory
+    header: str | None = None  # None: the server's memory.header
     recompute: str | None = None  # None: the server's memory.recompute
     recompute_ratio: float | None = None  # None: the server's keep.ratio
     hops: int | None = None  # None: the server's keep.hops
@@ -98,7 +99,7 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     where = f"{FIELD}.memory"
     if not isinstance(raw, dict):
         raise SpecError(f"{where} must be an object")
-    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store", "recompute", "recompute_ratio", "hops")
+    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store", "header", "recompute", "recompute_ratio", "hops")
     allowed += ("probe",) if internal else ()
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
@@ -107,7 +108,7 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     top_k = raw.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
         raise SpecError(f"{where}.top_k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
-    for name in ("norm", "agg", "scoring", "placement", "recompute"):
+    for name in ("norm", "agg", "scoring", "placement", "header", "recompute"):
         _choice(raw.get(name), choices(MemArtConfig, name), f"{where}.{name}")
     ratio = raw.get("recompute_ratio")
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
@@ -122,7 +123,7 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     if probe is not None and not isinstance(probe, str):
         raise SpecError(f"{where}.probe must be a string")
     return MemArtQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store,
-                       recompute=raw.get("recompute"), recompute_ratio=None if ratio is None else float(ratio), hops=hops,
+                       header=raw.get("header"), recompute=raw.get("recompute"), recompute_ratio=None if ratio is None else float(ratio), hops=hops,
                        probe=probe)  # fmt: skip
 
 

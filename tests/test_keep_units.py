@@ -4,11 +4,13 @@ request checks of the recompute modes."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
 from sgl_memory import config, request
+from sgl_memory.keep.loading import LOADINGS, LayerLoader
 from sgl_memory.keep.select import REGISTRY, KVDeviation, LayerView, MultiHop, ratio_at
 
 
@@ -156,3 +158,75 @@ def test_a_repair_needs_the_keep_mechanism():
 def test_bad_recompute_fields(field, value, needle):
     with pytest.raises(request.SpecError, match=needle):
         request.parse({"session_id": "s", "memory": {field: value}})
+
+
+def placed(layers=6, m=40, heads=2, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(layers, m, heads, dim, generator=g), torch.randn(layers, m, heads, dim, generator=g)
+
+
+@pytest.mark.parametrize("mode", LOADINGS)
+def test_every_loading_hands_each_layer_the_rows_it_asks_for(mode):
+    keys, values = placed()
+    loader = LayerLoader(keys, values, "cpu", mode)
+    g = torch.Generator().manual_seed(1)
+    selected = torch.ones(40, dtype=torch.bool)
+    try:
+        for layer in range(6):
+            need = ~selected
+            k, v = loader.ready(layer, need)
+            assert torch.equal(k[need], keys[layer][need]) and torch.equal(v[need], values[layer][need])
+            selected = selected & (torch.rand(40, generator=g) < 0.7)  # nested, as a selector's
+            loader.want(layer + 1, ~selected, ~selected)
+    finally:
+        loader.close()
+    assert loader.metrics()["load_bytes"] == loader.bytes > 0
+
+
+def test_a_balanced_loader_preloads_the_rows_no_later_layer_recomputes():
+    keys, values = placed(layers=8)
+    loader = LayerLoader(keys, values, "cpu", "balanced")
+    try:
+        dropped = torch.zeros(40, dtype=torch.bool)
+        dropped[:10] = True
+        loader.want(1, dropped, dropped)
+        loader.ready(1, dropped)
+        deadline = time.monotonic() + 5
+        while not bool(loader.loaded[2:, :10].all()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # every later layer holds the dropped rows before it asks, and nothing else was loaded
+        assert bool(loader.loaded[2:, :10].all()) and not bool(loader.loaded[:, 10:].any())
+        for layer in range(2, 8):
+            k, _ = loader.ready(layer, dropped)
+            assert torch.equal(k[:10], keys[layer][:10])
+    finally:
+        loader.close()
+    next_layer = LayerLoader(keys, values, "cpu", "next_layer")
+    try:
+        next_layer.want(1, dropped, dropped)
+        next_layer.ready(1, dropped)
+        time.sleep(0.1)
+        assert not bool(next_layer.loaded[2:].any())  # only what a layer asked for
+    finally:
+        next_layer.close()
+
+
+def test_the_simulated_tier_holds_copies_to_its_bandwidth_and_a_pipeline_hides_them():
+    keys, values = placed(layers=4, m=64, heads=2, dim=64)
+    row_bytes = keys[0][0].nbytes + values[0][0].nbytes
+    bandwidth = 64 * row_bytes / 0.05  # one layer's 64 rows in 50 ms
+    rows = torch.ones(64, dtype=torch.bool)
+    sync = LayerLoader(keys, values, "cpu", "sync", bandwidth)
+    for layer in range(4):
+        sync.ready(layer, rows)
+    assert sync.load_s >= 0.2 and sync.metrics()["load_overlap"] == pytest.approx(0.0, abs=0.02)
+    piped = LayerLoader(keys, values, "cpu", "next_layer", bandwidth)
+    try:
+        piped.ready(0, rows)
+        for layer in range(1, 4):
+            piped.want(layer, rows, torch.zeros(64, dtype=torch.bool))
+            time.sleep(0.08)  # the layer before computes for longer than a layer's load
+            piped.ready(layer, rows)
+    finally:
+        piped.close()
+    assert piped.load_s >= 0.2 and piped.metrics()["load_overlap"] > 0.5

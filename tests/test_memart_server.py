@@ -144,6 +144,22 @@ def test_blocks_after_the_system_message(mem_server, tok, stated):
     assert again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1 and again["output_ids"] == first["output_ids"]
 
 
+def test_a_block_from_the_middle_of_a_turn_comes_with_its_turns_first_block(mem_server, tok, stated):
+    """header turn: each chosen block that does not start its turn is placed with the block that
+    does (the turn's header: its role line, a session's date); blocks stay in chronological order."""
+    q = render(tok, SYSTEM + [{"role": "user", "content": "What did I make for dinner?"}])
+    plain = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=2)})["meta_info"]["sgl_memory"]
+    headed = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=2, header="turn")})
+    m = headed["meta_info"]["sgl_memory"]
+    middle = [(turn, offset) for turn, offset, _ in plain["retrieved_spans"] if offset > 0]
+    assert middle, "the question should choose a block from the middle of a turn"
+    starts = {turn for turn, offset, _ in m["retrieved_spans"] if offset == 0}
+    assert set(m["retrieved_turns"]) <= starts  # every turn placed has its first block placed
+    assert {tuple(span) for span in plain["retrieved_spans"]} <= {tuple(span) for span in m["retrieved_spans"]}
+    assert plain["retrieved_blocks"] < m["retrieved_blocks"] <= 2 * plain["retrieved_blocks"]
+    assert m["retrieved_spans"] == sorted(m["retrieved_spans"])
+
+
 def test_another_sessions_memory_is_never_retrieved(mem_server, tok, stated):
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
     for memory in ({"session_id": "other", "tenant": "a"}, {"session_id": "s", "tenant": "stranger"}, {"session_id": "s"}):

@@ -15,7 +15,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply
 from sgl_memory.request import SpecError, parse
 from sgl_memory.kernels.aabb_score import aabb_scores
 from sgl_memory.spans import RoleMarkers, find_spans
-from sgl_memory.memart.blocks import MemArtPool
+from sgl_memory.memart.blocks import MemArtPool, pieces
 from sgl_memory.memart.manager import assemble, scoring_positions, unrotate
 from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, score_blocks, top_blocks
 from sgl_memory.rope import Rope
@@ -416,3 +416,42 @@ def test_memory_field_defaults():
     spec = parse({"session_id": "s", "memory": {"mode": "retrieve", "top_k": 8}})
     assert spec.memory.top_k == 8 and spec.memory.store and spec.memory.norm is None and spec.memory.probe is None
     assert parse({"session_id": "s", "memory": {"mode": "probe", "probe": "p"}}, internal=True).memory.probe == "p"
+
+
+# --- blocks cut at lines, and the header blocks placed with a chosen one ------------------------
+
+NL = 99  # the line-end token of these tests
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pieces_end_at_block_size_and_after_every_line_end(seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = [NL if x < 0.15 else int(x * 50) for x in torch.rand(90, generator=g).tolist()]
+    got = pieces(tokens, 8, frozenset({NL}))
+    assert [t for s, e in got for t in tokens[s:e]] == tokens and got[0][0] == 0
+    for (s, e), (s2, _) in zip(got, got[1:]):
+        assert e == s2
+    for s, e in got:
+        assert 1 <= e - s <= 8 and NL not in tokens[s : e - 1]  # a line end only as a block's last token
+        full = e - s == 8 or tokens[e - 1] == NL or e == len(tokens)
+        assert full, (s, e)  # a block ends early only at a line end (or the turn's end)
+    assert pieces(tokens, 8) == [(s, min(s + 8, 90)) for s in range(0, 90, 8)]
+
+
+def test_the_first_block_of_a_turn_and_of_a_line():
+    memory = MemArtPool(capacity=100, line_ends=frozenset({NL}))
+    keys = torch.randn(2, 30, 1, 8)
+    # turn 0: a 3-token line, a 12-token line, a 5-token line (blocks of at most 4); turn 1: 10 tokens
+    tokens = [1, 2, NL] + list(range(10, 21)) + [NL] + list(range(30, 35))
+    memory.add_turn(tokens, keys[:, :20], keys[:, :20].to(torch.bfloat16), 4)
+    memory.add_turn(list(range(40, 50)), keys[:, 20:], keys[:, 20:].to(torch.bfloat16), 4)
+    spans = {b.id: (b.origin[0][1], len(b.tokens)) for b in memory.blocks.values()}
+    assert [spans[i] for i in range(9)] == [(0, 3), (3, 4), (7, 4), (11, 4), (15, 4), (19, 1), (0, 4), (4, 4), (8, 2)]
+    assert [memory.first_of(i, "turn") for i in range(9)] == [0] * 6 + [6] * 3
+    assert [memory.first_of(i, "line") for i in range(9)] == [0, 1, 1, 1, 4, 4, 6, 6, 6]
+    del memory.blocks[2]  # evicted on the way back: no header
+    assert memory.first_of(3, "line") is None and memory.first_of(3, "turn") is None
+    assert MemArtPool(capacity=1).first_of(0, "turn") is None
+    plain = MemArtPool(capacity=100)
+    plain.add_turn(tokens[:20], keys[:, :20], keys[:, :20].to(torch.bfloat16), 4)
+    assert plain.first_of(3, "line") is None and plain.first_of(3, "turn") == 0  # lines are known where cut at them

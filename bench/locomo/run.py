@@ -31,7 +31,7 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import requests
@@ -43,7 +43,7 @@ from . import data, metrics, prompts
 from .retrieval import TurnRetriever
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-METHOD_GROUPS = ("memart", "norm-agg", "aabb", "placement", "block8", "full", "text", "recompute")
+METHOD_GROUPS = ("memart", "norm-agg", "aabb", "placement", "block8", "full", "text", "recompute", "repairs")
 RATIOS = (0.1, 0.3)  # keep and cacheblend recomputation ratios (the share at layer 1) of the recompute group
 MAIN_NORM, MAIN_AGG = "softmax", "max"  # the server's defaults (bench/locomo/retrieval_study.py)
 LONG_REQUEST_S = 3600  # a cold 24k-token prefill on 2 cores takes minutes
@@ -62,10 +62,13 @@ class Variant:
     ratio: float | None = None  # keep / cacheblend: the share recomputed at layer 1
     hops: int | None = None  # keep: importance propagation rounds (None: the server's)
     compact: bool = True  # of the server it runs on: keep drops the rows it does not recompute (False: full cost)
+    cut: str = "tokens"  # of the server it runs on (memory.cut): lines: no block spans two dialogue turns
+    turns: str = "transcript"  # the memory's turns: the transcript as one, or each LoCoMo session as one
+    header: str = "none"  # placed with each chosen block: the first block of its turn and/or line
 
     @property
-    def server(self) -> tuple[int, bool]:
-        return self.block_size, self.compact
+    def server(self) -> tuple[int, bool, str]:
+        return self.block_size, self.compact, self.cut
 
     @property
     def label(self) -> str:
@@ -74,6 +77,9 @@ class Variant:
         if self.method == "text":
             return f"text-k{self.top_k}"  # budget from the main MemArt variant at this top_k
         suffix = ("-aabb" if self.scoring == "aabb" else "") + ("-after-system" if self.placement == "after_system" else "")
+        suffix += "-session-turns" if self.turns == "sessions" else ""
+        suffix += f"-cut-{self.cut}" if self.cut != "tokens" else ""
+        suffix += f"-header-{self.header}" if self.header != "none" else ""
         if self.recompute != "none":
             suffix += f"-{self.recompute}" + (f"-r{self.ratio}" if self.ratio is not None else "")
             suffix += f"-hops{self.hops}" if self.hops is not None else ""
@@ -108,6 +114,11 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
             out.append(Variant("memart", 16, top_k, recompute="keep", ratio=RATIOS[-1], hops=1))  # without multi-hop
             out.append(Variant("memart", 16, top_k, recompute="keep", ratio=RATIOS[-1], compact=False))  # without row dropping
             out += [Variant("memart", 16, top_k, recompute="cacheblend", ratio=r) for r in RATIOS]
+        elif group == "repairs":  # the two cheap repairs: blocks within turns (sessions, lines), headers placed with blocks
+            sessions = Variant("memart", 16, top_k, turns="sessions")
+            out += [sessions, replace(sessions, header="turn"), replace(sessions, cut="lines"),
+                    replace(sessions, cut="lines", header="turn_line"),
+                    replace(sessions, cut="lines", header="turn_line", recompute="keep", ratio=RATIOS[-1])]
         else:
             out.append(Variant(group, 16, top_k))
     return out
@@ -123,12 +134,21 @@ class Conversation:
     token_turn: list[int | None] = field(default_factory=list)  # ingest token -> transcript line
     retriever: TurnRetriever | None = None
 
-    def evidence_recall(self, q: data.Question, spans: list[list[int]]) -> float | None:
-        """Share of the question's evidence turns that a retrieved block overlaps (MemArt rows)."""
+    def session_ends(self) -> list[int]:
+        """Where each LoCoMo session's tokens end in ingest_ids (the memory turns of `turns: sessions`)."""
+        lines = sorted(self.turns, key=lambda t: t.index)
+        session = [None if i is None else lines[i].session for i in self.token_turn]
+        ends = [j for j in range(1, len(session)) if session[j] is not None and session[j - 1] is not None and session[j] != session[j - 1]]
+        return ends + [len(self.ingest_ids)]
+
+    def evidence_recall(self, q: data.Question, spans: list[list[int]], starts: list[int]) -> float | None:
+        """Share of the question's evidence turns that a retrieved block overlaps (MemArt rows);
+        `starts`: where each memory turn starts in ingest_ids (a block's offset is within its turn)."""
         if not q.evidence:
             return None
         lines = sorted(self.turns, key=lambda t: t.index)
-        covered = {lines[i].dia_id for _, offset, n in spans for i in self.token_turn[offset : offset + n] if i is not None}
+        covered = {lines[i].dia_id for turn, offset, n in spans
+                   for i in self.token_turn[starts[turn] + offset : starts[turn] + offset + n] if i is not None}  # fmt: skip
         return sum(e in covered for e in q.evidence) / len(q.evidence)
 
 
@@ -208,12 +228,13 @@ def generate(server, input_ids: list[int], max_new_tokens: int, memory: dict | N
     return last["text"], {**last["meta_info"], "ttft_s": ttft}, wall
 
 
-def server_config(directory: Path, block_size: int, top_k: int, memory_on: bool, capacity_blocks: int, compact: bool) -> Path:
-    path = directory / f"locomo-bs{block_size}{'' if compact else '-no-drop'}.yaml"
+def server_config(directory: Path, block_size: int, top_k: int, memory_on: bool, capacity_blocks: int, compact: bool,
+                  cut: str) -> Path:  # fmt: skip
+    path = directory / f"locomo-bs{block_size}{'' if compact else '-no-drop'}{'' if cut == 'tokens' else '-cut-' + cut}.yaml"
     path.write_text(
         "memory:\n"
         f"  enabled: {str(memory_on).lower()}\n  block_size: {block_size}\n  top_k: {top_k}\n"
-        f"  norm: {MAIN_NORM}\n  agg: {MAIN_AGG}\n  capacity_blocks: {capacity_blocks}\n"
+        f"  norm: {MAIN_NORM}\n  agg: {MAIN_AGG}\n  capacity_blocks: {capacity_blocks}\n  cut: {cut}\n"
         f"keep:\n  enabled: {str(memory_on).lower()}\n  compact: {str(compact).lower()}\n"  # the recompute variants' repairs
     )
     return path
@@ -235,14 +256,23 @@ class Runner:
         self.args, self.tokenizer, self.embedder, self.results, self.bar = args, tokenizer, embedder, results, bar
         self.nonce = uuid.uuid4().hex[:8]  # a fresh memory session per server start
 
-    def ingest(self, server, conv: Conversation, block_size: int) -> str:
-        sid = f"locomo-{self.nonce}-bs{block_size}-c{conv.index}"
-        _, meta, wall = generate(server, conv.ingest_ids, 1, {"session_id": sid})
-        record = {"session_id": sid, "tokens": len(conv.ingest_ids), "wall_s": wall,
+    def ingest(self, server, conv: Conversation, variant: Variant) -> tuple[str, list[int]]:
+        """A memory session of the conversation, and where its turns start in ingest_ids: the whole
+        transcript as one turn, or (turns: sessions) one full-history request per LoCoMo session,
+        each prefilling only its session (the radix cache holds the rest), which memory records as
+        the session's next turn (its one answer token has no KV, so each turn starts where the
+        request before it ended)."""
+        sid = f"locomo-{self.nonce}-bs{variant.block_size}-{variant.turns}-c{conv.index}"
+        ends = conv.session_ends() if variant.turns == "sessions" else [len(conv.ingest_ids)]
+        wall, meta = 0.0, {}
+        for end in ends:
+            _, meta, seconds = generate(server, conv.ingest_ids[:end], 1, {"session_id": sid})
+            wall += seconds
+        record = {"session_id": sid, "tokens": len(conv.ingest_ids), "turns": len(ends), "wall_s": wall,
                   "e2e_latency": meta.get("e2e_latency"), "sgl_memory": meta.get("sgl_memory")}  # fmt: skip
-        self.results.data["ingest"].setdefault(f"bs{block_size}|c{conv.index}", []).append(record)
+        self.results.data["ingest"].setdefault(f"bs{variant.block_size}-{variant.turns}|c{conv.index}", []).append(record)
         self.results.save()
-        return sid
+        return sid, [0] + ends[:-1]
 
     def text_budget(self, variant: Variant, q: data.Question) -> tuple[int, str]:
         ref = self.results.row(main_memart(variant.top_k).label, q)
@@ -265,39 +295,40 @@ class Runner:
             return prompts.with_context(self.tokenizer, excerpt, q.question), None, extra
         memory = {"session_id": sid, "memory": {"mode": "retrieve", "top_k": variant.top_k, "norm": variant.norm,
                                                 "agg": variant.agg, "scoring": variant.scoring, "placement": variant.placement,
-                                                "store": False, "recompute": variant.recompute}}  # fmt: skip
+                                                "store": False, "recompute": variant.recompute, "header": variant.header}}  # fmt: skip
         if variant.ratio is not None:
             memory["memory"]["recompute_ratio"] = variant.ratio
         if variant.hops is not None:
             memory["memory"]["hops"] = variant.hops
         return prompts.question_only(self.tokenizer, q.question), memory, {}
 
-    def ask(self, server, variant: Variant, conv: Conversation, q: data.Question, sid: str | None) -> None:
+    def ask(self, server, variant: Variant, conv: Conversation, q: data.Question, sid: str | None, starts: list[int]) -> None:
         ids, memory, extra = self.prompt(variant, conv, q, sid)
         text, meta, wall = generate(server, ids, self.args.max_new_tokens, memory)
         if variant.method == "memart":
-            # the ingestion is the session's first turn, so a block's offset is its ingest token index
-            extra["evidence_recall"] = conv.evidence_recall(q, (meta.get("sgl_memory") or {}).get("retrieved_spans") or [])
+            spans = (meta.get("sgl_memory") or {}).get("retrieved_spans") or []
+            extra["evidence_recall"] = conv.evidence_recall(q, spans, starts)
         self.results.add(variant.label, q, score(self.embedder, variant, q, ids, text, meta, wall, extra))
         self.bar.update()
 
     def serve(self, server, todo: dict[Variant, dict[int, list[data.Question]]], convs: list[Conversation]) -> None:
         for conv in convs:
-            sessions: dict[int, str] = {}
+            sessions: dict[tuple[int, str], tuple[str, list[int]]] = {}
             for variant, by_conv in todo.items():
                 if not by_conv.get(conv.index):
                     continue
                 self.bar.set_description(f"c{conv.index} {variant.label}")
-                sid = None
+                sid, starts = None, [0]
                 if variant.method == "memart":
-                    if variant.block_size not in sessions:
-                        self.bar.set_description(f"c{conv.index} ingest bs{variant.block_size}")
-                        sessions[variant.block_size] = self.ingest(server, conv, variant.block_size)
-                    sid = sessions[variant.block_size]
+                    key = (variant.block_size, variant.turns)
+                    if key not in sessions:
+                        self.bar.set_description(f"c{conv.index} ingest bs{variant.block_size} {variant.turns}")
+                        sessions[key] = self.ingest(server, conv, variant)
+                    sid, starts = sessions[key]
                 if variant.method == "text" and conv.retriever is None:
                     conv.retriever = TurnRetriever(self.embedder, self.tokenizer, conv.turns)
                 for q in by_conv[conv.index]:
-                    self.ask(server, variant, conv, q, sid)
+                    self.ask(server, variant, conv, q, sid, starts)
 
 
 def score(embedder, variant: Variant, q: data.Question, ids: list[int], text: str, meta: dict, wall: float,
@@ -356,9 +387,9 @@ def ingest_cost(results: Results) -> dict[str, float]:
     return {bs: sum(v) / len(v) for bs, v in out.items()}
 
 
-def pending(results: Results, vs: list[Variant], convs: list[Conversation]) -> dict[tuple[int, bool], dict[Variant, dict]]:
-    """Per server (block size, row dropping): variant -> conversation -> questions without a result yet."""
-    out: dict[tuple[int, bool], dict[Variant, dict]] = {}
+def pending(results: Results, vs: list[Variant], convs: list[Conversation]) -> dict[tuple, dict[Variant, dict]]:
+    """Per server (block size, row dropping, cut): variant -> conversation -> questions without a result yet."""
+    out: dict[tuple, dict[Variant, dict]] = {}
     for v in vs:
         for c in convs:
             qs = [q for q in c.questions if results.row(v.label, q) is None]
@@ -436,13 +467,13 @@ def main(argv=None) -> None:
     logs.mkdir(exist_ok=True)
     with tqdm(total=total, desc="questions", disable=None) as bar:
         runner = Runner(args, tokenizer, embedder, results, bar)
-        for block_size, compact in sorted(work, reverse=True):
-            todo = work[(block_size, compact)]
+        for block_size, compact, cut_at in sorted(work, reverse=True):
+            todo = work[(block_size, compact, cut_at)]
             top_k = next((v.top_k for v in todo if v.method == "memart"), args.top_k)
             memory_on = any(v.method == "memart" for v in todo)
             # the memory section stays off when no MemArt variant runs: the other methods do not need it
             capacity = max(4096, sum(math.ceil(len(c.ingest_ids) / block_size) + 64 for c in convs))
-            config = server_config(logs, block_size, top_k, memory_on, capacity, compact)
+            config = server_config(logs, block_size, top_k, memory_on, capacity, compact, cut_at)
             command = harness.our_command(args.model, "--memory-config", str(config), *server_flags(args.model, convs))
             log = logs / config.with_suffix(".log").name
             bar.set_description(f"starting server {config.stem}")

@@ -26,6 +26,7 @@ import torch
 from sgl_memory import capture, compact, mechanism, metrics, tree_fill
 from sgl_memory.capture import ExtendRows
 from sgl_memory.config import KeepConfig
+from sgl_memory.keep.loading import LayerLoader
 from sgl_memory.keep.select import REGISTRY, LayerView, Selector, ratio_at
 from sgl_memory.reuse import ReusedKV
 
@@ -47,6 +48,9 @@ class Blend:
     next_layer: int = 0
     per_layer: list[int] = field(default_factory=list)
     history: list[torch.Tensor] = field(default_factory=list)  # the selections, when traced
+    loading: str = "sync"
+    bandwidth: float = 0.0
+    loader: LayerLoader | None = None  # created at the first layer, on the layer's device
     select_ms: float = 0.0
     dropped_rows: bool = False  # whether later layers ran without the rows not recomputed (compact.py)
     refused: str | None = None
@@ -54,6 +58,14 @@ class Blend:
     def __post_init__(self):
         self.segment = self.reuse.segment_of_token()
         self.selected = torch.ones(self.reuse.keys.shape[1], dtype=torch.bool)
+
+    def needed(self, selected: torch.Tensor) -> torch.Tensor:
+        """The placed rows a layer that recomputes `selected` reads."""
+        return torch.ones_like(selected) if self.selector.reads_placed else ~selected
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
 
     def units(self) -> int:
         return len(self.reuse.segments) if self.selector.unit == "segment" else self.reuse.keys.shape[1]
@@ -79,8 +91,10 @@ class Blend:
         mem_rows, turn_rows = batch[in_memory], batch[positions >= end]
         keys = k.view(-1, attn.tp_k_head_num, attn.qk_head_dim)
         values = v.view(-1, attn.tp_v_head_num, attn.v_head_dim)
-        placed_k = self.reuse.keys[layer_id].to(k.device, non_blocking=True).to(keys.dtype)
-        placed_v = self.reuse.values[layer_id].to(v.device, non_blocking=True).to(values.dtype)
+        if self.loader is None:
+            self.loader = LayerLoader(self.reuse.keys, self.reuse.values, k.device, self.loading, self.bandwidth)
+        placed_k, placed_v = self.loader.ready(layer_id, self.needed(self.selected))
+        placed_k, placed_v = placed_k.to(keys.dtype), placed_v.to(values.dtype)
         over = (present & ~self.selected)[present]  # present rows this layer does not recompute
         if bool(over.any()):
             keys[mem_rows[over].to(k.device)] = placed_k[present & ~self.selected]
@@ -109,6 +123,7 @@ class Blend:
                          self.segment.to(k.device))  # fmt: skip
         n = math.ceil(ratio_at(layer_id + 1, self.layers, self.ratio, self.decay) * self.units())
         self.selected = self.selector.select(view, n).cpu()
+        self.loader.want(layer_id + 1, self.needed(self.selected), ~self.selected)
         self.select_ms += (time.perf_counter() - t0) * 1000
 
     def dropped(self) -> torch.Tensor:
@@ -120,7 +135,8 @@ class Blend:
     def metrics(self) -> dict:
         m = self.reuse.keys.shape[1]
         recomputed = sum(self.per_layer) if not self.refused else m * self.layers
-        return {"recomputed_tokens": recomputed, "recomputed_per_layer": self.per_layer,
+        loads = self.loader.metrics() if self.loader is not None else {}
+        return loads | {"recomputed_tokens": recomputed, "recomputed_per_layer": self.per_layer,
                 "recompute_share": round(recomputed / max(1, m * self.layers), 6), "recompute_ms": round(self.select_ms, 3),
                 "recompute_dropped_rows": self.dropped_rows, "recompute_refused": self.refused}  # fmt: skip
 
@@ -148,7 +164,8 @@ class KeepManager(mechanism.Mechanism):
         hops = query.hops or self.config.hops
         selector = REGISTRY[reuse.method](hops=hops) if reuse.method == "keep" else REGISTRY[reuse.method]()
         ratio = self.config.ratio if query.recompute_ratio is None else query.recompute_ratio
-        self.blends[req.rid] = Blend(reuse, selector, ratio, self.config.decay, self.layers, len(req.origin_input_ids))
+        self.blends[req.rid] = Blend(reuse, selector, ratio, self.config.decay, self.layers, len(req.origin_input_ids),
+                                     loading=self.config.loading, bandwidth=self.config.tier_bandwidth)  # fmt: skip
 
     # --- the layers of the prefill (a capture.py subscriber) -------------------------------------
 
@@ -173,6 +190,7 @@ class KeepManager(mechanism.Mechanism):
         blend = self.blends.pop(req.rid, None)
         if blend is None:
             return
+        blend.close()
         metrics.attach(req, blend.metrics())
         if self.config.trace_dir and not blend.refused and not self.tree.disable:
             self._trace(req, blend)

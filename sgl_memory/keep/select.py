@@ -23,7 +23,7 @@ class LayerView:
     v_mem: torch.Tensor  # [M, Hkv, Dv]
     q_turn: torch.Tensor  # [T, H, D] the rows after the placed ones: the request's new turn
     k_turn: torch.Tensor  # [T, Hkv, D]
-    placed_k: torch.Tensor  # [M, Hkv, D] the placed KV of this layer
+    placed_k: torch.Tensor  # [M, Hkv, D] the placed KV of this layer (of the candidates only if the selector reads it)
     placed_v: torch.Tensor
     candidates: torch.Tensor  # [M] bool: the rows this layer recomputed
     segment: torch.Tensor  # [M] the segment index of each row
@@ -44,6 +44,9 @@ def register(name: str):
 class Selector(ABC):
     name: ClassVar[str]
     unit: ClassVar[str]  # what the ratio counts: "segment" or "token"
+    # whether `select` reads the placed KV of the rows it recomputes (then every placed row is
+    # loaded at every layer, as token-level recomputation must)
+    reads_placed: ClassVar[bool] = False
 
     @abstractmethod
     def select(self, view: LayerView, n: int) -> torch.Tensor:
@@ -137,6 +140,7 @@ class KVDeviation(Selector):
     over the keys and values of every head) go on to the next layer."""
 
     unit: ClassVar[str] = "token"
+    reads_placed: ClassVar[bool] = True
 
     def select(self, view: LayerView, n: int) -> torch.Tensor:
         dk = (view.k_mem.float() - view.placed_k.float()).pow(2).sum((1, 2))

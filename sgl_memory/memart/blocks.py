@@ -73,6 +73,19 @@ class BlockIndex:
                    torch.stack([b.hi[:layers] for b in blocks], 1), torch.stack(padded, 1))  # fmt: skip
 
 
+def pieces(tokens: list[int], block_size: int, line_ends: frozenset[int] | None = None) -> list[tuple[int, int]]:
+    """[start, end) of each block of a turn: block_size tokens at most, and ending after every
+    token of `line_ends` when given."""
+    out, start = [], 0
+    for i, token in enumerate(tokens):
+        if i + 1 - start == block_size or (line_ends is not None and token in line_ends):
+            out.append((start, i + 1))
+            start = i + 1
+    if start < len(tokens):
+        out.append((start, len(tokens)))
+    return out
+
+
 # which block a full pool drops first: smallest key. `merge` folds neighbours instead (see
 # MemArtPool._merge_one) and drops by LRU only what merging cannot shrink (a single block left).
 EVICTIONS = {
@@ -100,6 +113,7 @@ class MemArtPool:
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards blocks, inbox, counters
     ingesting: threading.Lock = field(default_factory=threading.Lock)  # one ingest at a time: turns stay in order
     _index: BlockIndex | None = None
+    line_ends: frozenset[int] | None = None  # token ids after which a block ends (memory.cut: lines)
 
     def submit(self, tokens: list[int], positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A finished turn's KV as copied off the KV pool (keys still rotated), for ingest()."""
@@ -126,25 +140,37 @@ class MemArtPool:
         return bool(self.inbox) or self.ingesting.locked()
 
     def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int) -> None:
-        """Cut one turn's position-free KV [L, n, Hkv, D] into blocks (the last may be shorter)."""
+        """Cut one turn's position-free KV [L, n, Hkv, D] into blocks of `block_size` tokens (the
+        last may be shorter); with `line_ends` (token ids that end a line), a block also ends
+        after each of them, so that no block holds the end of one line and the start of the next."""
         now = time.time()
-        n = len(tokens)
-        count = -(-n // block_size)
-        # one min/max over all blocks: the short last block is padded with copies of its own last key
-        padded = torch.cat([keys, keys[:, -1:].expand(-1, count * block_size - n, -1, -1)], dim=1)
-        boxes = padded.view(keys.shape[0], count, block_size, *keys.shape[2:])
-        lo, hi = boxes.amin(dim=2), boxes.amax(dim=2)
         with self.lock:
             turn = self.turns
             self.turns += 1
-            for i, start in enumerate(range(0, n, block_size)):
-                end = min(start + block_size, n)
-                # clones: an evicted block's memory goes with it, not with the last block of its turn
-                self._add(Block(self.next_id, tokens[start:end], keys[:, start:end].clone(), values[:, start:end].clone(),
-                                lo[:, i].clone(), hi[:, i].clone(), [(turn, o) for o in range(start, end)], now,
-                                self.clock, end - start))  # fmt: skip
+            for start, end in pieces(tokens, block_size, self.line_ends):
+                # clones: an evicted block's memory goes with it, not with the rest of its turn
+                k = keys[:, start:end].clone()
+                self._add(Block(self.next_id, tokens[start:end], k, values[:, start:end].clone(), k.amin(1), k.amax(1),
+                                [(turn, o) for o in range(start, end)], now, self.clock, end - start))  # fmt: skip
                 self.next_id += 1
             self._evict(lambda: len(self.blocks) > self.capacity)
+
+    def first_of(self, block_id: int, scope: str) -> int | None:
+        """The id of the first block of the turn (`scope` "turn") or of the line ("line") that block
+        `block_id` belongs to, walking back over the pool's blocks (a turn's blocks have consecutive
+        ids); None where a block on the way was evicted or merged away."""
+        block = self.blocks.get(block_id)
+        if block is None or (scope == "line" and self.line_ends is None):
+            return None  # lines are known where blocks were cut at them
+        turn, offset = block.origin[0]
+        while offset > 0:
+            before = self.blocks.get(block_id - 1)
+            if before is None or before.origin[-1] != (turn, offset - 1):
+                return None
+            if scope == "line" and self.line_ends is not None and before.tokens[-1] in self.line_ends:
+                break
+            block_id, offset = block_id - 1, before.origin[0][1]
+        return block_id
 
     def _add(self, block: Block) -> None:
         """Caller holds the lock. A block replacing one of its id takes its place (dict order is

@@ -141,6 +141,7 @@ class MemArtManager(mechanism.Mechanism):
         self.probes: OrderedDict[str, Probe] = OrderedDict()
         self.probing: dict[str, Probe] = {}  # rid -> probe being prefilled
         self.markers: RoleMarkers | None = None
+        self.line_ends: frozenset[int] | None = None  # memory.cut lines: from the tokenizer, at the first request
         self._lock = threading.Lock()
         self._worker = Worker("sgl-memory-memart", self._work, lambda m: f"a session memory of {len(m.blocks)} blocks")
 
@@ -178,7 +179,16 @@ class MemArtManager(mechanism.Mechanism):
 
     def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
         make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size)) if create else None
-        return self.tree.sessions.get(owner, self.name, make)
+        pool = self.tree.sessions.get(owner, self.name, make)
+        if pool is not None:
+            pool.line_ends = self.line_ends
+        return pool
+
+    def open(self, scheduler, req, spec: MemorySpec) -> None:
+        """Before any admission (a session restored from its file makes its pool here too)."""
+        tokenizer = getattr(scheduler, "tokenizer", None)
+        if self.config.cut == "lines" and self.line_ends is None and tokenizer is not None:
+            self.line_ends = line_ends(tokenizer)
 
     # --- admission -------------------------------------------------------------------------------
 
@@ -239,14 +249,19 @@ class MemArtManager(mechanism.Mechanism):
                               query.norm or self.config.norm, query.agg or self.config.agg, self.config.rr_constant)  # fmt: skip
         limit = getattr(scheduler, "max_req_input_len", None)
         budget = (limit - len(req.origin_input_ids)) if limit else None
-        chosen, used = [], 0
+        header = query.header or self.config.header
+        scopes = {"none": (), "turn": ("turn",), "line": ("line",), "turn_line": ("turn", "line")}[header]
+        chosen, used = set(), 0
         for i in top_blocks(scores, query.top_k or self.config.top_k):
-            n = len(memory.blocks[ids[i]].tokens) if ids[i] in memory.blocks else 0
+            # the block, and the first block of its turn and line (the header), unless chosen already
+            with_header = [ids[i]] + [h for h in (memory.first_of(ids[i], scope) for scope in scopes) if h is not None]
+            new = [b for b in dict.fromkeys(with_header) if b not in chosen and b in memory.blocks]
+            n = sum(len(memory.blocks[b].tokens) for b in new)
             if budget is not None and used + n > budget:
                 continue  # the request must still fit the context
-            chosen.append(ids[i])
+            chosen.update(new)
             used += n
-        blocks = memory.take(chosen)
+        blocks = memory.take(list(chosen))
         if blocks:
             self._place(req, state, blocks, probe, query)
 
@@ -396,6 +411,12 @@ class MemArtManager(mechanism.Mechanism):
             current.trim(max(0, current.bytes - (total - self.config.pool_bytes)))
         pools = [pool for _, pool in self.tree.sessions.slots(self.name)]
         prometheus.memory_pool(sum(m.bytes for m in pools), sum(len(m.blocks) for m in pools))
+
+
+def line_ends(tokenizer) -> frozenset[int]:
+    """The token ids whose text ends a line (memory.cut lines)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return frozenset(i for i, text in enumerate(texts) if text.endswith("\n"))
 
 
 def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, tokenizer) -> list[int]:
