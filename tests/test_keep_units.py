@@ -56,12 +56,15 @@ def reference_keep(v: LayerView, n: int, hops: int) -> list[int]:
     cross = [[0.0] * segs for _ in range(segs)]
     rows_of = {s: [k for k in range(m) if seg[k] == s and v.candidates[k]] for s in range(segs)}
     for a in range(segs):
-        for r in rows_of[a]:
-            for h in range(heads):
-                w = softmax_row([float(v.q_mem[r, h] @ v.k_mem[k, h // group]) / math.sqrt(d) for k in range(r + 1)])
-                for k in range(r + 1):
-                    if seg[k] != a:
-                        cross[a][seg[k]] += w[k] / (heads * len(rows_of[a]))
+        if not rows_of[a]:
+            continue
+        last = max(rows_of[a])
+        for h in range(heads):
+            pooled = sum(v.q_mem[r, h] for r in rows_of[a]) / len(rows_of[a])
+            w = softmax_row([float(pooled @ v.k_mem[k, h // group]) / math.sqrt(d) for k in range(last + 1)])
+            for k in range(last + 1):
+                if seg[k] != a:
+                    cross[a][seg[k]] += w[k] / heads
     for _ in range(hops - 1):
         importance = [(query[b] + sum(cross[a][b] for a in chosen)) / (1 + len(chosen)) for b in range(segs)]
         again = pick(importance)

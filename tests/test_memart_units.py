@@ -16,7 +16,7 @@ from sgl_memory.request import SpecError, parse
 from sgl_memory.kernels.aabb_score import aabb_scores
 from sgl_memory.spans import RoleMarkers, find_spans
 from sgl_memory.memart.blocks import MemArtPool, pieces
-from sgl_memory.memart.manager import assemble, scoring_positions, unrotate
+from sgl_memory.memart.manager import assemble, choose, scoring_positions, unrotate
 from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, score_blocks, top_blocks
 from sgl_memory.rope import Rope
 
@@ -455,3 +455,21 @@ def test_the_first_block_of_a_turn_and_of_a_line():
     plain = MemArtPool(capacity=100)
     plain.add_turn(tokens[:20], keys[:, :20], keys[:, :20].to(torch.bfloat16), 4)
     assert plain.first_of(3, "line") is None and plain.first_of(3, "turn") == 0  # lines are known where cut at them
+
+
+def test_chosen_blocks_come_with_their_headers_within_the_budget():
+    memory = MemArtPool(capacity=100, line_ends=frozenset({NL}))
+    keys = torch.randn(2, 30, 1, 8)
+    tokens = [1, 2, NL] + list(range(10, 21)) + [NL] + list(range(30, 35))  # blocks 0-5 as above
+    memory.add_turn(tokens, keys[:, :20], keys[:, :20].to(torch.bfloat16), 4)
+    memory.add_turn(list(range(40, 50)), keys[:, 20:], keys[:, 20:].to(torch.bfloat16), 4)  # blocks 6-8
+    assert choose(memory, [3, 8], "none", None) == [3, 8]
+    assert choose(memory, [3, 8], "turn", None) == [3, 0, 8, 6]
+    assert choose(memory, [3, 8], "line", None) == [3, 1, 8, 6]
+    assert choose(memory, [3, 8], "turn_line", None) == [3, 0, 1, 8, 6]
+    assert choose(memory, [1, 3], "turn_line", None) == [1, 0, 3]  # a header chosen already is not placed twice
+    # the budget counts the headers: block 3 (4 tokens) with block 0 (3) fits 7, not 6; block 8 (2) with 6 (4)
+    assert choose(memory, [3, 8], "turn", 7) == [3, 0]
+    assert choose(memory, [3, 8], "turn", 6) == [8, 6]
+    del memory.blocks[0]
+    assert choose(memory, [3], "turn", None) == [3]  # its turn's start was evicted: no header

@@ -81,20 +81,26 @@ def turn_attention(view: LayerView) -> torch.Tensor:
 
 def segment_attention(view: LayerView, segments: int, which: torch.Tensor) -> torch.Tensor:
     """[S, S] cross-attention between placed segments, rows `which` [S] filled (the others zero):
-    row a is how much segment a's rows attend to segment b's tokens (softmax over the placed keys
-    up to each row, averaged over heads and a's candidate rows, summed over b's tokens); the
-    diagonal is zero."""
+    row a is how much segment a attends to segment b's tokens. A segment asks with one query per
+    head, the mean of its candidate rows' queries, over the placed keys up to its last row (softmax,
+    averaged over heads, summed over b's tokens); the diagonal is zero. One pooled row per segment
+    instead of every row: a layer's propagation costs a segment count of query rows, not a token
+    count (measured on LoCoMo at 64 blocks: the per-row version cost 150 ms of a 1.0 s TTFT)."""
     heads, m = view.q_mem.shape[1], view.k_mem.shape[0]
     seg = view.segment.to(view.candidates.device)
-    rows = (view.candidates & which[seg]).nonzero().squeeze(1)
-    logits = torch.einsum("rhd,khd->hrk", view.q_mem[rows].float(), _expand(view.k_mem, heads).float())
-    logits = logits / math.sqrt(view.k_mem.shape[-1])
-    later = torch.arange(m, device=logits.device)[None, :] > rows[:, None]
-    weights = logits.masked_fill(later, -math.inf).softmax(-1).mean(0)  # [rows, M]
-    seg = seg.to(logits.device)
-    by_token = torch.zeros(segments, m, device=logits.device).index_add_(0, seg[rows], weights)
-    count = torch.zeros(segments, device=logits.device).index_add_(0, seg[rows], torch.ones(len(rows), device=logits.device))
-    cross = torch.zeros(segments, segments, device=logits.device).index_add_(1, seg, by_token) / count.clamp(min=1)[:, None]
+    rows = view.candidates & which[seg]
+    asking = which & torch.zeros(segments, dtype=torch.bool, device=seg.device).index_fill_(0, seg[rows], True)
+    picked = asking.nonzero().squeeze(1)
+    index = rows.nonzero().squeeze(1)
+    sums = torch.zeros(segments, *view.q_mem.shape[1:], device=seg.device).index_add_(0, seg[index], view.q_mem[index].float())
+    counts = torch.zeros(segments, device=seg.device).index_add_(0, seg[index], torch.ones(len(index), device=seg.device))
+    pooled = sums[picked] / counts[picked, None, None]  # [P, H, D]
+    last = torch.zeros(segments, dtype=torch.long, device=seg.device).index_reduce_(0, seg[index], index, "amax", include_self=False)
+    logits = torch.einsum("phd,khd->hpk", pooled, _expand(view.k_mem, heads).float()) / math.sqrt(view.k_mem.shape[-1])
+    later = torch.arange(m, device=seg.device)[None, :] > last[picked][:, None]
+    weights = logits.masked_fill(later, -math.inf).softmax(-1).mean(0)  # [P, M]
+    cross = torch.zeros(segments, segments, device=seg.device)
+    cross[picked] = torch.zeros(len(picked), segments, device=seg.device).index_add_(1, seg, weights)
     return cross.fill_diagonal_(0.0)
 
 

@@ -249,19 +249,8 @@ class MemArtManager(mechanism.Mechanism):
                               query.norm or self.config.norm, query.agg or self.config.agg, self.config.rr_constant)  # fmt: skip
         limit = getattr(scheduler, "max_req_input_len", None)
         budget = (limit - len(req.origin_input_ids)) if limit else None
-        header = query.header or self.config.header
-        scopes = {"none": (), "turn": ("turn",), "line": ("line",), "turn_line": ("turn", "line")}[header]
-        chosen, used = set(), 0
-        for i in top_blocks(scores, query.top_k or self.config.top_k):
-            # the block, and the first block of its turn and line (the header), unless chosen already
-            with_header = [ids[i]] + [h for h in (memory.first_of(ids[i], scope) for scope in scopes) if h is not None]
-            new = [b for b in dict.fromkeys(with_header) if b not in chosen and b in memory.blocks]
-            n = sum(len(memory.blocks[b].tokens) for b in new)
-            if budget is not None and used + n > budget:
-                continue  # the request must still fit the context
-            chosen.update(new)
-            used += n
-        blocks = memory.take(list(chosen))
+        ranked = [ids[i] for i in top_blocks(scores, query.top_k or self.config.top_k)]
+        blocks = memory.take(choose(memory, ranked, query.header or self.config.header, budget))
         if blocks:
             self._place(req, state, blocks, probe, query)
 
@@ -411,6 +400,25 @@ class MemArtManager(mechanism.Mechanism):
             current.trim(max(0, current.bytes - (total - self.config.pool_bytes)))
         pools = [pool for _, pool in self.tree.sessions.slots(self.name)]
         prometheus.memory_pool(sum(m.bytes for m in pools), sum(len(m.blocks) for m in pools))
+
+
+HEADER_SCOPES = {"none": (), "turn": ("turn",), "line": ("line",), "turn_line": ("turn", "line")}
+
+
+def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | None) -> list[int]:
+    """The block ids to place: each ranked block with its header blocks (the first block of its
+    turn and/or line, MemArtConfig.header) unless chosen already; a block whose tokens, headers
+    included, would pass `budget` (the context left) is skipped."""
+    chosen, used = {}, 0
+    for block_id in ranked:
+        headers = (memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header])
+        new = [b for b in dict.fromkeys([block_id, *headers]) if b is not None and b not in chosen and b in memory.blocks]
+        n = sum(len(memory.blocks[b].tokens) for b in new)
+        if budget is not None and used + n > budget:
+            continue  # the request must still fit the context
+        chosen.update(dict.fromkeys(new))
+        used += n
+    return list(chosen)
 
 
 def line_ends(tokenizer) -> frozenset[int]:
