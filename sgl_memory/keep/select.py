@@ -95,7 +95,7 @@ def segment_attention(view: LayerView, segments: int, which: torch.Tensor) -> to
     sums = torch.zeros(segments, *view.q_mem.shape[1:], device=seg.device).index_add_(0, seg[index], view.q_mem[index].float())
     counts = torch.zeros(segments, device=seg.device).index_add_(0, seg[index], torch.ones(len(index), device=seg.device))
     pooled = sums[picked] / counts[picked, None, None]  # [P, H, D]
-    last = torch.zeros(segments, dtype=torch.long, device=seg.device).index_reduce_(0, seg[index], index, "amax", include_self=False)
+    last = torch.zeros(segments, dtype=torch.long, device=seg.device).scatter_reduce_(0, seg[index], index, "amax", include_self=False)
     logits = torch.einsum("phd,khd->hpk", pooled, _expand(view.k_mem, heads).float()) / math.sqrt(view.k_mem.shape[-1])
     later = torch.arange(m, device=seg.device)[None, :] > last[picked][:, None]
     weights = logits.masked_fill(later, -math.inf).softmax(-1).mean(0)  # [P, M]
