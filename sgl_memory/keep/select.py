@@ -62,18 +62,21 @@ def top(scores: torch.Tensor, eligible: torch.Tensor, n: int) -> torch.Tensor:
     return picked
 
 
-def _expand(k: torch.Tensor, heads: int) -> torch.Tensor:
-    """GQA: [n, Hkv, D] keys repeated to [n, H, D] in the model's head order."""
-    return k.repeat_interleave(heads // k.shape[1], dim=1)
+def _logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[H, n, K]: queries [n, H, D] against keys [K, Hkv, D], scaled, in float32. GQA: head h reads
+    KV head h // (H / Hkv); the query heads are grouped instead of the keys repeated per head."""
+    n, heads, dim = q.shape
+    kv = k.shape[1]
+    grouped = q.float().view(n, kv, heads // kv, dim)
+    return torch.einsum("ngjd,kgd->gjnk", grouped, k.float()).reshape(heads, n, k.shape[0]) / math.sqrt(dim)
 
 
 def turn_attention(view: LayerView) -> torch.Tensor:
     """[M] the new turn's attention to each placed token, averaged over heads and turn rows. Each
     turn row's softmax runs over the placed keys and the turn's keys up to itself (the system
     message before the blocks is left out: a row constant that does not change the ranking)."""
-    heads, m, t = view.q_turn.shape[1], view.k_mem.shape[0], view.k_turn.shape[0]
-    keys = _expand(torch.cat([view.k_mem, view.k_turn]), heads).float()
-    logits = torch.einsum("thd,khd->htk", view.q_turn.float(), keys) / math.sqrt(keys.shape[-1])
+    m, t = view.k_mem.shape[0], view.k_turn.shape[0]
+    logits = _logits(view.q_turn, torch.cat([view.k_mem, view.k_turn]))
     later = torch.ones(t, t, dtype=torch.bool, device=logits.device).triu(1)
     logits[:, :, m:] = logits[:, :, m:].masked_fill(later, -math.inf)
     return logits.softmax(-1)[:, :, :m].mean((0, 1))
@@ -86,7 +89,7 @@ def segment_attention(view: LayerView, segments: int, which: torch.Tensor) -> to
     averaged over heads, summed over b's tokens); the diagonal is zero. One pooled row per segment
     instead of every row: a layer's propagation costs a segment count of query rows, not a token
     count (measured on LoCoMo at 64 blocks: the per-row version cost 150 ms of a 1.0 s TTFT)."""
-    heads, m = view.q_mem.shape[1], view.k_mem.shape[0]
+    m = view.k_mem.shape[0]
     seg = view.segment.to(view.candidates.device)
     rows = view.candidates & which[seg]
     asking = which & torch.zeros(segments, dtype=torch.bool, device=seg.device).index_fill_(0, seg[rows], True)
@@ -96,7 +99,7 @@ def segment_attention(view: LayerView, segments: int, which: torch.Tensor) -> to
     counts = torch.zeros(segments, device=seg.device).index_add_(0, seg[index], torch.ones(len(index), device=seg.device))
     pooled = sums[picked] / counts[picked, None, None]  # [P, H, D]
     last = torch.zeros(segments, dtype=torch.long, device=seg.device).scatter_reduce_(0, seg[index], index, "amax", include_self=False)
-    logits = torch.einsum("phd,khd->hpk", pooled, _expand(view.k_mem, heads).float()) / math.sqrt(view.k_mem.shape[-1])
+    logits = _logits(pooled, view.k_mem)
     later = torch.arange(m, device=seg.device)[None, :] > last[picked][:, None]
     weights = logits.masked_fill(later, -math.inf).softmax(-1).mean(0)  # [P, M]
     cross = torch.zeros(segments, segments, device=seg.device)
