@@ -28,6 +28,10 @@ class ExtendRows(NamedTuple):
     # the rows' positions when a layer computes only some of them (compact.py); None: prefix..prefix+count-1
     positions: torch.Tensor | None = None
 
+    def row_positions(self) -> torch.Tensor:
+        """The position of each row, on the host."""
+        return self.positions.cpu() if self.positions is not None else torch.arange(self.prefix, self.prefix + self.count)
+
 
 def extend_rows(forward_batch) -> list[ExtendRows]:
     prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()

@@ -40,10 +40,14 @@ class RowLayout:
         self.kept = torch.ones(self.total, dtype=torch.bool)
         self.index: torch.Tensor | None = None  # the kept rows (None: all of them)
         self.version = 0
+        self.rows = rows  # what current() returns, recomputed only when the layout changes
 
     def current(self) -> list[ExtendRows]:
         """Each request's rows at the current layer: where they start among the kept rows, how many,
         and their positions when some of them were dropped."""
+        return self.rows
+
+    def _rows(self) -> list[ExtendRows]:
         out, start = [], 0
         for r in self.full:
             kept = self.kept[r.start : r.start + r.count]
@@ -59,6 +63,7 @@ class RowLayout:
         self.kept = kept
         self.index = kept.nonzero().squeeze(1) if not bool(kept.all()) else None
         self.version += 1
+        self.rows = self._rows()
         return stay
 
 
@@ -98,20 +103,24 @@ def _restart(forward_batch, value: torch.Tensor, residual: torch.Tensor | None, 
     return handle
 
 
-def _cut(forward_batch, hidden, stay: torch.Tensor):
-    """The layer's output and residual, only the rows `stay`, as the stream the next layer reads."""
+def _export(forward_batch, hidden):
+    """The layer's output, its residual and the residual update still owed between them."""
     stream = forward_batch.residual_stream
     update = stream.pending.update if stream.pending is not None else None
     value, residual = stream.export(hidden)
+    return value, residual, update
+
+
+def _cut(forward_batch, hidden, stay: torch.Tensor):
+    """The layer's output and residual, only the rows `stay`, as the stream the next layer reads."""
+    value, residual, update = _export(forward_batch, hidden)
     stay = stay.to(value.device)
     return _restart(forward_batch, value[stay], None if residual is None else residual[stay], update)
 
 
 def _restore(forward_batch, hidden, rows: RowLayout):
     """The layer's output and residual back at their rows of the whole forward (zeros where dropped)."""
-    stream = forward_batch.residual_stream
-    update = stream.pending.update if stream.pending is not None else None
-    value, residual = stream.export(hidden)
+    value, residual, update = _export(forward_batch, hidden)
     index = rows.index.to(value.device)
 
     def spread(x):

@@ -76,8 +76,7 @@ class Blend:
         compact.py dropped), then the selector names the next layer's rows."""
         if self.refused:
             return
-        positions = rows.positions if rows.positions is not None else torch.arange(rows.prefix, rows.prefix + rows.count)
-        positions = positions.cpu()
+        positions = rows.row_positions()
         if layer_id != self.next_layer or rows.prefix > self.reuse.start or int(positions[-1]) + 1 < self.prompt_len:
             # the placed rows and the turn must be in one forward, from the first layer on
             self.refused = "the prefill was split (chunked prefill); the blocks were recomputed in full"

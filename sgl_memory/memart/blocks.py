@@ -167,7 +167,7 @@ class MemArtPool:
             before = self.blocks.get(block_id - 1)
             if before is None or before.origin[-1] != (turn, offset - 1):
                 return None
-            if scope == "line" and self.line_ends is not None and before.tokens[-1] in self.line_ends:
+            if scope == "line" and before.tokens[-1] in self.line_ends:
                 break
             block_id, offset = block_id - 1, before.origin[0][1]
         return block_id

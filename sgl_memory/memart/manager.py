@@ -135,8 +135,8 @@ class MemArtManager(mechanism.Mechanism):
 
     def __init__(self, config: MemArtConfig, tree, rope: Rope):
         self.config, self.tree, self.rope = config, tree, rope
-        layer_num = tree.token_to_kv_pool_allocator.get_kvcache().layer_num
-        self.layers = max(1, round(layer_num * config.score_layers))
+        self.layer_num = tree.token_to_kv_pool_allocator.get_kvcache().layer_num
+        self.layers = max(1, round(self.layer_num * config.score_layers))  # the scoring layers
         tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda pool: pool.busy())
         self.probes: OrderedDict[str, Probe] = OrderedDict()
         self.probing: dict[str, Probe] = {}  # rid -> probe being prefilled
@@ -175,7 +175,7 @@ class MemArtManager(mechanism.Mechanism):
             probe.add(layer.layer_id, q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim),
                       k[rows].reshape(r.count, layer.tp_k_head_num, layer.qk_head_dim),
                       v[rows].reshape(r.count, layer.tp_v_head_num, layer.v_head_dim),
-                      torch.arange(r.prefix, r.prefix + r.count), self.rope)  # fmt: skip
+                      r.row_positions(), self.rope)  # fmt: skip
 
     def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
         make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size)) if create else None
@@ -333,7 +333,7 @@ class MemArtManager(mechanism.Mechanism):
             self.probing.pop(req.rid, None)
             return
         memory = self.session(state.owner, create=True)
-        metrics.attach(req, state.metrics(req, len(memory.blocks), self.tree.token_to_kv_pool_allocator.get_kvcache().layer_num))
+        metrics.attach(req, state.metrics(req, len(memory.blocks), self.layer_num))
         if not state.store or self.tree.disable:
             return
         # tokens whose KV exists (the last output token has none), under the request's own key
