@@ -104,9 +104,17 @@ class MemArtConfig:
     # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the
     # blocks' tokens prefilled again in the request's context)
     recompute: Literal["none", "keep", "cacheblend", "full"] = "none"
+    # memory entries written by key (POST /sgl_memory/memory/write, memart/entries.py): grouped by
+    # MiniLM sentence embeddings (an entry joins the nearest group at cosine >= group_threshold); a
+    # group unchanged for static_after writes gets a joint KV and is retrieved as one unit
+    groups: bool = True
+    group_threshold: float = 0.4
+    static_after: int = 3
 
     def validate(self, path: str) -> None:
         _require(self.block_size >= 1, f"{path}.block_size", "an integer >= 1")
+        _require(-1 <= self.group_threshold <= 1, f"{path}.group_threshold", "a number in [-1, 1]")
+        _require(self.static_after >= 1, f"{path}.static_after", "an integer >= 1")
         _require(self.top_k >= 1, f"{path}.top_k", "an integer >= 1")
         _require(self.capacity_blocks >= 1, f"{path}.capacity_blocks", "an integer >= 1")
         _require(self.pool_bytes >= 1, f"{path}.pool_bytes", "an integer >= 1")

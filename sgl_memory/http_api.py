@@ -22,6 +22,7 @@ from contextvars import ContextVar
 from sgl_memory import SGLANG_VERSION, __version__, prometheus
 from sgl_memory.config import from_env
 from sgl_memory.config import MemoryConfig
+from sgl_memory.memart import writes
 from sgl_memory.request import FIELD, SpecError, check_served, encode, parse
 from sgl_memory.metrics import STATS
 
@@ -58,6 +59,7 @@ def mount(server_args, *args, **kwargs):
     async def sgl_memory_stats():
         return STATS.snapshot()
 
+    writes.mount(app, config)
     app.add_middleware(MemoryFieldMiddleware, config=config)
     return None
 

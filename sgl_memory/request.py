@@ -40,9 +40,18 @@ class MemArtQuery:
     recompute_ratio: float | None = None  # None: the server's keep.ratio
     hops: int | None = None  # None: the server's keep.hops
     probe: str | None = None  # internal: the id of the query pass the HTTP hook ran first
+    # internal, the memory entries API (memart/writes.py): mode "write" records the prompt as the
+    # entry `entry` (with its sentence `embedding`) or as the joint KV of group `group` at `version`;
+    # mode "forget" drops the entries `forget`
+    entry: str | None = None
+    embedding: tuple[float, ...] | None = None
+    group: int | None = None
+    version: int | None = None
+    forget: tuple[str, ...] = ()
 
 
 MEMORY_MODES = ("retrieve",)
+INTERNAL_MODES = ("probe", "write", "forget")  # sent by the server's own HTTP side only
 MAX_TOP_K = 1 << 16
 PRUNING_FIELDS = ("budget", "budget_mode", "system_prompt", "scorer", "layout")
 
@@ -65,13 +74,25 @@ class MemorySpec:
         mechanism acts on it."""
         return self.memory is not None and self.memory.mode == "probe"
 
+    @property
+    def reads_only(self) -> bool:
+        """A memory pass that changes no session state: a probe, or a forget of no keys (the
+        entries API reading a session's book)."""
+        return self.is_probe or (self.memory is not None and self.memory.mode == "forget" and not self.memory.forget)
+
+    @property
+    def is_internal(self) -> bool:
+        """A pass the server's HTTP side sends for KV memory (a probe, an entry write or forget):
+        no mechanism but memory (and persistence, which keeps what it changed) acts on it."""
+        return self.memory is not None and self.memory.mode in INTERNAL_MODES
+
     def intent(self, base: IntentConfig) -> IntentConfig:
         """The server's intent config with this request's overrides."""
         overrides = {k: getattr(self, k) for k in PRUNING_FIELDS if getattr(self, k) is not None}
         return replace(base, **overrides)
 
 
-def _check_id(value, name: str) -> str | None:
+def check_id(value, name: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN:
@@ -100,11 +121,11 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     if not isinstance(raw, dict):
         raise SpecError(f"{where} must be an object")
     allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store", "header", "recompute", "recompute_ratio", "hops")
-    allowed += ("probe",) if internal else ()
+    allowed += ("probe", "entry", "embedding", "group", "version", "forget") if internal else ()
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
         raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
-    mode = _choice(raw.get("mode", "retrieve"), MEMORY_MODES + (("probe",) if internal else ()), f"{where}.mode")
+    mode = _choice(raw.get("mode", "retrieve"), MEMORY_MODES + (INTERNAL_MODES if internal else ()), f"{where}.mode")
     top_k = raw.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
         raise SpecError(f"{where}.top_k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
@@ -124,7 +145,9 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
         raise SpecError(f"{where}.probe must be a string")
     return MemArtQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store,
                        header=raw.get("header"), recompute=raw.get("recompute"), recompute_ratio=None if ratio is None else float(ratio), hops=hops,
-                       probe=probe)  # fmt: skip
+                       probe=probe, entry=raw.get("entry"), group=raw.get("group"), version=raw.get("version"),
+                       embedding=None if raw.get("embedding") is None else tuple(raw["embedding"]),
+                       forget=tuple(raw.get("forget", ())))  # fmt: skip
 
 
 def parse(raw, internal: bool = False) -> MemorySpec:
@@ -148,8 +171,8 @@ def parse(raw, internal: bool = False) -> MemorySpec:
     if memory is not None and raw.get("session_id") is None:
         raise SpecError(f"{FIELD}.memory needs {FIELD}.session_id: memory belongs to a session")
     return MemorySpec(
-        session_id=_check_id(raw.get("session_id"), "session_id"),
-        tenant=_check_id(raw.get("tenant"), "tenant"),
+        session_id=check_id(raw.get("session_id"), "session_id"),
+        tenant=check_id(raw.get("tenant"), "tenant"),
         budget=budget,
         scorer=scorer,
         layout=layout,

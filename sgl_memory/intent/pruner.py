@@ -124,7 +124,7 @@ class IntentPruner(mechanism.Mechanism):
     # --- admission (scheduler hook, before the request is queued) --------------------------------
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
-        if getattr(req, "sgl_intent", None) is not None or req.finished() or spec.is_probe:
+        if getattr(req, "sgl_intent", None) is not None or req.finished() or spec.is_internal:
             return
         if self.markers is None:
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_memory.memart.entries import EntryBook
+
 logger = logging.getLogger(__name__)
 
 
@@ -114,11 +116,14 @@ class MemArtPool:
     ingesting: threading.Lock = field(default_factory=threading.Lock)  # one ingest at a time: turns stay in order
     _index: BlockIndex | None = None
     line_ends: frozenset[int] | None = None  # token ids after which a block ends (memory.cut: lines)
+    book: EntryBook = field(default_factory=lambda: EntryBook(threshold=2.0, static_after=1))  # entries.py
 
-    def submit(self, tokens: list[int], positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A finished turn's KV as copied off the KV pool (keys still rotated), for ingest()."""
+    def submit(self, tokens: list[int], positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               tag: tuple | None = None) -> None:
+        """A finished turn's KV as copied off the KV pool (keys still rotated), for ingest(); `tag`:
+        the entry or group joint KV it holds (EntryBook)."""
         with self.lock:
-            self.inbox.append((tokens, positions, keys, values))
+            self.inbox.append((tokens, positions, keys, values, tag))
 
     def ingest(self, unrotate, block_size: int) -> None:
         """Add every submitted turn, in order; `unrotate(keys, positions)` makes keys position-free.
@@ -130,19 +135,22 @@ class MemArtPool:
                 with self.lock:
                     if not self.inbox:
                         return
-                    tokens, positions, keys, values = self.inbox.popleft()
+                    tokens, positions, keys, values, tag = self.inbox.popleft()
                 try:
-                    self.add_turn(tokens, unrotate(keys, positions), values, block_size)
+                    self.add_turn(tokens, unrotate(keys, positions), values, block_size, tag)
                 except Exception:  # one bad turn must not stop the session's others
                     logger.exception("memory: adding a turn failed")
 
     def busy(self) -> bool:
         return bool(self.inbox) or self.ingesting.locked()
 
-    def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int) -> None:
+    def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int,
+                 tag: tuple | None = None) -> None:
         """Cut one turn's position-free KV [L, n, Hkv, D] into blocks of `block_size` tokens (the
         last may be shorter); with `line_ends` (token ids that end a line), a block also ends
-        after each of them, so that no block holds the end of one line and the start of the next."""
+        after each of them, so that no block holds the end of one line and the start of the next.
+        A tagged turn (an entry, a group's joint KV) replaces the turn its tag had, or is dropped
+        when a newer write made it stale."""
         now = time.time()
         with self.lock:
             turn = self.turns
@@ -153,7 +161,45 @@ class MemArtPool:
                 self._add(Block(self.next_id, tokens[start:end], k, values[:, start:end].clone(), k.amin(1), k.amax(1),
                                 [(turn, o) for o in range(start, end)], now, self.clock, end - start))  # fmt: skip
                 self.next_id += 1
+            if tag is not None:
+                stays, replaced = self.book.arrived(tag, turn)
+                self.drop_turns(replaced if stays else {turn})
             self._evict(lambda: len(self.blocks) > self.capacity)
+
+    def drop_turns(self, turns: set[int]) -> None:
+        """Remove every block holding a token of these turns (a merged block goes whole: a
+        superseded fact must not be recalled). Caller holds the lock."""
+        if turns:
+            for block in [b for b in self.blocks.values() if not turns.isdisjoint(b.turns())]:
+                self._remove(block)
+        self._index = None  # the book changed what retrieval sees
+
+    def unit(self, block_id: int) -> list[int]:
+        """The blocks placed together with this one: its whole turn when that turn is an entry or a
+        group's joint KV (EntryBook.unit_turns), else itself. A turn's blocks have consecutive ids."""
+        block = self.blocks.get(block_id)
+        if block is None or block.origin[0][0] not in self.book.unit_turns():
+            return [block_id]
+        turn = block.origin[0][0]
+        first = last = block_id
+        while first - 1 in self.blocks and self.blocks[first - 1].origin[-1][0] == turn:
+            first -= 1
+        while last + 1 in self.blocks and self.blocks[last + 1].origin[0][0] == turn:
+            last += 1
+        return list(range(first, last + 1))
+
+    def segments(self, blocks: list[Block]) -> list[int]:
+        """Token counts of the segments these placed blocks form, in order: an entry's or a static
+        group's blocks are one segment (KEEP recomputes them together), any other block its own."""
+        units, out, last = self.book.unit_turns(), [], None
+        for block in blocks:
+            unit = units.get(block.origin[0][0], ("block", block.id))
+            if out and unit == last and unit[0] != "block":
+                out[-1] += len(block.tokens)
+            else:
+                out.append(len(block.tokens))
+            last = unit
+        return out
 
     def first_of(self, block_id: int, scope: str) -> int | None:
         """The id of the first block of the turn (`scope` "turn") or of the line ("line") that block
@@ -245,7 +291,9 @@ class MemArtPool:
         """The scoring view of the first `layers` layers, rebuilt after the pool changes."""
         with self.lock:
             if self._index is None or self._index.layers != layers:
-                self._index = BlockIndex.of(list(self.blocks.values()), layers, block_size)
+                hidden = self.book.hidden_turns()
+                visible = [b for b in self.blocks.values() if hidden.isdisjoint(b.turns())] if hidden else list(self.blocks.values())
+                self._index = BlockIndex.of(visible, layers, block_size)
             return self._index
 
     def export(self) -> dict[str, torch.Tensor]:
@@ -255,8 +303,9 @@ class MemArtPool:
             blocks = list(self.blocks.values())
             meta = torch.tensor([self.turns, self.clock, self.next_id, self.evicted, self.merged], dtype=torch.int64)
             path = torch.tensor(self.path, dtype=torch.int64)
+            book = self.book.export()
             if not blocks:
-                return {"meta": meta, "path": path}
+                return {"meta": meta, "path": path, **book}
             column = lambda name: torch.tensor([getattr(b, name) for b in blocks], dtype=torch.int64)  # noqa: E731
             return {
                 "meta": meta, "path": path, "ids": column("id"), "used": column("used"), "covers": column("covers"),
@@ -265,6 +314,7 @@ class MemArtPool:
                 "tokens": torch.tensor([t for b in blocks for t in b.tokens], dtype=torch.int64),
                 "origin": torch.tensor([o for b in blocks for o in b.origin], dtype=torch.int64),
                 "keys": torch.cat([b.keys for b in blocks], 1), "values": torch.cat([b.values for b in blocks], 1),
+                **book,
             }  # fmt: skip
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -273,6 +323,7 @@ class MemArtPool:
         with self.lock:
             self.turns, self.clock, self.next_id, self.evicted, self.merged = (int(x) for x in tensors["meta"])
             self.path = tensors["path"].tolist()
+            self.book.load(tensors)
             if "ids" not in tensors:
                 return
             tokens, keys, values = tensors["tokens"].tolist(), tensors["keys"], tensors["values"]

@@ -37,6 +37,7 @@ from sgl_memory import capture, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.capture import ExtendRows
 from sgl_memory.config import REPAIRS, MemArtConfig
 from sgl_memory.memart.blocks import Block, MemArtPool
+from sgl_memory.memart.entries import EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 from sgl_memory.request import MemorySpec
 from sgl_memory.reuse import ReusedKV
@@ -99,7 +100,7 @@ class TurnState:
     """What memory did for one request, attached to SGLang's Req as `req.sgl_memart`."""
 
     owner: tuple[str, str]
-    mode: str  # "record" (full-history turn), "retrieve", "probe"
+    mode: str  # "record" (full-history turn), "retrieve", "probe", "write" (an entry or a joint KV), "forget"
     store: bool = True
     recompute: str = "none"  # what repairs the placed blocks (MemArtConfig.recompute)
     memory_start: int = 0  # the placed blocks are positions [memory_start, memory_end) of the request
@@ -113,6 +114,8 @@ class TurnState:
     refused: str | None = None
     prompt_kv: tree_fill.PathKV | None = None  # the turn's prompt part, copied before pruning
     prompt_kv_start: int = 0
+    tag: tuple | None = None  # mode "write": what its turn holds (EntryBook)
+    units: dict = field(default_factory=dict)  # mode "retrieve": entries and static groups placed whole
 
     def metrics(self, req, memory_blocks: int, layers: int) -> dict:
         out = {"prefill_tokens": len(req.origin_input_ids) - req.cached_tokens, "retrieved_blocks": self.retrieved_blocks,
@@ -126,6 +129,7 @@ class TurnState:
                 full = self.recompute == "full" and self.memory_end > self.memory_start
                 out["recomputed_tokens"] = (self.memory_end - self.memory_start) * layers if full else 0
                 out["recompute_share"] = 1.0 if full else 0.0
+            out.update(self.units)
         return out
 
 
@@ -178,7 +182,9 @@ class MemArtManager(mechanism.Mechanism):
                       r.row_positions(), self.rope)  # fmt: skip
 
     def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
-        make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size)) if create else None
+        # grouping off: no entry reaches the threshold, so each is a group of its own and never static
+        book = lambda: EntryBook(self.config.group_threshold if self.config.groups else 2.0, self.config.static_after)  # noqa: E731
+        make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size, book=book())) if create else None
         pool = self.tree.sessions.get(owner, self.name, make)
         if pool is not None:
             pool.line_ends = self.line_ends
@@ -201,6 +207,8 @@ class MemArtManager(mechanism.Mechanism):
             req.sgl_memart = TurnState(owner, "record")
         elif query.mode == "probe":
             self._admit_probe(scheduler, req, owner, query.probe)
+        elif query.mode in ("write", "forget"):
+            self._admit_edit(req, owner, query)
         else:
             req.sgl_memart = state = TurnState(owner, "retrieve", store=query.store,
                                                recompute=query.recompute or self.config.recompute)  # fmt: skip
@@ -229,6 +237,27 @@ class MemArtManager(mechanism.Mechanism):
             while len(self.probes) > MAX_PROBES:
                 self.probes.popitem(last=False)
 
+    def _admit_edit(self, req, owner, query) -> None:
+        """An entries API pass (memart/writes.py): the book changes now, in request order; a write's
+        KV is its prompt, computed alone and recorded at release under its tag."""
+        memory = self.session(owner, create=True)
+        state = req.sgl_memart = TurnState(owner, query.mode, store=query.mode == "write")
+        with memory.lock:
+            if query.mode == "forget":
+                for key in query.forget:
+                    memory.drop_turns(memory.book.forget(key).stale)
+            elif query.entry is not None:
+                embedding = None if query.embedding is None else torch.tensor(query.embedding, dtype=torch.float32)
+                change = memory.book.write(query.entry, list(req.origin_input_ids), embedding)
+                memory.drop_turns(change.stale)
+                state.tag = change.tag
+            else:
+                state.tag = ("joint", query.group, query.version)
+        # its own key: an entry's KV is its text's alone and must not be matched by another path
+        req.extra_key = f"{req.extra_key or ''}\x00memory-{query.mode}"
+        if query.mode == "forget":
+            req.skip_radix_cache_insert = True
+
     def _retrieve(self, scheduler, req, state: TurnState, query) -> None:
         with self._lock:
             probe = self.probes.get(query.probe) if query.probe else None
@@ -252,9 +281,9 @@ class MemArtManager(mechanism.Mechanism):
         ranked = [ids[i] for i in top_blocks(scores, query.top_k or self.config.top_k)]
         blocks = memory.take(choose(memory, ranked, query.header or self.config.header, budget))
         if blocks:
-            self._place(req, state, blocks, probe, query)
+            self._place(req, state, memory, blocks, probe, query)
 
-    def _place(self, req, state: TurnState, blocks: list[Block], probe: Probe, query) -> None:
+    def _place(self, req, state: TurnState, memory: MemArtPool, blocks: list[Block], probe: Probe, query) -> None:
         """[system message] [blocks] [the rest of the prompt], a conversation's own order; or
         [blocks] [prompt] (MemArt's concatenation). Reused as placed (`recompute: none`), the
         blocks are a prefix hit; with a repair or a full recompute they are prefilled as part of
@@ -290,7 +319,7 @@ class MemArtManager(mechanism.Mechanism):
                 return
         if state.recompute in REPAIRS:
             keys, values = assemble(blocks, self.rope, at=system)
-            req.sgl_reuse = ReusedKV(system, keys, values, [len(b.tokens) for b in blocks], state.recompute)
+            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks), state.recompute)
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         req.extra_key = extra_key
@@ -299,6 +328,11 @@ class MemArtManager(mechanism.Mechanism):
             state.turn_start += len(memory_tokens)
         state.retrieved_turns = sorted(set().union(*(b.turns() for b in blocks)))
         state.retrieved_spans = [span for b in blocks for span in b.spans()]
+        units = memory.book.unit_turns()
+        placed = {units[t] for b in blocks for t in b.turns() if t in units}
+        if placed:
+            state.units = {"retrieved_entries": sum(kind == "entry" for kind, _ in placed),
+                           "retrieved_static_groups": sum(kind == "joint" for kind, _ in placed)}  # fmt: skip
 
     # --- recording: the turn's prompt at the end of its prefill, its answer at release -----------
 
@@ -306,6 +340,8 @@ class MemArtManager(mechanism.Mechanism):
         if state.mode == "record":
             # a full-history request: what the session's last one did not hold already
             return tree_fill.common_prefix(memory.path, tokens)
+        if state.mode == "write":
+            return 0  # the prompt is the entry's text
         # its last message: the history it carries was recorded when it was new, and the system
         # message and the placed blocks are not the turn
         return state.turn_start
@@ -333,9 +369,21 @@ class MemArtManager(mechanism.Mechanism):
             self.probing.pop(req.rid, None)
             return
         memory = self.session(state.owner, create=True)
-        metrics.attach(req, state.metrics(req, len(memory.blocks), self.layer_num))
-        if not state.store or self.tree.disable:
+        if state.mode in ("write", "forget"):
+            if state.store and not self.tree.disable:
+                self._record(req, state, memory)
+            # added here, not by the worker: the entries API answers with its entries in the pool,
+            # and an entry is a line of text, cheap to unrotate
+            memory.ingest(self._unrotate, self.config.block_size)
+            self._bound_pools(memory)
+            metrics.attach(req, self._book_metrics(memory, req))
             return
+        metrics.attach(req, state.metrics(req, len(memory.blocks), self.layer_num))
+        if state.store and not self.tree.disable and self._record(req, state, memory):
+            self._worker.submit(memory)
+
+    def _record(self, req, state: TurnState, memory: MemArtPool) -> bool:
+        """Submit the turn's KV to the pool (its worker or the caller adds it); False if none."""
         # tokens whose KV exists (the last output token has none), under the request's own key
         path = tree_fill.held_path(self.tree, req)
         prompt = list(req.origin_input_ids)
@@ -348,19 +396,31 @@ class MemArtManager(mechanism.Mechanism):
                 kv = tree_fill.PathKV(torch.cat([kv.keys, tail.keys], 1), torch.cat([kv.values, tail.values], 1),
                                       torch.cat([kv.live, tail.live]))  # fmt: skip
             state.prompt_kv = None
-        else:  # released before its prefill ended (aborted): what the tree holds of it
+        else:  # released before its prefill ended (aborted, or a prefill-only write): what the tree holds of it
             start, tokens = self._turn_start(state, memory, path.tokens), path.tokens
             kv = tree_fill.copy_path(self.tree, path, start) if len(path) > start else None
         if state.mode == "record":
             memory.path = tokens
         if kv is None or len(tokens) <= start:
-            return
+            return False
+        if state.mode == "write" and len(tokens) > len(prompt):  # the entry is its text, not an answer
+            n = len(prompt) - start
+            tokens, kv = tokens[: len(prompt)], tree_fill.PathKV(kv.keys[:, :n], kv.values[:, :n], kv.live[:n])
         live = kv.live
         positions = torch.arange(start, len(tokens))[live]
         kept = [t for t, keep in zip(tokens[start:], live.tolist()) if keep]
         if kept:
-            memory.submit(kept, positions, kv.keys[:, live], kv.values[:, live])
-            self._worker.submit(memory)
+            memory.submit(kept, positions, kv.keys[:, live], kv.values[:, live], state.tag)
+        return bool(kept)
+
+    def _book_metrics(self, memory: MemArtPool, req) -> dict:
+        """An entries pass's answer: the book as it stands, and the groups that just became static,
+        with the tokens of their joint KV (the HTTP side sends that pass next, memart/writes.py)."""
+        with memory.lock:
+            out = memory.book.summary()
+            out["due"] = [{"group": g.id, "version": g.version, "tokens": memory.book.joint_tokens(g)} for g in memory.book.due()]
+        out["prefill_tokens"] = len(req.origin_input_ids) - req.cached_tokens
+        return {"memory_book": out}
 
     # --- the session's pool, kept with the session by persistence ---------------------------------
 
@@ -406,13 +466,14 @@ HEADER_SCOPES = {"none": (), "turn": ("turn",), "line": ("line",), "turn_line": 
 
 
 def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | None) -> list[int]:
-    """The block ids to place: each ranked block with its header blocks (the first block of its
-    turn and/or line, MemArtConfig.header) unless chosen already; a block whose tokens, headers
+    """The block ids to place: each ranked block with the rest of its unit (an entry's or a static
+    group's other blocks, MemArtPool.unit) and its header blocks (the first block of its turn and/or
+    line, MemArtConfig.header) unless chosen already; a block whose tokens, unit and headers
     included, would pass `budget` (the context left) is skipped."""
     chosen, used = {}, 0
     for block_id in ranked:
         headers = (memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header])
-        new = [b for b in dict.fromkeys([block_id, *headers]) if b is not None and b not in chosen and b in memory.blocks]
+        new = [b for b in dict.fromkeys([*memory.unit(block_id), *headers]) if b is not None and b not in chosen and b in memory.blocks]
         n = sum(len(memory.blocks[b].tokens) for b in new)
         if budget is not None and used + n > budget:
             continue  # the request must still fit the context

@@ -15,6 +15,7 @@ import uuid
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sgl_memory.config import from_env
+from sgl_memory.memart.writes import INTERNAL
 from sgl_memory.request import FIELD, SpecError, check_served, decode, encode, parse
 
 
@@ -48,7 +49,7 @@ def _with_field(params: dict, raw: dict, **params_overrides) -> dict:
 
 
 async def generate_hook(original, manager, obj, request=None):
-    raw = memory_field(obj)
+    raw = None if INTERNAL.get() else memory_field(obj)  # the entries API's own passes go as they are
     if raw is not None:
         probe_id = uuid.uuid4().hex
         probe_raw = {**raw, "memory": {"mode": "probe", "probe": probe_id}}

@@ -186,7 +186,7 @@ class SessionPersistence(mechanism.Mechanism):
     def open(self, scheduler, req, spec: MemorySpec) -> None:
         """Load a session this server has not seen (or dropped) from its file, before any mechanism
         admits the request: the other mechanisms' state in the file goes back to them."""
-        if hasattr(req, "sgl_persist") or req.finished() or spec.session_id is None or spec.is_probe or self.tree.disable:
+        if hasattr(req, "sgl_persist") or req.finished() or spec.session_id is None or spec.reads_only or self.tree.disable:
             return
         if self.tokenizer is None:
             self.tokenizer = scheduler.tokenizer

@@ -1,0 +1,185 @@
+"""The memory entries API, HTTP side: write, replace and forget a session's memory entries by key.
+
+    POST /sgl_memory/memory/write   {"session_id", "tenant"?, "entries": [{"key", "text"}, ...]}
+    POST /sgl_memory/memory/forget  {"session_id", "tenant"?, "keys": [...]}
+    GET  /sgl_memory/memory?session_id=...&tenant=...
+
+An entry's text is stored as one line (trailing whitespace becomes one newline) and its KV is
+computed alone: each write is a prefill-only pass through the engine whose prompt is the text,
+recorded by the scheduler as the entry's turn of the session's pool (manager.py). Writing a key
+again replaces the entry; forgetting drops it; both take effect for every request admitted after
+the call returns. Entries are grouped by MiniLM embeddings computed here (encoder.py); when the
+scheduler reports a group that became static, this side sends the pass that computes its joint KV.
+Every answer carries the session's book: its entries, groups and which groups are static.
+
+The passes carry their own `sgl_memory.memory` modes, which a client cannot send: they reach the
+engine through TokenizerManager.generate_request with INTERNAL set, which the memory hook
+(probe.py) lets through unchecked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from contextvars import ContextVar
+
+from fastapi import Request
+from fastapi.responses import ORJSONResponse
+from sglang.srt.managers.io_struct import GenerateReqInput
+
+from sgl_memory.config import MemoryConfig
+from sgl_memory.memart.encoder import embed
+from sgl_memory.request import FIELD, MAX_ID_LEN, SpecError, check_id, encode
+
+INTERNAL: ContextVar = ContextVar("sgl_memory_internal_pass", default=False)
+MAX_ENTRIES = 1024  # per call
+MAX_TEXT_CHARS = 1 << 16
+MAX_JOINT_PASSES = 64  # per call: a joint pass reports groups that became static meanwhile
+
+
+def _body(data, listed: str) -> tuple[str, str | None, list]:
+    if not isinstance(data, dict):
+        raise SpecError("the body must be a JSON object")
+    unknown = sorted(set(data) - {"session_id", "tenant", listed})
+    if unknown:
+        raise SpecError(f"unknown field(s) {', '.join(unknown)}; allowed: session_id, tenant, {listed}")
+    if data.get("session_id") is None:
+        raise SpecError("session_id is required: memory belongs to a session")
+    items = data.get(listed)
+    if not isinstance(items, list) or not items or len(items) > MAX_ENTRIES:
+        raise SpecError(f"{listed} must be a list of 1 to {MAX_ENTRIES} items")
+    return check_id(data["session_id"], "session_id"), check_id(data.get("tenant"), "tenant"), items
+
+
+def _key(value, where: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN:
+        raise SpecError(f"{where} must be a non-empty string of at most {MAX_ID_LEN} characters")
+    return value
+
+
+def parse_write(data) -> tuple[str, str | None, list[tuple[str, str]]]:
+    session_id, tenant, items = _body(data, "entries")
+    entries = []
+    for i, item in enumerate(items):
+        where = f"entries[{i}]"
+        if not isinstance(item, dict) or set(item) != {"key", "text"}:
+            raise SpecError(f"{where} must be an object with exactly key and text")
+        text = item["text"]
+        if not isinstance(text, str) or not text.strip() or len(text) > MAX_TEXT_CHARS:
+            raise SpecError(f"{where}.text must be a non-blank string of at most {MAX_TEXT_CHARS} characters")
+        entries.append((_key(item["key"], f"{where}.key"), text.rstrip() + "\n"))
+    if len({key for key, _ in entries}) < len(entries):
+        raise SpecError("entries: a key appears twice in one call")
+    return session_id, tenant, entries
+
+
+def parse_forget(data) -> tuple[str, str | None, list[str]]:
+    session_id, tenant, keys = _body(data, "keys")
+    return session_id, tenant, [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+
+
+async def _pass(manager, owner: dict, memory: dict, input_ids: list[int]) -> dict:
+    """One internal prefill-only pass; the scheduler's answer (TurnState metrics: memory_book)."""
+    raw = {**owner, "memory": memory}
+    obj = GenerateReqInput(input_ids=input_ids, sampling_params={"max_new_tokens": 0, "custom_params": encode(None, raw)},
+                           rid=f"sgl-memory-{memory['mode']}-{uuid.uuid4().hex}")  # fmt: skip
+    token = INTERNAL.set(True)
+    try:
+        out = None
+        async for out in manager.generate_request(obj, None):
+            pass
+    finally:
+        INTERNAL.reset(token)
+    meta = (out or {}).get("meta_info", {})
+    finish = meta.get("finish_reason") or {}
+    if finish.get("type") == "abort":
+        raise SpecError(f"the engine refused the memory pass: {finish.get('message')}")
+    book = meta.get(FIELD, {}).get("memory_book")
+    if book is None:
+        raise RuntimeError("the memory pass came back without the session's book")
+    return book
+
+
+async def _joint(manager, owner: dict, book: dict, joint: list[dict]) -> dict:
+    """Send the joint-KV pass of every group the book reports static (and of those the passes
+    themselves report), so the call returns with its groups' KV computed."""
+    due = list(book.pop("due"))
+    for _ in range(MAX_JOINT_PASSES):
+        if not due:
+            break
+        group = due.pop(0)
+        book = await _pass(manager, owner, {"mode": "write", "group": group["group"], "version": group["version"]}, group["tokens"])
+        joint.append({"group": group["group"], "tokens": len(group["tokens"])})
+        due += book.pop("due")
+    return book
+
+
+def mount(app, config: MemoryConfig) -> None:
+    from sglang.srt.entrypoints.http_server import get_global_state  # the app's module: imported at mount
+
+    def refuse(message: str, status: int = 400):
+        return ORJSONResponse(status_code=status, content={"error": {"message": message}})
+
+    async def parsed(request: Request, parse):
+        if not config.memory.enabled:
+            raise SpecError("KV memory is off on this server (memory.enabled: false)")
+        try:
+            data = await request.json()
+        except ValueError:
+            raise SpecError("the body is not valid JSON") from None
+        return parse(data)
+
+    @app.post("/sgl_memory/memory/write")
+    async def memory_write(request: Request):
+        try:
+            session_id, tenant, entries = await parsed(request, parse_write)
+            manager = get_global_state().tokenizer_manager
+            tokenized = [manager.tokenizer.encode(text, add_special_tokens=False) for _, text in entries]
+            limit = manager.context_len - 1
+            for (key, _), ids in zip(entries, tokenized):
+                if len(ids) > limit:
+                    raise SpecError(f"entry {key!r} is {len(ids)} tokens; the context holds {limit}")
+            embeddings = (await asyncio.to_thread(embed, [t for _, t in entries])) if config.memory.groups else [None] * len(entries)
+            owner = {"session_id": session_id, **({"tenant": tenant} if tenant else {})}
+            written, joint, book = [], [], None
+            for (key, _), ids, embedding in zip(entries, tokenized, embeddings):
+                pass_ = {"mode": "write", "entry": key, **({"embedding": embedding} if embedding is not None else {})}
+                book = await _pass(manager, owner, pass_, ids)
+                written.append({"key": key, "tokens": len(ids)})
+                book = await _joint(manager, owner, book, joint)
+        except SpecError as exc:
+            return refuse(str(exc))
+        groups = {key: g["id"] for g in book["groups"] for key in g["members"]}
+        for item in written:
+            item["group"] = groups.get(item["key"])
+        return {"session_id": session_id, "written": written, "joint": joint, "book": book}
+
+    @app.post("/sgl_memory/memory/forget")
+    async def memory_forget(request: Request):
+        try:
+            session_id, tenant, keys = await parsed(request, parse_forget)
+            owner = {"session_id": session_id, **({"tenant": tenant} if tenant else {})}
+            book = await _forget(owner, keys)
+        except SpecError as exc:
+            return refuse(str(exc))
+        return {"session_id": session_id, "forgotten": keys, "book": book}
+
+    @app.get("/sgl_memory/memory")
+    async def memory_book(session_id: str | None = None, tenant: str | None = None):
+        try:
+            if not config.memory.enabled:
+                raise SpecError("KV memory is off on this server (memory.enabled: false)")
+            if session_id is None:
+                raise SpecError("session_id is required: memory belongs to a session")
+            owner = {"session_id": check_id(session_id, "session_id"), **({"tenant": check_id(tenant, "tenant")} if tenant else {})}
+            book = await _forget(owner, [])
+        except SpecError as exc:
+            return refuse(str(exc))
+        return {"session_id": session_id, "book": book}
+
+    async def _forget(owner: dict, keys: list[str]) -> dict:
+        """A forget pass (no keys: the book as it stands). Its prompt is one token, never stored."""
+        manager = get_global_state().tokenizer_manager
+        token = manager.tokenizer.encode("\n", add_special_tokens=False)[:1]
+        book = await _pass(manager, owner, {"mode": "forget", "forget": keys}, token)
+        return await _joint(manager, owner, book, [])
