@@ -3,8 +3,8 @@
 The agent's memory is what it observed, written through the memory entries API
 (`POST /sgl_memory/memory/write`, sgl_memory/memart/writes.py): one entry per object's place, per
 container's state, per ingredient's condition and per map link it has seen (updated by key when the
-world changes: dynamic), the recipe once read, and the subgoals it finished (never rewritten:
-their groups turn static and get a joint KV). At every step a memory-mode request carries only the
+world changes: dynamic), the recipe once read, each step it took with its outcome, and the
+subgoals it finished (the last three never rewritten: their groups turn static and get a joint KV). At every step a memory-mode request carries only the
 current observation and the valid commands; the server places the retrieved entries before it.
 
 Games: `tw-cooking` (recipe 2, take 2, go 6, open, cook, cut; fixed seeds), generated offline by
@@ -211,6 +211,10 @@ def play(server, tokenizer, gamefile: str, methods: dict, args, bar, sweep: bool
                     curve.append({"method": name, "top_k": top_k, **ask(server, ids, session, METHODS[name], top_k, args.ratio)})
         state, new_score, _ = env.step(target)
         feedback = clean(state.feedback)
+        # what it did, one entry per step: never rewritten, so these groups turn static
+        outcome = feedback.splitlines()[0][:160] if feedback else ""
+        book = write(server, session, {f"step:{step}": f"Step {step + 1}: you did '{target}'. {outcome}"})["book"]
+        written[f"step:{step}"] = target
         if target == "examine cookbook":
             book = write(server, session, {"recipe": feedback})["book"]
             written["recipe"] = feedback
