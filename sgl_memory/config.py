@@ -38,7 +38,14 @@ class IntentConfig:
     # forced: the system prompt (an agent's tool docs sit there) always stays live; compressible: it
     # competes with the history for the budget, only the latest message is forced
     system_prompt: Literal["forced", "compressible"] = "forced"
-    scorer: Literal["memory", "query", "streaming_llm", "snapkv", "h2o", "random"] = "memory"
+    scorer: Literal["memory", "query", "learned", "streaming_llm", "snapkv", "h2o", "random"] = "memory"
+    # learned (Phase 2, intent/head.py): the head's safetensors file; "" = the head shipped for the
+    # served model (sgl_memory/intent/heads/), if there is one
+    head: str = ""
+    ablation: Literal["none", "memory", "x_attn", "residual"] = "none"  # the learned head's Appendix-B switches
+    # training data: every compression event of scorer learned writes the head's inputs and the
+    # prompt's tokens there, one safetensors file per request (scripts/train_pruner.py reads them)
+    trace_dir: str = ""
     layout: Literal["dead_slot", "compact"] = "dead_slot"
     decay: float = 0.9  # QueryMemory EMA weight of the past
     session_capacity: int = 1024  # QueryMemory entries kept (LRU)

@@ -53,7 +53,7 @@ class MemArtQuery:
 MEMORY_MODES = ("retrieve",)
 INTERNAL_MODES = ("probe", "write", "forget")  # sent by the server's own HTTP side only
 MAX_TOP_K = 1 << 16
-PRUNING_FIELDS = ("budget", "budget_mode", "system_prompt", "scorer", "layout")
+PRUNING_FIELDS = ("budget", "budget_mode", "system_prompt", "scorer", "layout", "ablation")
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class MemorySpec:
     memory: MemArtQuery | None = None
     budget_mode: str | None = None
     system_prompt: str | None = None
+    ablation: str | None = None
 
     @property
     def is_probe(self) -> bool:
@@ -77,7 +78,7 @@ class MemorySpec:
     @property
     def reads_only(self) -> bool:
         """A memory pass that changes no session state: a probe, or a forget of no keys (the
-        entries API reading a session's book)."""
+        entries API reading a session's book; persistence loads the session for it, and writes nothing)."""
         return self.is_probe or (self.memory is not None and self.memory.mode == "forget" and not self.memory.forget)
 
     @property
@@ -167,6 +168,7 @@ def parse(raw, internal: bool = False) -> MemorySpec:
     layout = _choice(raw.get("layout"), choices(IntentConfig, "layout"), f"{FIELD}.layout")
     budget_mode = _choice(raw.get("budget_mode"), choices(IntentConfig, "budget_mode"), f"{FIELD}.budget_mode")
     system_prompt = _choice(raw.get("system_prompt"), choices(IntentConfig, "system_prompt"), f"{FIELD}.system_prompt")
+    ablation = _choice(raw.get("ablation"), choices(IntentConfig, "ablation"), f"{FIELD}.ablation")
     memory = _memory(raw.get("memory"), internal)
     if memory is not None and raw.get("session_id") is None:
         raise SpecError(f"{FIELD}.memory needs {FIELD}.session_id: memory belongs to a session")
@@ -179,6 +181,7 @@ def parse(raw, internal: bool = False) -> MemorySpec:
         memory=memory,
         budget_mode=budget_mode,
         system_prompt=system_prompt,
+        ablation=ablation,
     )
 
 

@@ -8,7 +8,6 @@ frozen search cache on disk."""
 
 from __future__ import annotations
 
-import ast
 import json
 from collections import Counter
 from pathlib import Path
@@ -32,26 +31,12 @@ def server(tmp_path_factory):
     harness.stop(srv)
 
 
-def as_calls(task, strings: list[str]) -> list[tuple[str, dict]]:
-    """BFCL's call strings as (name, keyword arguments); positional arguments take the names of the
-    function doc's parameters in order."""
-    docs = {d["name"]: d for d in bfcl.functions_at(task)}
-    out = []
-    for s in strings:
-        call = ast.parse(s, mode="eval").body
-        params = list(docs[call.func.id]["parameters"]["properties"])
-        kwargs = {params[i]: ast.literal_eval(a) for i, a in enumerate(call.args)}
-        kwargs.update({k.arg: ast.literal_eval(k.value) for k in call.keywords})
-        out.append((call.func.id, kwargs))
-    return out
-
-
 def replay(task, drop_last_of_turn: int | None = None) -> dict:
     backends = bfcl.Backends(task)
     try:
         turns = []
         for t, truth in enumerate(task.ground_truth):
-            calls = as_calls(task, truth)
+            calls = bfcl.as_calls(task, truth)
             if t == drop_last_of_turn:
                 calls = calls[:-1]
             strings, results = backends.execute(calls)

@@ -33,8 +33,14 @@ FP32 = ("--dtype", "float32")
 
 @pytest.fixture(scope="module")
 def intent_server(tmp_path_factory):
+    from transformers import AutoConfig
+
+    from sgl_memory.intent.head import HeadShape, PrunerHead, backbone_spec
+
     d = tmp_path_factory.mktemp("intent")
-    (d / "memory.yaml").write_text(CONFIG)
+    spec = backbone_spec(AutoConfig.from_pretrained(models.model_dir(TEST_MODEL)))
+    PrunerHead(HeadShape(spec["head_dim"])).save(d / "zero_head.safetensors", spec)  # as initialised: no training
+    (d / "memory.yaml").write_text(CONFIG + f"  head: {d / 'zero_head.safetensors'}\n  trace_dir: {d / 'traces'}\n")
     srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"), "--enable-metrics", *FP32)
     yield srv
     stop_server(srv)
@@ -268,6 +274,50 @@ def test_the_kept_set_does_not_depend_on_what_the_cache_holds(intent_server, tok
     got, want = (torch.tensor([lp for lp, *_ in out["meta_info"]["output_top_logprobs"][1]]) for out in (hit, cold))
     assert [t for _, t, *_ in hit["meta_info"]["output_top_logprobs"][1]] == [t for _, t, *_ in cold["meta_info"]["output_top_logprobs"][1]]
     assert torch.allclose(got, want, atol=1e-4), (got, want)
+
+
+def test_a_zero_initialised_learned_head_keeps_the_rule_scorers_sets(intent_server, tokenizer):
+    """Phase 2 at initialisation is Phase 1 (IntentKV 3.3): over a session's turns, so that
+    QueryMemory accumulates, `scorer: learned` with the untrained head keeps exactly the positions
+    `scorer: memory` keeps. Compared on the first decoded tokens' top-10 distributions, which are
+    bit-equal only if the kept sets are (float32, same shapes)."""
+    for turn in range(3):
+        ids = tokenizer(f"{INVENTORY} Question {turn}: how many nuts are on shelf {turn * 11 + 5}? Answer:")["input_ids"]
+        outs = [generate(intent_server, ids, 2, {"session_id": f"zero-head-{scorer}", "scorer": scorer, "budget": 150},
+                         return_logprob=True, top_logprobs_num=10) for scorer in ("memory", "learned")]  # fmt: skip
+        rule, learned = (o["meta_info"] for o in outs)
+        assert rule["sgl_memory"]["compression_events"] == learned["sgl_memory"]["compression_events"] == 1
+        assert rule["sgl_memory"]["query_memory_turns"] == learned["sgl_memory"]["query_memory_turns"] == turn + 1
+        assert rule["output_top_logprobs"] == learned["output_top_logprobs"]
+
+
+def test_the_learned_heads_training_rows_hold_the_keys_inference_reads(intent_server, tokenizer):
+    """intent.trace_dir: each learned event writes the head's inputs. The candidates' key means
+    equal the post-RoPE keys of a transformers float32 forward of the prompt, averaged over layers
+    and KV heads, at the candidate positions; the forced spans are not candidates."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenizer(f"{INVENTORY} Traced: how many springs are on shelf 3? Answer:")["input_ids"]
+    out = generate(intent_server, ids, 1, {"session_id": "traced", "scorer": "learned", "budget": 150})
+    traces = intent_server.log_path.parent / "traces"
+    path = traces / f"{out['meta_info']['id']}.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        row = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    assert row["tokens"].tolist() == ids and meta["turn"] == "1"
+    system_end, query_start = row["spans"].tolist()
+    positions = row["positions"]
+    assert positions.numel() == row["keys"].shape[0] == row["rule"].numel()
+    assert bool(((positions >= system_end) & (positions < query_start)).all())
+    assert abs(float(row["rule"].sum()) - 1.0) < 1e-4  # a share over the candidates
+    model = AutoModelForCausalLM.from_pretrained(models.model_dir(TEST_MODEL), dtype=torch.float32)
+    with torch.no_grad():
+        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+    keys = torch.stack([cache.layers[i].keys[0] for i in range(len(cache.layers))])  # [L, KVH, T, D], post-RoPE
+    want = keys.mean(dim=(0, 1))[positions]
+    assert torch.allclose(row["keys"], want, atol=2e-3), (row["keys"] - want).abs().max()
+    assert torch.allclose(row["context"], keys.mean(dim=(0, 1))[query_start:], atol=2e-3)
 
 
 def test_a_plain_request_over_the_configured_budget_is_served_with_its_forced_set(intent_server, tokenizer):

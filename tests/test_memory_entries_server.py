@@ -31,12 +31,17 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
+def config(tmp_path_factory):
     d = tmp_path_factory.mktemp("entries")
-    config = d / "memory.yaml"
-    config.write_text("memory:\n  enabled: true\n  block_size: 8\n  top_k: 1\n  static_after: 2\n  group_threshold: 0.3\n"
-                      "keep:\n  enabled: true\n")  # fmt: skip
-    s = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(config), "--dtype", DTYPE)
+    path = d / "memory.yaml"
+    path.write_text("memory:\n  enabled: true\n  block_size: 8\n  top_k: 1\n  static_after: 2\n  group_threshold: 0.3\n"
+                    f"keep:\n  enabled: true\npersist:\n  enabled: true\n  dir: {d / 'store'}\n")  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def srv(config):
+    s = start_server(TEST_MODEL, config.with_name("server.log"), "--memory-config", str(config), "--dtype", DTYPE)
     yield s
     stop_server(s)
 
@@ -151,3 +156,24 @@ def test_a_client_cannot_send_the_internal_modes(srv, tok):
     r = srv.post("/generate", {"input_ids": question_ids(tok, "hi"), "sampling_params": {"max_new_tokens": 1},
                                "sgl_memory": {"session_id": "x", "memory": {"mode": "write", "entry": "k"}}})  # fmt: skip
     assert r.status_code == 400
+
+
+def test_entries_and_groups_survive_a_restart(srv, config, tok):
+    """Session files hold the pool with its book: a second server on the same store answers from it."""
+    write(srv, "five", KITCHEN)
+    write(srv, "five", GARAGE)  # the kitchen group turns static
+    write(srv, "five", {"car": "The blue car is at the mechanic."})  # a replaced entry
+    before = srv.get("/sgl_memory/memory?session_id=five").json()["book"]
+    assert before["static_groups"] == 1
+    again = start_server(TEST_MODEL, config.with_name("restart.log"), "--memory-config", str(config), "--dtype", DTYPE)
+    try:
+        after = again.get("/sgl_memory/memory?session_id=five").json()["book"]
+        assert after == before
+        q = question_ids(tok, "Where is the blue car?")
+        got = ask(again, q, {"session_id": "five", "memory": {"top_k": 64, "store": False}})
+        metrics = got["meta_info"]["sgl_memory"]
+        # every entry once: the static group's joint KV, the garage entries, not the replaced text
+        want = sum(len(line(tok, t)) for t in KITCHEN.values()) + len(line(tok, GARAGE["bike"])) + len(line(tok, "The blue car is at the mechanic."))
+        assert metrics["memory_kv_tokens"] == want and metrics["retrieved_static_groups"] == 1, metrics
+    finally:
+        stop_server(again)

@@ -15,6 +15,7 @@ model answers in words; here that answer is the `respond` tool, because the smal
 
 from __future__ import annotations
 
+import ast
 import copy
 import os
 import tempfile
@@ -83,6 +84,20 @@ def functions_at(task: Task, turn: int | None = None) -> list[dict]:
 
 def tools_at(task: Task, turn: int) -> list[dict]:
     return tools(functions_at(task, turn))
+
+
+def as_calls(task: Task, strings: list[str]) -> list[tuple[str, dict]]:
+    """BFCL's call strings (its ground truth) as (name, keyword arguments); positional arguments take
+    the names of the function doc's parameters in order."""
+    docs = {d["name"]: d for d in functions_at(task)}
+    out = []
+    for s in strings:
+        call = ast.parse(s, mode="eval").body
+        params = list(docs[call.func.id]["parameters"]["properties"])
+        kwargs = {params[i]: ast.literal_eval(a) for i, a in enumerate(call.args)}
+        kwargs.update({k.arg: ast.literal_eval(k.value) for k in call.keywords})
+        out.append((call.func.id, kwargs))
+    return out
 
 
 class Backends:

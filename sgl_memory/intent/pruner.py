@@ -8,9 +8,11 @@ the layout applied to the slot map by the radix tree (compress) -> metrics on re
 from __future__ import annotations
 
 import logging
+import re
 import time
 import zlib
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -18,6 +20,7 @@ from sgl_memory import capture, mechanism, metrics, prometheus, runtime
 from sgl_memory.capture import ExtendRows
 from sgl_memory.config import IntentConfig
 from sgl_memory.intent import scorers
+from sgl_memory.intent.head import PrunerHead, backbone_spec, find_head
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
 from sgl_memory.intent.paths import branch_token
 from sgl_memory.request import FIELD, MemorySpec, SpecError
@@ -84,14 +87,16 @@ class RequestIntent:
     memory_turns: int = 0  # turns folded into the session's QueryMemory, this one included
     scoring_ms: float = 0.0
     freed: int = 0
+    ablation: str = "none"  # the learned scorer's (IntentConfig.ablation)
 
 
 @mechanism.register("intent")
 class IntentPruner(mechanism.Mechanism):
     needs_sentinel = True
 
-    def __init__(self, config: IntentConfig, tree):
+    def __init__(self, config: IntentConfig, tree, head: PrunerHead | None = None):
         self.config, self.tree = config, tree
+        self.head = head  # the learned scorer's (None: scorer learned is refused)
         tree.sessions.limit(self.name, config.session_capacity)
         self.markers: RoleMarkers | None = None
         self.rope = None
@@ -100,7 +105,12 @@ class IntentPruner(mechanism.Mechanism):
 
     @classmethod
     def build(cls, config: IntentConfig, tree, ctx) -> IntentPruner:
-        pruner = cls(config, tree)
+        spec = backbone_spec(ctx.model_config.hf_config) if ctx is not None else None
+        head = find_head(config.head, spec)
+        if head is None and config.scorer == "learned":
+            raise ValueError("intent.scorer learned needs a head: set intent.head to a head file (scripts/train_pruner.py "
+                             "writes one); no head ships for the served model")  # fmt: skip
+        pruner = cls(config, tree, head)
         capture.subscribe(cls.name, pruner)
         return pruner
 
@@ -179,9 +189,13 @@ class IntentPruner(mechanism.Mechanism):
         # turn's forced set, and the session's next turn must still find this one's path
         rule = budget if cfg.budget_mode == "total" else f"history:{cfg.budget}"
         rule = rule if cfg.system_prompt == "forced" else f"{rule}/system"
-        token = branch_token(key, cfg.scorer, rule, cfg.layout) if enabled else 0
+        if enabled and cfg.scorer == "learned" and self.head is None:
+            raise SpecError(f"{FIELD}.scorer learned: this server has no pruner head for its model (intent.head)")
+        # an ablation of the learned head keeps another set, so it prunes on a branch of its own
+        scorer = cfg.scorer if cfg.scorer != "learned" or cfg.ablation == "none" else f"{cfg.scorer}/{cfg.ablation}"
+        token = branch_token(key, scorer, rule, cfg.layout) if enabled else 0
         return RequestIntent(enabled, budget, cfg.scorer, cfg.layout, spans, len(tokens), key, source, budget_reason=reason,
-                             branch_token=token)  # fmt: skip
+                             branch_token=token, ablation=cfg.ablation)  # fmt: skip
 
     # --- query capture (a capture.py subscriber) -------------------------------------------------
 
@@ -239,16 +253,19 @@ class IntentPruner(mechanism.Mechanism):
         pool = tree.token_to_kv_pool_allocator.get_kvcache()
         cand_slots = slots[candidates]
 
-        def layer_keys():
-            for layer in range(pool.layer_num):
-                yield pool.get_key_buffer(layer)[cand_slots]
+        def keys_of(slots):
+            return lambda: (pool.get_key_buffer(layer)[slots] for layer in range(pool.layer_num))
 
+        query_slots = slots[positions[live & (positions >= state.spans.query_start)]]
         inputs = scorers.ScoringInputs(
-            layer_keys=layer_keys, positions=candidates, q_mean=q_mean, q_window=q_window,
+            layer_keys=keys_of(cand_slots), positions=candidates, q_mean=q_mean, q_window=q_window,
             memory=memory, keep=keep, seed=zlib.crc32(req.rid.encode()), sinks=self.config.sinks,
-            kernel=self.config.kernel,
+            kernel=self.config.kernel, query_keys=keys_of(query_slots), head=self.head, ablation=state.ablation,
+            features={} if self.config.trace_dir and state.scorer == "learned" else None,
         )  # fmt: skip
         chosen = candidates[scorers.select(scorer.score(inputs), keep)]
+        if inputs.features:
+            self._trace(req, state, candidates, keep, inputs.features)
         kept = torch.cat([positions[live & forced], chosen]).sort().values
         edit = self._apply(req, tree, row, kept, length, pool)
         state.scoring_ms = (time.perf_counter() - t0) * 1000
@@ -257,6 +274,21 @@ class IntentPruner(mechanism.Mechanism):
         state.events, state.freed = 1, edit.freed
         state.live_after = int(kept.numel())
         return edit
+
+    def _trace(self, req, state: RequestIntent, candidates: torch.Tensor, keep: int, features: dict) -> None:
+        """The learned head's inputs at this event, with what labels them later (the prompt's tokens,
+        its forced spans, its session and turn): training rows read exactly what inference reads."""
+        from safetensors.torch import save_file
+
+        out = Path(self.config.trace_dir).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", str(req.rid))
+        tensors = {k: v.contiguous() for k, v in features.items()}
+        tensors.update(tokens=torch.tensor(list(req.origin_input_ids), dtype=torch.int64), positions=candidates,
+                       spans=torch.tensor([state.spans.system_end, state.spans.query_start]), keep=torch.tensor([keep]))  # fmt: skip
+        tenant, session = state.session_key or ("", "")
+        meta = {"tenant": tenant, "session": session, "turn": str(state.memory_turns), "rid": str(req.rid)}
+        save_file(tensors, str(out / f"{name}.safetensors"), metadata=meta)
 
     def _apply(self, req, tree, row, kept, length, pool) -> RowEdit | None:
         protected = req.kv.cache_protected_len

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sgl_memory.intent.head import PrunerHead, layer_head_mean
 from sgl_memory.intent.sessions import unit_rows
 
 
@@ -28,6 +29,11 @@ class ScoringInputs:
     seed: int
     sinks: int
     kernel: int
+    # learned: per layer, the post-RoPE keys of the live query positions [m, KVH, D]; the head; its ablation
+    query_keys: Callable[[], Iterator[torch.Tensor]] | None = None
+    head: PrunerHead | None = None
+    ablation: str = "none"
+    features: dict | None = None  # learned: filled with the head's inputs when given (intent.trace_dir)
 
 
 class Scorer:
@@ -63,14 +69,17 @@ def attention_probs(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1).reshape(r, heads, n)
 
 
-def rule_score(x: ScoringInputs, rows: torch.Tensor) -> torch.Tensor:
+def rule_score(x: ScoringInputs, rows: torch.Tensor, each_layer: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """IntentKV eq. 3: softmax of (query state . key) over candidates, averaged over heads and layers.
-    rows: [layers, H, D] (one state per layer) or [layers, R, H, D]."""
+    rows: [layers, H, D] (one state per layer) or [layers, R, H, D]. `each_layer(keys)` sees every
+    layer's candidate keys on the way (one read of the pool for the learned head's features too)."""
     total = torch.zeros(x.positions.numel())
     layers = 0
     for layer, keys in enumerate(x.layer_keys()):
         r = rows[layer]
-        total += attention_probs(keys, r if r.dim() == 3 else r.unsqueeze(0)).mean(dim=(0, 1))
+        total += attention_probs(keys, r if r.dim() == 3 else r.unsqueeze(0)).mean(dim=(0, 1)).cpu()
+        if each_layer is not None:
+            each_layer(keys)
         layers += 1
     return total / max(layers, 1)
 
@@ -95,6 +104,25 @@ class MemoryScorer(Scorer):
 
     def score(self, x):
         return rule_score(x, x.memory)
+
+
+@register
+class LearnedScorer(Scorer):
+    """IntentKV Phase 2: the memory rule score plus the learned residual head (head.py)."""
+
+    name = "learned"
+    needs_queries = True
+
+    def score(self, x):
+        memory = unit_rows(x.q_mean) if x.ablation == "memory" else x.memory
+        key_means = []
+        rule = rule_score(x, memory, lambda keys: key_means.append(keys.float().mean(dim=1).cpu()))
+        context = layer_head_mean(x.query_keys()) if x.query_keys is not None else None
+        keys, memory_mean = torch.stack(key_means).mean(0), memory.float().mean(dim=(0, 1)).cpu()
+        if x.features is not None:
+            x.features.update(rule=rule, keys=keys, memory=memory_mean, context=keys[:0] if context is None else context.cpu())
+        with torch.no_grad():
+            return x.head.score(rule, keys, memory_mean, context, x.ablation)
 
 
 @register

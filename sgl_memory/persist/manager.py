@@ -96,6 +96,7 @@ class TurnState:
     reuse: int = 0  # stored tokens the (possibly rewritten) prompt repeats
     loaded: bool = False  # this request loaded the session from its file
     memory_mode: bool = False  # a KV-memory request: its path is not the session's history
+    reads_only: bool = False  # a KV-memory pass that changes nothing (MemorySpec.reads_only): loads, never writes
 
     def metrics(self, error: str | None) -> dict:
         return {"text_match": self.text_match, "restored_tokens": self.restored_tokens,
@@ -186,11 +187,12 @@ class SessionPersistence(mechanism.Mechanism):
     def open(self, scheduler, req, spec: MemorySpec) -> None:
         """Load a session this server has not seen (or dropped) from its file, before any mechanism
         admits the request: the other mechanisms' state in the file goes back to them."""
-        if hasattr(req, "sgl_persist") or req.finished() or spec.session_id is None or spec.reads_only or self.tree.disable:
+        if hasattr(req, "sgl_persist") or req.finished() or spec.session_id is None or spec.is_probe or self.tree.disable:
             return
         if self.tokenizer is None:
             self.tokenizer = scheduler.tokenizer
-        state = req.sgl_persist = TurnState(spec.tenant, spec.session_id, memory_mode=spec.memory is not None)
+        state = req.sgl_persist = TurnState(spec.tenant, spec.session_id, memory_mode=spec.memory is not None,
+                                            reads_only=spec.reads_only)  # fmt: skip
         t0 = time.perf_counter()
         if self._session(spec.tenant, spec.session_id, create=False) is None:
             state.loaded = self._load(state) is not None
@@ -311,6 +313,8 @@ class SessionPersistence(mechanism.Mechanism):
         if state.memory_mode:
             # its path is an assembly of recalled blocks, not the session's history: the stored path
             # stays, and the memory pool the turn went into is written with it
+            if state.reads_only:
+                return
             with session.lock:
                 session.state_changed = True
             self._writer.submit(session)
