@@ -104,7 +104,8 @@ def collect(args) -> None:
         with labels_path.open("a") as sink:
             for task in tqdm(tasks, desc="BFCL sessions", disable=None):
                 session = f"pruner-{task.id}"
-                endpoint = GoldEndpoint(url, memory={}, max_tokens=1, replies=gold_replies(task, bfcl))  # the server's config prunes
+                # two tokens: the compression event runs at the end of a prefill that decodes on
+                endpoint = GoldEndpoint(url, memory={}, max_tokens=2, replies=gold_replies(task, bfcl))
                 result = bfcl.run(task, endpoint, session)
                 steps = [{"request": i + 1, "next_calls": s["next_calls"]} for i, s in enumerate(result["steps"])]
                 sink.write(json.dumps({"task": task.id, "session": session, "valid": result["valid"], "steps": steps}) + "\n")
@@ -156,8 +157,9 @@ def argument_strings(calls) -> list[str]:
             if len(s) >= 3:
                 out.append(s)
 
-    for _, arguments in calls:
-        walk(arguments)
+    for name, arguments in calls:
+        if name != "respond":  # the gold replay's turn ends, not a tool call
+            walk(arguments)
     return out
 
 

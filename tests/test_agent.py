@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import requests
 from transformers import AutoTokenizer
 
 from sgl_memory import harness, models
@@ -407,3 +408,35 @@ def test_bcps_qwen_agent_client_runs_against_sgl_memory_and_the_mcp_server(serve
     after = stats()
     assert after["session_key_sources"]["session_id"] - before["session_key_sources"].get("session_id", 0) >= 1 + 3
     assert after["totals"]["compression_events"] > before["totals"]["compression_events"]
+
+
+def test_the_shipped_pruner_head_prunes_a_bfcl_session_on_the_default_model(server):
+    """IntentKV Phase 2 end to end: `scorer: learned` loads the head shipped for the default model
+    and prunes a BFCL task's steps (ground truth replayed) at a history budget that bites; the
+    rule scorer on the same steps keeps a different set somewhere (the head is trained, not the
+    identity), compared on the decoded distribution after the event."""
+    task = bfcl.tasks(["multi_turn_base"], limit=1)[0]
+    messages = list(task.entry["question"][0])
+    tools = bfcl.tools_at(task, 0)
+    backends = bfcl.Backends(task)
+    differs = 0
+    try:
+        for name, arguments in bfcl.as_calls(task, task.ground_truth[0]):
+            outs = {}
+            for scorer in ("learned", "memory"):
+                body = {"model": "default", "messages": messages, "tools": tools, "max_tokens": 2, "temperature": 0,
+                        "ignore_eos": True, "logprobs": True, "top_logprobs": 5,
+                        "sgl_memory": {"session_id": f"shipped-head-{scorer}", "scorer": scorer, "budget": 48, "budget_mode": "history"}}  # fmt: skip
+                r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=600)
+                assert r.status_code == 200, r.text
+                out = r.json()
+                assert out["sgl_memory"]["scorer"] == scorer
+                outs[scorer] = out
+            if outs["learned"]["sgl_memory"]["compression_events"]:
+                first, second = (o["choices"][0]["logprobs"]["content"] for o in (outs["learned"], outs["memory"]))
+                differs += [t["top_logprobs"] for t in first[1:]] != [t["top_logprobs"] for t in second[1:]]
+            (string,), (result,) = backends.execute([(name, arguments)])
+            messages = messages + [{"role": "assistant", "content": string}, {"role": "user", "content": result}]
+    finally:
+        backends.close()
+    assert differs >= 1

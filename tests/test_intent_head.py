@@ -120,7 +120,21 @@ def test_a_head_file_round_trips_and_another_backbone_is_refused(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a head")
     with pytest.raises(HeadError):
         PrunerHead.load(tmp_path / "junk.safetensors", spec)
-    assert math.isfinite(float(head.clipped_gain()))
+    assert math.isfinite(float(head.clipped_gain().detach()))
     with pytest.raises(HeadError):
         find_head(str(tmp_path / "missing.safetensors"), spec)
     assert find_head("", other) is None  # no shipped head was trained for this backbone
+
+
+def test_the_head_shipped_for_the_default_model_loads_and_is_trained():
+    from transformers import AutoConfig
+
+    from sgl_memory import models
+
+    spec = backbone_spec(AutoConfig.from_pretrained(models.model_dir(models.DEFAULT_MODEL)))
+    head = find_head("", spec)
+    assert head is not None, "no head ships for the default model"
+    assert head.out.weight.abs().sum() > 0 and head.out.bias.abs().sum() > 0  # not the untrained head
+    assert float(head.clipped_gain().detach()) != 0.0
+    small = backbone_spec(AutoConfig.from_pretrained(models.model_dir("smollm2-135m-instruct")))
+    assert find_head("", small) is None  # it serves its own backbone only

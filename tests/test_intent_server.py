@@ -283,9 +283,12 @@ def test_a_zero_initialised_learned_head_keeps_the_rule_scorers_sets(intent_serv
     bit-equal only if the kept sets are (float32, same shapes)."""
     for turn in range(3):
         ids = tokenizer(f"{INVENTORY} Question {turn}: how many nuts are on shelf {turn * 11 + 5}? Answer:")["input_ids"]
-        outs = [generate(intent_server, ids, 2, {"session_id": f"zero-head-{scorer}", "scorer": scorer, "budget": 150},
-                         return_logprob=True, top_logprobs_num=10) for scorer in ("memory", "learned")]  # fmt: skip
+        # a tenant each: neither request finds the other's prefix, so both prefills compute the same rows
+        outs = [generate(intent_server, ids, 2, {"session_id": "zero-head", "tenant": f"zero-{scorer}", "scorer": scorer,
+                                                 "budget": 150}, return_logprob=True, top_logprobs_num=10)
+                for scorer in ("memory", "learned")]  # fmt: skip
         rule, learned = (o["meta_info"] for o in outs)
+        assert rule["cached_tokens"] == learned["cached_tokens"]
         assert rule["sgl_memory"]["compression_events"] == learned["sgl_memory"]["compression_events"] == 1
         assert rule["sgl_memory"]["query_memory_turns"] == learned["sgl_memory"]["query_memory_turns"] == turn + 1
         assert rule["output_top_logprobs"] == learned["output_top_logprobs"]
@@ -299,12 +302,13 @@ def test_the_learned_heads_training_rows_hold_the_keys_inference_reads(intent_se
     from transformers import AutoModelForCausalLM
 
     ids = tokenizer(f"{INVENTORY} Traced: how many springs are on shelf 3? Answer:")["input_ids"]
-    out = generate(intent_server, ids, 1, {"session_id": "traced", "scorer": "learned", "budget": 150})
-    traces = intent_server.log_path.parent / "traces"
-    path = traces / f"{out['meta_info']['id']}.safetensors"
-    with safe_open(str(path), framework="pt") as f:
-        row = {k: f.get_tensor(k) for k in f.keys()}
-        meta = f.metadata()
+    generate(intent_server, ids, 2, {"session_id": "traced", "scorer": "learned", "budget": 150})
+    rows = []
+    for path in (intent_server.log_path.parent / "traces").glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            if f.metadata()["session"] == "traced":
+                rows.append(({k: f.get_tensor(k) for k in f.keys()}, f.metadata()))
+    ((row, meta),) = rows
     assert row["tokens"].tolist() == ids and meta["turn"] == "1"
     system_end, query_start = row["spans"].tolist()
     positions = row["positions"]

@@ -223,7 +223,7 @@ def test_random_scorer_is_seeded():
 
 
 def test_unknown_scorer_names_the_allowed_ones():
-    with pytest.raises(KeyError, match="allowed: h2o, memory, query, random, snapkv, streaming_llm"):
+    with pytest.raises(KeyError, match="allowed: h2o, learned, memory, query, random, snapkv, streaming_llm"):
         scorers.get("magic")
 
 

@@ -113,7 +113,7 @@ class PrunerHead(nn.Module):
     @classmethod
     def load(cls, path: str | Path, spec: dict | None) -> PrunerHead:
         """The head in `path`; a HeadError if it was trained for another backbone than `spec`."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -121,7 +121,7 @@ class PrunerHead(nn.Module):
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
             shape = HeadShape(**json.loads(meta["shape"]))
             trained_for = json.loads(meta["backbone"])
-        except (OSError, KeyError, ValueError, TypeError) as exc:
+        except (OSError, KeyError, ValueError, TypeError, SafetensorError) as exc:
             raise HeadError(f"{path} is not a pruner head file ({exc})") from None
         if spec is not None and trained_for != spec:
             diff = {k: (trained_for.get(k), spec.get(k)) for k in sorted(set(trained_for) | set(spec)) if trained_for.get(k) != spec.get(k)}
