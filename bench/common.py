@@ -51,7 +51,7 @@ def ours(model: str, *flags: str) -> tuple[list[str], None]:
 
 FULL_BUDGET = 1 << 30  # a budget no request reaches: our server's full cache
 BASELINE_SCORERS = ("streaming_llm", "snapkv", "h2o")  # the published heuristics, on both layouts
-INTENT_SCORERS = ("query", "memory")
+INTENT_SCORERS = ("query", "memory", "learned")
 
 
 def pruning_methods(budgets: list[int]) -> list[tuple[str, dict]]:
