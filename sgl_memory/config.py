@@ -34,7 +34,14 @@ class IntentConfig:
     # total: the budget counts the forced set (system prefix, latest message) too; history: it
     # counts only the compressible history between them, the forced set is kept on top (IntentKV's
     # budget, which lets a budget sit below an agent's tool docs)
-    budget_mode: Literal["total", "history"] = "total"
+    # adaptive: a history budget per session that follows it (intent/sessions.py AdaptiveBudget),
+    # starting at `budget`, within [budget_floor, budget_ceiling]
+    budget_mode: Literal["total", "history", "adaptive"] = "total"
+    budget_floor: int = 128
+    budget_ceiling: int = 8192
+    grow_at: float = 0.3  # the scorer's mass on the candidates left out above which the budget grows
+    shrink_at: float = 0.9  # the share of the last event's kept history kept again above which it shrinks
+    budget_step: float = 1.25  # the factor of one change
     # forced: the system prompt (an agent's tool docs sit there) always stays live; compressible: it
     # competes with the history for the budget, only the latest message is forced
     system_prompt: Literal["forced", "compressible"] = "forced"
@@ -59,6 +66,11 @@ class IntentConfig:
     def validate(self, path: str) -> None:
         _require(1 <= self.budget <= MAX_BUDGET, f"{path}.budget", f"an integer in [1, {MAX_BUDGET}]")
         _require(0.0 <= self.decay < 1.0, f"{path}.decay", "a number in [0, 1)")
+        _require(1 <= self.budget_floor <= self.budget_ceiling <= MAX_BUDGET, f"{path}.budget_floor / budget_ceiling",
+                 f"integers with 1 <= floor <= ceiling <= {MAX_BUDGET}")  # fmt: skip
+        _require(0.0 < self.grow_at <= 1.0, f"{path}.grow_at", "a number in (0, 1]")
+        _require(0.0 < self.shrink_at <= 1.0, f"{path}.shrink_at", "a number in (0, 1]")
+        _require(self.budget_step > 1.0, f"{path}.budget_step", "a number > 1")
         _require(self.session_capacity >= 1, f"{path}.session_capacity", "an integer >= 1")
         for name in ("query_tail", "session_prefix_tokens", "window", "kernel"):
             _require(getattr(self, name) >= 1, f"{path}.{name}", "an integer >= 1")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import time
 
 import pytest
@@ -27,6 +28,8 @@ intent:
   scorer: memory
   query_tail: {QUERY_TAIL}
   sinks: 4
+  budget_floor: 32
+  budget_ceiling: 512
 """
 FP32 = ("--dtype", "float32")
 
@@ -206,6 +209,7 @@ def test_second_turn_reuses_the_pruned_prefix_only_under_dead_slot(intent_server
         ({"scorer": {"name": "snapkv"}}, "is unknown; allowed"),
         ({"scorer": ["snapkv"]}, "is unknown; allowed"),
         ({"layout": {"dead": "slot"}}, "is unknown; allowed"),
+        ({"budget_mode": "adaptive", "scorer": "snapkv"}, "budget_mode adaptive follows a scorer's attention mass"),
     ],
 )
 @pytest.mark.parametrize("api", ["native", "openai"])
@@ -292,6 +296,33 @@ def test_a_zero_initialised_learned_head_keeps_the_rule_scorers_sets(intent_serv
         assert rule["sgl_memory"]["compression_events"] == learned["sgl_memory"]["compression_events"] == 1
         assert rule["sgl_memory"]["query_memory_turns"] == learned["sgl_memory"]["query_memory_turns"] == turn + 1
         assert rule["output_top_logprobs"] == learned["output_top_logprobs"]
+
+
+def test_an_adaptive_budget_follows_the_session_within_its_bounds(intent_server, tokenizer):
+    """budget_mode adaptive: each turn prunes to the history budget the session's previous event
+    left (plus the forced tail of these plain prompts), which moves by the configured step in the
+    direction the event's signals say (grow when the scorer's mass left out is above grow_at, else
+    shrink when the kept set repeats), within [budget_floor, budget_ceiling]."""
+    history, budgets, events = INVENTORY, [], []
+    for turn in range(5):
+        history += f" Note {turn}: shelf {turn * 3} was restocked."
+        ids = tokenizer(f"{history} Question: how many nuts are on shelf {turn * 3}? Answer:")["input_ids"]
+        m = generate(intent_server, ids, 2, {"session_id": "adaptive", "scorer": "memory", "budget": 64, "budget_mode": "adaptive"})
+        m = m["meta_info"]["sgl_memory"]
+        budgets.append(m["budget"] - QUERY_TAIL)  # the history budget applied (the forced set is the tail)
+        events.append(m["adaptive_budget"])
+        assert m["compression_events"] == 1 and m["live_kv_tokens"] == m["budget"] + 2
+    assert budgets[0] == 64
+    for turn in range(4):
+        signal, now, nxt = events[turn], budgets[turn], budgets[turn + 1]
+        assert nxt == signal["next_budget"] and 32 <= nxt <= 512
+        if signal["mass_beyond_budget"] > 0.3:
+            assert nxt == min(512, math.ceil(now * 1.25))
+        elif signal["kept_overlap"] is not None and signal["kept_overlap"] >= 0.9:
+            assert nxt == max(32, math.floor(now / 1.25))
+        else:
+            assert nxt == now
+    assert len(set(budgets)) > 1  # it moved
 
 
 def test_the_learned_heads_training_rows_hold_the_keys_inference_reads(intent_server, tokenizer):

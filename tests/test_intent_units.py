@@ -12,7 +12,8 @@ import torch
 from sgl_memory.intent import scorers
 from sgl_memory.intent.layouts import apply_dead_slot, freeable
 from sgl_memory.request import SpecError, parse
-from sgl_memory.intent.sessions import QueryMemory, resolve_key
+from sgl_memory.config import IntentConfig
+from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.sessions import SessionRegistry
 from sgl_memory.spans import RoleMarkers, find_spans
 from sgl_memory.rope import Rope
@@ -376,3 +377,19 @@ def test_a_mechanism_the_server_runs_without_is_refused_naming_its_key():
     check_served(parse({"session_id": "s", "tenant": "t"}), off)  # naming a session asks for nothing
     check_served(parse({"budget": 9}), MemoryConfig(intent=IntentConfig(enabled=True)))
     check_served(parse({"session_id": "s", "memory": {}}), MemoryConfig(memory=MemArtConfig(enabled=True)))
+
+
+# --- adaptive budget ---------------------------------------------------------------------------
+
+
+def test_the_adaptive_budget_grows_on_mass_left_out_and_shrinks_on_a_repeated_kept_set():
+    cfg = IntentConfig(budget_mode="adaptive", budget_floor=50, budget_ceiling=120, grow_at=0.3, shrink_at=0.9, budget_step=1.5)
+    b = AdaptiveBudget(60)
+    assert b.after_event(0.5, torch.arange(10), 100, cfg) is None and b.current == 90  # first event: no overlap yet
+    assert b.after_event(0.4, torch.arange(10), 110, cfg) == 1.0 and b.current == 120  # growth wins; capped at the ceiling
+    # the same ten kept again, plus positions past the previous prompt (they do not count)
+    assert b.after_event(0.1, torch.cat([torch.arange(10), torch.tensor([115, 116])]), 120, cfg) == 1.0 and b.current == 80
+    # half of the previous kept set changed: no move
+    assert b.after_event(0.1, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 130, cfg) == 0.5 and b.current == 80
+    assert b.after_event(0.0, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 140, cfg) == 1.0 and b.current == 53
+    assert b.after_event(0.0, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 150, cfg) == 1.0 and b.current == 50  # floor

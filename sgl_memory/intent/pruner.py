@@ -24,10 +24,11 @@ from sgl_memory.intent.head import PrunerHead, backbone_spec, find_head
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
 from sgl_memory.intent.paths import branch_token
 from sgl_memory.request import FIELD, MemorySpec, SpecError
-from sgl_memory.intent.sessions import QueryMemory, resolve_key
+from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.spans import RoleMarkers, Spans, find_spans
 
 logger = logging.getLogger(__name__)
+ADAPTIVE_SCORERS = ("memory", "query", "learned")  # their scores are a mass over the candidates
 
 class QueryCapture:
     """Post-RoPE query rows of one request's prompt, as the attention layers receive them:
@@ -88,6 +89,8 @@ class RequestIntent:
     scoring_ms: float = 0.0
     freed: int = 0
     ablation: str = "none"  # the learned scorer's (IntentConfig.ablation)
+    adaptive: IntentConfig | None = None  # budget_mode adaptive: the settings its budget follows
+    adaptive_metrics: dict | None = None  # what the event did to the session's budget
 
 
 @mechanism.register("intent")
@@ -121,7 +124,10 @@ class IntentPruner(mechanism.Mechanism):
         state = memory.state if memory is not None else None  # read once: update() replaces it whole
         if state is None:
             return {}
-        return {"query_memory": state, "updates": torch.tensor([memory.updates])}
+        out = {"query_memory": state, "updates": torch.tensor([memory.updates])}
+        if memory.budget is not None:
+            out["adaptive_budget"] = torch.tensor([memory.budget.current])
+        return out
 
     def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
         if "query_memory" not in tensors:
@@ -130,6 +136,8 @@ class IntentPruner(mechanism.Mechanism):
         if memory.state is None:
             memory.state = tensors["query_memory"].float()
             memory.updates = int(tensors["updates"][0]) if "updates" in tensors else 1
+        if memory.budget is None and "adaptive_budget" in tensors:
+            memory.budget = AdaptiveBudget(int(tensors["adaptive_budget"][0]))
 
     # --- admission (scheduler hook, before the request is queued) --------------------------------
 
@@ -168,8 +176,19 @@ class IntentPruner(mechanism.Mechanism):
             spans = replace(spans, system_end=0)
         forced = spans.forced_count(len(tokens))
         enabled = self.config.enabled
+        key, source = None, None
+        if enabled:
+            key, source = resolve_key(
+                spec.session_id, spec.tenant, getattr(req, "session_id", None), tokens,
+                spans.session_span, cfg.session_prefix_tokens, req.rid,
+            )  # fmt: skip
         budget, reason = cfg.budget, None
-        if cfg.budget_mode == "history":
+        if cfg.budget_mode == "adaptive" and enabled:
+            if cfg.scorer not in ADAPTIVE_SCORERS:
+                raise SpecError(f"{FIELD}.budget_mode adaptive follows a scorer's attention mass: use scorer "
+                                f"{', '.join(ADAPTIVE_SCORERS)}, not {cfg.scorer!r}")  # fmt: skip
+            budget = self._adaptive(key, cfg).current + forced
+        elif cfg.budget_mode == "history":
             budget = cfg.budget + forced
         elif enabled and budget < forced:
             parts = f"(system prefix {spans.system_end} + actionable query span {len(tokens) - spans.query_start})"
@@ -179,15 +198,12 @@ class IntentPruner(mechanism.Mechanism):
             # the server's default cannot refuse a client that asked for nothing: prune as far as it can
             budget, reason = forced, (f"intent.budget {cfg.budget} is smaller than this request's forced set of "
                                       f"{forced} tokens {parts}: only the forced set is kept")  # fmt: skip
-        key, source = None, None
-        if enabled:
-            key, source = resolve_key(
-                spec.session_id, spec.tenant, getattr(req, "session_id", None), tokens,
-                spans.session_span, cfg.session_prefix_tokens, req.rid,
-            )  # fmt: skip
         # the pruning rule names the branch: in history mode the applied budget moves with each
-        # turn's forced set, and the session's next turn must still find this one's path
+        # turn's forced set, in adaptive mode with the session too, and the session's next turn
+        # must still find this one's path
         rule = budget if cfg.budget_mode == "total" else f"history:{cfg.budget}"
+        if cfg.budget_mode == "adaptive":
+            rule = f"adaptive:{cfg.budget_floor}-{cfg.budget_ceiling}"
         rule = rule if cfg.system_prompt == "forced" else f"{rule}/system"
         if enabled and cfg.scorer == "learned" and self.head is None:
             raise SpecError(f"{FIELD}.scorer learned: this server has no pruner head for its model (intent.head)")
@@ -195,7 +211,15 @@ class IntentPruner(mechanism.Mechanism):
         scorer = cfg.scorer if cfg.scorer != "learned" or cfg.ablation == "none" else f"{cfg.scorer}/{cfg.ablation}"
         token = branch_token(key, scorer, rule, cfg.layout) if enabled else 0
         return RequestIntent(enabled, budget, cfg.scorer, cfg.layout, spans, len(tokens), key, source, budget_reason=reason,
-                             branch_token=token, ablation=cfg.ablation)  # fmt: skip
+                             branch_token=token, ablation=cfg.ablation,
+                             adaptive=cfg if cfg.budget_mode == "adaptive" and enabled else None)  # fmt: skip
+
+    def _adaptive(self, key, cfg: IntentConfig) -> AdaptiveBudget:
+        """The session's adaptive budget, made at its first request from the configured budget."""
+        memory = self.tree.sessions.get(key, self.name, lambda: QueryMemory(self.config.decay))
+        if memory.budget is None:
+            memory.budget = AdaptiveBudget(min(max(cfg.budget, cfg.budget_floor), cfg.budget_ceiling))
+        return memory.budget
 
     # --- query capture (a capture.py subscriber) -------------------------------------------------
 
@@ -263,7 +287,11 @@ class IntentPruner(mechanism.Mechanism):
             kernel=self.config.kernel, query_keys=keys_of(query_slots), head=self.head, ablation=state.ablation,
             features={} if self.config.trace_dir and state.scorer == "learned" else None,
         )  # fmt: skip
-        chosen = candidates[scorers.select(scorer.score(inputs), keep)]
+        scores = scorer.score(inputs)
+        picked = scorers.select(scores, keep)
+        chosen = candidates[picked]
+        if state.adaptive is not None:
+            self._follow(state, scores, picked, chosen, length)
         if inputs.features:
             self._trace(req, state, candidates, keep, inputs.features)
         kept = torch.cat([positions[live & forced], chosen]).sort().values
@@ -274,6 +302,17 @@ class IntentPruner(mechanism.Mechanism):
         state.events, state.freed = 1, edit.freed
         state.live_after = int(kept.numel())
         return edit
+
+    def _follow(self, state: RequestIntent, scores: torch.Tensor, picked: torch.Tensor, chosen: torch.Tensor, length: int) -> None:
+        """budget_mode adaptive: the scorer's mass left out (a distribution over the candidates: the
+        rule's shares, or the learned score's softmax, its log-space form) moves the session's budget."""
+        scores = scores.double()
+        mass = torch.softmax(scores, 0) if state.scorer == "learned" else scores.clamp_min(0) / scores.clamp_min(0).sum().clamp_min(1e-30)
+        mass_out = max(0.0, 1.0 - float(mass[picked].sum()))
+        budget = self._adaptive(state.session_key, state.adaptive)
+        overlap = budget.after_event(mass_out, chosen, length, state.adaptive)
+        state.adaptive_metrics = {"mass_beyond_budget": round(mass_out, 6), "kept_overlap": None if overlap is None else round(overlap, 6),
+                                  "next_budget": budget.current}  # fmt: skip
 
     def _trace(self, req, state: RequestIntent, candidates: torch.Tensor, keep: int, features: dict) -> None:
         """The learned head's inputs at this event, with what labels them later (the prompt's tokens,
@@ -341,6 +380,7 @@ def request_metrics(state: RequestIntent, output_len: int) -> dict:
         "scoring_ms": round(state.scoring_ms, 3),
         "budget": state.budget if state.enabled else None,
         "budget_reason": state.budget_reason,
+        **({"adaptive_budget": state.adaptive_metrics} if state.adaptive is not None else {}),
         "scorer": state.scorer if state.enabled else None,
         "layout": state.layout if state.enabled else None,
         "freed_slots": state.freed,

@@ -10,6 +10,8 @@ of the rule score collapses onto one key.
 from __future__ import annotations
 
 import hashlib
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -50,13 +52,42 @@ def unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
+@dataclass
+class AdaptiveBudget:
+    """A session's history budget that follows the session (IntentKV leaves this as future work).
+
+    After each compression event: when the scorer's mass on the candidates left out is above
+    `grow_at` (evidence is being cut), the budget grows by `step`; else when the event kept again
+    at least `shrink_at` of what the session's previous event kept (the kept set barely changes),
+    it shrinks by `step`; always within [floor, ceiling]."""
+
+    current: int
+    kept: torch.Tensor | None = None  # the previous event's kept history positions
+    length: int = 0  # the previous event's prompt length
+
+    def after_event(self, mass_out: float, kept: torch.Tensor, length: int, cfg) -> float | None:
+        """Update from one event; returns the overlap with the previous event (None: the first)."""
+        overlap = None
+        if self.kept is not None and self.kept.numel():
+            now = kept[kept < self.length]
+            overlap = float(torch.isin(self.kept, now).sum()) / self.kept.numel()
+        if mass_out > cfg.grow_at:
+            self.current = min(cfg.budget_ceiling, math.ceil(self.current * cfg.budget_step))
+        elif overlap is not None and overlap >= cfg.shrink_at:
+            self.current = max(cfg.budget_floor, math.floor(self.current / cfg.budget_step))
+        self.kept, self.length = kept, length
+        return overlap
+
+
 class QueryMemory:
-    """m <- unit(decay * m + (1 - decay) * q_mean); the first update is unit(q_mean)."""
+    """m <- unit(decay * m + (1 - decay) * q_mean); the first update is unit(q_mean). The session's
+    adaptive budget (budget_mode adaptive) lives with it."""
 
     def __init__(self, decay: float):
         self.decay = decay
         self.state: torch.Tensor | None = None  # [layers, heads, head_dim], float32
         self.updates = 0
+        self.budget: AdaptiveBudget | None = None
 
     def update(self, q_mean: torch.Tensor) -> torch.Tensor:
         q_mean = q_mean.float()
