@@ -123,14 +123,15 @@ def test_the_pool_hides_static_members_and_places_units_whole():
     hidden = set(turn_blocks(pool, 1) + turn_blocks(pool, 2))
     assert hidden and visible == set(pool.blocks) - hidden
     joint = turn_blocks(pool, joint_turn)
-    assert len(joint) == 3 and all(pool.unit(b) == joint for b in joint)
+    units = pool.book.unit_turns()
+    assert len(joint) == 3 and all(pool.unit(b, units) == joint for b in joint)
     b1 = turn_blocks(pool, 3)
-    assert pool.unit(b1[1]) == b1
+    assert pool.unit(b1[1], units) == b1
     chat = turn_blocks(pool, 0)
-    assert pool.unit(chat[1]) == [chat[1]]
+    assert pool.unit(chat[1], units) == [chat[1]]
     # KEEP's segments: each chat block alone, an entry's blocks together, the group's together
     blocks = [pool.blocks[i] for i in sorted(chat + b1 + joint)]
-    assert pool.segments(blocks) == [4, 2, 5, 9]
+    assert pool.segments(blocks, units) == [4, 2, 5, 9]
     # the member changes: joint KV dropped now, members visible again
     pool.drop_turns(pool.book.write("a2", [7, 7], torch.tensor([1.0, 0.0])).stale)
     assert not turn_blocks(pool, joint_turn) and set(pool.index(L, 4).ids) == set(pool.blocks)
@@ -149,7 +150,7 @@ def test_an_exported_pool_with_entries_loads_equal():
         assert (other.tokens, other.group, other.written, other.turn) == (entry.tokens, entry.group, entry.written, entry.turn)
         assert torch.equal(other.embedding, entry.embedding)
     assert loaded.index(L, 4).ids == pool.index(L, 4).ids
-    assert all(loaded.unit(b) == pool.unit(b) for b in pool.blocks)
+    assert all(loaded.unit(b, loaded.book.unit_turns()) == pool.unit(b, pool.book.unit_turns()) for b in pool.blocks)
 
 
 @pytest.mark.parametrize("body", [

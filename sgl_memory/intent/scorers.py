@@ -117,10 +117,11 @@ class LearnedScorer(Scorer):
         memory = unit_rows(x.q_mean) if x.ablation == "memory" else x.memory
         key_means = []
         rule = rule_score(x, memory, lambda keys: key_means.append(keys.float().mean(dim=1).cpu()))
-        context = layer_head_mean(x.query_keys()) if x.query_keys is not None else None
+        # the head runs on the host, beside the rule's shares: its inputs come off the pool's device
+        context = layer_head_mean(x.query_keys()).cpu() if x.query_keys is not None else None
         keys, memory_mean = torch.stack(key_means).mean(0), memory.float().mean(dim=(0, 1)).cpu()
         if x.features is not None:
-            x.features.update(rule=rule, keys=keys, memory=memory_mean, context=keys[:0] if context is None else context.cpu())
+            x.features.update(rule=rule, keys=keys, memory=memory_mean, context=keys[:0] if context is None else context)
         with torch.no_grad():
             return x.head.score(rule, keys, memory_mean, context, x.ablation)
 

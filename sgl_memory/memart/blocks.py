@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_memory.memart.entries import EntryBook
+from sgl_memory.memart.entries import ALONE, EntryBook
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class MemArtPool:
     ingesting: threading.Lock = field(default_factory=threading.Lock)  # one ingest at a time: turns stay in order
     _index: BlockIndex | None = None
     line_ends: frozenset[int] | None = None  # token ids after which a block ends (memory.cut: lines)
-    book: EntryBook = field(default_factory=lambda: EntryBook(threshold=2.0, static_after=1))  # entries.py
+    book: EntryBook = field(default_factory=lambda: EntryBook(threshold=ALONE, static_after=1))  # entries.py
 
     def submit(self, tokens: list[int], positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                tag: tuple | None = None) -> None:
@@ -174,11 +174,12 @@ class MemArtPool:
                 self._remove(block)
         self._index = None  # the book changed what retrieval sees
 
-    def unit(self, block_id: int) -> list[int]:
+    def unit(self, block_id: int, units: dict[int, tuple]) -> list[int]:
         """The blocks placed together with this one: its whole turn when that turn is an entry or a
-        group's joint KV (EntryBook.unit_turns), else itself. A turn's blocks have consecutive ids."""
+        group's joint KV (`units`: the book's unit_turns, read once per retrieval), else itself. A
+        turn's blocks have consecutive ids."""
         block = self.blocks.get(block_id)
-        if block is None or block.origin[0][0] not in self.book.unit_turns():
+        if block is None or block.origin[0][0] not in units:
             return [block_id]
         turn = block.origin[0][0]
         first = last = block_id
@@ -188,10 +189,10 @@ class MemArtPool:
             last += 1
         return list(range(first, last + 1))
 
-    def segments(self, blocks: list[Block]) -> list[int]:
+    def segments(self, blocks: list[Block], units: dict[int, tuple]) -> list[int]:
         """Token counts of the segments these placed blocks form, in order: an entry's or a static
         group's blocks are one segment (KEEP recomputes them together), any other block its own."""
-        units, out, last = self.book.unit_turns(), [], None
+        out, last = [], None
         for block in blocks:
             unit = units.get(block.origin[0][0], ("block", block.id))
             if out and unit == last and unit[0] != "block":

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 ENTRY, JOINT = "entry", "joint"  # what a tagged turn of the pool holds
+ALONE = 2.0  # a group threshold no cosine reaches: every entry a group of its own (grouping off)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from sgl_memory import capture, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.capture import ExtendRows
 from sgl_memory.config import REPAIRS, MemArtConfig
 from sgl_memory.memart.blocks import Block, MemArtPool
-from sgl_memory.memart.entries import EntryBook
+from sgl_memory.memart.entries import ALONE, EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 from sgl_memory.request import MemorySpec
 from sgl_memory.reuse import ReusedKV
@@ -183,7 +183,7 @@ class MemArtManager(mechanism.Mechanism):
 
     def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
         # grouping off: no entry reaches the threshold, so each is a group of its own and never static
-        book = lambda: EntryBook(self.config.group_threshold if self.config.groups else 2.0, self.config.static_after)  # noqa: E731
+        book = lambda: EntryBook(self.config.group_threshold if self.config.groups else ALONE, self.config.static_after)  # noqa: E731
         make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size, book=book())) if create else None
         pool = self.tree.sessions.get(owner, self.name, make)
         if pool is not None:
@@ -289,6 +289,7 @@ class MemArtManager(mechanism.Mechanism):
         blocks are a prefix hit; with a repair or a full recompute they are prefilled as part of
         the request, and only the system message comes from the tree."""
         prompt = list(req.origin_input_ids)
+        units = memory.book.unit_turns()  # entries and static groups: placed whole, one segment each
         after_system = (query.placement or self.config.placement) == "after_system"
         system = probe.system_end if after_system and probe.system_kv else 0
         memory_tokens = [t for b in blocks for t in b.tokens]
@@ -319,7 +320,7 @@ class MemArtManager(mechanism.Mechanism):
                 return
         if state.recompute in REPAIRS:
             keys, values = assemble(blocks, self.rope, at=system)
-            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks), state.recompute)
+            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks, units), state.recompute)
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         req.extra_key = extra_key
@@ -328,7 +329,6 @@ class MemArtManager(mechanism.Mechanism):
             state.turn_start += len(memory_tokens)
         state.retrieved_turns = sorted(set().union(*(b.turns() for b in blocks)))
         state.retrieved_spans = [span for b in blocks for span in b.spans()]
-        units = memory.book.unit_turns()
         placed = {units[t] for b in blocks for t in b.turns() if t in units}
         if placed:
             state.units = {"retrieved_entries": sum(kind == "entry" for kind, _ in placed),
@@ -470,10 +470,10 @@ def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | Non
     group's other blocks, MemArtPool.unit) and its header blocks (the first block of its turn and/or
     line, MemArtConfig.header) unless chosen already; a block whose tokens, unit and headers
     included, would pass `budget` (the context left) is skipped."""
-    chosen, used = {}, 0
+    chosen, used, units = {}, 0, memory.book.unit_turns()
     for block_id in ranked:
         headers = (memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header])
-        new = [b for b in dict.fromkeys([*memory.unit(block_id), *headers]) if b is not None and b not in chosen and b in memory.blocks]
+        new = [b for b in dict.fromkeys([*memory.unit(block_id, units), *headers]) if b is not None and b not in chosen and b in memory.blocks]
         n = sum(len(memory.blocks[b].tokens) for b in new)
         if budget is not None and used + n > budget:
             continue  # the request must still fit the context

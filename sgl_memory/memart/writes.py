@@ -43,12 +43,19 @@ def _body(data, listed: str) -> tuple[str, str | None, list]:
     unknown = sorted(set(data) - {"session_id", "tenant", listed})
     if unknown:
         raise SpecError(f"unknown field(s) {', '.join(unknown)}; allowed: session_id, tenant, {listed}")
-    if data.get("session_id") is None:
-        raise SpecError("session_id is required: memory belongs to a session")
+    owner = owner_of(data.get("session_id"), data.get("tenant"))
     items = data.get(listed)
     if not isinstance(items, list) or not items or len(items) > MAX_ENTRIES:
         raise SpecError(f"{listed} must be a list of 1 to {MAX_ENTRIES} items")
-    return check_id(data["session_id"], "session_id"), check_id(data.get("tenant"), "tenant"), items
+    return owner["session_id"], owner.get("tenant"), items
+
+
+def owner_of(session_id, tenant) -> dict:
+    """The `sgl_memory` fields naming the session a pass acts on (ids checked as requests' are)."""
+    if session_id is None:
+        raise SpecError("session_id is required: memory belongs to a session")
+    tenant = check_id(tenant, "tenant")
+    return {"session_id": check_id(session_id, "session_id"), **({"tenant": tenant} if tenant else {})}
 
 
 def _key(value, where: str) -> str:
@@ -120,9 +127,12 @@ def mount(app, config: MemoryConfig) -> None:
     def refuse(message: str, status: int = 400):
         return ORJSONResponse(status_code=status, content={"error": {"message": message}})
 
-    async def parsed(request: Request, parse):
+    def serving() -> None:
         if not config.memory.enabled:
             raise SpecError("KV memory is off on this server (memory.enabled: false)")
+
+    async def parsed(request: Request, parse):
+        serving()
         try:
             data = await request.json()
         except ValueError:
@@ -140,7 +150,7 @@ def mount(app, config: MemoryConfig) -> None:
                 if len(ids) > limit:
                     raise SpecError(f"entry {key!r} is {len(ids)} tokens; the context holds {limit}")
             embeddings = (await asyncio.to_thread(embed, [t for _, t in entries])) if config.memory.groups else [None] * len(entries)
-            owner = {"session_id": session_id, **({"tenant": tenant} if tenant else {})}
+            owner = owner_of(session_id, tenant)
             written, joint, book = [], [], None
             for (key, _), ids, embedding in zip(entries, tokenized, embeddings):
                 pass_ = {"mode": "write", "entry": key, **({"embedding": embedding} if embedding is not None else {})}
@@ -158,7 +168,7 @@ def mount(app, config: MemoryConfig) -> None:
     async def memory_forget(request: Request):
         try:
             session_id, tenant, keys = await parsed(request, parse_forget)
-            owner = {"session_id": session_id, **({"tenant": tenant} if tenant else {})}
+            owner = owner_of(session_id, tenant)
             book = await _forget(owner, keys)
         except SpecError as exc:
             return refuse(str(exc))
@@ -167,12 +177,8 @@ def mount(app, config: MemoryConfig) -> None:
     @app.get("/sgl_memory/memory")
     async def memory_book(session_id: str | None = None, tenant: str | None = None):
         try:
-            if not config.memory.enabled:
-                raise SpecError("KV memory is off on this server (memory.enabled: false)")
-            if session_id is None:
-                raise SpecError("session_id is required: memory belongs to a session")
-            owner = {"session_id": check_id(session_id, "session_id"), **({"tenant": check_id(tenant, "tenant")} if tenant else {})}
-            book = await _forget(owner, [])
+            serving()
+            book = await _forget(owner_of(session_id, tenant), [])
         except SpecError as exc:
             return refuse(str(exc))
         return {"session_id": session_id, "book": book}
