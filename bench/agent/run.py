@@ -2,8 +2,9 @@
 
 Methods: on one sgl-memory server with intent on (its radix cache flushed between methods, so no
 method reuses another's prefixes) our full cache and, per budget, StreamingLLM / SnapKV / H2O on
-`compact` and on `dead_slot` and IntentKV `query` and `memory` (bench/common.py `pruning_methods`);
-then `kv memory` (our server with KV memory on: each request carries the system prompt, the last
+`compact` and on `dead_slot` and IntentKV `query`, `memory` and `learned` (bench/common.py
+`pruning_methods`), IntentKV `memory` with the system prompt compressible, and the learned head's
+ablations and adaptive budget (bench/phase2.py runs those); then `kv memory` (our server with KV memory on: each request carries the system prompt, the last
 user message and the last `--memory-window` exchanges, and the session's memory brings back the
 rest as KV blocks); then `plain` (plain SGLang, full cache, its own server). Budgets are history
 budgets (`budget_mode: history`, the IntentKV paper's): BFCL's tool docs alone are 1.6k-4.7k tokens
@@ -40,7 +41,8 @@ from . import bcp, bfcl
 from .loop import Endpoint, Refused
 
 WORKLOADS = ("bfcl", "bcp")
-INTENT_CONFIG = "intent:\n  enabled: true\n"
+# the adaptive methods' floor sits below the smallest fixed budget so their budget can move both ways
+INTENT_CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
 MEMORY_CONFIG = "memory:\n  enabled: true\n"
 REFERENCE = "full cache"  # our server without pruning: what next-action agreement compares with
 # KV memory: each request carries the system prompt (the tool docs), the last user message and the
@@ -54,10 +56,16 @@ def methods(budgets: list[int]) -> list[tuple[str, dict | None]]:
     out: list[tuple[str, dict | None]] = [("plain", None), KV_MEMORY]
     for name, fields in pruning_methods(budgets):
         out.append((name, fields if name == "full cache" else {**fields, "budget_mode": "history"}))
-    # the same IntentKV with the system prompt (the tool docs) compressible: which of the two is right
     for b in budgets:
+        # the same IntentKV with the system prompt (the tool docs) compressible: which of the two is right
         out.append((f"intentkv-memory+system/dead_slot@{b}",
                     {"budget": b, "budget_mode": "history", "system_prompt": "compressible", "scorer": "memory", "layout": "dead_slot"}))  # fmt: skip
+        # Phase 2's Appendix-B ablations (`residual` off is Phase 1, intentkv-memory) and its adaptive
+        # budget, which starts at b and moves within the server's [budget_floor, budget_ceiling]
+        learned = {"budget": b, "budget_mode": "history", "scorer": "learned", "layout": "dead_slot"}
+        for ablation in ("memory", "x_attn"):
+            out.append((f"intentkv-learned-no-{ablation}/dead_slot@{b}", {**learned, "ablation": ablation}))
+        out.append((f"intentkv-learned-adaptive/dead_slot@{b}", {**learned, "budget_mode": "adaptive"}))
     return out
 
 
@@ -68,7 +76,8 @@ def server_of(fields: dict | None) -> str:
 
 
 def budget_of(fields: dict | None) -> int | None:
-    return None if not fields or fields.get("budget_mode") != "history" else fields["budget"]
+    """The method's history budget (an adaptive one's starting budget); None: no pruning."""
+    return None if not fields or fields.get("budget_mode") not in ("history", "adaptive") else fields["budget"]
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -94,7 +103,15 @@ def task_row(method: str, fields: dict | None, task, result: dict, wall_s: float
         "raw_kv_reads": sum(s["raw_kv_reads"] for s in steps), "eff_kv_reads": sum(s["eff_kv_reads"] for s in steps),
         "prompt_tokens": prompt, "cached_tokens": cached, "prefix_hit": cached / prompt if prompt else 0.0, "wall_s": wall_s,
         "f1": result.get("f1"),
+        **event_costs([s["metrics"] for s in steps]),
     }  # fmt: skip
+
+
+def event_costs(metrics: list[dict]) -> dict:
+    """The compression events' scoring time and the prefill time they follow, summed over the steps
+    that had one and a prefill time (0 for methods that never prune)."""
+    timed = [m for m in metrics if m.get("compression_events") and m.get("prefill_ms")]
+    return {"events": len(timed), "scoring_ms": sum(m["scoring_ms"] for m in timed), "prefill_ms": sum(m["prefill_ms"] for m in timed)}
 
 
 def aggregate(rows: list[dict], agreements: list[dict] = ()) -> list[dict]:
@@ -115,6 +132,9 @@ def aggregate(rows: list[dict], agreements: list[dict] = ()) -> list[dict]:
             "prefix_hit": sum(r["cached_tokens"] for r in rs) / max(sum(r["prompt_tokens"] for r in rs), 1),
             "wall_s": mean("wall_s"), "tool_calls": mean("tool_calls"), "steps": mean("steps"),
             "f1": mean("f1") if all(r.get("f1") is not None for r in rs) else None,
+            # scoring time over the prefill time of the same requests (IntentKV's target: under 5%)
+            "scoring_overhead": sum(r.get("scoring_ms", 0) for r in rs) / sum(r.get("prefill_ms", 0) for r in rs)
+            if any(r.get("prefill_ms") for r in rs) else None,
             "non_completion": {k: sum(r["reason"] == k for r in rs) for k in ("turn_cap", "overflow", "error", "empty")},
             **agreement_of([a for a in agreements if a["method"] == method]),
         })  # fmt: skip
@@ -150,9 +170,11 @@ def append(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def table(rows: list[dict]) -> str:
-    cols = ("method", "tasks", "compl", "raw", "true_acc", "f1", "next_action_agreement", "pt", "eff_live_kv",
-            "eff_kv_reads_vs_full", "prefix_hit", "wall_vs_full", "tool_calls")
+TABLE = ("method", "tasks", "compl", "raw", "true_acc", "f1", "next_action_agreement", "pt", "eff_live_kv",
+         "eff_kv_reads_vs_full", "prefix_hit", "wall_vs_full", "scoring_overhead", "tool_calls")  # fmt: skip
+
+
+def table(rows: list[dict], cols: tuple[str, ...] = TABLE) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]

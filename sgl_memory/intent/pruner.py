@@ -87,6 +87,7 @@ class RequestIntent:
     events: int = 0
     memory_turns: int = 0  # turns folded into the session's QueryMemory, this one included
     scoring_ms: float = 0.0
+    prefill_ms: float | None = None  # the prefill the event follows, from its first forward (None: unknown)
     freed: int = 0
     ablation: str = "none"  # the learned scorer's (IntentConfig.ablation)
     adaptive: IntentConfig | None = None  # budget_mode adaptive: the settings its budget follows
@@ -252,6 +253,10 @@ class IntentPruner(mechanism.Mechanism):
         if not state.enabled:
             return None
         t0 = time.perf_counter()
+        # SGLang stamps the request's first forward with perf_counter, this process's clock: the
+        # event's cost can be set against the prefill it follows (every chunk of it included)
+        entered = getattr(getattr(req, "time_stats", None), "forward_entry_time", 0.0)
+        state.prefill_ms = (t0 - entered) * 1000 if entered else None
         length = state.prompt_len
         row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         slots = row[:length].to(torch.int64)
@@ -378,6 +383,7 @@ def request_metrics(state: RequestIntent, output_len: int) -> dict:
         "query_memory_turns": state.memory_turns,
         "session_key_source": state.key_source,
         "scoring_ms": round(state.scoring_ms, 3),
+        "prefill_ms": None if state.prefill_ms is None else round(state.prefill_ms, 3),
         "budget": state.budget if state.enabled else None,
         "budget_reason": state.budget_reason,
         **({"adaptive_budget": state.adaptive_metrics} if state.adaptive is not None else {}),
