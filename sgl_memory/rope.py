@@ -34,7 +34,7 @@ class Rope:
 
     def rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """keys [n, heads, head_dim] rotated by delta [n] positions (any sign), in float64 math."""
-        angles = delta.double().unsqueeze(-1) * self.inv_freq()  # [n, D/2]
+        angles = delta.double().unsqueeze(-1) * self.inv_freq().to(delta.device)  # [n, D/2]
         cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
         k = keys.double()
         if self.neox:

@@ -129,6 +129,9 @@ def test_pruned_next_token_distribution_equals_masked_reference(intent_server, t
     meta = out["meta_info"]
     assert meta["sgl_memory"]["compression_events"] == 1
     assert meta["sgl_memory"]["live_kv_tokens"] == budget + 2
+    # the event's cost and the prefill it follows: the prefill's time sits within the request's
+    m = meta["sgl_memory"]
+    assert 0 < m["scoring_ms"] and 0 < m["prefill_ms"] < meta["e2e_latency"] * 1000
     kept = streaming_kept(len(ids), budget, sinks)
     first = out["output_ids"][0]
     top = meta["output_top_logprobs"][1]  # the second token: the first decode step, on pruned KV

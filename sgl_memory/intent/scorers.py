@@ -61,10 +61,11 @@ def get(name: str) -> Scorer:
 
 def attention_probs(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Softmax over the candidates of each query row: keys [n, KVH, D], rows [R, H, D] -> [R, H, n].
-    KV heads are expanded to the query heads (GQA) by grouping the query heads instead of copying keys."""
+    KV heads are expanded to the query heads (GQA) by grouping the query heads instead of copying keys.
+    Computed where the keys are (the pool's device); the query states may sit on the host."""
     n, kv_heads, dim = keys.shape
     r, heads, _ = rows.shape
-    grouped = rows.float().view(r, kv_heads, heads // kv_heads, dim)
+    grouped = rows.float().to(keys.device).view(r, kv_heads, heads // kv_heads, dim)
     logits = torch.einsum("rkgd,nkd->rkgn", grouped, keys.float()) / math.sqrt(dim)
     return torch.softmax(logits, dim=-1).reshape(r, heads, n)
 
@@ -149,7 +150,7 @@ class SnapKVScorer(Scorer):
         total = torch.zeros(x.positions.numel())
         layers = 0
         for layer, keys in enumerate(x.layer_keys()):
-            votes = attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1))
+            votes = attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1)).cpu()
             total += F.max_pool1d(votes.view(1, 1, -1), x.kernel, stride=1, padding=x.kernel // 2).view(-1)
             layers += 1
         return total / max(layers, 1)
@@ -167,7 +168,7 @@ class H2OScorer(Scorer):
     def score(self, x):
         total = torch.zeros(x.positions.numel(), dtype=torch.float64)
         for layer, keys in enumerate(x.layer_keys()):
-            total += attention_probs(keys, x.q_window[layer]).sum(dim=(0, 1)).double()
+            total += attention_probs(keys, x.q_window[layer]).sum(dim=(0, 1)).double().cpu()
         recent = x.keep // 2
         if recent:
             total[-recent:] = math.inf

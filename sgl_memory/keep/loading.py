@@ -1,5 +1,5 @@
-"""Placed KV from the tier that holds it into the layer's working buffer, on a thread of its own
-(KEEP section 4.3, layer-balanced memory loading).
+"""Placed KV from the tier that holds it into the layer's working buffer, ahead of the layer that
+reads it (KEEP section 4.3, layer-balanced memory loading).
 
 A repaired request needs, before each layer l's attention, the placed KV of the rows layer l does
 not recompute. Those rows are known once layer l-1 chose its successors, so their load can run
@@ -9,9 +9,12 @@ recomputed at layer l is never recomputed again (it has no hidden state after l-
 loader can already load it for every later layer (`balanced`): the late layers then find most of
 their rows in place. `sync` loads each layer when it starts, on the forward's own thread.
 
-The tier is the host memory the session's blocks live in. On a GPU the copy is a pinned host to
-device transfer on a stream of its own; on this CPU both sides are host memory, so a tier slower
-than the compute is simulated by holding each copy to `bandwidth` bytes per second.
+The tier is the host memory the session's blocks live in. On a GPU the copy engine is the loader:
+`want` enqueues the copies at once, pinned host to device on a stream of its own, and they run
+while the GPU still computes the layers queued before them; the layer waits on an event. (A host
+thread there only added hand-offs: measured slower than `sync` on an H100, bench/gpu_paths.py.) On
+this CPU both sides are host memory and a thread of its own does the copies, and a tier slower than
+the compute is simulated by holding each copy to `bandwidth` bytes per second (on either device).
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ class LayerLoader:
             raise ValueError(f"loading {mode!r}: one of {', '.join(LOADINGS)}")
         self.mode, self.bandwidth, self.device = mode, bandwidth, torch.device(device)
         cuda = self.device.type == "cuda"
-        self.src_k = keys.pin_memory() if cuda else keys
-        self.src_v = values.pin_memory() if cuda else values
+        self.src_k, self.src_v = keys, values
         self.keys = torch.empty_like(keys, device=self.device)
         self.values = torch.empty_like(values, device=self.device)
         layers, m = keys.shape[:2]
@@ -50,7 +52,7 @@ class LayerLoader:
         self.wait_s = 0.0  # time the forward waited for rows
         self.bytes = 0
         self.thread = None
-        if mode != "sync":
+        if mode != "sync" and not (cuda and bandwidth == 0):
             self.thread = threading.Thread(target=self._run, name="sgl-memory-keep-loader", daemon=True)
             self.thread.start()
 
@@ -61,6 +63,11 @@ class LayerLoader:
         from `layer` on (what a balanced loader may preload for the layers after it)."""
         if self.mode == "sync" or layer >= self.loaded.shape[0]:
             return
+        if self.thread is None:  # a GPU: enqueue on the copy stream now
+            self._copy(layer, rows & ~self.loaded[layer])
+            if self.mode == "balanced":  # every later layer's guaranteed rows, in one copy
+                self._copy(layer + 1, guaranteed & ~self.loaded[layer + 1 :].all(0), self.loaded.shape[0])
+            return
         with self.lock:
             self.wanted[layer] = rows & ~self.loaded[layer]
             self.guaranteed = guaranteed.clone()
@@ -70,7 +77,7 @@ class LayerLoader:
     def ready(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The working buffer of `layer` ([M, heads, dim] keys and values), with `rows` loaded."""
         t0 = time.perf_counter()
-        if self.mode == "sync":
+        if self.thread is None:
             self._copy(layer, rows & ~self.loaded[layer])
         else:
             with self.lock:
@@ -127,25 +134,35 @@ class LayerLoader:
             with self.lock:
                 self.lock.notify_all()
 
-    def _copy(self, layer: int, rows: torch.Tensor) -> None:
+    def _copy(self, layer: int, rows: torch.Tensor, stop: int | None = None) -> None:
+        """Load `rows` [M] bool into layers layer .. stop - 1 (default: the one layer)."""
         if not bool(rows.any()):
             return
         t0 = time.perf_counter()
+        layers = slice(layer, layer + 1 if stop is None else stop)
         index = rows.nonzero().squeeze(1)
         if self.stream is not None:
+            # The rows are gathered into pinned memory, so the copies run asynchronously on the copy
+            # stream (from pageable memory they would hold this thread until done); the caching
+            # host allocator keeps each staging buffer until the stream has read it.
+            staged = [torch.index_select(src[layers], 1, index, out=torch.empty(
+                (src[layers].shape[0], index.numel(), *src.shape[2:]), dtype=src.dtype, pin_memory=True))
+                for src in (self.src_k, self.src_v)]  # fmt: skip
             with torch.cuda.stream(self.stream):
-                self.keys[layer][index.to(self.device)] = self.src_k[layer][index].to(self.device, non_blocking=True)
-                self.values[layer][index.to(self.device)] = self.src_v[layer][index].to(self.device, non_blocking=True)
+                at = index.pin_memory().to(self.device, non_blocking=True)
+                self.keys[layers].index_copy_(1, at, staged[0].to(self.device, non_blocking=True))
+                self.values[layers].index_copy_(1, at, staged[1].to(self.device, non_blocking=True))
                 event = torch.cuda.Event()
                 event.record(self.stream)
-                self.events[layer] = event
+            # the copy stream runs in order: a layer's newest event covers its earlier copies too
+            self.events.update(dict.fromkeys(range(layers.start, layers.stop), event))
         else:
-            self.keys[layer][index] = self.src_k[layer][index]
-            self.values[layer][index] = self.src_v[layer][index]
-        size = int(index.numel()) * (self.src_k[layer][0].nbytes + self.src_v[layer][0].nbytes)
+            self.keys[layers][:, index] = self.src_k[layers][:, index]
+            self.values[layers][:, index] = self.src_v[layers][:, index]
+        size = int(index.numel()) * (self.src_k[0][0].nbytes + self.src_v[0][0].nbytes) * (layers.stop - layers.start)
         if self.bandwidth > 0:  # the simulated tier: the copy takes as long as `bandwidth` allows
             time.sleep(max(0.0, size / self.bandwidth - (time.perf_counter() - t0)))
         with self.lock:
-            self.loaded[layer] |= rows
+            self.loaded[layers] |= rows
         self.bytes += size
         self.load_s += time.perf_counter() - t0
