@@ -14,6 +14,8 @@ only some rows of a request (compact.py), its rows carry their positions.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import torch
@@ -79,3 +81,16 @@ def forward_hook(layer, q, k, v, forward_batch, *args, **kwargs):
         if parts:
             subscriber.take(parts, layer, q, k, v)
     return None
+
+
+def write_trace(directory: str, rid, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    """What a mechanism captured for one request, written for offline use (the pruner head's
+    training rows, KEEP's checks against a full prefill): `<directory>/<rid>.safetensors`, the rid
+    made a safe file name."""
+    from safetensors.torch import save_file
+
+    out = Path(directory).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / (re.sub(r"[^A-Za-z0-9._-]", "_", str(rid)) + ".safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    return path

@@ -8,11 +8,9 @@ the layout applied to the slot map by the radix tree (compress) -> metrics on re
 from __future__ import annotations
 
 import logging
-import re
 import time
 import zlib
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -322,17 +320,11 @@ class IntentPruner(mechanism.Mechanism):
     def _trace(self, req, state: RequestIntent, candidates: torch.Tensor, keep: int, features: dict) -> None:
         """The learned head's inputs at this event, with what labels them later (the prompt's tokens,
         its forced spans, its session and turn): training rows read exactly what inference reads."""
-        from safetensors.torch import save_file
-
-        out = Path(self.config.trace_dir).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
-        name = re.sub(r"[^A-Za-z0-9._-]", "_", str(req.rid))
-        tensors = {k: v.contiguous() for k, v in features.items()}
-        tensors.update(tokens=torch.tensor(list(req.origin_input_ids), dtype=torch.int64), positions=candidates,
+        tensors = dict(features, tokens=torch.tensor(list(req.origin_input_ids), dtype=torch.int64), positions=candidates,
                        spans=torch.tensor([state.spans.system_end, state.spans.query_start]), keep=torch.tensor([keep]))  # fmt: skip
         tenant, session = state.session_key or ("", "")
         meta = {"tenant": tenant, "session": session, "turn": str(state.memory_turns), "rid": str(req.rid)}
-        save_file(tensors, str(out / f"{name}.safetensors"), metadata=meta)
+        capture.write_trace(self.config.trace_dir, req.rid, tensors, meta)
 
     def _apply(self, req, tree, row, kept, length, pool) -> RowEdit | None:
         protected = req.kv.cache_protected_len

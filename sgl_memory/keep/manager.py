@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -197,16 +195,10 @@ class KeepManager(mechanism.Mechanism):
     def _trace(self, req, blend: Blend) -> None:
         """The placed rows' KV as the tree holds it after the prefill, which layers recomputed which
         rows, and the prompt's tokens: what a test compares with a full prefill."""
-        from safetensors.torch import save_file
-
         path = tree_fill.held_path(self.tree, req)
         if len(path) < blend.reuse.end:
             return
         kv = tree_fill.copy_path(self.tree, path, blend.reuse.start, blend.reuse.end)
-        out = Path(self.config.trace_dir).expanduser()
-        out.mkdir(parents=True, exist_ok=True)
-        name = re.sub(r"[^A-Za-z0-9._-]", "_", str(req.rid))
-        save_file({"keys": kv.keys.contiguous(), "values": kv.values.contiguous(),
-                   "selected": torch.stack(blend.history).to(torch.uint8),
-                   "tokens": torch.tensor(list(req.origin_input_ids), dtype=torch.int64),
-                   "start": torch.tensor([blend.reuse.start])}, str(out / f"{name}.safetensors"))  # fmt: skip
+        capture.write_trace(self.config.trace_dir, req.rid, {
+            "keys": kv.keys, "values": kv.values, "selected": torch.stack(blend.history).to(torch.uint8),
+            "tokens": torch.tensor(list(req.origin_input_ids), dtype=torch.int64), "start": torch.tensor([blend.reuse.start])})  # fmt: skip
