@@ -8,10 +8,12 @@ with an adaptive budget starting at that budget, and SnapKV / H2O / StreamingLLM
 Budgets are history budgets chosen to bite on each workload: BFCL's history over the first turns
 is a few hundred tokens, the BCP-shaped runs' search results a few thousand.
 
-Writes under --out (default bench/results/): `phase2.json` (a list `rows`: method, budget,
+Writes under --out (default bench/results/): `phase2.json` with a list `rows` (method, budget,
 workload, tasks, true_acc, next_action_agreement, eff_live_kv, prefix_hit, wall_s, plus KV reads,
-the scoring overhead and the agreement's point count), `phase2.md`, `phase2.png`; the per-workload
-files of bench.agent sit in `phase2_bfcl/` and `phase2_bcp/` (a re-run resumes from them).
+the scoring overhead per event and the agreement's point count) and `adaptive_vs_fixed` (each
+adaptive run against the fixed-budget head at equal live KV); `phase2.md`; `phase2.png`. The
+per-workload files of bench.agent sit in `phase2_bfcl/` and `phase2_bcp/`; a re-run resumes from
+them, and once they are complete only rebuilds the summary.
 
     .venv/bin/python -m bench.phase2 [--workloads bfcl bcp]
 """
@@ -41,6 +43,27 @@ KEYS = ("method", "budget", "workload", "tasks", "true_acc", "next_action_agreem
 def rows_of(workload: str, out: Path) -> list[dict]:
     result = json.loads((out / f"phase2_{workload}" / f"agent_{workload}.json").read_text())
     return [{k: r.get(k) for k in KEYS} | {"workload": workload} for r in result["rows"]]
+
+
+def adaptive_vs_fixed(rows: list[dict]) -> list[dict]:
+    """Each adaptive run against the learned head at fixed budgets at the same mean effective live
+    KV: the fixed runs' agreement interpolated linearly in live KV between the two that bracket it
+    (None where none do)."""
+    out = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        fixed = sorted((r for r in rows if r["workload"] == workload and r["method"].startswith("intentkv-learned/")),
+                       key=lambda r: r["eff_live_kv"])  # fmt: skip
+        for r in (r for r in rows if r["workload"] == workload and r["method"].startswith("intentkv-learned-adaptive/")):
+            pair = next(((a, b) for a, b in zip(fixed, fixed[1:]) if a["eff_live_kv"] <= r["eff_live_kv"] <= b["eff_live_kv"]), None)
+            at = None
+            if pair and None not in (pair[0]["next_action_agreement"], pair[1]["next_action_agreement"]):
+                a, b = pair
+                w = (r["eff_live_kv"] - a["eff_live_kv"]) / max(b["eff_live_kv"] - a["eff_live_kv"], 1e-9)
+                at = a["next_action_agreement"] + w * (b["next_action_agreement"] - a["next_action_agreement"])
+            out.append({"workload": workload, "method": r["method"], "eff_live_kv": r["eff_live_kv"],
+                        "next_action_agreement": r["next_action_agreement"], "fixed_at_equal_live_kv": at,
+                        "fixed": [[f["budget"], f["eff_live_kv"], f["next_action_agreement"]] for f in fixed]})  # fmt: skip
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -78,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         agent.main(["--workload", workload, *WORKLOADS[workload], "--agreement", "--methods", *METHODS,
                     "--out", str(args.out / f"phase2_{workload}")])  # fmt: skip
     rows = [row for w in WORKLOADS if (args.out / f"phase2_{w}").exists() for row in rows_of(w, args.out)]
-    (args.out / "phase2.json").write_text(json.dumps({"rows": rows}, indent=1))
+    (args.out / "phase2.json").write_text(json.dumps({"rows": rows, "adaptive_vs_fixed": adaptive_vs_fixed(rows)}, indent=1))
     (args.out / "phase2.md").write_text(agent.table(rows, KEYS))
     plot(rows, args.out / "phase2.png")
     print(agent.table(rows, KEYS))
