@@ -100,14 +100,15 @@ def loading(rows: int, recompute: float) -> dict:
     def forward(mode: str | None) -> tuple[float, dict]:
         loader = LayerLoader(k, v, "cuda", mode or "sync")
         if mode is None:  # every row already on the GPU: the compute alone
-            loader.keys.copy_(k.cuda()), loader.values.copy_(v.cuda())
+            loader.keys.copy_(k.cuda())
+            loader.values.copy_(v.cuda())
             loader.loaded[:] = True
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for layer in range(LAYERS):
             need = ~recomputed(layer)
-            keys, _ = loader.ready(layer, need)
+            loader.ready(layer, need)
             work @ work  # the layer's compute
             if layer + 1 < LAYERS:
                 loader.want(layer + 1, ~recomputed(layer + 1), ~recomputed(layer + 1))

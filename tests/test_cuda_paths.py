@@ -7,15 +7,20 @@ machine's CI has none, so they run when a session is lent one (see README "GPU c
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from test_intent_head import inputs as head_inputs  # noqa: E402
+from test_intent_head import trained  # noqa: E402
+from test_intent_units import make_inputs as rule_inputs  # noqa: E402
+from test_keep_units import view as keep_view  # noqa: E402
+
 from sgl_memory.intent import scorers  # noqa: E402
-from sgl_memory.intent.head import HeadShape, PrunerHead  # noqa: E402
-from sgl_memory.intent.sessions import unit_rows  # noqa: E402
 from sgl_memory.keep.loading import LOADINGS, LayerLoader  # noqa: E402
 from sgl_memory.keep.select import REGISTRY, LayerView  # noqa: E402
 from sgl_memory.kernels.aabb_score import aabb_scores, aabb_scores_torch  # noqa: E402
@@ -78,54 +83,33 @@ def test_the_loader_copies_each_layers_rows_to_the_gpu_on_its_own_stream(mode):
     assert loader.bytes > 0
 
 
-def view(seed: int, device) -> LayerView:
-    g = torch.Generator().manual_seed(seed)
-    sizes = (5, 16, 3, 9, 16)
-    m = sum(sizes)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    segment = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    cand = torch.rand(m, generator=g) < 0.8
-    parts = (r(m, 4, 8), r(m, 2, 8), r(m, 2, 8), r(7, 4, 8), r(7, 2, 8), r(m, 2, 8), r(m, 2, 8), cand, segment)
-    return LayerView(*(p.to(device) for p in parts))
+def on_gpu(v: LayerView) -> LayerView:
+    return LayerView(*(getattr(v, f.name).to(CUDA) for f in fields(v)))
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_selector_picks_on_the_gpu_what_it_picks_on_the_host(name):
     for seed in range(4):
+        cand = torch.rand(49, generator=torch.Generator().manual_seed(seed)) < 0.8
         for n in (1, 2, 10):
-            host = REGISTRY[name]().select(view(seed, "cpu"), n)
-            gpu = REGISTRY[name]().select(view(seed, CUDA), n)
+            host = REGISTRY[name]().select(keep_view(seed, candidates=cand), n)
+            gpu = REGISTRY[name]().select(on_gpu(keep_view(seed, candidates=cand)), n)
             assert torch.equal(gpu.cpu(), host), (seed, n)
 
 
-def scoring_inputs(device, head: PrunerHead | None, n: int = 64) -> scorers.ScoringInputs:
-    g = torch.Generator().manual_seed(5)
-    layers, heads, kv_heads, dim = 3, 4, 2, 16
-    keys = [(torch.randn(n, kv_heads, dim, generator=g) * 3).to(device) for _ in range(layers)]
-    query = [(torch.randn(6, kv_heads, dim, generator=g) * 3).to(device) for _ in range(layers)]
-    return scorers.ScoringInputs(
-        layer_keys=lambda: iter(keys), positions=torch.arange(n), q_mean=torch.randn(layers, heads, dim, generator=g),
-        q_window=torch.randn(layers, 5, heads, dim, generator=g), memory=unit_rows(torch.randn(layers, heads, dim, generator=g)),
-        keep=n // 4, seed=1, sinks=4, kernel=5, query_keys=lambda: iter(query), head=head,
-    )  # fmt: skip
-
-
-def trained_head() -> PrunerHead:
-    head = PrunerHead(HeadShape(16))
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        head.out.weight.copy_(torch.randn(head.out.weight.shape, generator=g))
-        head.out.bias.fill_(0.3)
-    return head
+def keys_on_gpu(x: scorers.ScoringInputs) -> scorers.ScoringInputs:
+    """The same inputs with the pool's keys on the GPU, as a CUDA server's pool holds them."""
+    moved = lambda keys: None if keys is None else (lambda: (k.to(CUDA) for k in keys()))  # noqa: E731
+    return replace(x, layer_keys=moved(x.layer_keys), query_keys=moved(x.query_keys))
 
 
 @pytest.mark.parametrize("name", ["memory", "query", "snapkv", "h2o", "learned"])
 def test_every_scorer_keeps_on_gpu_keys_the_set_it_keeps_on_host_keys(name):
-    head = trained_head() if name == "learned" else None
+    x = head_inputs(5, n=64, head=trained(2)) if name == "learned" else rule_inputs(n=64, seed=5)[0]
     scorer = scorers.get(name)
-    host = scorers.select(scorer.score(scoring_inputs("cpu", head)), 16)
-    gpu = scorers.select(scorer.score(scoring_inputs(CUDA, head)), 16)
-    assert torch.equal(torch.as_tensor(gpu).cpu(), torch.as_tensor(host))
+    host = scorers.select(scorer.score(x), 16)
+    gpu = scorers.select(scorer.score(keys_on_gpu(x)), 16)
+    assert torch.equal(gpu.cpu(), host)
 
 
 def test_re_rotating_gpu_keys_equals_the_host():
