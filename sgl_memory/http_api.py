@@ -19,7 +19,7 @@ import dataclasses
 import json
 from contextvars import ContextVar
 
-from sgl_memory import SGLANG_VERSION, __version__, prometheus
+from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype, prometheus
 from sgl_memory.config import from_env
 from sgl_memory.config import MemoryConfig
 from sgl_memory.memart import writes
@@ -44,6 +44,10 @@ def mount(server_args, *args, **kwargs):
         return None
     config = from_env()
     prometheus.enable(server_args)
+    choice = cpu_dtype.announced()
+    dtype = dataclasses.asdict(choice) if choice else {
+        "dtype": server_args.dtype, "kv_cache_dtype": server_args.kv_cache_dtype, "source": "sglang",
+        "reason": "not chosen by sgl_memory.launch_server (a GPU server, or SGLang's own launcher)"}  # fmt: skip
 
     @app.get("/sgl_memory/info")
     async def sgl_memory_info():
@@ -52,6 +56,7 @@ def mount(server_args, *args, **kwargs):
             "sglang_version": SGLANG_VERSION,
             "radix_cache_backend": server_args.radix_cache_backend,
             "attention_backend": server_args.attention_backend,
+            "dtype": dtype,
             "config": dataclasses.asdict(config),
         }
 

@@ -6,7 +6,8 @@ Takes every `sglang.launch_server` flag unchanged, plus:
   --memory-config FILE  sgl-memory YAML config (see configs/example.yaml).
 
 On a machine without a GPU it fills in the CPU defaults the user did not set: CPU engine,
-`--device cpu`, `--attention-backend sgl_memory_cpu` (ours, see sgl_memory/attention), no graph
+`--device cpu`, the compute dtype the CPU runs fastest (sgl_memory/cpu_dtype.py: bf16 with AMX or
+AVX512-BF16, else float32), `--attention-backend sgl_memory_cpu` (ours, see sgl_memory/attention), no graph
 capture, no overlap schedule, no warm-up, sleep when idle, and a `--max-total-tokens` sized from
 free RAM. It always selects the `sgl_memory` radix-cache backend
 unless told otherwise, and the tool-call parser of the model family.
@@ -18,13 +19,14 @@ module as `__mp_main__`, and a launcher that ran at import time would start the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
 from sgl_memory import config as memory_config
-from sgl_memory import models
+from sgl_memory import cpu_dtype, models
 
 KV_POOL_RAM_FRACTION = 0.15
 KV_POOL_MIN_TOKENS = 8192
@@ -41,26 +43,42 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def kv_bytes_per_token(model_path: Path) -> int:
+# bytes of one KV element; a dtype SGLang resolves itself (`auto`: the model's, bf16 here) counts 2
+KV_ELEMENT_BYTES = {"float32": 4, "float": 4, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def kv_bytes_per_token(model_path: Path, kv_dtype: str = "bfloat16") -> int:
     cfg = json.loads((model_path / "config.json").read_text())
     layers = cfg["num_hidden_layers"]
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", heads)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
+    return 2 * layers * kv_heads * head_dim * KV_ELEMENT_BYTES.get(kv_dtype, 2)  # K and V
 
 
-def default_max_total_tokens(model_path: Path) -> int:
+def default_max_total_tokens(model_path: Path, kv_dtype: str = "bfloat16") -> int:
     """SGLang sizes the pool like GPU memory on CPU (13 GB, 40 s start); size it from free RAM."""
     import psutil
 
     budget = psutil.virtual_memory().available * KV_POOL_RAM_FRACTION
-    tokens = int(budget // kv_bytes_per_token(model_path))
+    tokens = int(budget // kv_bytes_per_token(model_path, kv_dtype))
     return max(KV_POOL_MIN_TOKENS, min(KV_POOL_MAX_TOKENS, tokens))
 
 
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The value of `name` in argv (`--flag v` or `--flag=v`), the last one winning; None if absent."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
-    """Our flags out, SGLang's defaults for this machine in; returns SGLang's argv and our config."""
+    """Our flags out, SGLang's defaults for this machine in; returns SGLang's argv and our config.
+    On CPU the dtype choice is exported (CHOICE_ENV) for /sgl_memory/info and the start-up log."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", "--model-path", dest="model", default=models.DEFAULT_MODEL)
     parser.add_argument("--memory-config", default=None)
@@ -87,16 +105,24 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
         default("--tool-call-parser", spec.tool_call_parser)
     default("--enable-cache-report")
     if not _has_gpu():
+        choice = cpu_dtype.choose(_flag_value(out, "--dtype"))
+        kv_dtype = _flag_value(out, "--kv-cache-dtype")
+        if kv_dtype not in (None, "auto"):
+            choice = dataclasses.replace(choice, kv_cache_dtype=kv_dtype)
+        os.environ[cpu_dtype.CHOICE_ENV] = choice.to_json()
+        default("--dtype", choice.dtype)
         default("--device", "cpu")
         default("--attention-backend", cpu_backend.BACKEND_NAME)
         # SGLang switches graph capture off by name for torch_native only; our backend has none either
         default("--cuda-graph-backend-decode", "disabled")
         default("--cuda-graph-backend-prefill", "disabled")
-        default("--max-total-tokens", str(default_max_total_tokens(model_path)))
+        default("--max-total-tokens", str(default_max_total_tokens(model_path, choice.kv_cache_dtype)))
         default("--disable-overlap-schedule")
         default("--skip-server-warmup")
         # an idle scheduler otherwise busy-polls a whole core: half of a 2-core machine
         default("--sleep-on-idle")
+    else:
+        os.environ.pop(cpu_dtype.CHOICE_ENV, None)  # SGLang chooses on a GPU; no stale choice inherited
     return out, cfg
 
 
@@ -112,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
         sglang_argv, _ = build_argv(argv)
-    except (memory_config.ConfigError, models.FetchError) as exc:
+    except (memory_config.ConfigError, models.FetchError, cpu_dtype.DtypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -122,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()
+    choice = cpu_dtype.announced()
+    if choice is not None:
+        print(choice.log_line(), file=sys.stderr, flush=True)
     print("sgl-memory: sglang " + " ".join(sglang_argv), file=sys.stderr, flush=True)
     server_args = prepare_server_args(sglang_argv)
     try:

@@ -6,9 +6,14 @@ import os
 
 import pytest
 
-from sgl_memory import harness
+from sgl_memory import cpu_dtype, harness
 
 TEST_MODEL = "smollm2-135m-instruct"
+# The dtype a server started without --dtype computes in: the launcher's choice for this CPU, or
+# SGLMEMORY_DTYPE's (a whole suite run in one dtype). A persisted session restores exactly when
+# the store keeps the pool's own dtype.
+SERVER_DTYPE = cpu_dtype.choose().dtype
+EXACT_QUANT = {"bfloat16": "bf16", "float32": "fp32"}[SERVER_DTYPE]
 
 # Kernel checks need TRITON_INTERPRET=1 from the start; tests/test_kernels.py runs them in a child.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]

@@ -1,5 +1,6 @@
 """Intent pruning, session persistence and KV memory together in one real server (SmolLM2-135M,
-bfloat16 pool, bf16 session store): all three, and each pair on its own server.
+the pool in the dtype the launcher picks for this CPU, the session store in that same dtype): all
+three, and each pair on its own server.
 
 All three: one agent session of 40 turns: each turn brings a tool observation and a question, and the client
 resends its whole history (full-history turns), which intent prunes to a small budget (the
@@ -10,7 +11,7 @@ memory-mode request asks about turn 1.
 The reference for the restart is the same server that never restarted: server A runs turns 1-20,
 its store is copied once turn 20 is written (the file then holds turn 20's pruned path, its live
 mask, the QueryMemory and the memory pool), A answers turn 21, and server B, started on the copy,
-answers turn 21 again. A bf16 store of a bf16 pool restores bit-identical KV and the QueryMemory and
+answers turn 21 again. A store in the pool's dtype restores bit-identical KV and the QueryMemory and
 the pool are stored exactly, so B must prune the same positions and answer the same greedy tokens.
 Each pair runs the same session for 12 turns, restarting at turn 6 where persistence is on.
 """
@@ -25,12 +26,11 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from conftest import TEST_MODEL, start_server, stop_server
+from conftest import EXACT_QUANT, TEST_MODEL, start_server, stop_server
 from sgl_memory import models
 
 pytestmark = pytest.mark.server
 
-BF16 = ("--dtype", "bfloat16")
 BUDGET = 96
 FACT = "My locker code is 4812."
 SYSTEM = {"role": "system", "content": "You are a brief assistant."}
@@ -64,7 +64,7 @@ CASES = {
 }
 SECTIONS = {
     "intent": f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n",
-    "persist": "persist:\n  enabled: true\n  dir: {store}\n  quant: bf16\n",
+    "persist": "persist:\n  enabled: true\n  dir: {store}\n  quant: " + EXACT_QUANT + "\n",
     "memory": "memory:\n  enabled: true\n  block_size: 16\n  top_k: 8\n",
 }
 
@@ -136,7 +136,7 @@ def session(request, tmp_path_factory):
     case = CASES[request.param]
     d = tmp_path_factory.mktemp(request.param.replace("+", "-"))
     store, snapshot = d / "store", d / "snapshot"
-    a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, case, store)), *BF16)
+    a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, case, store)))
     if case.restart is None:
         messages = [SYSTEM]
         first = run(a, messages, TURNS[: case.turns])
@@ -152,7 +152,7 @@ def session(request, tmp_path_factory):
         reference = run(a, list(messages), TURNS[case.restart : case.restart + 1])[0]  # the server that never restarted
     finally:
         stop_server(a)
-    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, case, snapshot)), *BF16)
+    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, case, snapshot)))
     yield Session(case, b, messages, first, reference, snapshot / stored.relative_to(store))
     stop_server(b)
 

@@ -4,7 +4,17 @@ import json
 
 import pytest
 
-from sgl_memory import config, launch_server, models
+from sgl_memory import config, cpu_dtype, launch_server, models
+
+# /proc/cpuinfo flags lines of the three kinds of CPU the project's machines have been
+AMX_XEON = "fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8"
+ZEN4_EPYC = "fpu sse2 avx2 avx512f avx512bw avx512_vnni avx512_bf16"
+AVX2_EPYC = "fpu sse2 fma avx avx2 bmi2"
+
+
+def on_cpu(monkeypatch, capability: str, flags: str) -> None:
+    monkeypatch.setattr(cpu_dtype, "cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu_dtype, "cpu_flags", lambda cpuinfo=None: set(flags.split()))
 
 
 @pytest.fixture
@@ -16,6 +26,8 @@ def fake_model(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "resolve", lambda name: d)
     monkeypatch.setattr(launch_server, "_has_gpu", lambda: False)
     monkeypatch.setenv(config.CONFIG_ENV, "")  # so teardown restores whatever build_argv exports
+    monkeypatch.setenv(cpu_dtype.CHOICE_ENV, "")
+    monkeypatch.delenv(cpu_dtype.ENV, raising=False)  # a suite run forced to one dtype sets it
     return d
 
 
@@ -73,3 +85,80 @@ def test_unknown_config_key_is_refused(fake_model, tmp_path):
     p.write_text("intent:\n  budgte: 1\n")
     with pytest.raises(config.ConfigError, match="intent.budgte: unknown key"):
         launch_server.build_argv(["--memory-config", str(p)])
+
+
+@pytest.mark.parametrize("capability, flags, expected", [
+    ("AVX512", AMX_XEON, "bfloat16"),  # the platform facts' Intel machine: AMX
+    ("AVX512", ZEN4_EPYC, "bfloat16"),  # AVX512-BF16 without AMX
+    ("AVX2", AVX2_EPYC, "float32"),  # the issue's EPYC: no bf16 in hardware
+    ("AVX2", ZEN4_EPYC, "float32"),  # bf16 flags, but torch limited to AVX2 kernels (ATEN_CPU_CAPABILITY)
+    ("DEFAULT", "fpu sse2", "float32"),
+])  # fmt: skip
+def test_the_launcher_picks_the_dtype_the_cpu_multiplies_in_hardware(fake_model, monkeypatch, capability, flags, expected):
+    on_cpu(monkeypatch, capability, flags)
+    argv, _ = launch_server.build_argv([])
+    assert flag_value(argv, "--dtype") == expected and argv.count("--dtype") == 1
+    choice = cpu_dtype.announced()  # what /sgl_memory/info and the start-up log report
+    assert (choice.dtype, choice.kv_cache_dtype, choice.source, choice.cpu_capability) == (expected, expected, "auto", capability)
+    assert capability in choice.reason and ("hardware" in choice.reason) == (expected == "bfloat16")
+    assert choice.bf16_flags == sorted(f for f in ("amx_bf16", "avx512_bf16") if f in flags.split())
+
+
+def test_a_float32_pool_is_sized_at_four_bytes_a_value(fake_model, monkeypatch):
+    """The KV pool's share of RAM holds half as many float32 tokens as bf16 ones."""
+    monkeypatch.setattr(launch_server, "KV_POOL_MAX_TOKENS", 1 << 40)  # no cap: see the ratio itself
+    monkeypatch.setattr(launch_server, "KV_POOL_MIN_TOKENS", 1)
+    import psutil
+
+    free = psutil.virtual_memory().available
+    tokens = {}
+    for capability, flags in (("AVX512", AMX_XEON), ("AVX2", AVX2_EPYC)):
+        on_cpu(monkeypatch, capability, flags)
+        argv, _ = launch_server.build_argv([])
+        tokens[flag_value(argv, "--dtype")] = int(flag_value(argv, "--max-total-tokens"))
+    per_token = {"bfloat16": 2 * 24 * 2 * 64 * 2, "float32": 2 * 24 * 2 * 64 * 4}
+    for dtype, n in tokens.items():  # free memory moves a little between the two calls
+        assert n == pytest.approx(free * launch_server.KV_POOL_RAM_FRACTION / per_token[dtype], rel=0.05)
+    assert launch_server.kv_bytes_per_token(fake_model, "float32") == per_token["float32"]
+
+
+def test_the_users_dtype_wins_and_is_reported_as_given(fake_model, monkeypatch):
+    on_cpu(monkeypatch, "AVX2", AVX2_EPYC)
+    argv, _ = launch_server.build_argv(["--dtype=bfloat16"])
+    assert "--dtype=bfloat16" in argv and "--dtype" not in argv
+    choice = cpu_dtype.announced()
+    assert (choice.dtype, choice.source) == ("bfloat16", "--dtype")
+    argv, _ = launch_server.build_argv(["--dtype", "float32", "--kv-cache-dtype", "bfloat16"])
+    assert argv.count("--dtype") == 1
+    choice = cpu_dtype.announced()
+    assert (choice.dtype, choice.kv_cache_dtype) == ("float32", "bfloat16")
+    tokens = int(flag_value(argv, "--max-total-tokens"))  # sized for the bf16 pool asked for
+    assert launch_server.KV_POOL_MIN_TOKENS <= tokens <= launch_server.KV_POOL_MAX_TOKENS
+
+
+def test_the_environment_forces_a_dtype_and_a_bad_one_stops_start_up(fake_model, monkeypatch, capsys):
+    on_cpu(monkeypatch, "AVX512", AMX_XEON)
+    monkeypatch.setenv(cpu_dtype.ENV, "fp32")
+    argv, _ = launch_server.build_argv([])
+    assert flag_value(argv, "--dtype") == "float32" and cpu_dtype.announced().source == cpu_dtype.ENV
+    monkeypatch.setenv(cpu_dtype.ENV, "auto")
+    assert flag_value(launch_server.build_argv([])[0], "--dtype") == "bfloat16"
+    monkeypatch.setenv(cpu_dtype.ENV, "float64")
+    with pytest.raises(SystemExit) as stop:
+        launch_server.main([])
+    assert stop.value.code == 2
+    assert "SGLMEMORY_DTYPE='float64': allowed values are auto, bf16, bfloat16" in capsys.readouterr().err
+
+
+def test_a_gpu_server_leaves_the_dtype_to_sglang(fake_model, monkeypatch):
+    monkeypatch.setattr(launch_server, "_has_gpu", lambda: True)
+    monkeypatch.setenv(cpu_dtype.CHOICE_ENV, '{"stale": 1}')  # inherited from a CPU launcher
+    argv, _ = launch_server.build_argv([])
+    assert "--dtype" not in argv and cpu_dtype.announced() is None
+
+
+def test_cpu_flags_are_read_from_cpuinfo():
+    cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\n"
+    assert cpu_dtype.cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512_bf16"}
+    assert cpu_dtype.cpu_flags("processor\t: 0\nFeatures\t: fp asimd bf16\n") == {"fp", "asimd", "bf16"}  # Arm
+    assert cpu_dtype.cpu_flags("") == set()

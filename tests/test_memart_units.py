@@ -164,17 +164,23 @@ def hf_rope(raw: torch.Tensor, positions: torch.Tensor, config) -> torch.Tensor:
     return rotated[0].transpose(0, 1)
 
 
-def test_rerotated_blocks_equal_keys_computed_at_the_new_positions():
-    """Keys cached at scattered positions (bf16, as the pool holds them) -> position-free -> two
-    blocks placed at 0..M-1. Tolerance: 2^-7 of the largest magnitude, i.e. the two bf16 roundings
-    (cached key, placed key) each at most half an ulp of 2^-8 relative."""
+# Tolerances, of the largest magnitude: bf16, the two roundings (cached key, placed key) each at
+# most half an ulp of 2^-8 relative; float32, the reference's own float32 angles (position x
+# frequency rounded at 2^-24 relative: about 3e-4 rad at position 5000).
+REROTATION_TOL = {torch.bfloat16: 2**-7, torch.float32: 2**-10}
+
+
+@pytest.mark.parametrize("dtype", list(REROTATION_TOL))
+def test_rerotated_blocks_equal_keys_computed_at_the_new_positions(dtype):
+    """Keys cached at scattered positions (in the pool's dtype: bf16 or float32, as the launcher
+    picks) -> position-free -> two blocks placed at 0..M-1."""
     config = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=32768)
     rope = Rope(head_dim=64, theta=1e6)
     torch.manual_seed(0)
     L, n, h, d = 2, 24, 2, 64
     raw = torch.randn(L, n, h, d) * 3  # pre-RoPE keys
     old = torch.cat([torch.arange(5000, 5012), torch.arange(17, 29)])  # two turns far apart
-    cached = torch.stack([hf_rope(raw[layer], old, config) for layer in range(L)]).to(torch.bfloat16)
+    cached = torch.stack([hf_rope(raw[layer], old, config) for layer in range(L)]).to(dtype)
     free = unrotate(cached, old, rope)
 
     memory = MemArtPool(capacity=100)
@@ -182,23 +188,32 @@ def test_rerotated_blocks_equal_keys_computed_at_the_new_positions():
     memory.add_turn(list(range(12, 24)), free[:, 12:], cached[:, 12:], block_size=12)
     blocks = memory.take([1, 0])
     placed, _ = assemble(blocks, rope)
+    assert placed.dtype == dtype
     want = torch.stack([hf_rope(raw[layer], torch.arange(n), config) for layer in range(L)])
     err = (placed.float() - want).abs().max()
-    assert err <= 2**-7 * want.abs().max(), float(err)
+    assert err <= REROTATION_TOL[dtype] * want.abs().max(), float(err)
     # after a system message of 100 tokens: positions 100..100+M-1
     moved, _ = assemble(blocks, rope, at=100)
     want = torch.stack([hf_rope(raw[layer], torch.arange(100, 100 + n), config) for layer in range(L)])
-    assert (moved.float() - want).abs().max() <= 2**-7 * want.abs().max()
+    assert (moved.float() - want).abs().max() <= REROTATION_TOL[dtype] * want.abs().max()
 
 
-def test_position_free_keys_return_exactly_at_their_own_positions():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_position_free_keys_return_at_their_own_positions(dtype):
+    """The rotation is inverted in float64 and the position-free keys kept in float32: a bf16 key
+    comes back bit for bit; a float32 key within the two float32 roundings (free key, placed key)."""
     rope = Rope(head_dim=64, theta=1e6)
-    cached = (torch.randn(3, 40, 2, 64) * 5).to(torch.bfloat16)
+    cached = (torch.randn(3, 40, 2, 64) * 5).to(dtype)
     positions = torch.arange(40)
     memory = MemArtPool(capacity=100)
     memory.add_turn(list(range(40)), unrotate(cached, positions, rope), cached, block_size=16)
     placed, values = assemble(memory.take([0, 1, 2]), rope)
-    assert torch.equal(placed, cached) and torch.equal(values, cached)
+    assert placed.dtype == dtype and torch.equal(values, cached)
+    if dtype == torch.bfloat16:
+        assert torch.equal(placed, cached)
+    else:
+        ulp = torch.finfo(torch.float32).eps * cached.abs().amax(-1, keepdim=True)  # per key vector
+        assert ((placed - cached).abs() <= 2 * ulp).all()
 
 
 # --- the session pool --------------------------------------------------------------------------

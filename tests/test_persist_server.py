@@ -1,8 +1,9 @@
-"""Persistent session KV inside the real server (SmolLM2-135M, bfloat16 pool, persistence on).
+"""Persistent session KV inside the real server (SmolLM2-135M, persistence on, the pool in the dtype
+the launcher picks for this CPU).
 
 The reference for a restarted session is the same conversation on a server that never restarted:
-with bf16 storage of a bf16 pool the restored KV is bit-identical, so greedy answers must be equal;
-for Q4 the agreement rate is reported. Faults are produced for real: files damaged on disk, a
+with unquantized storage in the pool's own dtype (bf16 or fp32) the restored KV is bit-identical,
+so greedy answers must be equal; for Q4 the agreement rate is reported. Faults are produced for real: files damaged on disk, a
 server SIGKILLed while its writer has a temporary file open, a file-size limit (the write fails
 as on a full disk), a directory that cannot be created."""
 
@@ -17,13 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TEST_MODEL, start_server, stop_server
+from conftest import EXACT_QUANT, SERVER_DTYPE, TEST_MODEL, start_server, stop_server
 from sgl_memory import harness, models
 from sgl_memory.persist.store import CacheSpec, SessionFiles, _digest
 
 pytestmark = pytest.mark.server
 
-BF16 = ("--dtype", "bfloat16")
 CONVERSATIONS = [
     ["Name one large sea.", "Which countries border it?", "What is its deepest point?"],
     ["Give me a word that rhymes with cat.", "Use it in a sentence.", "Now make the sentence longer."],
@@ -83,14 +83,14 @@ def session_file(store: Path, session_id: str) -> Path:
 
 @pytest.fixture(scope="module")
 def restarted(tmp_path_factory):
-    """Server A (bf16 store) runs every conversation to its end (the reference) and a copy of each
+    """Server A (exact store) runs every conversation to its end (the reference) and a copy of each
     to its second turn; server C (q4 store, same directory) runs a third copy to its second turn;
     both stop; server B starts on the store. Each copy is its own tenant, so no copy reuses
     another's KV through the tree and every copy computes the same tokens the same way.
     Returns (B, store, reference answers, {copy tenant: per conversation [(answer, usage)]})."""
     d = tmp_path_factory.mktemp("persist-restart")
     store = d / "store"
-    a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, store, quant="bf16")), *BF16)
+    a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, store, quant=EXACT_QUANT)))
     try:
         reference = [[t[0] for t in run_turns(a, conv, f"s{i}", tenant="ref")] for i, conv in enumerate(CONVERSATIONS)]
         copies = {"rs": [run_turns(a, conv[:2], f"s{i}", tenant="rs") for i, conv in enumerate(CONVERSATIONS)]}
@@ -98,13 +98,13 @@ def restarted(tmp_path_factory):
         flush(a)
     finally:
         stop_server(a)
-    c = start_server(TEST_MODEL, d / "c.log", "--memory-config", str(write_config(d, store, quant="q4")), *BF16)
+    c = start_server(TEST_MODEL, d / "c.log", "--memory-config", str(write_config(d, store, quant="q4")))
     try:
         copies["q4"] = [run_turns(c, conv[:2], f"s{i}", tenant="q4") for i, conv in enumerate(CONVERSATIONS)]
         flush(c)
     finally:
         stop_server(c)
-    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, store, quant="bf16")), "--enable-metrics", *BF16)
+    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, store, quant=EXACT_QUANT)), "--enable-metrics")
     yield b, store, reference, copies
     stop_server(b)
 
@@ -115,7 +115,7 @@ def third_turn(i, turns):
     return history(conv[:2], [answer for answer, _, _ in turns]) + [{"role": "user", "content": conv[2]}]
 
 
-def test_bf16_restart_prefills_only_new_tokens_and_answers_like_a_server_that_never_restarted(restarted):
+def test_exact_restart_prefills_only_new_tokens_and_answers_like_a_server_that_never_restarted(restarted):
     b, _, reference, copies = restarted
     for i, turns in enumerate(copies["rs"]):
         assert [t[0] for t in turns] == reference[i][:2]  # the copy computed what the reference did
@@ -144,7 +144,7 @@ def test_q4_restart_agreement_is_reported(restarted, record_property):
         total += max(len(got), len(want))
     record_property("q4_exact_answers", f"{exact}/{len(CONVERSATIONS)}")
     record_property("q4_token_agreement", agree / total)
-    print(f"q4 restart: {exact}/{len(CONVERSATIONS)} answers equal to bf16, token agreement {agree / total:.3f}")
+    print(f"q4 restart: {exact}/{len(CONVERSATIONS)} answers equal to the exact store's, token agreement {agree / total:.3f}")
 
 
 def test_tenants_with_identical_prompts_never_share_a_file_or_a_load(restarted):
@@ -196,11 +196,11 @@ def test_ids_crafted_to_escape_the_store_are_refused(restarted, memory):
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory):
-    """bf16 store, no warm tier (every restore reads the file), a small KV pool (eviction)."""
+    """Exact store, no warm tier (every restore reads the file), a small KV pool (eviction)."""
     d = tmp_path_factory.mktemp("persist-faults")
     store = d / "store"
-    config = write_config(d, store, quant="bf16", warm_bytes=0)
-    server = start_server(TEST_MODEL, d / "e.log", "--memory-config", str(config), "--max-total-tokens", "3000", *BF16)
+    config = write_config(d, store, quant=EXACT_QUANT, warm_bytes=0)
+    server = start_server(TEST_MODEL, d / "e.log", "--memory-config", str(config), "--max-total-tokens", "3000")
     yield server, d, store
     stop_server(server)  # the last test kills it; stopping twice is harmless
 
@@ -266,7 +266,7 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, t
     # a new server on the store: it removes the partial file and serves the session by prefill;
     # it runs under a 6 MB file-size limit, so a larger session write fails as on a full disk
     config = write_config(d, store, quant="bf16")
-    command = ["prlimit", "--fsize=6000000", "--", *harness.our_command(TEST_MODEL, "--memory-config", str(config), *BF16)]
+    command = ["prlimit", "--fsize=6000000", "--", *harness.our_command(TEST_MODEL, "--memory-config", str(config))]
     f = harness.start(command, tmp_path / "f.log")
     try:
         assert "removed 1 partial file" in f.log()

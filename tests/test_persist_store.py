@@ -1,5 +1,6 @@
-"""The session KV file store: round trips per quantization, refusal of damaged or foreign files,
-atomic writes under a killed writer, ids that cannot escape the store, tenant isolation."""
+"""The session KV file store: round trips per quantization and pool dtype (bf16 and float32: the
+launcher picks the dtype from the CPU), refusal of damaged or foreign files, atomic writes under a
+killed writer, ids that cannot escape the store, tenant isolation."""
 
 from __future__ import annotations
 
@@ -19,37 +20,47 @@ from sgl_memory.persist.store import CacheSpec, SessionFiles, StoreError
 SPEC = CacheSpec("toy-model", "cfg123", layers=3, kv_heads=2, head_dim=64, dtype="bfloat16", page_size=1)
 
 
-def kv(tokens=600, seed=0):
+POOL_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def kv(tokens=600, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     shape = (SPEC.layers, tokens, SPEC.kv_heads, SPEC.head_dim)
-    return torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16()
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
 def session(files, tokens=600, seed=0):
     return files.record(list(range(100, 100 + tokens)), "<|im_start|>user\nhello", *kv(tokens, seed))
 
 
-@pytest.mark.parametrize("quant, kivi", [("bf16", False), ("q8", False), ("q4", False), ("q4", True)])
-def test_round_trip(tmp_path, quant, kivi):
-    files = SessionFiles(tmp_path, SPEC, quant=quant, kivi=kivi)
-    keys, values = kv()
+@pytest.mark.parametrize("pool", list(POOL_DTYPES))
+@pytest.mark.parametrize("quant, kivi", [("bf16", False), ("fp32", False), ("q8", False), ("q4", False), ("q4", True)])
+def test_round_trip(tmp_path, quant, kivi, pool):
+    dtype = POOL_DTYPES[pool]
+    files = SessionFiles(tmp_path, dataclasses.replace(SPEC, dtype=pool), quant=quant, kivi=kivi)
+    keys, values = kv(dtype=dtype)
     files.write("t1", "s1", files.record(range(100, 700), "text", keys, values))
     got = files.read("t1", "s1")
     assert got.token_ids == list(range(100, 700)) and got.text == "text"
-    got_keys, got_values = files.decode(got)
-    part_keys, part_values = files.decode(got, 250, 530)  # a range across block boundaries
+    got_keys, got_values = files.decode(got, dtype=dtype)
+    assert got_keys.dtype == got_values.dtype == dtype
+    part_keys, part_values = files.decode(got, 250, 530, dtype=dtype)  # a range across block boundaries
     assert torch.equal(part_keys, got_keys[:, 250:530]) and torch.equal(part_values, got_values[:, 250:530])
-    if quant == "bf16":
+    if quant == "fp32" or quant == "bf16" and pool == "bfloat16":  # the pool's values, or wider: exact
         assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    elif quant == "bf16":  # a float32 pool stored in bf16: each value rounded once
+        for stored, original in ((got_keys, keys), (got_values, values)):
+            assert torch.equal(stored, original.bfloat16().float()) and not torch.equal(stored, original)
     else:
         bits = {"q8": 8, "q4": 4}[quant]
         for stored, original, axis in ((got_keys, keys, 1 if kivi else -1), (got_values, values, -1)):
             for start in range(0, 600, 256):  # blocks are quantized on their own
                 block = original[:, start : start + 256].float()
                 bound = error_bound(quantize(block, bits, axis=axis))
-                # + the bf16 rounding of the dequantized value
+                # + the rounding of the dequantized value into the pool's dtype
+                rounding = block.abs() * 2**-8 + 1e-3 if dtype == torch.bfloat16 else 1e-6
                 err = (stored[:, start : start + 256].float() - block).abs()
-                assert (err <= bound + block.abs() * 2**-8 + 1e-3).all()
+                assert (err <= bound + rounding).all()
 
 
 def test_a_pruned_path_round_trips_with_its_key_live_mask_and_session_state(tmp_path):
@@ -73,10 +84,10 @@ def test_a_pruned_path_round_trips_with_its_key_live_mask_and_session_state(tmp_
     assert plain.extra_key is None and plain.branch is None and plain.live is None and plain.state == {}
 
 
-@pytest.mark.parametrize("quant, kivi", [("bf16", False), ("q8", False), ("q4", True)])
+@pytest.mark.parametrize("quant, kivi", [("bf16", False), ("fp32", False), ("q8", False), ("q4", True)])
 def test_state_that_holds_kv_is_stored_in_the_files_quantization_and_the_rest_exactly(tmp_path, quant, kivi):
     """The memory pool's keys and values are KV ([layers, tokens, heads, dim]): stored like the
-    session's blocks (bf16: as held, float32 keys included); the QueryMemory is stored exactly."""
+    session's blocks (bf16 / fp32: as held, float32 keys included); the QueryMemory is stored exactly."""
     files = SessionFiles(tmp_path, SPEC, quant=quant, kivi=kivi)
     keys, values = torch.randn(3, 70, 2, 64), torch.randn(3, 70, 2, 64).bfloat16()
     query_memory = torch.randn(3, 4, 64)
@@ -87,7 +98,7 @@ def test_state_that_holds_kv_is_stored_in_the_files_quantization_and_the_rest_ex
     assert torch.equal(got["intent.query_memory"], query_memory)
     for name, original, axis in (("memory.keys", keys, 1 if kivi else -1), ("memory.values", values, -1)):
         assert got[name].dtype == original.dtype and got[name].shape == original.shape
-        if quant == "bf16":
+        if quant in ("bf16", "fp32"):
             assert torch.equal(got[name], original)
         else:
             bound = error_bound(quantize(original.float(), {"q8": 8, "q4": 4}[quant], axis=axis))
@@ -114,12 +125,20 @@ def test_a_file_written_before_namespaces_were_stored_restores_into_any(tmp_path
     assert got.extra_key == store.ANY_NAMESPACE and got.branch is None and got.live is None
 
 
-def test_bytes_on_disk_per_quantization(tmp_path):
+@pytest.mark.parametrize("pool", list(POOL_DTYPES))
+def test_bytes_on_disk_per_quantization(tmp_path, pool):
+    """What a file costs follows the store's format, not the pool's dtype: a float32 pool's Q4
+    file is as small as a bf16 pool's."""
+    spec = dataclasses.replace(SPEC, dtype=pool)
+    tokens = 1024
+    elements = 2 * spec.layers * tokens * spec.kv_heads * spec.head_dim  # keys and values
     sizes = {}
-    for quant in ("bf16", "q8", "q4"):
-        files = SessionFiles(tmp_path / quant, SPEC, quant=quant)
-        sizes[quant] = files.write(None, "s", session(files, tokens=1024)).stat().st_size
-    assert sizes["q4"] < 0.3 * sizes["bf16"] and sizes["q8"] < 0.55 * sizes["bf16"]
+    for quant in ("fp32", "bf16", "q8", "q4"):
+        files = SessionFiles(tmp_path / quant, spec, quant=quant)
+        sizes[quant] = files.write(None, "s", files.record(range(tokens), "t", *kv(tokens, dtype=POOL_DTYPES[pool]))).stat().st_size
+    for quant, per_element in (("fp32", 4), ("bf16", 2), ("q8", 1 + 4 / 64), ("q4", 0.5 + 4 / 64)):
+        # the tensors' bytes plus a header and token ids of a few KB
+        assert elements * per_element <= sizes[quant] <= elements * per_element + 32 * 1024, (quant, sizes)
 
 
 def test_damaged_and_foreign_files_are_refused(tmp_path):
@@ -141,6 +160,17 @@ def test_damaged_and_foreign_files_are_refused(tmp_path):
     other_path.write_bytes(path.read_bytes())  # the file of another model under this model's name
     with pytest.raises(StoreError, match="another model"):
         other.read(None, "s")
+
+
+def test_a_file_of_a_pool_in_another_dtype_is_refused_naming_the_flag_that_restores_it(tmp_path):
+    """The same store on a CPU where the launcher chose the other dtype: the files stay on disk and
+    the message says how to read them."""
+    path = SessionFiles(tmp_path, SPEC, quant="q4").write(None, "s", session(SessionFiles(tmp_path, SPEC)))
+    float32 = SessionFiles(tmp_path, dataclasses.replace(SPEC, dtype="float32"), quant="q4")
+    assert float32.path(None, "s") == path
+    with pytest.raises(StoreError, match="written by a bfloat16 KV pool, this server's is float32 .*--dtype bfloat16"):
+        float32.read(None, "s")
+    assert path.exists()
 
 
 def test_ids_cannot_escape_and_tenants_never_share(tmp_path):

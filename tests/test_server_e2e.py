@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from conftest import TEST_MODEL, start_server, stop_server
+from conftest import SERVER_DTYPE, TEST_MODEL, start_server, stop_server
+from sgl_memory import cpu_dtype, harness, models
 
 pytestmark = pytest.mark.server
 
@@ -135,3 +136,47 @@ def test_bad_memory_config_stops_startup_with_a_message(tmp_path):
     with pytest.raises(RuntimeError) as exc:
         start_server(TEST_MODEL, tmp_path / "server.log", "--memory-config", str(cfg))
     assert "intent.scorer: 'magic' is not allowed; allowed values: memory" in str(exc.value)
+
+
+def test_the_server_reports_the_dtype_it_runs_in(server):
+    """/sgl_memory/info and the start-up log name the launcher's choice, and SGLang runs in it."""
+    info = server.get("/sgl_memory/info").json()["dtype"]
+    assert info["dtype"] == SERVER_DTYPE and info["kv_cache_dtype"] == SERVER_DTYPE and info["reason"]
+    assert server.get("/get_server_info").json()["dtype"] == SERVER_DTYPE
+    assert f"sgl-memory: compute dtype {SERVER_DTYPE}, KV cache {SERVER_DTYPE} ({info['source']}: " in server.log()
+
+
+def test_a_cpu_without_bf16_hardware_serves_in_float32_by_itself_and_says_so(tmp_path):
+    """An AVX2-only CPU, as torch and oneDNN see one when told to use no more (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA). The reference for "computes in float32": transformers' forward of the
+    same tokens in float32 and in bf16; the server's log-probabilities sit at the float32 one."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL)).encode("The capital of France is")
+    env = {k: v for k, v in os.environ.items() if k != cpu_dtype.ENV}
+    env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    srv = harness.start(harness.our_command(TEST_MODEL), tmp_path / "server.log", env=env)
+    try:
+        info = srv.get("/sgl_memory/info").json()["dtype"]
+        assert (info["dtype"], info["kv_cache_dtype"], info["source"], info["cpu_capability"]) == ("float32", "float32", "auto", "AVX2")
+        assert "bf16 would convert through float32" in info["reason"]
+        assert "sgl-memory: compute dtype float32, KV cache float32 (auto: " in srv.log()
+        assert srv.get("/get_server_info").json()["dtype"] == "float32"
+        body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True}
+        out = srv.post("/generate", body).json()
+        assert "Paris" in out["text"]
+    finally:
+        stop_server(srv)
+    got = torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
+    tokens = torch.tensor([prompt + [t for _, t, *_ in out["meta_info"]["output_token_logprobs"]]])
+    err = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(models.model_dir(TEST_MODEL), dtype=dtype).eval()
+        with torch.no_grad():
+            logits = model(tokens).logits[0, len(prompt) - 1 : -1].double()
+        want = logits.log_softmax(-1).gather(-1, tokens[0, len(prompt) :, None])[:, 0]
+        err[dtype] = float((got - want).abs().max())
+    assert err[torch.float32] < 2e-3 and err[torch.float32] < err[torch.bfloat16] / 4, err

@@ -1,5 +1,5 @@
 """Group quantization of KV blocks for the session store: Q4 and Q8 (affine, fp16 scales and
-biases), or bf16 as is.
+biases), or unquantized values in bf16 or fp32 (RAW: a pool's own dtype is stored exactly).
 
 A group is `group` consecutive values along one axis: along the head dimension (one group per
 token and head, the MLX / "Agent Memory Below the Prompt" layout) or, for keys in the KIVI layout,
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 BITS = {"q4": 4, "q8": 8}
+RAW = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GROUP = 64
 
 

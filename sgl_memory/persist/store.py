@@ -2,7 +2,7 @@
 
 A session's KV (keys and values of every layer along its token path) is cut into fixed-size blocks,
 the unit the later KV-memory retrieval shares; each block holds its layers stacked, quantized
-(quant.py) or bf16. One file per session keeps a turn's write a single atomic rename and a restore
+(quant.py) or as bf16 / fp32 values. One file per session keeps a turn's write a single atomic rename and a restore
 a single read; the file's metadata carries what a loader must check before trusting it: format
 version, model id and config hash, the cache spec, session and tenant, token ids, the rendered
 prompt text, quantization, and a sha256 over every tensor and the metadata itself.
@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from sgl_memory.persist.quant import BITS, GROUP, Quantized, dequantize, quantize
+from sgl_memory.persist.quant import BITS, GROUP, RAW, Quantized, dequantize, quantize
 
 FORMAT_VERSION = 1
 
@@ -146,8 +146,8 @@ class SessionFiles:
         return SessionRecord(list(token_ids), text, self.encode(keys, values), self.quant, self.kivi, self.block_size)
 
     def _encode(self, name: str, x: torch.Tensor, axis: int) -> dict[str, torch.Tensor]:
-        if self.quant == "bf16":
-            return {name: x.to(torch.bfloat16).contiguous()}
+        if self.quant in RAW:
+            return {name: x.to(RAW[self.quant]).contiguous()}
         q = quantize(x, BITS[self.quant], axis=axis)
         return {f"{name}.codes": q.codes.contiguous(), f"{name}.scales": q.scales.contiguous(),
                 f"{name}.biases": q.biases.contiguous()}  # fmt: skip
@@ -169,7 +169,7 @@ class SessionFiles:
         return torch.cat(keys, 1)[:, start - first : stop - first], torch.cat(values, 1)[:, start - first : stop - first]
 
     def _decode(self, block, name, shape, axis, quant, dtype) -> torch.Tensor:
-        if quant == "bf16":
+        if quant in RAW:
             return block[name].to(dtype)
         q = Quantized(block[f"{name}.codes"], block[f"{name}.scales"], block[f"{name}.biases"],
                       shape, BITS[quant], axis, GROUP)  # fmt: skip
@@ -186,7 +186,7 @@ class SessionFiles:
         layout = {}
         for name, t in record.state.items():
             kind = record.state_kv.get(name)
-            if kind is None or record.quant == "bf16":  # bf16: KV state stored as held (memory keys are float32)
+            if kind is None or record.quant in RAW:  # unquantized: KV state stored as held (memory keys are float32)
                 tensors[f"s.{name}"] = t.contiguous()
                 continue
             axis = 1 if kind == "k" and record.kivi else 3
@@ -264,7 +264,12 @@ class SessionFiles:
             raise StoreError(f"{path.name}: format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
         if meta.get("checksum") != _checksum(tensors, {k: v for k, v in meta.items() if k != "checksum"}):
             raise StoreError(f"{path.name}: checksum mismatch (corrupted file)")
-        if json.loads(meta["spec"]) != asdict(self.spec):
+        written = json.loads(meta["spec"])
+        if written != asdict(self.spec) and dict(written, dtype=self.spec.dtype) == asdict(self.spec):
+            # the launcher picks the dtype from the CPU: the same store on another CPU meets this
+            raise StoreError(f"{path.name}: written by a {written['dtype']} KV pool, this server's is {self.spec.dtype} "
+                             f"(start it with --dtype {written['dtype']} to restore the session)")  # fmt: skip
+        if written != asdict(self.spec):
             raise StoreError(f"{path.name}: written for another model or cache layout ({meta['spec']})")
         if meta["session_id"] != session_id or meta["tenant"] != (tenant or ""):
             raise StoreError(f"{path.name}: belongs to another session")
