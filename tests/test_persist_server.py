@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXACT_QUANT, SERVER_DTYPE, TEST_MODEL, start_server, stop_server
+from conftest import EXACT_QUANT, TEST_MODEL, start_server, stop_server
 from sgl_memory import harness, models
 from sgl_memory.persist.store import CacheSpec, SessionFiles, _digest
 
