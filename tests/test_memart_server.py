@@ -15,7 +15,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from conftest import TEST_MODEL, start_server, stop_server
+from conftest import SERVER_DTYPE, TEST_MODEL, start_server, stop_server
 from sgl_memory import models
 
 pytestmark = pytest.mark.server
@@ -93,7 +93,7 @@ def test_every_block_retrieved_equals_the_full_history_prompt(mem_server, tok, s
 def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, stated):
     """The memory pool gauges (GET /metrics) against the pools' contents as retrieval reports them:
     every block of both sessions retrieved, and their bytes from the model's shape (position-free
-    keys and the AABB in float32, values in the pool's bfloat16)."""
+    keys and the AABB in float32, values in the pool's dtype: bf16 or float32 as the launcher chose)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(models.model_dir(TEST_MODEL))
@@ -109,7 +109,8 @@ def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, sta
     while (after := mem_server.prometheus())[("sgl_memory_memory_pool_blocks", ())] != blocks and time.monotonic() < deadline:
         time.sleep(0.2)
     assert after[("sgl_memory_memory_pool_blocks", ())] == blocks
-    assert after[("sgl_memory_memory_pool_bytes", ())] == per_value * (tokens * (4 + 2) + blocks * 2 * 4)
+    value_bytes = {"bfloat16": 2, "float32": 4}[SERVER_DTYPE]
+    assert after[("sgl_memory_memory_pool_bytes", ())] == per_value * (tokens * (4 + value_bytes) + blocks * 2 * 4)
     grew = after[("sgl_memory_retrievals_total", ())] - before.get(("sgl_memory_retrievals_total", ()), 0)
     assert grew == 2 and after[("sgl_memory_retrieved_blocks_total", ())] - before.get(("sgl_memory_retrieved_blocks_total", ()), 0) == blocks
 
