@@ -73,9 +73,14 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def bf16_flags(flags: set[str]) -> list[str]:
+    """Which of the bf16-in-hardware flags the CPU has."""
+    return sorted(f for f in BF16_FLAGS if f in flags)
+
+
 def choose_auto(capability: str, flags: set[str]) -> DtypeChoice:
     """bf16 where the CPU multiplies it in hardware and torch runs its wide kernels, else float32."""
-    have = sorted(f for f in BF16_FLAGS if f in flags)
+    have = bf16_flags(flags)
     if have and capability in WIDE_CAPABILITIES:
         reason = f"the CPU has {' and '.join(have)} (torch capability {capability}): bf16 matmuls run in hardware"
         dtype = "bfloat16"
@@ -96,7 +101,7 @@ def choose(given: str | None = None, env: dict | None = None, capability: str | 
     env = os.environ if env is None else env
     capability = cpu_capability() if capability is None else capability
     flags = cpu_flags() if flags is None else flags
-    have = sorted(f for f in BF16_FLAGS if f in flags)
+    have = bf16_flags(flags)
     if given is not None:
         return DtypeChoice(given, given, "--dtype", "given on the command line", capability, have)
     forced = env.get(ENV, "").strip()
