@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, parse_args, generate, ours, prompt_of_length, read_bandwidth_gbs
+from common import RESULTS, generate, ours, parse_args, prompt_of_length, read_bandwidth_gbs, write_json
 from sgl_memory import harness, launch_server, models
 from sgl_memory.harness import cpu_flags, plain_sglang
 
@@ -124,7 +124,7 @@ def main() -> None:
     }
     result["ours_hit_over_floor"] = {n: mine[n]["full_hit_s"] / result["floor_one_token_s"][n] for n in mine}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "attention_backend.json").write_text(json.dumps(result, indent=2))
+    write_json(RESULTS / "attention_backend.json", result)
     plot(result, RESULTS / "attention_backend.png")
     print(json.dumps({k: result[k] for k in ("ours_over_plain_speedup", "ours_hit_over_floor", "batched_decode_tok_per_s")}, indent=2))
     print(json.dumps({n: mine[n]["hit_speedup_over_cold"] for n in mine}, indent=2))

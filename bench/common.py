@@ -5,8 +5,12 @@ machine's memory bandwidth (plain SGLang's command line is in sgl_memory.harness
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import subprocess
 import time
+from datetime import datetime, timezone
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -14,6 +18,32 @@ import torch
 from sgl_memory import harness, models
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@cache
+def commit() -> str:
+    """The code a result came from: HEAD's hash, with `+dirty` when tracked files differ from it
+    (a result from uncommitted code names no commit that reproduces it); `unknown` outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def provenance() -> dict:
+    """What every result file records: the commit it was produced from and when."""
+    return {"commit": commit(), "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_json(path: Path, result: dict, indent: int = 1) -> None:
+    """A result file with its provenance, written atomically (a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({**result, "provenance": provenance()}, indent=indent))
+    tmp.replace(path)
 
 
 def parse_args(doc: str, default_lengths: list[int]) -> argparse.Namespace:

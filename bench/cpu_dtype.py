@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, generate, ours, parse_args, prompt_of_length
+from common import RESULTS, generate, ours, parse_args, prompt_of_length, write_json
 from sgl_memory import cpu_dtype, harness, models
 from sgl_memory.harness import cpu_flags, plain_sglang
 
@@ -188,7 +188,7 @@ def main() -> None:
     result["ratios"]["this CPU, float32 with a bf16 KV pool over a float32 pool"] = speedups(
         runs["this CPU: ours float32, bf16 KV"], runs["this CPU: ours float32"])
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "cpu_dtype.json").write_text(json.dumps(result, indent=2))
+    write_json(RESULTS / "cpu_dtype.json", result)
     write_md(result, RESULTS / "cpu_dtype.md")
     plot(result, RESULTS / "cpu_dtype.png")
     print((RESULTS / "cpu_dtype.md").read_text())

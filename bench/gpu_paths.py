@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_json
 from sgl_memory.keep.loading import LOADINGS, LayerLoader
 from sgl_memory.kernels.aabb_score import aabb_scores_torch, aabb_scores_triton
 from sgl_memory.kernels.compact_kv_indices import drop_sentinel_
@@ -167,8 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         "compaction": [compaction(r, s, 0.5) for r, s in ((8, 8192), (64, 8192), (256, 32768))],
         "loading": [loading(rows, 0.3) for rows in (4096, 16384)],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_paths.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out / "gpu_paths.json", result)
     plot(result, args.out / "gpu_paths.png")
     print(json.dumps(result, indent=1))
 

@@ -19,7 +19,6 @@ bench/results/intent_sessions.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, kv_costs, pruning_methods
+from common import RESULTS, kv_costs, pruning_methods, write_json
 from sgl_memory import harness, models
 
 GEN_TOKENS = 16
@@ -205,7 +204,7 @@ def main() -> None:
         s["wall_vs_full"] = s["wall_s"] / full["wall_s"]
         s["eff_reads_vs_full"] = s["eff_kv_reads"] / full["eff_kv_reads"]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "intent_sessions.json").write_text(json.dumps(result, indent=2))
+    write_json(RESULTS / "intent_sessions.json", result)
     plot(result, RESULTS / "intent_sessions.png")
     keys = ("prefix_hit_rate", "mean_live_kv_tokens", "eff_reads_vs_full", "wall_vs_full", "greedy_agreement", "next_token_kl")
     for name, s in result["summary"].items():

@@ -25,7 +25,6 @@ number of retrieved blocks (KEEP's Figure 9).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import tempfile
@@ -37,7 +36,7 @@ from tqdm import tqdm
 
 from sgl_memory import harness, models
 
-from .common import RESULTS
+from .common import RESULTS, write_json
 from .locomo.run import generate
 
 # method -> the request's memory object (None: no memory, the observation alone)
@@ -294,7 +293,7 @@ def main(argv=None) -> None:
     settings = {"model": args.model, "games": args.games, "seeds": [args.seed + i for i in range(args.games)], "top_k": args.top_k,
                 "ratio": args.ratio, "walkthrough_steps": lengths, "block_size": 16, "static_after": 3}  # fmt: skip
     result = {"settings": settings, "rows": summarize(steps), "curve": curve, "steps": steps}
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print(f"{'method':>15} {'acc':>6} {'TTFT s':>7} {'prefill':>8} {'recomputed':>10} {'segments':>8}")
     for r in result["rows"]:

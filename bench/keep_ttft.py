@@ -19,7 +19,6 @@ warm-up question per server first (the pool's index is built on the first retrie
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import uuid
@@ -29,7 +28,7 @@ from tqdm import tqdm
 
 from sgl_memory import harness, models
 
-from .common import RESULTS
+from .common import RESULTS, write_json
 from .locomo import data, prompts
 from .locomo.run import cut, generate
 
@@ -151,7 +150,7 @@ def main(argv=None) -> None:
                 "bandwidth": args.bandwidth, "loading_segments": args.loading_segments, "max_new_tokens": 8}  # fmt: skip
     result = {"settings": settings, "segments": summarize(seg_rows, ("method", "segments")),
               "loading": summarize(load_rows, ("loading",)), "requests": seg_rows + load_rows}  # fmt: skip
-    args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print(f"{'method':>10} {'segments':>8} {'TTFT s':>7} {'prefill':>8} {'recomp share':>12}")
     for r in result["segments"]:

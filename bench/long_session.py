@@ -44,7 +44,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from common import RESULTS
+from common import RESULTS, write_json
 from locomo import data
 from locomo.metrics import token_f1
 from sgl_memory import harness, models
@@ -255,7 +255,7 @@ def main() -> None:
               "args": vars(args), "summary": {m: summary([r for r in rows if r["method"] == m], len(turns)) for m in methods},
               "rows": rows}  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_json(out, result)
     plot(rows, RESULTS / "long_session.png")
     print(json.dumps(result["summary"], indent=1))
 

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from common import RESULTS
+from common import RESULTS, write_json
 from sgl_memory import harness, models
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo_dev7.json"
@@ -248,7 +248,7 @@ def plot(result: dict, path: Path) -> None:
 
 def save(result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "persist_restart.json").write_text(json.dumps(result, indent=1))
+    write_json(RESULTS / "persist_restart.json", result)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from bench.agent import run as agent
-from bench.common import RESULTS
+from bench.common import RESULTS, write_json
 
 METHODS = ["full cache", "intentkv-learned*", "intentkv-memory/*", "snapkv/dead_slot*", "h2o/dead_slot*",
            "streaming_llm/dead_slot*"]  # fmt: skip
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         agent.main(["--workload", workload, *WORKLOADS[workload], "--agreement", "--methods", *METHODS,
                     "--out", str(args.out / f"phase2_{workload}")])  # fmt: skip
     rows = [row for w in WORKLOADS if (args.out / f"phase2_{w}").exists() for row in rows_of(w, args.out)]
-    (args.out / "phase2.json").write_text(json.dumps({"rows": rows, "adaptive_vs_fixed": adaptive_vs_fixed(rows)}, indent=1))
+    write_json(args.out / "phase2.json", {"rows": rows, "adaptive_vs_fixed": adaptive_vs_fixed(rows)})
     (args.out / "phase2.md").write_text(agent.table(rows, KEYS))
     plot(rows, args.out / "phase2.png")
     print(agent.table(rows, KEYS))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, parse_args, generate, ours, prompt_of_length
+from common import RESULTS, generate, ours, parse_args, prompt_of_length, write_json
 from sgl_memory import harness, models
 from sgl_memory.harness import cpu_flags, plain_sglang
 
@@ -85,7 +85,7 @@ def main() -> None:
         for n in args.lengths
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "server_baseline.json").write_text(json.dumps(result, indent=2))
+    write_json(RESULTS / "server_baseline.json", result)
     plot(result, RESULTS / "server_baseline.png")
     print(json.dumps(result["ratios_ours_over_plain"], indent=2))
 

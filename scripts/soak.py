@@ -36,6 +36,7 @@ import os
 import random
 import signal
 import string
+import sys
 import tempfile
 import threading
 import time
@@ -44,7 +45,10 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from sgl_memory import harness
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import provenance  # noqa: E402
+from sgl_memory import harness  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 # host-memory caps small enough to bind within the run, so "RSS stays bounded" tests them
@@ -267,7 +271,7 @@ def save(out: str, parts: dict) -> dict:
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         result = json.loads(path.read_text()) if path.exists() else {}
-        result.update(parts)
+        result.update(parts, provenance=provenance())
         sessions, kill = result.get("sessions", []), result.get("kill", {})
         result["passed"] = (all(r["five_xx"] == 0 and not r["leaks"] and r["healthy_after"] and not r["scheduler_crashed"]
                                 and r["rss_bounded"] for r in sessions)

@@ -34,7 +34,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from bench.common import RESULTS, pruning_methods
+from bench.common import RESULTS, commit, pruning_methods, write_json
 from sgl_memory import harness, models
 
 from . import bcp, bfcl
@@ -102,7 +102,7 @@ def task_row(method: str, fields: dict | None, task, result: dict, wall_s: float
         "eff_live_kv": max((s["live_kv_tokens"] for s in steps), default=0),
         "raw_kv_reads": sum(s["raw_kv_reads"] for s in steps), "eff_kv_reads": sum(s["eff_kv_reads"] for s in steps),
         "prompt_tokens": prompt, "cached_tokens": cached, "prefix_hit": cached / prompt if prompt else 0.0, "wall_s": wall_s,
-        "f1": result.get("f1"),
+        "f1": result.get("f1"), "commit": commit(),  # a resumed file mixes runs
         **event_costs([s["metrics"] for s in steps]),
     }  # fmt: skip
 
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 harness.stop(server)
     rows = aggregate(read_rows(rows_path), read_rows(agreement_path))
-    (stem.with_suffix(".json")).write_text(json.dumps({"workload": args.workload, "model": args.model, "rows": rows}, indent=1))
+    write_json(stem.with_suffix(".json"), {"workload": args.workload, "model": args.model, "rows": rows})
     (stem.with_suffix(".md")).write_text(table(rows))
     plot(rows, stem.with_suffix(".png"), f"{args.workload} on {args.model}")
     print(table(rows))

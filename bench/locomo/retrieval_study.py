@@ -16,7 +16,6 @@ of that conversation as a held-out check on choices picked from the 24, and all 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import write_json
 from sgl_memory import models
 from sgl_memory.spans import RoleMarkers, find_spans
 from sgl_memory.memart.retrieval import AGGS, NORMS, aabb_logits, block_scores, top_blocks
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         record(name(v), fam, results[v], picked[v])
     for c in RR_CONSTANTS:
         record(name(DEFAULT) + f"/rr_c={c:g}", "7 rr constant", rr_const[c])
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write_json(args.out, out)
 
     report(out)
     print(f"\nwrote {args.out}, {time.time() - t_start:.0f} s")

@@ -37,6 +37,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
+from bench.common import commit, write_json
 from sgl_memory import harness, models
 
 from . import data, metrics, prompts
@@ -198,14 +199,12 @@ class Results:
         return self.data["rows"].get(self.key(label, q))
 
     def add(self, label: str, q: data.Question, row: dict) -> None:
-        self.data["rows"][self.key(label, q)] = row
+        self.data["rows"][self.key(label, q)] = {**row, "commit": commit()}  # a resumed file mixes runs
         self.save()
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        tmp.replace(self.path)
+        self.data.pop("provenance", None)
+        write_json(self.path, self.data)
 
 
 def generate(server, input_ids: list[int], max_new_tokens: int, memory: dict | None = None) -> tuple[str, dict, float]:
@@ -348,7 +347,7 @@ def score(embedder, variant: Variant, q: data.Question, ids: list[int], text: st
         "prefill_tokens": mem.get("prefill_tokens", prompt_tokens - cached),
         "kv_decode_tokens": prompt_tokens + memory_kv + completion, "completion_tokens": completion,
         "e2e_latency": meta.get("e2e_latency"), "ttft_s": meta.get("ttft_s"), "wall_s": wall,
-        **{k: mem[k] for k in ("retrieved_blocks", "probe_tokens", "retrieval_ms", "recompute", "recomputed_tokens",
+        **{k: mem[k] for k in ("retrieved_blocks", "retrieved_spans", "probe_tokens", "retrieval_ms", "recompute", "recomputed_tokens",
                                "recompute_share", "recompute_ms", "recompute_dropped_rows") if k in mem}, **extra,
     }  # fmt: skip
 

@@ -286,7 +286,7 @@ class IntentPruner(mechanism.Mechanism):
         query_slots = slots[positions[live & (positions >= state.spans.query_start)]]
         inputs = scorers.ScoringInputs(
             layer_keys=keys_of(cand_slots), positions=candidates, q_mean=q_mean, q_window=q_window,
-            memory=memory, keep=keep, seed=zlib.crc32(req.rid.encode()), sinks=self.config.sinks,
+            memory=memory, keep=keep, seed=self._seed(state, length), sinks=self.config.sinks,
             kernel=self.config.kernel, query_keys=keys_of(query_slots), head=self.head, ablation=state.ablation,
             features={} if self.config.trace_dir and state.scorer == "learned" else None,
         )  # fmt: skip
@@ -305,6 +305,13 @@ class IntentPruner(mechanism.Mechanism):
         state.events, state.freed = 1, edit.freed
         state.live_after = int(kept.numel())
         return edit
+
+    @staticmethod
+    def _seed(state: RequestIntent, length: int) -> int:
+        """The random scorer's seed: from the session and the prompt's length, so the same session
+        sent again draws the same set (a request id is fresh per request and would not)."""
+        tenant, session = state.session_key or ("", "")
+        return zlib.crc32(f"{tenant}\x00{session}\x00{length}".encode())
 
     def _follow(self, state: RequestIntent, scores: torch.Tensor, picked: torch.Tensor, chosen: torch.Tensor, length: int) -> None:
         """budget_mode adaptive: the scorer's mass left out (a distribution over the candidates: the
