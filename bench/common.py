@@ -115,3 +115,20 @@ def read_bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     for _ in range(repeats):
         buf.sum()
     return nbytes * repeats / (time.perf_counter() - t0) / 1e9
+
+
+def bootstrap(clusters: list[list[float]], seed: int = 0, level: float = 0.95, resamples: int = 2000) -> tuple[float, float, float]:
+    """The mean over every value and its percentile bootstrap interval, resampling whole clusters
+    (values of one session are not independent draws; independent values are clusters of one)."""
+    sums = [(sum(c), len(c)) for c in clusters if c]
+    if not sums:
+        return float("nan"), float("nan"), float("nan")
+    rng = random.Random(seed)
+    means = []
+    for _ in range(resamples):
+        pick = [sums[rng.randrange(len(sums))] for _ in sums]
+        means.append(sum(s for s, _ in pick) / sum(n for _, n in pick))
+    means.sort()
+    tail = (1 - level) / 2
+    mean = sum(s for s, _ in sums) / sum(n for _, n in sums)
+    return mean, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]

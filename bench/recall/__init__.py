@@ -1,0 +1,1 @@
+"""Recall of a tool output many turns back: a generated agent task family (see run.py)."""
