@@ -114,7 +114,11 @@ def aggregate(rows: list[dict]) -> list[dict]:
     out = []
     for (length, method), rs in sorted(groups.items()):
         acc, lo, hi = bootstrap([[float(r["correct"])] for r in rs])
+        full = {r["seed"]: r["correct"] for r in groups.get((length, "full"), [])}
+        paired = [[float(r["correct"]) - float(full[r["seed"]])] for r in rs if r["seed"] in full]
+        vs_full = bootstrap(paired) if paired and method != "full" else (None, None, None)
         out.append({"length": length, "method": method, "n": len(rs), "accuracy": acc, "ci_low": lo, "ci_high": hi,
+                    "vs_full": vs_full[0], "vs_full_ci_low": vs_full[1], "vs_full_ci_high": vs_full[2], "n_paired": len(paired),
                     "by_hops": {h: _share(rs, "hops", h) for h in (1, 2, 3)}, "by_shape": {k: _share(rs, "shape", k) for k in S.SHAPES},
                     "prompt_tokens": sum(r["prompt_tokens"] for r in rs) / len(rs), "eff_live_kv": sum(r["live_kv"] for r in rs) / len(rs),
                     "prefix_hit": sum(r["prefix_hit"] for r in rs) / len(rs), "wall_s": sum(r["wall_s"] for r in rs) / len(rs)})  # fmt: skip
@@ -125,11 +129,14 @@ def table(rows: list[dict]) -> str:
     def shares(d: dict) -> str:
         return " / ".join("-" if v is None else f"{v:.2f}" for v in d.values())
 
-    lines = [f"| length | method | N | accuracy [95% CI] | 1 / 2 / 3 hops | one hop: {' / '.join(S.SHAPES)} | prompt | live KV | prefix hit "
-             "| s / session |", "|" + "---|" * 10]  # fmt: skip
+    def diff(r: dict) -> str:
+        return "-" if r["vs_full"] is None else f"{r['vs_full']:+.2f} [{r['vs_full_ci_low']:+.2f}, {r['vs_full_ci_high']:+.2f}]"
+
+    lines = [f"| length | method | N | accuracy [95% CI] | vs full, paired | 1 / 2 / 3 hops | one hop: {' / '.join(S.SHAPES)} | prompt | live KV | prefix hit "
+             "| s / session |", "|" + "---|" * 11]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['length']} | {r['method']} | {r['n']} | {r['accuracy']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] "
-                     f"| {shares(r['by_hops'])} | {shares(r['by_shape'])} | {r['prompt_tokens']:.0f} | {r['eff_live_kv']:.0f} "
+                     f"| {diff(r)} | {shares(r['by_hops'])} | {shares(r['by_shape'])} | {r['prompt_tokens']:.0f} | {r['eff_live_kv']:.0f} "
                      f"| {r['prefix_hit']:.2f} | {r['wall_s']:.1f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -153,6 +160,23 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_sessions(args, tokenizer, todo: list[tuple[int, S.Session, str]], ms: dict[str, dict], rows_path: Path) -> None:
+    run_id = f"recall-{int(time.time())}"
+    logs = Path(tempfile.gettempdir()) / "sgl-memory-recall"
+    logs.mkdir(exist_ok=True)
+    (logs / "config.yaml").write_text(CONFIG)
+    server = harness.start(harness.our_command(args.model, "--memory-config", str(logs / "config.yaml")), logs / "server.log")
+    try:
+        for length, session, name in tqdm(todo, desc="sessions x methods", disable=None):
+            row = run_session(server, tokenizer, session, name, ms[name], run_id)
+            row.update(length=length, seed=session.seed, method=name, shape=session.shape, hops=session.hops, depth=session.depth,
+                       steps=sum(m["role"] == "tool" for m in session.messages), answer=session.answer, commit=commit())  # fmt: skip
+            with rows_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    finally:
+        harness.stop(server)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
@@ -165,6 +189,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 1024], help="history budgets (prompt positions)")
     ap.add_argument("--methods", nargs="+", default=None, help="method names (default: all)")
     ap.add_argument("--quick", action="store_true", help="2048 tokens, 4 sessions, the full cache and two scorers at one budget")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: summarise every row the rows file holds")
     ap.add_argument("--out", type=Path, default=RESULTS / "recall.json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -183,22 +208,13 @@ def main(argv=None) -> None:
     rows_path = args.out.with_suffix(".rows.jsonl")
     done = {(r["length"], r["seed"], r["method"]) for r in read_jsonl(rows_path)}
     todo = [(length, s, m) for length, s in todo_sessions for m in ms if (length, s.seed, m) not in done]
-    run_id = f"recall-{int(time.time())}"
-    logs = Path(tempfile.gettempdir()) / "sgl-memory-recall"
-    logs.mkdir(exist_ok=True)
-    (logs / "config.yaml").write_text(CONFIG)
-    server = harness.start(harness.our_command(args.model, "--memory-config", str(logs / "config.yaml")), logs / "server.log")
-    try:
-        for length, session, name in tqdm(todo, desc="sessions x methods", disable=None):
-            row = run_session(server, tokenizer, session, name, ms[name], run_id)
-            row.update(length=length, seed=session.seed, method=name, shape=session.shape, hops=session.hops, depth=session.depth,
-                       steps=sum(m["role"] == "tool" for m in session.messages), answer=session.answer, commit=commit())  # fmt: skip
-            with rows_path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-    finally:
-        harness.stop(server)
-    wanted = {(length, s.seed) for length, s in todo_sessions}
-    rows = aggregate([r for r in read_jsonl(rows_path) if (r["length"], r["seed"]) in wanted and r["method"] in ms])
+    if args.report_only:
+        rows = aggregate(read_jsonl(rows_path))
+    else:
+        if todo:
+            run_sessions(args, tokenizer, todo, ms, rows_path)
+        wanted = {(length, s.seed) for length, s in todo_sessions}
+        rows = aggregate([r for r in read_jsonl(rows_path) if (r["length"], r["seed"]) in wanted and r["method"] in ms])
     write_json(args.out, {"model": args.model, "rows": rows})
     args.out.with_suffix(".md").write_text(table(rows))
     plot(rows, args.out.with_suffix(".png"))
