@@ -38,6 +38,15 @@ def provenance() -> dict:
     return {"commit": commit(), "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_rows(path: Path) -> list[dict]:
+    """A resumable results file's rows; none before its first run."""
+    return read_jsonl(path) if Path(path).exists() else []
+
+
 def write_json(path: Path, result: dict, indent: int = 1) -> None:
     """A result file with its provenance, written atomically (a reader never sees half of it)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.common import read_jsonl
 from bench.locomo import data as locomo
 from bench.locomo.metrics import token_f1, tokens
 
@@ -121,10 +122,6 @@ def locomo_tasks(limit: int | None) -> list[Task]:
         for q in locomo.stratified(qs, limit or len(qs)):
             out.append(Task(f"locomo_cat{q.category}", f"locomo-c{c}-q{q.qa_index}", q.question, q.answer))
     return out
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def bcp_corpus(path: Path) -> list[Document]:

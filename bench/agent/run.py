@@ -34,7 +34,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from bench.common import RESULTS, commit, pruning_methods, write_json
+from bench.common import RESULTS, commit, pruning_methods, read_rows, write_json
 from sgl_memory import harness, models
 
 from . import bcp, bfcl
@@ -78,11 +78,6 @@ def server_of(fields: dict | None) -> str:
 def budget_of(fields: dict | None) -> int | None:
     """The method's history budget (an adaptive one's starting budget); None: no pruning."""
     return None if not fields or fields.get("budget_mode") not in ("history", "adaptive") else fields["budget"]
-
-
-def read_rows(path: Path) -> list[dict]:
-    """A results file's rows; none before its first run."""
-    return bcp.read_jsonl(path) if path.exists() else []
 
 
 def session_id(method: str, task_id: str, run: str) -> str:

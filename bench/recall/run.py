@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, write_json
+from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, read_rows, write_json
 from sgl_memory import harness, models
 
 from . import sessions as S
@@ -59,11 +59,8 @@ def plan(tokenizer, lengths: list[int], per_length: int) -> list[tuple[int, S.Se
         for i in range(per_length):
             shape, hops, depth = S.SHAPES[i % len(S.SHAPES)], HOPS[(i // len(S.SHAPES)) % len(HOPS)], DEPTHS[i % len(DEPTHS)]
             steps = hops + 1
-            while True:
-                s = S.generate(i, steps, shape, hops, depth)
-                if len(render(tokenizer, s.messages)) >= length:
-                    break
-                steps += max(1, (length - len(render(tokenizer, s.messages))) // 400)
+            while (n := len(render(tokenizer, (s := S.generate(i, steps, shape, hops, depth)).messages))) < length:
+                steps += max(1, (length - n) // 400)
             out.append((length, s))
     return out
 
@@ -177,10 +174,6 @@ def run_sessions(args, tokenizer, todo: list[tuple[int, S.Session, str]], ms: di
         harness.stop(server)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.recall", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=models.DEFAULT_MODEL)
@@ -203,18 +196,18 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(args.model))
-    todo_sessions = plan(tokenizer, args.lengths, args.per_length)
-    ms = {k: v for k, v in methods(args.budgets).items() if args.methods is None or k in args.methods}
     rows_path = args.out.with_suffix(".rows.jsonl")
-    done = {(r["length"], r["seed"], r["method"]) for r in read_jsonl(rows_path)}
-    todo = [(length, s, m) for length, s in todo_sessions for m in ms if (length, s.seed, m) not in done]
     if args.report_only:
-        rows = aggregate(read_jsonl(rows_path))
+        rows = aggregate(read_rows(rows_path))
     else:
+        todo_sessions = plan(tokenizer, args.lengths, args.per_length)
+        ms = {k: v for k, v in methods(args.budgets).items() if args.methods is None or k in args.methods}
+        done = {(r["length"], r["seed"], r["method"]) for r in read_rows(rows_path)}
+        todo = [(length, s, m) for length, s in todo_sessions for m in ms if (length, s.seed, m) not in done]
         if todo:
             run_sessions(args, tokenizer, todo, ms, rows_path)
         wanted = {(length, s.seed) for length, s in todo_sessions}
-        rows = aggregate([r for r in read_jsonl(rows_path) if (r["length"], r["seed"]) in wanted and r["method"] in ms])
+        rows = aggregate([r for r in read_rows(rows_path) if (r["length"], r["seed"]) in wanted and r["method"] in ms])
     write_json(args.out, {"model": args.model, "rows": rows})
     args.out.with_suffix(".md").write_text(table(rows))
     plot(rows, args.out.with_suffix(".png"))

@@ -35,6 +35,8 @@ TOOLS = [
         ("web_search", "Web search results.", "query", "what to search for"),
     )
 ]  # fmt: skip
+TOOL_OF = {"orders": "get_orders", "logs": "search_logs", "files": "list_files", "search": "web_search"}
+ARGUMENT_OF = {t["function"]["name"]: t["function"]["parameters"]["required"][0] for t in TOOLS}
 FIRST = ["Dana", "Omar", "Lena", "Ravi", "Mia", "Tomas", "Aiko", "Jonas", "Priya", "Karl", "Ines", "Yusuf", "Nora", "Pablo", "Sofia", "Liam"]
 LAST = ["Whitfield", "Haddad", "Novak", "Iyer", "Larsen", "Moreau", "Tanaka", "Berg", "Rao", "Meyer", "Costa", "Demir", "Quinn", "Ortiz"]
 CITIES = ["Lisbon", "Porto", "Lyon", "Graz", "Utrecht", "Tampere", "Bergen", "Gdansk", "Bilbao", "Trieste", "Aarhus", "Brno", "Cork", "Malmo"]
@@ -125,9 +127,8 @@ def _step(shape: str, rng, ids: Ids, n: int, needles: list[dict] = ()) -> tuple[
         if shape == "logs":
             needle["service"] = arg
         items.insert(rng.randrange(len(items) + 1), needle)
-    name = {"orders": "get_orders", "logs": "search_logs", "files": "list_files", "search": "web_search"}[shape]
-    key = TOOLS[["get_orders", "search_logs", "list_files", "web_search"].index(name)]["function"]["parameters"]["required"][0]
-    return {"name": name, "arguments": {key: arg}}, render(shape, items)
+    name = TOOL_OF[shape]
+    return {"name": name, "arguments": {ARGUMENT_OF[name]: arg}}, render(shape, items)
 
 
 ITEMS_PER_OUTPUT = {"orders": 2, "logs": 2, "files": 2, "search": 2}
