@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_memory import mechanism, prometheus, runtime
 from sgl_memory.config import ConfigError, MemoryConfig, from_env
-from sgl_memory.intent.paths import find_branch, with_branch
+from sgl_memory.intent.paths import Branches, find_branches, with_branches
 from sgl_memory.mechanism import Mechanism
 from sgl_memory.sessions import SessionRegistry
 
@@ -158,30 +158,26 @@ class SglMemoryRadixCache(RadixCache):
         state = getattr(params.req, "sgl_intent", None) if self._allocator is not None else None
         if state is None or not state.enabled or self.disable:
             return super().match_prefix(params)
-        # A pruning request matches its session's pruned path (intent/paths.py) and never takes the
-        # rows its scorer reads from the cache: they are prefilled again, so they are its own.
+        # A pruning request matches its session's pruned path, every branch of it (intent/paths.py),
+        # and never takes the rows its scorer reads from the cache: they are prefilled again, so
+        # they are its own.
         key = params.key
         limit = state.capture_start if key.limit is None else min(key.limit, state.capture_start)
         key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit, cache_salt=key.cache_salt)
-        branch = find_branch(self.root_node, key, state.branch_token)
-        key.token_ids = with_branch(key.token_ids, branch, state.branch_token)
+        branches = find_branches(self.root_node, key, state.namespace)
+        key.token_ids = with_branches(key.token_ids, branches)
         result = super().match_prefix(dataclasses.replace(params, key=key))
-        state.branch_at = branch if branch is not None and result.device_prefix_len > branch else None
+        state.branches = tuple(b for b in branches if b[0] < result.device_prefix_len)
         return result
 
-    def branch(self, req) -> tuple[int, int] | None:
-        """(position, key id) where the request's key in the tree leaves its tokens: a pruned path
-        hangs below its branch token (intent/paths.py). None for a plain path."""
+    def branches(self, req) -> Branches:
+        """Where the request's key in the tree takes branch ids instead of its tokens: a pruned path
+        (intent/paths.py). () for a plain path."""
         state = getattr(req, "sgl_intent", None)
-        if state is None or state.branch_at is None:
-            return None
-        return state.branch_at, state.branch_token
+        return state.branches if state is not None else ()
 
     def _insert_cache(self, req, token_ids, **kwargs):
-        branch = self.branch(req)
-        if branch is not None:
-            token_ids = with_branch(token_ids, *branch)
-        return super()._insert_cache(req, token_ids, **kwargs)
+        return super()._insert_cache(req, with_branches(token_ids, self.branches(req)), **kwargs)
 
     # --- a request's life: admission (admission.py), checkpoint, release -------------------------
 
@@ -207,20 +203,18 @@ class SglMemoryRadixCache(RadixCache):
             # insert would replace this row's live KV by that request's sentinel entries
             req.skip_radix_cache_insert = True
             return
+        # the pruned row goes in as the session's branch; checkpoint rewrites the row from the
+        # tree past the protected prefix, which the event moved back to its first drop
         super().checkpoint(req, up_to=up_to)
-        if edit is not None:
-            # checkpoint rewrote the row from the tree, whose (shared) prefix is unpruned
-            row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-            row[edit.dropped] = self.sentinel
 
     def _diverges(self, req, up_to: int) -> bool:
         """Whether the tree already holds the request's pruned key past its protected prefix with
         other positions live than the request's row. A pruned key names the session and its
         pruning, not which positions a scorer kept, so two requests can prune one key apart."""
-        branch = self.branch(req)
-        if branch is None:
+        branches = self.branches(req)
+        if not branches:
             return False
-        key = RadixKey(with_branch(req.full_untruncated_fill_ids[:up_to], *branch), req.extra_key, cache_salt=req.cache_salt)
+        key = RadixKey(with_branches(req.full_untruncated_fill_ids[:up_to], branches), req.extra_key, cache_salt=req.cache_salt)
         held = RadixCache.match_prefix(self, MatchPrefixParams(key=key)).last_device_node
         tree = self.path_device_indices(held)
         start = req.kv.cache_protected_len

@@ -9,9 +9,9 @@ was pruned comes with its live mask: its dead positions point at this tree's sen
 take no slot of their own.
 
 Out of the tree (`held_path`, `copy_path`): at a request's release, the path its tokens left in the
-tree is matched under the request's own key (a pruned path hangs below its branch token,
-intent/paths.py) and the KV of a stretch of it copied to host memory, with the mask of positions
-that are live (a pruned position points at the sentinel slot and holds no KV of its token).
+tree is matched under the request's own key (a pruned path takes branch ids, intent/paths.py) and
+the KV of a stretch of it copied to host memory, with the mask of positions that are live (a pruned
+position points at the sentinel slot and holds no KV of its token).
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ def alloc(tree, n: int) -> torch.Tensor | None:
     if allocator.available_size() < n:
         tree.evict(EvictParams(num_tokens=n - allocator.available_size()))
     return allocator.alloc(n) if allocator.available_size() >= n else None
+
+
+def copy_within(tree, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy the KV of slots `src` into slots `dst` in every layer of the tree's pool (same
+    positions: no RoPE change)."""
+    pool = tree.token_to_kv_pool_allocator.get_kvcache()
+    for layer in pool_layers(pool):
+        pool.get_key_buffer(layer)[dst] = pool.get_key_buffer(layer)[src]
+        pool.get_value_buffer(layer)[dst] = pool.get_value_buffer(layer)[src]
 
 
 def place(tree, key, match, keys, values, live: torch.Tensor | None = None) -> bool:
@@ -86,20 +95,21 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
 class HeldPath:
     tokens: list[int]  # the leading tokens whose KV the tree holds under the namespace asked
     node: object  # the tree node where they end
-    branch: tuple[int, int] | None = None  # (position, key id) where the path's key leaves the tokens
+    branches: tuple[tuple[int, int], ...] = ()  # (position, key id) where the path's key leaves its tokens
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def key(self, extra_key: str | None, cache_salt=None) -> RadixKey:
-        """The tree key of the path: its tokens, the branch token at the branch position."""
-        return path_key(self.tokens, self.branch, extra_key, cache_salt)
+        """The tree key of the path: its tokens, branch ids at its branches."""
+        return path_key(self.tokens, self.branches, extra_key, cache_salt)
 
 
-def path_key(tokens, branch: tuple[int, int] | None, extra_key: str | None, cache_salt=None) -> RadixKey:
+def path_key(tokens, branches: tuple[tuple[int, int], ...], extra_key: str | None, cache_salt=None) -> RadixKey:
     ids = array("q", tokens)
-    if branch is not None and branch[0] < len(ids):
-        ids[branch[0]] = branch[1]
+    for pos, key_id in branches:
+        if pos < len(ids):
+            ids[pos] = key_id
     return RadixKey(ids, extra_key, cache_salt=cache_salt)
 
 
@@ -115,10 +125,10 @@ def held_path(tree, req) -> HeldPath:
     request inserted them with (a read: it may split a node, as every match does, but inserts and
     frees nothing)."""
     tokens = [*req.origin_input_ids, *req.output_ids]
-    branch = tree.branch(req)
-    match = tree.match_prefix(MatchPrefixParams(key=path_key(tokens, branch, req.extra_key, req.cache_salt)))
+    branches = tree.branches(req)
+    match = tree.match_prefix(MatchPrefixParams(key=path_key(tokens, branches, req.extra_key, req.cache_salt)))
     n = match.device_prefix_len
-    return HeldPath(tokens[:n], match.last_device_node, branch if branch is not None and branch[0] < n else None)
+    return HeldPath(tokens[:n], match.last_device_node, tuple(b for b in branches if b[0] < n))
 
 
 def live_mask(tree, slots: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ Each pair runs the same session for 12 turns, restarting at turn 6 where persist
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -180,7 +181,7 @@ def test_the_stored_session_holds_the_pruned_path_its_live_mask_and_the_other_me
         meta = f.metadata()
         live = f.get_tensor("live") if "live" in names else None
     if session.case.has("intent"):
-        assert "s.intent.query_memory" in names and meta["branch"] != "null"
+        assert "s.intent.query_memory" in names and json.loads(meta["branches"])
         assert live.numel() == int(meta["tokens"]) and 0 < int(live.sum()) < live.numel()
     if session.case.has("memory"):
         assert {"s.memory.keys", "s.memory.values", "s.memory.tokens"} <= names

@@ -143,6 +143,67 @@ def test_pruned_next_token_distribution_equals_masked_reference(intent_server, t
     assert (got - unpruned[tok]).abs().max() > 0.05  # pruning changed the distribution: the test can fail
 
 
+def streaming_kept_live(live: list[int], n: int, budget: int, sinks: int = 4) -> list[int]:
+    """StreamingLLM's kept set over the live positions of a row: the forced tail, the first `sinks`
+    live candidates and the most recent ones, up to the budget."""
+    forced = [p for p in live if p >= n - QUERY_TAIL]
+    candidates = [p for p in live if p < n - QUERY_TAIL]
+    recent = budget - len(forced) - sinks
+    return candidates[:sinks] + candidates[len(candidates) - recent :] + forced
+
+
+def events_reference_logprobs(ids, events):
+    """log-softmax of every next token of `ids` in a transformers forward where each row attends
+    causally, restricted, from an event's start on, to the positions that event kept (and the rows
+    from its start on): a session's KV as its compression events left it. events: [(start, kept)]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(models.model_dir(TEST_MODEL), dtype=torch.float32, attn_implementation="eager")
+    n = len(ids)
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    for start, kept in events:
+        cols = torch.zeros(n, dtype=torch.bool)
+        cols[kept] = True
+        cols[start:] = True
+        allowed[start:] &= cols
+    mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, float("-inf"))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), attention_mask=mask).logits[0]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def test_a_sessions_next_turns_attend_to_what_its_events_kept(intent_server, tokenizer):
+    """Pruning is the session's, not only its decode's: turn 2's prefill and turn 3's attend to the
+    positions turns 1 and 2 kept, their KV taken from the session's pruned path (the whole history
+    a radix hit, two branches deep). Reference: transformers with each event's kept set masked in,
+    row by row; an unpruned forward must differ, so the test can fail."""
+    budget = 96
+    memory = {"session_id": "persisted-pruning", "budget": budget, "scorer": "streaming_llm"}
+    ids = tokenizer(history(30) + " Which file was read most often? Answer:")["input_ids"]
+    out = generate(intent_server, ids, 2, memory)
+    events = [(len(ids), streaming_kept_live(list(range(len(ids))), len(ids), budget))]
+    for question in ("Next, tool read file_3.txt and returned code 12. Which file was read last?",
+                     "Then tool read file_5.txt and returned code 40. Which code came last?"):  # fmt: skip
+        start = len(ids)  # the previous turn's first output token, its KV from a decode step on the pruned row
+        ids = ids + out["output_ids"][:1] + tokenizer(" " + question)["input_ids"]
+        out = generate(intent_server, ids, 2, memory, return_logprob=True, logprob_start_len=start + 1)
+        meta = out["meta_info"]
+        assert meta["sgl_memory"]["compression_events"] == 1
+        assert meta["sgl_memory"]["copied_slots"] > 0  # the event dropped positions of the path it matched
+        assert meta["cached_tokens"] >= start  # the pruned path
+        got = [(lp, tok) for lp, tok, *_ in meta["input_token_logprobs"] if lp is not None]
+        positions = range(len(ids) - len(got), len(ids))
+        assert len(got) > 10 and [tok for _, tok in got] == [ids[p] for p in positions]
+        want, plain = events_reference_logprobs(ids, events), events_reference_logprobs(ids, [])
+        want_lp = torch.tensor([float(want[p - 1, ids[p]]) for p in positions], dtype=torch.float64)
+        plain_lp = torch.tensor([float(plain[p - 1, ids[p]]) for p in positions], dtype=torch.float64)
+        got_lp = torch.tensor([lp for lp, _ in got], dtype=torch.float64)
+        assert torch.allclose(got_lp, want_lp, atol=2e-3), (len(events), (got_lp - want_lp).abs().max())
+        assert (got_lp - plain_lp).abs().max() > 0.05, len(events)
+        live = sorted(set(events[-1][1]) | set(range(start, len(ids))))
+        events.append((len(ids), streaming_kept_live(live, len(ids), budget)))
+
+
 def test_compact_next_token_distribution_equals_repacked_reference(intent_server, tokenizer):
     """The published compaction path, rebuilt on transformers' own KV cache: prefill the whole
     prompt, keep the StreamingLLM positions, move their keys to positions 0..K-1, decode at K."""

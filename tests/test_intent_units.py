@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -322,37 +323,51 @@ def test_rope_refuses_scaled_variants():
 # --- who reads a pruned path, and whose namespace a client can name ---------------------------
 
 
-def test_branch_tokens_are_negative_and_name_session_and_pruning():
-    from sgl_memory.intent.paths import branch_token
+def test_branch_ids_are_negative_and_name_namespace_and_token():
+    from sgl_memory.intent.paths import branch_id, branch_ids, namespace
 
-    tokens = {branch_token(key, scorer, budget, "dead_slot") for key in (("", "a"), ("", "b"), ("t", "a"), ("", "ta"))
+    spaces = {namespace(key, scorer, budget, "dead_slot") for key in (("", "a"), ("", "b"), ("t", "a"), ("", "ta"))
               for scorer in ("memory", "snapkv") for budget in (64, 65)}  # fmt: skip
-    assert len(tokens) == 16 and all(-(2**63) <= t < 0 for t in tokens)
-    assert branch_token(("", "a"), "memory", 64, "dead_slot") == branch_token(("", "a"), "memory", 64, "dead_slot")
+    assert len(spaces) == 16 and all(0 <= ns < 2**63 for ns in spaces)
+    assert namespace(("", "a"), "memory", 64, "dead_slot") == namespace(("", "a"), "memory", 64, "dead_slot")
+    tokens = [0, 1, 2, 151643, 2**31 - 1]
+    ids = {branch_id(ns, t) for ns in spaces for t in tokens}
+    assert len(ids) == len(spaces) * len(tokens) and all(-(2**63) <= i < 0 for i in ids)
+    # the vectorized form against the exact integer arithmetic it stands for
+    for ns in spaces:
+        want = [-1 - ((ns + t * 0x9E3779B97F4A7C15) % 2**63) for t in tokens]
+        assert branch_ids(ns, np.array(tokens, dtype=np.int64)).tolist() == want
 
 
-def test_find_branch_walks_the_plain_path_to_the_session_branch():
-    """A tree holding a plain path and, below its first 3 tokens, a session's pruned path whose
-    branch sits at a node boundary, plus another session's branch inside a node."""
+def test_find_branches_walks_every_branch_of_the_session_on_the_path():
+    """A tree holding a plain path, a session's pruned path with a branch at a node boundary and a
+    second one inside its node (two events), a later event's branch that starts earlier, and
+    another session's branch."""
     from array import array
 
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-    from sgl_memory.intent.paths import find_branch, with_branch
+    from sgl_memory.intent.paths import branch_id, find_branches, with_branches
 
+    a, b = 11, 22  # two namespaces
     tree = RadixCache.create_simulated()
-    plain = array("q", [1, 2, 3, 4, 5, 6])
+    plain = array("q", [1, 2, 3, 4, 5, 6, 7, 8])
+    two = ((3, branch_id(a, 4)), (6, branch_id(a, 7)))
     tree.insert(InsertParams(key=RadixKey(plain)))
-    tree.insert(InsertParams(key=RadixKey(with_branch(plain, 3, -7))))  # session A: branch at a boundary
-    tree.insert(InsertParams(key=RadixKey(array("q", [9, 8, -5, 7]))))  # session B: branch inside its node
-    assert find_branch(tree.root_node, RadixKey(array("q", [1, 2, 3, 4, 5])), -7) == 3
-    assert find_branch(tree.root_node, RadixKey(array("q", [1, 2, 3, 4, 5])), -5) is None  # B's token, not on this path
-    assert find_branch(tree.root_node, RadixKey(array("q", [9, 8, 6, 7])), -5) == 2
-    assert find_branch(tree.root_node, RadixKey(array("q", [1, 2, 9])), -7) is None  # the path leaves before the branch
-    assert find_branch(tree.root_node, RadixKey(array("q", [1, 2, 3])), -7) is None  # the key ends at the branch
-    assert list(with_branch(plain, 3, -7)) == [1, 2, 3, -7, 5, 6] and list(plain) == [1, 2, 3, 4, 5, 6]
-    assert with_branch(plain, None, -7) is plain and with_branch([1, 2], 1, -7) == [1, -7]
+    tree.insert(InsertParams(key=RadixKey(with_branches(plain, two))))
+    tree.insert(InsertParams(key=RadixKey(with_branches(array("q", [9, 8, 7, 6]), ((2, branch_id(b, 7)),)))))
+    assert find_branches(tree.root_node, RadixKey(plain), a) == two
+    assert find_branches(tree.root_node, RadixKey(plain[:6]), a) == two[:1]  # the key ends before the second
+    assert find_branches(tree.root_node, RadixKey(plain), b) == ()  # b's branches are on another path
+    assert find_branches(tree.root_node, RadixKey(array("q", [9, 8, 7, 6])), b) == ((2, branch_id(b, 7)),)
+    assert find_branches(tree.root_node, RadixKey(array("q", [9, 8, 5, 6])), b) == ()  # another token: not its branch
+    assert find_branches(tree.root_node, RadixKey(array("q", [1, 2, 9])), a) == ()  # the path leaves before the branch
+    # a later event dropped position 1: its branch there wins over the older path through 2
+    tree.insert(InsertParams(key=RadixKey(with_branches(plain, ((1, branch_id(a, 2)),)))))
+    assert find_branches(tree.root_node, RadixKey(plain), a) == ((1, branch_id(a, 2)),)
+    assert list(with_branches(plain, two)) == [1, 2, 3, branch_id(a, 4), 5, 6, branch_id(a, 7), 8] and list(plain) == list(range(1, 9))
+    assert with_branches(plain, ()) is plain and with_branches([1, 2], ((1, -7), (5, -8))) == [1, -7]
 
 
 @pytest.mark.parametrize("key", [None, "lora-a", "a\x00tenant:x", "\\0tenant:x", "\\", "\x00", "a\\\x00b"])

@@ -64,7 +64,7 @@ def test_round_trip(tmp_path, quant, kivi, pool):
 
 
 def test_a_pruned_path_round_trips_with_its_key_live_mask_and_session_state(tmp_path):
-    """A pruned path is found in the tree by its namespace and branch token, and its dead
+    """A pruned path is found in the tree by its namespace and branch ids, and its dead
     positions hold no KV; the other mechanisms' state (QueryMemory, the memory pool) rides along
     exactly, whatever the quantization of the KV."""
     files = SessionFiles(tmp_path, SPEC, quant="q4")
@@ -72,16 +72,16 @@ def test_a_pruned_path_round_trips_with_its_key_live_mask_and_session_state(tmp_
     live = torch.rand(300, generator=torch.Generator().manual_seed(1)) > 0.3
     state = {"intent.query_memory": torch.randn(3, 4, 64), "memory.tokens": torch.arange(7),
              "memory.values": torch.randn(3, 7, 2, 64).bfloat16()}  # fmt: skip
-    record = dataclasses.replace(record, extra_key="\x00tenant:t1", branch=(41, -123456789), live=live, state=state)
+    record = dataclasses.replace(record, extra_key="\x00tenant:t1", branches=((41, -123456789), (97, -5)), live=live, state=state)
     files.write("t1", "s1", record)
     got = files.read("t1", "s1")
-    assert got.extra_key == "\x00tenant:t1" and got.branch == (41, -123456789)
+    assert got.extra_key == "\x00tenant:t1" and got.branches == ((41, -123456789), (97, -5))
     assert torch.equal(got.live, live) and set(got.state) == set(state)
     for name, t in state.items():
         assert torch.equal(got.state[name], t) and got.state[name].dtype == t.dtype
     files.write("t1", "s2", session(files, tokens=10))  # a plain path: every position live, no state
     plain = files.read("t1", "s2")
-    assert plain.extra_key is None and plain.branch is None and plain.live is None and plain.state == {}
+    assert plain.extra_key is None and plain.branches == () and plain.live is None and plain.state == {}
 
 
 @pytest.mark.parametrize("quant, kivi", [("bf16", False), ("fp32", False), ("q8", False), ("q4", True)])
@@ -117,12 +117,28 @@ def test_a_file_written_before_namespaces_were_stored_restores_into_any(tmp_path
     files = SessionFiles(tmp_path, SPEC, quant="bf16")
     path = files.write(None, "old", session(files, tokens=10))
     with store.safe_open(str(path), "pt") as f:
-        meta = {k: v for k, v in f.metadata().items() if k not in ("extra_key", "branch", "checksum")}
+        meta = {k: v for k, v in f.metadata().items() if k not in ("extra_key", "branches", "checksum")}
     tensors = load_file(path)
     meta["checksum"] = store._checksum(tensors, meta)
     save_file(tensors, path, metadata=meta)
     got = files.read(None, "old")
-    assert got.extra_key == store.ANY_NAMESPACE and got.branch is None and got.live is None
+    assert got.extra_key == store.ANY_NAMESPACE and got.branches == () and got.live is None
+
+
+def test_a_file_with_one_branch_of_the_earlier_format_reads_as_a_one_branch_path(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from sgl_memory.persist import store
+
+    files = SessionFiles(tmp_path, SPEC, quant="bf16")
+    path = files.write(None, "old", dataclasses.replace(session(files, tokens=10), branches=((4, -99),)))
+    with store.safe_open(str(path), "pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k not in ("branches", "checksum")}
+    meta["branch"] = "[4, -99]"
+    tensors = load_file(path)
+    meta["checksum"] = store._checksum(tensors, meta)
+    save_file(tensors, path, metadata=meta)
+    assert files.read(None, "old").branches == ((4, -99),)
 
 
 @pytest.mark.parametrize("pool", list(POOL_DTYPES))

@@ -108,6 +108,7 @@ class Sim:
         self.next_rid = 0
         self.pruned = 0
         self.reused = 0  # requests that matched into a pruned path of their own session
+        self.copied = 0  # kept positions of a shared path an event copied into its branch's own slots
 
     def prompt(self) -> tuple[list[int], int]:
         """A prompt and the shared prefix it starts from."""
@@ -154,11 +155,12 @@ class Sim:
         self.write(req, len(prefix), new)
         req.kv.cache_protected_len = len(prefix)
         req.kv.kv_allocated_len = len(tokens)
-        self.reused += int(req.sgl_intent.branch_at is not None)
+        self.reused += int(bool(req.sgl_intent.branches))
         req.output_ids.append(self.rng.randint(0, 6))  # the prefill's sampled token
         req.prefilled_row = self.row(req)[: len(tokens)].clone()  # as the mechanisms' checkpoint sees it
         self.tree.checkpoint(req, up_to=len(tokens))
         self.pruned += req.sgl_intent.events
+        self.copied += req.sgl_intent.copied
         self.running.append(req)
 
     def decode(self, req):
@@ -246,6 +248,7 @@ def test_random_prune_evict_finish_cycles_conserve_slots(seed):
     sim.run(400)
     assert sim.pruned > 10, "the run must actually prune"
     assert sim.reused > 0, "some request must match into its session's pruned path"
+    assert sim.copied > 0, "some event must prune positions of the path it matched"
     sim.tree.evict(EvictParams(num_tokens=POOL))
     sim.check()
     assert sim.alloc.available_size() == POOL - 1  # everything back but the sentinel

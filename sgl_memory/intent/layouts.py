@@ -36,6 +36,7 @@ class RowEdit:
 
     dropped: torch.Tensor  # positions now pointing at the sentinel
     freed: int
+    copied: int = 0  # dead_slot: kept slots of the shared path copied into the pruned path's own
     position_shift: int = 0  # compact: model position = SGLang position + shift
     private: bool = False  # the row no longer matches its tokens' positions: keep it out of the tree
 

@@ -6,21 +6,24 @@ not be found that way, or any request with the same tokens (another session, a r
 for no pruning, a retry under another budget) reads KV that someone else's scorer chose to drop
 (DESIGN.md invariant 7).
 
-A pruned path is a plain path up to its branch position b: the first position whose tree entry
-differs from what a plain prefill of the same tokens would leave there (its first pruned position
-of the request's own, or, when the event pruned only positions of the shared prefix, the first
-token computed after it). Every position before b holds KV computed with no position dropped yet,
-identical to a plain prefill, so it stays shared. At b the key is not the token but the branch
-token: a negative id (no tokenizer emits one) derived from the tenant, the session and the pruning
-(scorer, budget, layout). Everything after b hangs below that key, so:
+A compression event changes a path from its first newly dropped position b on: before b every
+entry is what the path held already, after it some positions are dead and the kept ones, copied
+into slots of the path's own, are no longer shared with the path they came from. At b the key is
+not the token t but a branch id: a negative id (no tokenizer emits one) derived from the pruning's
+namespace (tenant, session, scorer, budget rule, layout) and t. Every event of a session adds one
+branch along its path, so a path of a session that pruned at several turns carries several
+(`find_branches` walks them). Therefore:
 
-- a plain request walks the shared part and stops at b, then computes its own unpruned branch;
-- the same session's next turn, with the same pruning, puts the branch token at b in its own key
-  (`find_branch` finds b on its path) and reuses the whole pruned prefix;
-- another session, or the same session under another budget, has another branch token.
+- a plain request walks the shared part and stops at the first branch, then computes its own
+  unpruned continuation;
+- the same session's next turn, with the same pruning, finds every branch on its path and puts
+  the same ids in its own key, so it reuses the whole pruned prefix, dead positions included:
+  its prefill attends to exactly what the earlier events kept;
+- another session, or the same session under another budget, has other ids;
+- the token is part of the id, so a path is matched only by the tokens that made it.
 
-The branch token is 63 bits of a hash; two namespaces of one tenant collide with probability about
-n^2 / 2^64 for n sessions (tenants never share a path: theirs is in the extra key).
+Ids are 63 bits of a mix of the namespace hash and the token; two namespaces of one tenant collide
+at a position with probability about 2^-63 (tenants never share a path: theirs is in the extra key).
 """
 
 from __future__ import annotations
@@ -28,43 +31,73 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+import numpy as np
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+MASK63 = (1 << 63) - 1
+MIX = 0x9E3779B97F4A7C15  # odd: token -> token * MIX mod 2^63 is one-to-one
 
-def branch_token(session_key: tuple[str, str], scorer: str, budget: int | str, layout: str) -> int:
-    """A key id in [-2^63, -1] that names a session (tenant, id) and its pruning (`budget`: the
-    total budget, or "history:N" for a history budget of N)."""
+Branches = tuple[tuple[int, int], ...]  # (position, key id), ascending positions; () for a plain path
+
+
+def namespace(session_key: tuple[str, str], scorer: str, budget: int | str, layout: str) -> int:
+    """A 63-bit hash that names a session (tenant, id) and its pruning (`budget`: the total budget,
+    or "history:N" for a history budget of N)."""
     tenant, session = session_key
     digest = hashlib.blake2b(f"{tenant}\x00{session}\x00{scorer}\x00{budget}\x00{layout}".encode(), digest_size=8).digest()
-    return -1 - (int.from_bytes(digest, "little") >> 1)
+    return int.from_bytes(digest, "little") >> 1
 
 
-def find_branch(root, key: RadixKey, token: int) -> int | None:
-    """Where `key`'s path in the tree below `root` meets `token`: the first position at which the
-    tree holds `token` where the key holds a token (a child keyed `token` at a node boundary, or
-    `token` inside a node the key otherwise matches), or None. Read-only: no split, no access-time
-    update."""
-    probe = RadixKey(array("q", [token]), key.extra_key, cache_salt=key.cache_salt).child_key()
-    node, pos, n = root, 0, len(key)
+def branch_id(ns: int, token: int) -> int:
+    """The key id in [-2^63, -1] that stands for `token` at a branch of namespace `ns`."""
+    return -1 - ((ns + token * MIX) & MASK63)
+
+
+def branch_ids(ns: int, tokens: np.ndarray) -> np.ndarray:
+    """`branch_id` of every token (int64), computed in wrapping uint64 arithmetic: 2^63 divides
+    2^64, so the low 63 bits are those of the exact sum."""
+    with np.errstate(over="ignore"):
+        mixed = (tokens.astype(np.uint64) * np.uint64(MIX) + np.uint64(ns)) & np.uint64(MASK63)
+    return ~mixed.astype(np.int64)
+
+
+def find_branches(root, key: RadixKey, ns: int) -> Branches:
+    """The branches of namespace `ns` on `key`'s path in the tree below `root`: where the tree holds
+    the branch id of the key's token. At a node boundary with both a plain child and a branch child
+    the walk takes the branch: it is the session's pruned continuation. Read-only: no split, no
+    access-time update."""
+    n = len(key)
+    ids = np.asarray(key.token_ids[:n], dtype=np.int64)
+    branched = branch_ids(ns, ids)
+    node, pos, found = root, 0, []
     while pos < n:
-        if probe in node.children:
-            return pos
-        child = node.children.get(key.child_key_at(pos))
+        probe = RadixKey(array("q", [int(branched[pos])]), key.extra_key, cache_salt=key.cache_salt).child_key()
+        child = node.children.get(probe)
         if child is None:
-            return None
-        matched = child.key.match_at(key, pos)
-        if matched < len(child.key):
-            inside = pos + matched < n and child.key.token_ids[matched] == token
-            return pos + matched if inside else None
+            child = node.children.get(key.child_key_at(pos))
+        if child is None:
+            break
+        held = np.asarray(child.key.token_ids[: len(child.key)], dtype=np.int64)
+        m = min(len(held), n - pos)
+        plain = held[:m] == ids[pos : pos + m]
+        branch = held[:m] == branched[pos : pos + m]
+        off = np.flatnonzero(~(plain | branch))
+        matched = int(off[0]) if off.size else m
+        found.extend((pos + int(i), int(branched[pos + i])) for i in np.flatnonzero(branch[:matched]))
+        if matched < len(held):
+            break
         node, pos = child, pos + matched
-    return None
+    return tuple(found)
 
 
-def with_branch(token_ids, at: int | None, token: int):
-    """The key ids of a path whose branch is at `at` (unchanged when it is None or beyond the end);
-    a copy of the same sequence type, which the tree's key comparison requires."""
-    if at is None or at >= len(token_ids):
+def with_branches(token_ids, branches: Branches):
+    """The key ids of a path with these branches (those beyond its end left out); a copy of the
+    same sequence type, which the tree's key comparison requires, or `token_ids` itself when no
+    branch falls inside it."""
+    inside = [(p, i) for p, i in branches if p < len(token_ids)]
+    if not inside:
         return token_ids
     ids = token_ids[:]
-    ids[at] = token
+    for p, i in inside:
+        ids[p] = i
     return ids

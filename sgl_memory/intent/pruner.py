@@ -14,13 +14,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sgl_memory import capture, mechanism, metrics, prometheus, runtime
+from sgl_memory import capture, mechanism, metrics, prometheus, runtime, tree_fill
 from sgl_memory.capture import ExtendRows
 from sgl_memory.config import IntentConfig
 from sgl_memory.intent import scorers
 from sgl_memory.intent.head import PrunerHead, backbone_spec, find_head
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
-from sgl_memory.intent.paths import branch_token
+from sgl_memory.intent.paths import Branches, branch_id, namespace
 from sgl_memory.request import FIELD, MemorySpec, SpecError
 from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.spans import RoleMarkers, Spans, find_spans
@@ -77,8 +77,8 @@ class RequestIntent:
     session_key: tuple[str, str] | None
     key_source: str | None
     budget_reason: str | None = None  # why the budget applied is not the one configured
-    branch_token: int = 0  # the key id that starts this session's pruned paths (intent/paths.py)
-    branch_at: int | None = None  # where this request's path takes the branch token; None: a plain path
+    namespace: int = 0  # the branch ids of this session's pruned paths derive from it (intent/paths.py)
+    branches: Branches = ()  # where this request's path takes branch ids; (): a plain path
     capture_start: int = 0  # the first prompt position whose query rows the scorer and QueryMemory read
     decided: bool = False
     live_after: int | None = None  # live prompt tokens after the event (None: no event)
@@ -87,6 +87,7 @@ class RequestIntent:
     scoring_ms: float = 0.0
     prefill_ms: float | None = None  # the prefill the event follows, from its first forward (None: unknown)
     freed: int = 0
+    copied: int = 0  # kept positions of the shared path copied into the pruned path's own slots
     ablation: str = "none"  # the learned scorer's (IntentConfig.ablation)
     adaptive: IntentConfig | None = None  # budget_mode adaptive: the settings its budget follows
     adaptive_metrics: dict | None = None  # what the event did to the session's budget
@@ -208,9 +209,9 @@ class IntentPruner(mechanism.Mechanism):
             raise SpecError(f"{FIELD}.scorer learned: this server has no pruner head for its model (intent.head)")
         # an ablation of the learned head keeps another set, so it prunes on a branch of its own
         scorer = cfg.scorer if cfg.scorer != "learned" or cfg.ablation == "none" else f"{cfg.scorer}/{cfg.ablation}"
-        token = branch_token(key, scorer, rule, cfg.layout) if enabled else 0
+        ns = namespace(key, scorer, rule, cfg.layout) if enabled else 0
         return RequestIntent(enabled, budget, cfg.scorer, cfg.layout, spans, len(tokens), key, source, budget_reason=reason,
-                             branch_token=token, ablation=cfg.ablation,
+                             namespace=ns, ablation=cfg.ablation,
                              adaptive=cfg if cfg.budget_mode == "adaptive" and enabled else None)  # fmt: skip
 
     def _adaptive(self, key, cfg: IntentConfig) -> AdaptiveBudget:
@@ -302,7 +303,7 @@ class IntentPruner(mechanism.Mechanism):
         state.scoring_ms = (time.perf_counter() - t0) * 1000
         if edit is None:
             return None
-        state.events, state.freed = 1, edit.freed
+        state.events, state.freed, state.copied = 1, edit.freed, edit.copied
         state.live_after = int(kept.numel())
         return edit
 
@@ -337,13 +338,7 @@ class IntentPruner(mechanism.Mechanism):
         protected = req.kv.cache_protected_len
         state: RequestIntent = req.sgl_intent
         if state.layout == "dead_slot":
-            edit = apply_dead_slot(row, kept, length, protected, tree.sentinel, tree.free_real)
-            if state.branch_at is None and edit.dropped.numel():
-                # the path stops being a plain prefill's at its first own pruned position, or, when only
-                # the shared prefix was pruned (in this row alone), at the first token decoded after it
-                own = edit.dropped[edit.dropped >= protected]
-                state.branch_at = int(own[0]) if own.numel() else length
-            return edit
+            return self._apply_dead_slot(req, tree, row, kept, length, protected)
         edit = apply_compact(
             row, kept, length, protected, tree.sentinel, tree._allocator.alloc, tree.free_real,
             [pool.get_key_buffer(i) for i in range(pool.layer_num)],
@@ -354,6 +349,37 @@ class IntentPruner(mechanism.Mechanism):
             return None
         req.kv.cache_protected_len = 0  # every slot of the re-packed row is the request's own now
         self.position_shifts[req.rid] = edit.position_shift
+        return edit
+
+    def _apply_dead_slot(self, req, tree, row, kept, length, protected) -> RowEdit | None:
+        """Prune the row and make the pruning the path's: from its first newly dropped position b
+        the path is a branch of the session's (intent/paths.py). Kept positions in [b, protected)
+        hold slots of the shared path, which other paths still own: their KV is copied into fresh
+        slots, so the branch owns every slot it holds and the shared path's stay evictable on
+        their own. The next turn's prefill then attends to exactly what this event kept."""
+        state: RequestIntent = req.sgl_intent
+        newly = row[:length] != tree.sentinel
+        newly[kept] = False
+        dropped = torch.nonzero(newly).flatten()
+        if not dropped.numel():
+            return None
+        b = int(dropped[0])
+        shared = kept[(kept >= b) & (kept < protected)]
+        if shared.numel():
+            fresh = tree_fill.alloc(tree, shared.numel())  # may evict: the request's own path is locked
+            if fresh is None:
+                logger.warning("intent pruning: no free KV slots to copy %d kept positions of request %s; left unpruned",
+                               shared.numel(), req.rid)  # fmt: skip
+                return None
+            fresh = fresh.to(row.device)
+            tree_fill.copy_within(tree, fresh, row[shared].to(torch.int64))
+            row[shared] = fresh.to(row.dtype)
+        edit = apply_dead_slot(row, kept, length, protected, tree.sentinel, tree.free_real)
+        edit.copied = int(shared.numel())
+        # from b on the row is the request's own: SGLang's insert frees what the tree already held
+        # there, its release what the tree never took
+        req.kv.cache_protected_len = min(protected, b)
+        state.branches = tuple(x for x in state.branches if x[0] < b) + ((b, branch_id(state.namespace, int(req.origin_input_ids[b]))),)
         return edit
 
     # --- release: metrics into meta_info -------------------------------------------------------
@@ -389,6 +415,7 @@ def request_metrics(state: RequestIntent, output_len: int) -> dict:
         "scorer": state.scorer if state.enabled else None,
         "layout": state.layout if state.enabled else None,
         "freed_slots": state.freed,
+        "copied_slots": state.copied,
     }
 
 

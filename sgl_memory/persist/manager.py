@@ -53,7 +53,7 @@ class Captured:
     keys: torch.Tensor
     values: torch.Tensor
     live: torch.Tensor | None  # of the whole path; None: every position is live
-    branch: tuple[int, int] | None
+    branches: tuple[tuple[int, int], ...]
     extra_key: str | None
 
 
@@ -64,7 +64,7 @@ class Session:
     tokens: list[int] = field(default_factory=list)  # newest known path (record + pending)
     text: str | None = None  # decode(tokens), computed when first needed
     live: torch.Tensor | None = None  # of `tokens`, as the record's
-    branch: tuple[int, int] | None = None
+    branches: tuple[tuple[int, int], ...] = ()
     extra_key: str | None = ANY_NAMESPACE
     record: SessionRecord | None = None  # the warm tier; lags `tokens` while `pending` is not empty
     pending: list[Captured] = field(default_factory=list)
@@ -76,7 +76,7 @@ class Session:
 
     def adopt(self, record: SessionRecord) -> None:
         self.tokens, self.text, self.record = record.token_ids, record.text, record
-        self.live, self.branch, self.extra_key = record.live, record.branch, record.extra_key
+        self.live, self.branches, self.extra_key = record.live, record.branches, record.extra_key
 
     def key(self):
         return session_key(self.tenant, self.session_id)
@@ -268,15 +268,15 @@ class SessionPersistence(mechanism.Mechanism):
         if reuse <= 0:
             return
         with session.lock:
-            branch, live = session.branch, session.live
-        key = tree_fill.path_key(req.origin_input_ids[:reuse], branch, req.extra_key, req.cache_salt)
+            branches, live = session.branches, session.live
+        key = tree_fill.path_key(req.origin_input_ids[:reuse], branches, req.extra_key, req.cache_salt)
         match = tree.match_prefix(MatchPrefixParams(key=key))  # (re)takes the sentinel of a pruning tree
-        if getattr(tree, "sentinel", None) is None and (branch is not None or live is not None):
-            # a pruned path past its branch is only found by a pruning request, which this server
-            # does not serve; before the branch it is a plain path
+        if getattr(tree, "sentinel", None) is None and (branches or live is not None):
+            # a pruned path past its first branch is only found by a pruning request, which this
+            # server does not serve; before it the path is a plain one
             dead = torch.nonzero(~live).flatten() if live is not None else torch.zeros(0)
-            reuse = min([reuse] + ([branch[0]] if branch else []) + [int(d) for d in dead[:1]])
-            key = tree_fill.path_key(req.origin_input_ids[:reuse], None, req.extra_key, req.cache_salt)
+            reuse = min([reuse] + [pos for pos, _ in branches[:1]] + [int(d) for d in dead[:1]])
+            key = tree_fill.path_key(req.origin_input_ids[:reuse], (), req.extra_key, req.cache_salt)
             match = tree.match_prefix(MatchPrefixParams(key=key))
         have = match.device_prefix_len
         if have >= reuse:
@@ -288,7 +288,7 @@ class SessionPersistence(mechanism.Mechanism):
                 with session.io:
                     record = session.record = self._read(state)
                 source = "disk"
-            if record is None or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse]) or record.branch != branch:
+            if record is None or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse]) or record.branches != branches:
                 return
             pool = self.pool
             keys, values = self.files.decode(record, have, reuse, dtype=pool.get_key_buffer(tree_fill.pool_layers(pool)[0]).dtype)
@@ -330,21 +330,22 @@ class SessionPersistence(mechanism.Mechanism):
                 return
             start = same // self.files.block_size * self.files.block_size
             kv = tree_fill.copy_path(self.tree, path, start)
-            session.pending.append(Captured(path.tokens, start, kv.keys, kv.values, live, path.branch, req.extra_key))
-            session.tokens, session.text, session.live, session.branch, session.extra_key = (
-                path.tokens, None, live, path.branch, req.extra_key)  # fmt: skip
+            session.pending.append(Captured(path.tokens, start, kv.keys, kv.values, live, path.branches, req.extra_key))
+            session.tokens, session.text, session.live, session.branches, session.extra_key = (
+                path.tokens, None, live, path.branches, req.extra_key)  # fmt: skip
         self._writer.submit(session)
 
     def _same_prefix(self, session: Session, path: tree_fill.HeldPath, live, extra_key) -> int:
         """How many leading positions of the stored path the new one holds with the same KV (same
-        namespace, tokens, branch and live mask), so only the rest is copied and encoded again."""
+        namespace, tokens, branches and live mask), so only the rest is copied and encoded again."""
         if (session.record is None and not session.pending) or session.extra_key != extra_key:
             return 0
         if session.record is not None and (session.record.quant, session.record.kivi) != (self.config.quant, self.config.kivi):
             return 0  # written with other settings: re-encode all of it
         same = tree_fill.common_prefix(session.tokens, path.tokens)
-        if session.branch != path.branch:
-            same = min([same] + [b[0] for b in (session.branch, path.branch) if b is not None])
+        differ = set(session.branches) ^ set(path.branches)  # the keys part at the first branch not shared
+        if differ:
+            same = min(same, min(pos for pos, _ in differ))
         if session.live is not None or live is not None:
             old = session.live[:same] if session.live is not None else torch.ones(same, dtype=torch.bool)
             new = live[:same] if live is not None else torch.ones(same, dtype=torch.bool)
@@ -357,7 +358,7 @@ class SessionPersistence(mechanism.Mechanism):
         for c in session.pending:
             old = session.record.blocks[: c.start // self.files.block_size] if session.record is not None and c.start else []
             session.record = SessionRecord(c.tokens, "", old + self.files.encode(c.keys, c.values), self.config.quant,
-                                           self.config.kivi, self.files.block_size, c.extra_key, c.branch, c.live)  # fmt: skip
+                                           self.config.kivi, self.files.block_size, c.extra_key, c.branches, c.live)  # fmt: skip
         session.pending.clear()
 
     def _write(self, session: Session) -> None:

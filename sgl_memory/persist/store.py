@@ -56,8 +56,8 @@ class SessionRecord:
     `block_size` tokens: the form both the file and the host-memory (warm) tier hold.
 
     A path is found in the radix tree by its key, which is more than its tokens: the namespace
-    (`extra_key`: tenant, client key, KV-memory assembly) and, for a pruned path, the branch token
-    at the branch position (intent/paths.py), after which `live` marks the positions that hold KV
+    (`extra_key`: tenant, client key, KV-memory assembly) and, for a pruned path, the branch ids at
+    its branch positions (intent/paths.py); `live` marks the positions that hold KV
     (a pruned one's stored KV is the sentinel's zeros). `state` holds the other mechanisms' state of
     the session (the tree's export_session), restored with it."""
 
@@ -68,7 +68,7 @@ class SessionRecord:
     kivi: bool
     block_size: int
     extra_key: str | None = None
-    branch: tuple[int, int] | None = None  # (position, key id)
+    branches: tuple[tuple[int, int], ...] = ()  # (position, key id), ascending
     live: torch.Tensor | None = None  # [len(token_ids)] bool; None: every position is live
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     # name -> "k" or "v": the state tensors that hold KV ([layers, tokens, heads, dim]) and are
@@ -197,7 +197,7 @@ class SessionFiles:
             "format_version": str(FORMAT_VERSION), "tenant": tenant or "", "session_id": session_id,
             "spec": json.dumps(asdict(self.spec)), "quant": record.quant, "kivi": str(record.kivi),
             "block_size": str(record.block_size), "tokens": str(len(record.token_ids)), "text": record.text,
-            "extra_key": json.dumps(record.extra_key), "branch": json.dumps(record.branch), "state_kv": json.dumps(layout),
+            "extra_key": json.dumps(record.extra_key), "branches": json.dumps(record.branches), "state_kv": json.dumps(layout),
         }  # fmt: skip
         meta["checksum"] = _checksum(tensors, meta)
         path = self.path(tenant, session_id)
@@ -252,12 +252,15 @@ class SessionFiles:
             parts = {f"{spec['kind']}.{part}": t for part, t in encoded[name].items()}
             state[name] = self._decode(parts, spec["kind"], tuple(spec["shape"]), spec["axis"], meta["quant"],
                                        getattr(torch, spec["dtype"]))  # fmt: skip
-        branch = json.loads(meta.get("branch", "null"))
+        # a file written before pruned paths carried one branch per event names one [position, id]
+        # (its id is not this version's: the path is matched up to that position only)
+        legacy = json.loads(meta.get("branch", "null"))
+        branches = tuple(map(tuple, json.loads(meta["branches"]))) if "branches" in meta else ((tuple(legacy),) if legacy else ())
         live = tensors["live"].to(torch.bool) if "live" in tensors else None
         return SessionRecord(tensors["token_ids"].tolist(), meta["text"], [blocks[b] for b in sorted(blocks)],
                              meta["quant"], meta["kivi"] == "True", int(meta["block_size"]),
                              json.loads(meta["extra_key"]) if "extra_key" in meta else ANY_NAMESPACE,
-                             tuple(branch) if branch else None, live, state)  # fmt: skip
+                             branches, live, state)  # fmt: skip
 
     def _check(self, path, meta, tensors, tenant, session_id) -> None:
         if meta.get("format_version") != str(FORMAT_VERSION):
