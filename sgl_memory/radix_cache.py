@@ -182,6 +182,8 @@ class SglMemoryRadixCache(RadixCache):
     # --- a request's life: admission (admission.py), checkpoint, release -------------------------
 
     def admit(self, scheduler, req, spec) -> None:
+        if spec.readonly:
+            req.skip_radix_cache_insert = True  # no checkpoint: no event, and nothing of it stays in the tree
         for m in self.mechanisms:
             m.open(scheduler, req, spec)
         for m in self.mechanisms:

@@ -67,6 +67,9 @@ class MemorySpec:
     budget_mode: str | None = None
     system_prompt: str | None = None
     ablation: str | None = None
+    # reads the session as its next turn would and changes nothing: no pruning event, nothing
+    # recorded, captured or inserted into the tree (scoring a continuation under the session's state)
+    readonly: bool = False
 
     @property
     def is_probe(self) -> bool:
@@ -77,9 +80,9 @@ class MemorySpec:
 
     @property
     def reads_only(self) -> bool:
-        """A memory pass that changes no session state: a probe, or a forget of no keys (the
-        entries API reading a session's book; persistence loads the session for it, and writes nothing)."""
-        return self.is_probe or (self.memory is not None and self.memory.mode == "forget" and not self.memory.forget)
+        """A pass that changes no session state: a readonly request, a probe, or a forget of no keys
+        (the entries API reading a session's book; persistence loads the session for it, and writes nothing)."""
+        return self.readonly or self.is_probe or (self.memory is not None and self.memory.mode == "forget" and not self.memory.forget)
 
     @property
     def is_internal(self) -> bool:
@@ -157,7 +160,7 @@ def parse(raw, internal: bool = False) -> MemorySpec:
         return MemorySpec()
     if not isinstance(raw, dict):
         raise SpecError(f"{FIELD} must be an object, got {type(raw).__name__}")
-    allowed = ("session_id", "tenant", *PRUNING_FIELDS, "memory")
+    allowed = ("session_id", "tenant", *PRUNING_FIELDS, "memory", "readonly")
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
         raise SpecError(f"{FIELD}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
@@ -170,6 +173,11 @@ def parse(raw, internal: bool = False) -> MemorySpec:
     system_prompt = _choice(raw.get("system_prompt"), choices(IntentConfig, "system_prompt"), f"{FIELD}.system_prompt")
     ablation = _choice(raw.get("ablation"), choices(IntentConfig, "ablation"), f"{FIELD}.ablation")
     memory = _memory(raw.get("memory"), internal)
+    readonly = raw.get("readonly", False)
+    if not isinstance(readonly, bool):
+        raise SpecError(f"{FIELD}.readonly must be true or false, got {readonly!r}")
+    if readonly and raw.get("session_id") is None:
+        raise SpecError(f"{FIELD}.readonly needs {FIELD}.session_id: it reads a session")
     if memory is not None and raw.get("session_id") is None:
         raise SpecError(f"{FIELD}.memory needs {FIELD}.session_id: memory belongs to a session")
     return MemorySpec(
@@ -182,6 +190,7 @@ def parse(raw, internal: bool = False) -> MemorySpec:
         budget_mode=budget_mode,
         system_prompt=system_prompt,
         ablation=ablation,
+        readonly=readonly,
     )
 
 

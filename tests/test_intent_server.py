@@ -204,6 +204,38 @@ def test_a_sessions_next_turns_attend_to_what_its_events_kept(intent_server, tok
         events.append((len(ids), streaming_kept_live(live, len(ids), budget)))
 
 
+def test_a_readonly_request_scores_a_continuation_on_the_pruned_path_and_changes_nothing(intent_server, tokenizer):
+    """`readonly`: a continuation teacher-forced after a pruned turn attends to what that turn's
+    event kept, as the turn's own decode did (transformers reference, the event masked in from the
+    continuation on); it runs no event, leaves no path in the tree and no turn in QueryMemory."""
+    budget = 96
+    memory = {"session_id": "readonly-scoring", "budget": budget, "scorer": "streaming_llm"}
+    ids = tokenizer(history(30) + " Which file was read most often? Answer:")["input_ids"]
+    first = generate(intent_server, ids, 2, memory)["meta_info"]["sgl_memory"]
+    assert first["compression_events"] == 1 and first["query_memory_turns"] == 1
+    cont = tokenizer(" file_3.txt, read five times in the log above, more than any other file.")["input_ids"]
+    scored = [generate(intent_server, ids + cont, 1, {**memory, "readonly": True}, return_logprob=True,
+                       logprob_start_len=len(ids))["meta_info"] for _ in range(2)]  # fmt: skip
+    assert scored[0]["sgl_memory"]["compression_events"] == 0
+    got = [(lp, tok) for lp, tok, *_ in scored[0]["input_token_logprobs"] if lp is not None]
+    assert got == [(lp, tok) for lp, tok, *_ in scored[1]["input_token_logprobs"] if lp is not None]
+    seq = ids + cont
+    positions = range(len(seq) - len(got), len(seq))
+    assert len(got) >= len(cont) - 1 and [tok for _, tok in got] == [seq[p] for p in positions]
+    want = events_reference_logprobs(seq, [(len(ids), streaming_kept_live(list(range(len(ids))), len(ids), budget))])
+    plain = events_reference_logprobs(seq, [])
+    got_lp = torch.tensor([lp for lp, _ in got], dtype=torch.float64)
+    want_lp = torch.tensor([float(want[p - 1, seq[p]]) for p in positions], dtype=torch.float64)
+    plain_lp = torch.tensor([float(plain[p - 1, seq[p]]) for p in positions], dtype=torch.float64)
+    assert torch.allclose(got_lp, want_lp, atol=2e-3), (got_lp - want_lp).abs().max()
+    assert (got_lp - plain_lp).abs().max() > 0.05
+    # nothing of it stays: the same prompt without the logprob cap matches only the turn's path
+    again = generate(intent_server, seq, 1, {**memory, "readonly": True})["meta_info"]
+    assert again["cached_tokens"] <= len(ids) + 1
+    nxt = generate(intent_server, seq + tokenizer(" Which came last?")["input_ids"], 2, memory)["meta_info"]["sgl_memory"]
+    assert nxt["query_memory_turns"] == 2
+
+
 def test_compact_next_token_distribution_equals_repacked_reference(intent_server, tokenizer):
     """The published compaction path, rebuilt on transformers' own KV cache: prefill the whole
     prompt, keep the StreamingLLM positions, move their keys to positions 0..K-1, decode at K."""
@@ -274,6 +306,8 @@ def test_second_turn_reuses_the_pruned_prefix_only_under_dead_slot(intent_server
         ({"scorer": ["snapkv"]}, "is unknown; allowed"),
         ({"layout": {"dead": "slot"}}, "is unknown; allowed"),
         ({"budget_mode": "adaptive", "scorer": "snapkv"}, "budget_mode adaptive follows a scorer's attention mass"),
+        ({"session_id": "ro", "readonly": "yes"}, "readonly must be true or false"),
+        ({"readonly": True}, "readonly needs sgl_memory.session_id"),
     ],
 )
 @pytest.mark.parametrize("api", ["native", "openai"])
@@ -349,8 +383,10 @@ def test_a_zero_initialised_learned_head_keeps_the_rule_scorers_sets(intent_serv
     QueryMemory accumulates, `scorer: learned` with the untrained head keeps exactly the positions
     `scorer: memory` keeps. Compared on the first decoded tokens' top-10 distributions, which are
     bit-equal only if the kept sets are (float32, same shapes)."""
-    for turn in range(3):
-        ids = tokenizer(f"{INVENTORY} Question {turn}: how many nuts are on shelf {turn * 11 + 5}? Answer:")["input_ids"]
+    text = INVENTORY
+    for turn in range(3):  # each turn appends a question: the session's pruned path grows past the budget again
+        text += f" Question {turn}: how many nuts are on shelf {turn * 11 + 5}? Answer:"
+        ids = tokenizer(text)["input_ids"]
         # a tenant each: neither request finds the other's prefix, so both prefills compute the same rows
         outs = [generate(intent_server, ids, 2, {"session_id": "zero-head", "tenant": f"zero-{scorer}", "scorer": scorer,
                                                  "budget": 150}, return_logprob=True, top_logprobs_num=10)
@@ -369,7 +405,9 @@ def test_an_adaptive_budget_follows_the_session_within_its_bounds(intent_server,
     shrink when the kept set repeats), within [budget_floor, budget_ceiling]."""
     history, budgets, events = INVENTORY, [], []
     for turn in range(5):
-        history += f" Note {turn}: shelf {turn * 3} was restocked."
+        # each turn adds more than a step's growth of the budget: the session's pruned path (kept
+        # history only) plus the new note is over the next budget again, so every turn prunes
+        history += f" Note {turn}: " + " ".join(f"shelf {turn * 3 + j} was restocked with {j * 7} nuts." for j in range(8))
         ids = tokenizer(f"{history} Question: how many nuts are on shelf {turn * 3}? Answer:")["input_ids"]
         m = generate(intent_server, ids, 2, {"session_id": "adaptive", "scorer": "memory", "budget": 64, "budget_mode": "adaptive"})
         m = m["meta_info"]["sgl_memory"]

@@ -153,7 +153,10 @@ class IntentPruner(mechanism.Mechanism):
             req.set_finish_with_abort(str(exc))
             return
         state = req.sgl_intent
-        if state.enabled:
+        if spec.readonly:
+            # no event: no query rows to compute, so it takes all the session's path holds of its prompt
+            state.capture_start = state.prompt_len
+        elif state.enabled:
             window = self.config.window if scorers.SCORERS[state.scorer].needs_window else 0
             query_capture = self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
             # rows a scorer reads are computed by this request's own prefill, never taken from the

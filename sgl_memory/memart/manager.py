@@ -203,6 +203,8 @@ class MemArtManager(mechanism.Mechanism):
             return
         owner = (spec.tenant or "", spec.session_id)
         query = spec.memory
+        if query is None and spec.readonly:
+            return  # nothing to record, nothing to place
         if query is None:
             req.sgl_memart = TurnState(owner, "record")
         elif query.mode == "probe":
@@ -210,7 +212,7 @@ class MemArtManager(mechanism.Mechanism):
         elif query.mode in ("write", "forget"):
             self._admit_edit(req, owner, query)
         else:
-            req.sgl_memart = state = TurnState(owner, "retrieve", store=query.store,
+            req.sgl_memart = state = TurnState(owner, "retrieve", store=query.store and not spec.readonly,
                                                recompute=query.recompute or self.config.recompute)  # fmt: skip
             state.turn_start = self._spans(scheduler, list(req.origin_input_ids)).query_start
             t0 = time.perf_counter()

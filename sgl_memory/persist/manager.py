@@ -96,7 +96,7 @@ class TurnState:
     reuse: int = 0  # stored tokens the (possibly rewritten) prompt repeats
     loaded: bool = False  # this request loaded the session from its file
     memory_mode: bool = False  # a KV-memory request: its path is not the session's history
-    reads_only: bool = False  # a KV-memory pass that changes nothing (MemorySpec.reads_only): loads, never writes
+    reads_only: bool = False  # a pass that changes nothing (MemorySpec.reads_only): loads, never writes
 
     def metrics(self, error: str | None) -> dict:
         return {"text_match": self.text_match, "restored_tokens": self.restored_tokens,
@@ -308,13 +308,11 @@ class SessionPersistence(mechanism.Mechanism):
             return
         session = self._session(state.tenant, state.session_id, create=True)
         metrics.attach(req, state.metrics(session.error))
-        if self.config.write_policy == "off" or self.tree.disable:
+        if self.config.write_policy == "off" or self.tree.disable or state.reads_only:
             return
         if state.memory_mode:
             # its path is an assembly of recalled blocks, not the session's history: the stored path
             # stays, and the memory pool the turn went into is written with it
-            if state.reads_only:
-                return
             with session.lock:
                 session.state_changed = True
             self._writer.submit(session)

@@ -1,0 +1,276 @@
+"""Decision-point fidelity: each method scored against the full cache at the points of gold trajectories.
+
+    .venv/bin/python -m bench.fidelity [--quick] [--workloads bfcl locomo] [--budgets 32 128]
+
+All methods run on one sgl-memory server with intent on, each trajectory in one session per method
+(sessions keep their pruned paths apart; what a path held before its first pruning is shared, so
+every method starts from the reference's own KV). At each point, as the server does it for an agent:
+- request A is the agent's request there (the gold history, rendered by the chat template): its
+  prefill, over the session's path as earlier points' events left it, gives the distribution of
+  the gold action's first token (the agent's first token is sampled from the prefill), and its
+  compression event prunes the session;
+- request B (`readonly`) is the prompt plus the gold action, with input log-probabilities: the
+  gold tokens are prefilled over the path A's event left, attending to exactly the live KV the
+  agent's decode would read there, and B changes nothing in the session.
+The next point's A then prefills the gold action and the new messages over that path, as the
+agent's next request would. The reference is the full cache (a budget no request reaches) in its
+own session, run first; a second full-cache session measures what numerics alone move (it prefills
+the latest message over the reference's cached prefix, in other chunks).
+
+Per point and method (`<out>.points.jsonl`, appended as each trajectory ends; a re-run skips what it
+holds):
+- `gold_logprob`: the gold action's log-likelihood (sum over its tokens);
+- `gold_match`: greedy decoding would emit exactly the gold action (the argmax is the gold token at
+  every gold position, teacher-forced: the same condition as a greedy decode reproducing it);
+- `full_match`: the method's argmax equals the full cache's at every gold position;
+- `kl`: mean over gold positions of KL(full cache || method) over the full cache's top-K tokens
+  and one bucket for the rest (a lower bound of the whole-vocabulary KL);
+- `live_kv`: prompt positions live after the point's event.
+`<out>` holds one row per (workload, method, budget): means with 95% bootstrap intervals
+(trajectories resampled: points of one session are not independent) and paired differences to the
+full cache; `.md` the table, `.png` the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, read_rows, write_json
+from sgl_memory import harness, models
+
+from . import points as P
+
+TOP_K = 20  # reference log-probabilities per gold position: the KL's support
+CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
+BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
+INTENT = ("memory", "query", "learned")
+REFERENCE = "full cache"
+NOISE = "full cache (2nd session)"
+METRICS = ("gold_logprob", "gold_match", "full_match", "kl")
+
+
+def methods(budgets: list[int]) -> list[tuple[str, int | None, dict]]:
+    """(name, history budget, the request's pruning fields); the reference first."""
+    full = {"budget": FULL_BUDGET}
+    out = [(REFERENCE, None, full), (NOISE, None, full)]
+    for b in budgets:
+        pruned = {"budget": b, "budget_mode": "history", "layout": "dead_slot"}
+        out += [(f"intentkv-{s}", b, {**pruned, "scorer": s}) for s in INTENT]
+        out.append(("intentkv-learned-adaptive", b, {**pruned, "scorer": "learned", "budget_mode": "adaptive"}))
+        out += [(s, b, {**pruned, "scorer": s}) for s in BASELINES]
+    return out
+
+
+def generate(server, body: dict) -> dict:
+    r = server.post("/generate", body, timeout=3600)
+    if r.status_code != 200:
+        raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:500]}")
+    return r.json()["meta_info"]
+
+
+def _logprobs(entries) -> dict[int, float]:
+    return {tok: lp for lp, tok, *_ in entries}
+
+
+def score_point(server, pt: P.Point, field: dict, ref: dict | None) -> dict:
+    """Per gold position: the gold token's log-probability, the argmax, and the log-probabilities
+    of the reference's top tokens (with `ref`) or the top TOP_K (without: this is the reference)."""
+    n = len(pt.gold)
+    top = TOP_K if ref is None else 1
+    asked = sorted({pt.gold[0], *(t for t, _ in ref["top"][0])}) if ref else [pt.gold[0]]
+    a = generate(server, {"input_ids": pt.history, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+                          "return_logprob": True, "top_logprobs_num": top, "token_ids_logprob": asked,
+                          "sgl_memory": field})  # fmt: skip
+    first = _logprobs(a["output_token_ids_logprobs"][0])
+    out = {"gold": [first[pt.gold[0]]], "argmax": [a["output_top_logprobs"][0][0][1]], "ids": [first],
+           "top": [[[t, lp] for lp, t, *_ in a["output_top_logprobs"][0]]],
+           "live_kv": (a.get("sgl_memory") or {}).get("live_kv_tokens", len(pt.history) + 2) - 2}  # fmt: skip
+    if n > 1:
+        asked = sorted({*pt.gold, *(t for pos in ref["top"][1:] for t, _ in pos)}) if ref else sorted(set(pt.gold))
+        b = generate(server, {"input_ids": pt.history + pt.gold, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                              "return_logprob": True, "logprob_start_len": len(pt.history), "top_logprobs_num": top,
+                              "token_ids_logprob": asked, "sgl_memory": {**field, "readonly": True}})  # fmt: skip
+        # entry i is the token at len(history) + i; the first (gold[0], predicted by the prompt's
+        # last row, which B does not compute) came from A
+        tops, ids = b["input_top_logprobs"][1:n], b["input_token_ids_logprobs"][1:n]
+        if len(tops) != n - 1:
+            raise RuntimeError(f"{pt.label}: {len(tops)} input log-probabilities for {n - 1} gold tokens")
+        for i, (pos_top, pos_ids) in enumerate(zip(tops, ids), 1):
+            got = _logprobs(pos_ids)
+            out["gold"].append(got[pt.gold[i]])
+            out["argmax"].append(pos_top[0][1])
+            out["ids"].append(got)
+            out["top"].append([[t, lp] for lp, t, *_ in pos_top])
+    return out
+
+
+def kl_rest(ref_top: list[list], method: dict[int, float]) -> float:
+    """KL(reference || method) over the reference's top tokens plus one bucket for every other token."""
+    p = [math.exp(lp) for _, lp in ref_top]
+    q = [math.exp(method[t]) for t, _ in ref_top]
+    p_rest, q_rest = max(1.0 - sum(p), 1e-12), max(1.0 - sum(q), 1e-12)
+    return sum(a * (math.log(a) - math.log(max(b, 1e-30))) for a, b in zip(p, q) if a > 0) + p_rest * math.log(p_rest / q_rest)
+
+
+def score_trajectory(server, traj: P.Trajectory, field: dict, refs: list[dict] | None) -> list[dict]:
+    """The trajectory's points in order in one session; `refs`: the reference's per point (None:
+    this is the reference, whose rows keep its top tokens for the others)."""
+    rows = []
+    for i, pt in enumerate(traj.points):
+        t0 = time.perf_counter()
+        s = score_point(server, pt, field, None if refs is None else refs[i])
+        if refs is None:
+            rows.append({"point": i, "gold": s["gold"], "argmax": s["argmax"], "top": s["top"], "live_kv": s["live_kv"]})
+            continue
+        r = refs[i]
+        rows.append({
+            "point": i, "label": pt.label, "gold_tokens": len(pt.gold), "history_tokens": len(pt.history),
+            "live_kv": s["live_kv"], "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
+            "full_match": s["argmax"] == r["argmax"], "kl": sum(kl_rest(rt, m) for rt, m in zip(r["top"], s["ids"])) / len(pt.gold),
+            "ref_gold_logprob": sum(r["gold"]), "ref_gold_match": r["argmax"] == pt.gold, "wall_s": time.perf_counter() - t0,
+        })  # fmt: skip
+    return rows
+
+
+def aggregate(rows: list[dict], seed: int = 0) -> list[dict]:
+    """One row per (workload, method, budget): means with bootstrap intervals over trajectories,
+    and the paired difference to the full cache of gold log-likelihood and gold match."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["method"], r["budget"]), []).append(r)
+    out = []
+    for (workload, method, budget), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0, kv[0][1])):
+        clusters: dict[str, list[dict]] = {}
+        for r in rs:
+            clusters.setdefault(r["trajectory"], []).append(r)
+
+        def ci(value):
+            return bootstrap([[value(r) for r in c] for c in clusters.values()], seed)
+
+        row = {"workload": workload, "method": method, "budget": budget, "n": len(rs), "trajectories": len(clusters),
+               "eff_live_kv": sum(r["live_kv"] / r["history_tokens"] for r in rs) / len(rs),
+               "history_tokens": sum(r["history_tokens"] for r in rs) / len(rs), "wall_s": sum(r["wall_s"] for r in rs)}  # fmt: skip
+        for m in METRICS:
+            row[m], row[f"{m}_ci_low"], row[f"{m}_ci_high"] = ci(lambda r, m=m: float(r[m]))
+        for m, ref in (("gold_logprob", "ref_gold_logprob"), ("gold_match", "ref_gold_match")):
+            row[f"{m}_vs_full"], row[f"{m}_vs_full_ci_low"], row[f"{m}_vs_full_ci_high"] = ci(lambda r, m=m, ref=ref: float(r[m]) - float(r[ref]))
+        row["ref_gold_match"] = sum(r["ref_gold_match"] for r in rs) / len(rs)
+        out.append(row)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    def ci(r, m, f):
+        return f"{format(r[m], f)} [{format(r[m + '_ci_low'], f)}, {format(r[m + '_ci_high'], f)}]"
+
+    head = "| workload | method | budget | N (sessions) | live KV | gold log-lik. | vs full | gold match | vs full | = full cache | KL |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['method']} | {r['budget'] or '-'} | {r['n']} ({r['trajectories']}) | {r['eff_live_kv']:.2f} "
+                     f"| {ci(r, 'gold_logprob', '.2f')} | {ci(r, 'gold_logprob_vs_full', '+.2f')} | {ci(r, 'gold_match', '.3f')} "
+                     f"| {ci(r, 'gold_match_vs_full', '+.3f')} | {ci(r, 'full_match', '.3f')} | {ci(r, 'kl', '.2g')} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        for r in [r for r in rows if r["workload"] == w]:
+            err = [[r["gold_logprob_vs_full"] - r["gold_logprob_vs_full_ci_low"]], [r["gold_logprob_vs_full_ci_high"] - r["gold_logprob_vs_full"]]]
+            ax.errorbar(r["eff_live_kv"], r["gold_logprob_vs_full"], yerr=err, fmt="o", capsize=3,
+                        label=f"{r['method']}@{r['budget']}" if r["budget"] else r["method"])  # fmt: skip
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set(title=f"{w}: gold-action log-likelihood vs the full cache (95% CI)", xlabel="live KV / full cache (prompt positions)",
+               ylabel="paired difference (nats per action)")  # fmt: skip
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.fidelity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=models.DEFAULT_MODEL)
+    ap.add_argument("--workloads", nargs="+", default=list(P.SOURCES), choices=list(P.SOURCES))
+    ap.add_argument("--budgets", type=int, nargs="+", default=[32, 128], help="history budgets (prompt positions)")
+    ap.add_argument("--methods", nargs="+", default=None, help="method names to run (default: all)")
+    ap.add_argument("--bfcl-per-category", type=int, default=30)
+    ap.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--locomo-questions", type=int, default=110, help="per conversation")
+    ap.add_argument("--quick", action="store_true", help="one BFCL task per category, 8 LoCoMo questions, one budget")
+    ap.add_argument("--max-total-tokens", type=int, default=65536)
+    ap.add_argument("--report-only", action="store_true", help="aggregate the points file, run nothing")
+    ap.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.bfcl_per_category, args.locomo_conversations, args.locomo_questions = 1, [0], 8
+        args.budgets = args.budgets[:1]
+    return args
+
+
+def run(args, points_path: Path, refs_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models.resolve(args.model))
+    trajs = []
+    for w in args.workloads:
+        if w == "bfcl":
+            trajs += P.bfcl(tokenizer, args.bfcl_per_category)
+        else:
+            trajs += P.locomo(tokenizer, args.locomo_conversations, args.locomo_questions)
+    ms = [m for m in methods(args.budgets) if args.methods is None or m[0] in (*args.methods, REFERENCE)]
+    done = {(r["trajectory"], r["method"], r["budget"]) for r in read_rows(points_path)}
+    todo = [(t, m) for t in trajs for m in ms[1:] if (t.id, m[0], m[1]) not in done]
+    run_id = f"fid-{int(time.time())}"  # fresh sessions per run: a resumed run never meets an old session's path
+    logs = Path(tempfile.gettempdir()) / "sgl-memory-fidelity"
+    logs.mkdir(exist_ok=True)
+    (logs / "config.yaml").write_text(CONFIG)
+    cmd = harness.our_command(args.model, "--memory-config", str(logs / "config.yaml"), "--max-total-tokens", str(args.max_total_tokens))
+    server = harness.start(cmd, logs / "server.log")
+    try:
+        with tqdm(total=sum(len(t.points) for t, _ in todo), desc="points x methods", disable=None) as bar:
+            for traj in trajs:
+                mine = [m for t, m in todo if t is traj]
+                if not mine:
+                    continue
+                # the reference runs first in every run: the others start from its KV and are scored
+                # against this run's reference (each point row keeps the reference's figures it used)
+                bar.set_description(f"{traj.id} {REFERENCE}")
+                ref = score_trajectory(server, traj, {"session_id": f"{run_id}:{traj.id}:ref", **ms[0][2]}, None)
+                with refs_path.open("a") as f:
+                    f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
+                for name, budget, fields in mine:
+                    bar.set_description(f"{traj.id} {name}@{budget}")
+                    field = {"session_id": f"{run_id}:{traj.id}:{name}@{budget}", **fields}
+                    rows = score_trajectory(server, traj, field, ref)
+                    with points_path.open("a") as f:
+                        for r in rows:
+                            f.write(json.dumps({"workload": traj.workload, "trajectory": traj.id, "method": name, "budget": budget,
+                                                "commit": commit(), **r}) + "\n")  # fmt: skip
+                    bar.update(len(rows))
+    finally:
+        harness.stop(server)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    points_path, refs_path = args.out.with_suffix(".points.jsonl"), args.out.with_suffix(".reference.jsonl")
+    if not args.report_only:
+        run(args, points_path, refs_path)
+    rows = aggregate(read_rows(points_path))
+    write_json(args.out, {"model": args.model, "top_k": TOP_K, "rows": rows})
+    args.out.with_suffix(".md").write_text(table(rows))
+    plot(rows, args.out.with_suffix(".png"))
+    print(table(rows))
