@@ -23,6 +23,7 @@ holds):
 - `gold_match`: greedy decoding would emit exactly the gold action (the argmax is the gold token at
   every gold position, teacher-forced: the same condition as a greedy decode reproducing it);
 - `full_match`: the method's argmax equals the full cache's at every gold position;
+- `token_agreement`: the share of gold positions where it does (greedy agreement, teacher-forced);
 - `kl`: mean over gold positions of KL(full cache || method) over the full cache's top-K tokens
   and one bucket for the rest (a lower bound of the whole-vocabulary KL);
 - `live_kv`: prompt positions live after the point's event.
@@ -53,7 +54,7 @@ BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
 INTENT = ("memory", "query", "learned")
 REFERENCE = "full cache"
 NOISE = "full cache (2nd session)"
-METRICS = ("gold_logprob", "gold_match", "full_match", "kl")
+METRICS = ("gold_logprob", "gold_match", "full_match", "token_agreement", "kl")
 
 
 def methods(budgets: list[int]) -> list[tuple[str, int | None, dict]]:
@@ -133,7 +134,8 @@ def score_trajectory(server, traj: P.Trajectory, field: dict, refs: list[dict] |
         rows.append({
             "point": i, "label": pt.label, "gold_tokens": len(pt.gold), "history_tokens": len(pt.history),
             "live_kv": s["live_kv"], "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
-            "full_match": s["argmax"] == r["argmax"], "kl": sum(kl_rest(rt, m) for rt, m in zip(r["top"], s["ids"])) / len(pt.gold),
+            "full_match": s["argmax"] == r["argmax"],
+            "token_agreement": sum(a == b for a, b in zip(s["argmax"], r["argmax"])) / len(pt.gold), "kl": sum(kl_rest(rt, m) for rt, m in zip(r["top"], s["ids"])) / len(pt.gold),
             "ref_gold_logprob": sum(r["gold"]), "ref_gold_match": r["argmax"] == pt.gold, "wall_s": time.perf_counter() - t0,
         })  # fmt: skip
     return rows
@@ -170,12 +172,14 @@ def table(rows: list[dict]) -> str:
     def ci(r, m, f):
         return f"{format(r[m], f)} [{format(r[m + '_ci_low'], f)}, {format(r[m + '_ci_high'], f)}]"
 
-    head = "| workload | method | budget | N (sessions) | live KV | gold log-lik. | vs full | gold match | vs full | = full cache | KL |"
+    head = ("| workload | method | budget | N (sessions) | live KV | gold log-lik. | vs full | gold match | vs full | = full cache "
+            "| token agreement | KL |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['method']} | {r['budget'] or '-'} | {r['n']} ({r['trajectories']}) | {r['eff_live_kv']:.2f} "
                      f"| {ci(r, 'gold_logprob', '.2f')} | {ci(r, 'gold_logprob_vs_full', '+.2f')} | {ci(r, 'gold_match', '.3f')} "
-                     f"| {ci(r, 'gold_match_vs_full', '+.3f')} | {ci(r, 'full_match', '.3f')} | {ci(r, 'kl', '.2g')} |")  # fmt: skip
+                     f"| {ci(r, 'gold_match_vs_full', '+.3f')} | {ci(r, 'full_match', '.3f')} | {ci(r, 'token_agreement', '.3f')} "
+                     f"| {ci(r, 'kl', '.2g')} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -253,7 +257,8 @@ def run(args, points_path: Path, refs_path: Path) -> None:
                     f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
                 for name, budget, fields in mine:
                     bar.set_description(f"{traj.id} {name}@{budget}")
-                    field = {"session_id": f"{run_id}:{traj.id}:{name}@{budget}", **fields}
+                    tag = "".join(c if c.isalnum() else "-" for c in name)  # session ids take no spaces
+                    field = {"session_id": f"{run_id}:{traj.id}:{tag}@{budget}", **fields}
                     rows = score_trajectory(server, traj, field, ref)
                     with points_path.open("a") as f:
                         for r in rows:
