@@ -55,6 +55,7 @@ INTENT = ("memory", "query", "learned")
 REFERENCE = "full cache"
 NOISE = "full cache (2nd session)"
 METRICS = ("gold_logprob", "gold_match", "full_match", "token_agreement", "kl")
+DEFAULT = "intentkv-memory"  # the server's default scorer: every other method is also paired against it
 
 
 def methods(budgets: list[int]) -> list[tuple[str, int | None, dict]]:
@@ -164,7 +165,25 @@ def aggregate(rows: list[dict], seed: int = 0) -> list[dict]:
         for m, ref in (("gold_logprob", "ref_gold_logprob"), ("gold_match", "ref_gold_match")):
             row[f"{m}_vs_full"], row[f"{m}_vs_full_ci_low"], row[f"{m}_vs_full_ci_high"] = ci(lambda r, m=m, ref=ref: float(r[m]) - float(r[ref]))
         row["ref_gold_match"] = sum(r["ref_gold_match"] for r in rs) / len(rs)
+        row.update(_versus_default(rs, groups.get((workload, DEFAULT, budget), []), seed))
         out.append(row)
+    return out
+
+
+def _versus_default(rs: list[dict], default: list[dict], seed: int) -> dict:
+    """The paired difference (method - the default scorer) of gold log-likelihood and KL over the
+    points both scored, with its bootstrap interval over trajectories."""
+    theirs = {(r["trajectory"], r["point"]): r for r in default}
+    clusters: dict[str, list[tuple[dict, dict]]] = {}
+    for r in rs:
+        if (r["trajectory"], r["point"]) in theirs:
+            clusters.setdefault(r["trajectory"], []).append((r, theirs[r["trajectory"], r["point"]]))
+    if not clusters or rs[0]["method"] == DEFAULT:
+        return {}
+    out = {"n_vs_default": sum(len(c) for c in clusters.values())}
+    for m in ("gold_logprob", "kl"):
+        d = bootstrap([[float(a[m]) - float(b[m]) for a, b in c] for c in clusters.values()], seed)
+        out[f"{m}_vs_default"], out[f"{m}_vs_default_ci_low"], out[f"{m}_vs_default_ci_high"] = d
     return out
 
 
@@ -180,6 +199,13 @@ def table(rows: list[dict]) -> str:
                      f"| {ci(r, 'gold_logprob', '.2f')} | {ci(r, 'gold_logprob_vs_full', '+.2f')} | {ci(r, 'gold_match', '.3f')} "
                      f"| {ci(r, 'gold_match_vs_full', '+.3f')} | {ci(r, 'full_match', '.3f')} | {ci(r, 'token_agreement', '.3f')} "
                      f"| {ci(r, 'kl', '.2g')} |")  # fmt: skip
+    paired = [r for r in rows if "n_vs_default" in r]
+    if paired:
+        lines += ["", f"Paired against {DEFAULT} at the same budget (method - {DEFAULT}; positive log-likelihood and negative KL are better):", "",
+                  "| workload | method | budget | N | gold log-lik. | KL |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in paired:
+            lines.append(f"| {r['workload']} | {r['method']} | {r['budget']} | {r['n_vs_default']} | {ci(r, 'gold_logprob_vs_default', '+.2f')} "
+                         f"| {ci(r, 'kl_vs_default', '+.3f')} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,91 @@
+"""bench/fidelity without a server: its decision points and its KL against brute-force references."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from bench.fidelity import points as P
+from bench.fidelity.run import kl_rest
+from sgl_memory import models
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(models.resolve(models.DEFAULT_MODEL))
+
+
+def exact_kl(p: list[float], q: list[float]) -> float:
+    return sum(a * math.log(a / b) for a, b in zip(p, q) if a > 0)
+
+
+def distribution(rng: random.Random, n: int, sharp: float) -> list[float]:
+    w = [math.exp(sharp * rng.gauss(0, 1)) for _ in range(n)]
+    return [x / sum(w) for x in w]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_top_k_kl_is_the_exact_kl_of_the_merged_rest_and_a_lower_bound(seed):
+    """Over the reference's top tokens plus one bucket for the rest it equals, brute force, the KL
+    of the two distributions with every other token merged into one outcome; and merging never
+    raises a KL (log-sum inequality), so it is at most the whole-vocabulary KL."""
+    rng = random.Random(seed)
+    p, q = distribution(rng, 500, 2.0), distribution(rng, 500, 2.0)
+    top = sorted(range(500), key=lambda i: -p[i])[:20]
+    rest = [i for i in range(500) if i not in top]
+    merged_p = [p[i] for i in top] + [sum(p[i] for i in rest)]
+    merged_q = [q[i] for i in top] + [sum(q[i] for i in rest)]
+    got = kl_rest([[i, math.log(p[i])] for i in top], {i: math.log(q[i]) for i in top})
+    assert got == pytest.approx(exact_kl(merged_p, merged_q), rel=1e-9, abs=1e-12)
+    assert got <= exact_kl(p, q) + 1e-12
+    assert kl_rest([[i, math.log(p[i])] for i in top], {i: math.log(p[i]) for i in top}) == pytest.approx(0, abs=1e-12)
+
+
+def test_locomo_points_follow_the_conversation_a_point_at_a_time(tokenizer):
+    """Each point's prompt is the chat template's rendering of the conversation so far with the
+    generation prompt; its gold is the dataset's answer through the end-of-turn token; and the next
+    point's prompt extends prompt + gold (the answer stays in the history, as an agent's would)."""
+    from bench.locomo import data
+
+    (traj,) = P.locomo(tokenizer, [1], 6)
+    qs = data.questions(data.load()[1], 1)
+    random.Random(0).shuffle(qs)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert len(traj.points) == 6
+    for pt, nxt, q in zip(traj.points, traj.points[1:] + [None], qs):
+        assert tokenizer.decode(pt.history).endswith("<|im_start|>assistant\n")
+        assert f"Question: {q.question}" in tokenizer.decode(pt.history[-60:])
+        assert pt.gold[-1] == end and tokenizer.decode(pt.gold[:-1]) == str(q.answer)
+        if nxt is not None:
+            assert nxt.history[: len(pt.history) + len(pt.gold)] == pt.history + pt.gold
+
+
+def test_bfcl_points_are_gold_tool_calls_of_replays_that_pass_the_checker(tokenizer):
+    """A BFCL trajectory is kept only when its ground-truth replay passes BFCL's checker; each
+    point's gold is a tool call message whose calls are the ground truth's, in order, and the next
+    point of the same trajectory extends prompt + gold (but where the tool docs change)."""
+    import json
+    import re
+
+    from bench.agent import bfcl as B
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    trajs = P.bfcl(tokenizer, 1)
+    assert trajs and all(t.points for t in trajs)
+    for traj in trajs:
+        task = next(t for t in B.tasks(list(B.CATEGORIES), limit=1) if t.id == traj.id)
+        want = [B.as_calls(task, truth) for truth in task.ground_truth if truth]
+        got = []
+        for pt, nxt in zip(traj.points, traj.points[1:] + [None]):
+            text = tokenizer.decode(pt.gold)
+            calls = [json.loads(m) for m in re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)]
+            got.append([(c["name"], c["arguments"]) for c in calls])
+            if nxt is not None and nxt.history[: len(pt.history) + len(pt.gold)] != pt.history + pt.gold:
+                # miss_func: a turn adds the missing function, so the tool docs (system prompt) change
+                first = next(i for i, (x, y) in enumerate(zip(pt.history, nxt.history)) if x != y)
+                assert "miss_func" in traj.id and first < pt.history.index(end)
+        assert got == [[(n, a) for n, a in calls] for calls in want]
