@@ -31,9 +31,10 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_memory import mechanism, prometheus, runtime
 from sgl_memory.config import ConfigError, MemoryConfig, from_env
-from sgl_memory.intent.paths import Branches, find_branches, with_branches
+from sgl_memory.intent.paths import find_branches
 from sgl_memory.mechanism import Mechanism
 from sgl_memory.sessions import SessionRegistry
+from sgl_memory.tree_fill import Branches, with_branches
 
 # Importing a mechanism's module registers it (mechanism.register); the tree is the one layer that
 # knows them all.

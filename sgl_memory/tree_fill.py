@@ -26,6 +26,22 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 
+Branches = tuple[tuple[int, int], ...]  # (position, key id), ascending positions; () for a plain path
+
+
+def with_branches(token_ids, branches: Branches):
+    """The key ids of a path with these branches (intent/paths.py; those beyond its end left out): a
+    copy of the same sequence type, which the tree's key comparison requires, or `token_ids` itself
+    when no branch falls inside it."""
+    inside = [(p, i) for p, i in branches if p < len(token_ids)]
+    if not inside:
+        return token_ids
+    ids = token_ids[:]
+    for p, i in inside:
+        ids[p] = i
+    return ids
+
+
 def pool_layers(pool) -> range:
     start = getattr(pool, "start_layer", 0) or 0  # pipeline parallelism: this rank's layers
     return range(start, start + pool.layer_num)
@@ -95,7 +111,7 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
 class HeldPath:
     tokens: list[int]  # the leading tokens whose KV the tree holds under the namespace asked
     node: object  # the tree node where they end
-    branches: tuple[tuple[int, int], ...] = ()  # (position, key id) where the path's key leaves its tokens
+    branches: Branches = ()  # where the path's key leaves its tokens
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -105,12 +121,8 @@ class HeldPath:
         return path_key(self.tokens, self.branches, extra_key, cache_salt)
 
 
-def path_key(tokens, branches: tuple[tuple[int, int], ...], extra_key: str | None, cache_salt=None) -> RadixKey:
-    ids = array("q", tokens)
-    for pos, key_id in branches:
-        if pos < len(ids):
-            ids[pos] = key_id
-    return RadixKey(ids, extra_key, cache_salt=cache_salt)
+def path_key(tokens, branches: Branches, extra_key: str | None, cache_salt=None) -> RadixKey:
+    return RadixKey(with_branches(array("q", tokens), branches), extra_key, cache_salt=cache_salt)
 
 
 @dataclass

@@ -348,7 +348,8 @@ def test_find_branches_walks_every_branch_of_the_session_on_the_path():
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-    from sgl_memory.intent.paths import branch_id, find_branches, with_branches
+    from sgl_memory.intent.paths import branch_id, find_branches
+    from sgl_memory.tree_fill import with_branches
 
     a, b = 11, 22  # two namespaces
     tree = RadixCache.create_simulated()

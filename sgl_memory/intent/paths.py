@@ -34,10 +34,10 @@ from array import array
 import numpy as np
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from sgl_memory.tree_fill import Branches
+
 MASK63 = (1 << 63) - 1
 MIX = 0x9E3779B97F4A7C15  # odd: token -> token * MIX mod 2^63 is one-to-one
-
-Branches = tuple[tuple[int, int], ...]  # (position, key id), ascending positions; () for a plain path
 
 
 def namespace(session_key: tuple[str, str], scorer: str, budget: int | str, layout: str) -> int:
@@ -88,16 +88,3 @@ def find_branches(root, key: RadixKey, ns: int) -> Branches:
             break
         node, pos = child, pos + matched
     return tuple(found)
-
-
-def with_branches(token_ids, branches: Branches):
-    """The key ids of a path with these branches (those beyond its end left out); a copy of the
-    same sequence type, which the tree's key comparison requires, or `token_ids` itself when no
-    branch falls inside it."""
-    inside = [(p, i) for p, i in branches if p < len(token_ids)]
-    if not inside:
-        return token_ids
-    ids = token_ids[:]
-    for p, i in inside:
-        ids[p] = i
-    return ids

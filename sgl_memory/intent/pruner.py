@@ -20,7 +20,7 @@ from sgl_memory.config import IntentConfig
 from sgl_memory.intent import scorers
 from sgl_memory.intent.head import PrunerHead, backbone_spec, find_head
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
-from sgl_memory.intent.paths import Branches, branch_id, namespace
+from sgl_memory.intent.paths import branch_id, namespace
 from sgl_memory.request import FIELD, MemorySpec, SpecError
 from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.spans import RoleMarkers, Spans, find_spans
@@ -78,7 +78,7 @@ class RequestIntent:
     key_source: str | None
     budget_reason: str | None = None  # why the budget applied is not the one configured
     namespace: int = 0  # the branch ids of this session's pruned paths derive from it (intent/paths.py)
-    branches: Branches = ()  # where this request's path takes branch ids; (): a plain path
+    branches: tree_fill.Branches = ()  # where this request's path takes branch ids; (): a plain path
     capture_start: int = 0  # the first prompt position whose query rows the scorer and QueryMemory read
     decided: bool = False
     live_after: int | None = None  # live prompt tokens after the event (None: no event)
@@ -302,7 +302,7 @@ class IntentPruner(mechanism.Mechanism):
         if inputs.features:
             self._trace(req, state, candidates, keep, inputs.features)
         kept = torch.cat([positions[live & forced], chosen]).sort().values
-        edit = self._apply(req, tree, row, kept, length, pool)
+        edit = self._apply(req, tree, row, kept, live, pool)
         state.scoring_ms = (time.perf_counter() - t0) * 1000
         if edit is None:
             return None
@@ -337,11 +337,13 @@ class IntentPruner(mechanism.Mechanism):
         meta = {"tenant": tenant, "session": session, "turn": str(state.memory_turns), "rid": str(req.rid)}
         capture.write_trace(self.config.trace_dir, req.rid, tensors, meta)
 
-    def _apply(self, req, tree, row, kept, length, pool) -> RowEdit | None:
+    def _apply(self, req, tree, row, kept, live, pool) -> RowEdit | None:
+        """live: [length] bool, the row's positions that held KV before the event."""
+        length = live.numel()
         protected = req.kv.cache_protected_len
         state: RequestIntent = req.sgl_intent
         if state.layout == "dead_slot":
-            return self._apply_dead_slot(req, tree, row, kept, length, protected)
+            return self._apply_dead_slot(req, tree, row, kept, live, protected)
         edit = apply_compact(
             row, kept, length, protected, tree.sentinel, tree._allocator.alloc, tree.free_real,
             [pool.get_key_buffer(i) for i in range(pool.layer_num)],
@@ -354,14 +356,15 @@ class IntentPruner(mechanism.Mechanism):
         self.position_shifts[req.rid] = edit.position_shift
         return edit
 
-    def _apply_dead_slot(self, req, tree, row, kept, length, protected) -> RowEdit | None:
+    def _apply_dead_slot(self, req, tree, row, kept, live, protected) -> RowEdit | None:
         """Prune the row and make the pruning the path's: from its first newly dropped position b
         the path is a branch of the session's (intent/paths.py). Kept positions in [b, protected)
         hold slots of the shared path, which other paths still own: their KV is copied into fresh
         slots, so the branch owns every slot it holds and the shared path's stay evictable on
         their own. The next turn's prefill then attends to exactly what this event kept."""
         state: RequestIntent = req.sgl_intent
-        newly = row[:length] != tree.sentinel
+        length = live.numel()
+        newly = live.clone()
         newly[kept] = False
         dropped = torch.nonzero(newly).flatten()
         if not dropped.numel():
