@@ -45,23 +45,36 @@ def test_the_top_k_kl_is_the_exact_kl_of_the_merged_rest_and_a_lower_bound(seed)
     assert kl_rest([[i, math.log(p[i])] for i in top], {i: math.log(p[i]) for i in top}) == pytest.approx(0, abs=1e-12)
 
 
-def test_locomo_points_follow_the_conversation_a_point_at_a_time(tokenizer):
-    """Each point's prompt is the chat template's rendering of the conversation so far with the
-    generation prompt; its gold is the dataset's answer through the end-of-turn token; and the next
-    point's prompt extends prompt + gold (the answer stays in the history, as an agent's would)."""
-    from bench.locomo import data
+def test_locomo_points_are_independent_questions_with_every_methods_prompt(tokenizer):
+    """A LoCoMo trajectory is one stratified dev question. Its prompt is the whole transcript and
+    the question as the chat template renders them; its gold is the dataset's answer through the
+    end-of-turn token, and the same tokens follow each alternate prompt (the question alone, for KV
+    memory; the question over retrieved turns within the text budget, every turn the transcript's
+    own); the group's memory is the transcript's tokens."""
+    from bench.locomo import data, prompts
 
-    (traj,) = P.locomo(tokenizer, [1], 6)
-    qs = data.questions(data.load()[1], 1)
-    random.Random(0).shuffle(qs)
+    trajs = P.locomo(tokenizer, [1], 5)
+    sample = data.load()[1]
+    qs = data.stratified(data.questions(sample, 1), 5)
+    transcript = data.render(data.turns(sample))
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert len(traj.points) == 6
-    for pt, nxt, q in zip(traj.points, traj.points[1:] + [None], qs):
-        assert tokenizer.decode(pt.history).endswith("<|im_start|>assistant\n")
-        assert f"Question: {q.question}" in tokenizer.decode(pt.history[-60:])
+    assert [t.id for t in trajs] == [f"conv1-q{q.qa_index}" for q in qs]
+    for traj, q in zip(trajs, qs):
+        (pt,) = traj.points
+        assert traj.group == "conv1" and traj.ingest == prompts.ingest_ids(tokenizer, transcript)
+        assert pt.history == prompts.with_context(tokenizer, transcript, q.question)
         assert pt.gold[-1] == end and tokenizer.decode(pt.gold[:-1]) == str(q.answer)
-        if nxt is not None:
-            assert nxt.history[: len(pt.history) + len(pt.gold)] == pt.history + pt.gold
+        for name, prompt in pt.alternates.items():
+            text = tokenizer.decode(prompt)
+            assert text.endswith(f"Question: {q.question}<|im_end|>\n<|im_start|>assistant\n"), name
+            answered = tokenizer.apply_chat_template(
+                [*prompts.messages(text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]),
+                 {"role": "assistant", "content": str(q.answer)}], tokenize=True, return_dict=False)  # fmt: skip
+            assert list(answered)[: len(prompt) + len(pt.gold)] == prompt + pt.gold, name
+        excerpt = tokenizer.decode(pt.alternates["text"]).split(prompts.CONTEXT_HEADER, 1)[1].rsplit("\n\nQuestion:", 1)[0]
+        assert 0 < len(tokenizer(excerpt)["input_ids"]) <= P.TEXT_BUDGET
+        # a picked turn that opens its session in the excerpt carries the date the transcript may not
+        assert all(line.split("] ", 1)[-1] in transcript for line in excerpt.split("\n"))
 
 
 def test_bfcl_points_are_gold_tool_calls_of_replays_that_pass_the_checker(tokenizer):

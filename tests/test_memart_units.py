@@ -149,6 +149,9 @@ def test_text_scoring_positions_leave_out_the_chat_markup():
     spans = find_spans(ids, markers, len(ids))
     text = scoring_positions(ids, spans, "text", markers, tok)
     assert tok.decode([ids[i] for i in text]).split() == ["Where", "is", "Pepper?"]
+    # an assistant turn after the question (a readonly request scoring an answer) does not score
+    answered = ids + tok("Pepper is in the attic.<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert scoring_positions(answered, find_spans(answered, markers, len(answered)), "text", markers, tok) == text
     assert scoring_positions(ids, spans, "query", markers, tok) == list(range(spans.query_start, len(ids)))
     assert scoring_positions(ids, spans, "all", markers, tok) == list(range(len(ids)))
 

@@ -7,19 +7,22 @@ Sources:
 - `bfcl`: BFCL multi-turn development tasks (base, miss_func, miss_param; never long_context)
   replayed along their ground truth through BFCL's back-ends (bench/agent/bfcl.py); a point is
   every step whose gold action is a tool call (the turn-ending reply has no gold text);
-- `locomo`: a LoCoMo dev conversation as a session: each LoCoMo session's dialogue is one user
-  message (acknowledged), then the questions of categories 1-4 in a fixed shuffled order, each a
-  point whose gold action is the dataset's answer, which stays in the history for the next.
+- `locomo`: LoCoMo dev questions (categories 1-4), each its own trajectory of one point, asked as
+  `bench/locomo` asks them: the prompt holds the whole transcript and the question (what the
+  reference and the pruning methods serve), the gold action is the dataset's answer. A point also
+  carries the prompts of the methods that replace the transcript (`alternates`): the question
+  alone (KV memory places retrieved blocks before it; the memory is the conversation, ingested once
+  per `group`) and the question over the turns text retrieval picks within the same KV budget.
+  Questions are independent (one session each), so the intervals resample questions.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import random
 from dataclasses import dataclass, field
 
-LOCOMO_SYSTEM = "Answer the question about the conversation in a short phrase."
+TEXT_BUDGET = 1024  # tokens of retrieved turns: the KV that memory's top 64 blocks of 16 place
 
 
 @dataclass
@@ -27,6 +30,7 @@ class Point:
     history: list[int]  # the request's prompt, generation prompt included
     gold: list[int]  # the gold next action's tokens, end-of-turn token included
     label: str  # where it is: step / question
+    alternates: dict[str, list[int]] = field(default_factory=dict)  # other methods' prompts for the same gold
 
 
 @dataclass
@@ -34,6 +38,8 @@ class Trajectory:
     workload: str
     id: str
     points: list[Point] = field(default_factory=list)
+    group: str = ""  # trajectories that share a memory (a LoCoMo conversation)
+    ingest: list[int] | None = None  # the memory's tokens, recorded once per group
 
 
 def _render(tokenizer, messages: list[dict], tools: list[dict] | None, generation: bool) -> list[int]:
@@ -92,25 +98,23 @@ def bfcl(tokenizer, per_category: int, skip: int = 0) -> list[Trajectory]:
 
 
 def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -> list[Trajectory]:
-    from bench.locomo import data
+    from bench.locomo import data, metrics, prompts
+    from bench.locomo.retrieval import TurnRetriever
 
-    samples = data.load()
+    samples, embedder = data.load(), metrics.minilm()
     out = []
     for c in conversations:
         turns = data.turns(samples[c])
-        messages = [{"role": "system", "content": LOCOMO_SYSTEM}]
-        for s in sorted({t.session for t in turns}):
-            part = [t for t in turns if t.session == s]
-            messages += [{"role": "user", "content": data.render(part)}, {"role": "assistant", "content": "Noted."}]
-        qs = data.questions(samples[c], c)
-        random.Random(seed).shuffle(qs)
-        traj = Trajectory("locomo", f"conv{c}")
-        for q in qs[:questions]:
-            messages.append({"role": "user", "content": f"Question: {q.question}"})
-            answer = {"role": "assistant", "content": str(q.answer)}
-            traj.points.append(point(tokenizer, messages, answer, None, f"q{q.qa_index}"))
-            messages.append(answer)
-        out.append(traj)
+        transcript = data.render(turns)
+        ingest = prompts.ingest_ids(tokenizer, transcript)
+        retriever = TurnRetriever(embedder, tokenizer, turns)
+        for q in data.stratified(data.questions(samples[c], c), questions, seed):
+            messages = prompts.messages(prompts.context_question(transcript, q.question))
+            pt = point(tokenizer, messages, {"role": "assistant", "content": str(q.answer)}, None, f"q{q.qa_index} cat{q.category}")
+            excerpt = data.render(retriever.pick(q.question, TEXT_BUDGET))
+            pt.alternates = {"question": prompts.question_only(tokenizer, q.question),
+                             "text": prompts.with_context(tokenizer, excerpt, q.question)}  # fmt: skip
+            out.append(Trajectory("locomo", f"conv{c}-q{q.qa_index}", [pt], f"conv{c}", ingest))
     return out
 
 

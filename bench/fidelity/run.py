@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.fidelity [--quick] [--workloads bfcl locomo] [--budgets 32 128]
 
-All methods run on one sgl-memory server with intent on, each trajectory in one session per method
+All methods run on one sgl-memory server with intent, memory and keep on, each trajectory in one session per method
 (sessions keep their pruned paths apart; what a path held before its first pruning is shared, so
 every method starts from the reference's own KV). At each point, as the server does it for an agent:
 - request A is the agent's request there (the gold history, rendered by the chat template): its
@@ -13,7 +13,11 @@ every method starts from the reference's own KV). At each point, as the server d
   gold tokens are prefilled over the path A's event left, attending to exactly the live KV the
   agent's decode would read there, and B changes nothing in the session.
 The next point's A then prefills the gold action and the new messages over that path, as the
-agent's next request would. The reference is the full cache (a budget no request reaches) in its
+agent's next request would. Where a workload's points carry them (LoCoMo), KV memory and text
+retrieval serve the same gold action from other prompts: KV memory the question alone over the
+blocks it retrieves from the conversation's memory (one session per conversation, ingested once;
+`store: false`, so questions stay independent; B must retrieve the blocks A did), with and without
+KEEP's repair; text retrieval the question over the turns MiniLM picks within the same 1024 tokens. The reference is the full cache (a budget no request reaches) in its
 own session, run first; a second full-cache session measures what numerics alone move (it prefills
 the latest message over the reference's cached prefix, in other chunks).
 
@@ -39,6 +43,7 @@ import json
 import math
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -49,24 +54,50 @@ from sgl_memory import harness, models
 from . import points as P
 
 TOP_K = 20  # reference log-probabilities per gold position: the KL's support
-CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
+CONFIG = """\
+intent:
+  enabled: true
+  budget_floor: 16
+memory:
+  enabled: true
+keep:
+  enabled: true
+"""
 BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
 INTENT = ("memory", "query", "learned")
 REFERENCE = "full cache"
 NOISE = "full cache (2nd session)"
 METRICS = ("gold_logprob", "gold_match", "full_match", "token_agreement", "kl")
 DEFAULT = "intentkv-memory"  # the server's default scorer: every other method is also paired against it
+MEMORY_TOP_K = 64  # blocks of 16: the KV memory places 1024 tokens, text retrieval picks as many (points.TEXT_BUDGET)
 
 
-def methods(budgets: list[int]) -> list[tuple[str, int | None, dict]]:
-    """(name, history budget, the request's pruning fields); the reference first."""
+@dataclass(frozen=True)
+class Method:
+    name: str
+    budget: int | None  # the history budget of a pruning method
+    fields: dict  # the request's sgl_memory fields besides the session
+    prompt: str = "history"  # the point's prompt it serves: the history, or one of Point.alternates
+
+    @property
+    def shared(self) -> bool:
+        """Its session is the trajectory group's memory (ingested once), not the trajectory's own."""
+        return self.prompt == "question"
+
+
+def methods(budgets: list[int]) -> list[Method]:
+    """The reference first. KV memory and text retrieval run where the points carry their prompts."""
     full = {"budget": FULL_BUDGET}
-    out = [(REFERENCE, None, full), (NOISE, None, full)]
+    out = [Method(REFERENCE, None, full), Method(NOISE, None, full)]
     for b in budgets:
         pruned = {"budget": b, "budget_mode": "history", "layout": "dead_slot"}
-        out += [(f"intentkv-{s}", b, {**pruned, "scorer": s}) for s in INTENT]
-        out.append(("intentkv-learned-adaptive", b, {**pruned, "scorer": "learned", "budget_mode": "adaptive"}))
-        out += [(s, b, {**pruned, "scorer": s}) for s in BASELINES]
+        out += [Method(f"intentkv-{s}", b, {**pruned, "scorer": s}) for s in INTENT]
+        out.append(Method("intentkv-learned-adaptive", b, {**pruned, "scorer": "learned", "budget_mode": "adaptive"}))
+        out += [Method(s, b, {**pruned, "scorer": s}) for s in BASELINES]
+    retrieve = {"mode": "retrieve", "top_k": MEMORY_TOP_K, "store": False}
+    out += [Method("kv memory", None, {**full, "memory": retrieve}, "question"),
+            Method("kv memory + keep", None, {**full, "memory": {**retrieve, "recompute": "keep"}}, "question"),
+            Method("text retrieval", None, full, "text")]  # fmt: skip
     return out
 
 
@@ -81,29 +112,34 @@ def _logprobs(entries) -> dict[int, float]:
     return {tok: lp for lp, tok, *_ in entries}
 
 
-def score_point(server, pt: P.Point, field: dict, ref: dict | None) -> dict:
-    """Per gold position: the gold token's log-probability, the argmax, and the log-probabilities
-    of the reference's top tokens (with `ref`) or the top TOP_K (without: this is the reference)."""
+def score_point(server, pt: P.Point, prompt: list[int], field: dict, ref: dict | None) -> dict:
+    """Per gold position, with `prompt` before the gold action: the gold token's log-probability,
+    the argmax, and the log-probabilities of the reference's top tokens (with `ref`) or the top
+    TOP_K (without: this is the reference)."""
     n = len(pt.gold)
     top = TOP_K if ref is None else 1
     asked = sorted({pt.gold[0], *(t for t, _ in ref["top"][0])}) if ref else [pt.gold[0]]
-    a = generate(server, {"input_ids": pt.history, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+    a = generate(server, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
                           "return_logprob": True, "top_logprobs_num": top, "token_ids_logprob": asked,
                           "sgl_memory": field})  # fmt: skip
     first = _logprobs(a["output_token_ids_logprobs"][0])
+    mem = a.get("sgl_memory") or {}
     out = {"gold": [first[pt.gold[0]]], "argmax": [a["output_top_logprobs"][0][0][1]], "ids": [first],
            "top": [[[t, lp] for lp, t, *_ in a["output_top_logprobs"][0]]],
-           "live_kv": (a.get("sgl_memory") or {}).get("live_kv_tokens", len(pt.history) + 2) - 2}  # fmt: skip
+           # pruning reports what stayed live; placed memory blocks are live KV besides the prompt
+           "live_kv": mem.get("live_kv_tokens", len(prompt) + 2) - 2 + mem.get("memory_kv_tokens", 0)}  # fmt: skip
     if n > 1:
         asked = sorted({*pt.gold, *(t for pos in ref["top"][1:] for t, _ in pos)}) if ref else sorted(set(pt.gold))
-        b = generate(server, {"input_ids": pt.history + pt.gold, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                              "return_logprob": True, "logprob_start_len": len(pt.history), "top_logprobs_num": top,
+        b = generate(server, {"input_ids": prompt + pt.gold, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                              "return_logprob": True, "logprob_start_len": len(prompt), "top_logprobs_num": top,
                               "token_ids_logprob": asked, "sgl_memory": {**field, "readonly": True}})  # fmt: skip
         # entry i is the token at len(history) + i; the first (gold[0], predicted by the prompt's
         # last row, which B does not compute) came from A
         tops, ids = b["input_top_logprobs"][1:n], b["input_token_ids_logprobs"][1:n]
         if len(tops) != n - 1:
             raise RuntimeError(f"{pt.label}: {len(tops)} input log-probabilities for {n - 1} gold tokens")
+        if (b.get("sgl_memory") or {}).get("retrieved_spans") != mem.get("retrieved_spans"):
+            raise RuntimeError(f"{pt.label}: the gold action was scored over other memory blocks than the agent's request read")
         for i, (pos_top, pos_ids) in enumerate(zip(tops, ids), 1):
             got = _logprobs(pos_ids)
             out["gold"].append(got[pt.gold[i]])
@@ -121,19 +157,20 @@ def kl_rest(ref_top: list[list], method: dict[int, float]) -> float:
     return sum(a * (math.log(a) - math.log(max(b, 1e-30))) for a, b in zip(p, q) if a > 0) + p_rest * math.log(p_rest / q_rest)
 
 
-def score_trajectory(server, traj: P.Trajectory, field: dict, refs: list[dict] | None) -> list[dict]:
+def score_trajectory(server, traj: P.Trajectory, method: Method, field: dict, refs: list[dict] | None) -> list[dict]:
     """The trajectory's points in order in one session; `refs`: the reference's per point (None:
     this is the reference, whose rows keep its top tokens for the others)."""
     rows = []
     for i, pt in enumerate(traj.points):
         t0 = time.perf_counter()
-        s = score_point(server, pt, field, None if refs is None else refs[i])
+        prompt = pt.history if method.prompt == "history" else pt.alternates[method.prompt]
+        s = score_point(server, pt, prompt, field, None if refs is None else refs[i])
         if refs is None:
             rows.append({"point": i, "gold": s["gold"], "argmax": s["argmax"], "top": s["top"], "live_kv": s["live_kv"]})
             continue
         r = refs[i]
         rows.append({
-            "point": i, "label": pt.label, "gold_tokens": len(pt.gold), "history_tokens": len(pt.history),
+            "point": i, "label": pt.label, "gold_tokens": len(pt.gold), "history_tokens": len(pt.history), "prompt_tokens": len(prompt),
             "live_kv": s["live_kv"], "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
             "full_match": s["argmax"] == r["argmax"],
             "token_agreement": sum(a == b for a, b in zip(s["argmax"], r["argmax"])) / len(pt.gold), "kl": sum(kl_rest(rt, m) for rt, m in zip(r["top"], s["ids"])) / len(pt.gold),
@@ -260,15 +297,16 @@ def run(args, points_path: Path, refs_path: Path) -> None:
             trajs += P.bfcl(tokenizer, args.bfcl_per_category)
         else:
             trajs += P.locomo(tokenizer, args.locomo_conversations, args.locomo_questions)
-    ms = [m for m in methods(args.budgets) if args.methods is None or m[0] in (*args.methods, REFERENCE)]
+    ms = [m for m in methods(args.budgets) if args.methods is None or m.name in (*args.methods, REFERENCE)]
     done = {(r["trajectory"], r["method"], r["budget"]) for r in read_rows(points_path)}
-    todo = [(t, m) for t in trajs for m in ms[1:] if (t.id, m[0], m[1]) not in done]
+    todo = [(t, m) for t in trajs for m in ms[1:] if (t.id, m.name, m.budget) not in done and servable(t, m)]
     run_id = f"fid-{int(time.time())}"  # fresh sessions per run: a resumed run never meets an old session's path
     logs = Path(tempfile.gettempdir()) / "sgl-memory-fidelity"
     logs.mkdir(exist_ok=True)
     (logs / "config.yaml").write_text(CONFIG)
     cmd = harness.our_command(args.model, "--memory-config", str(logs / "config.yaml"), "--max-total-tokens", str(args.max_total_tokens))
     server = harness.start(cmd, logs / "server.log")
+    memories: set[str] = set()  # groups whose memory this run has ingested
     try:
         with tqdm(total=sum(len(t.points) for t, _ in todo), desc="points x methods", disable=None) as bar:
             for traj in trajs:
@@ -278,21 +316,31 @@ def run(args, points_path: Path, refs_path: Path) -> None:
                 # the reference runs first in every run: the others start from its KV and are scored
                 # against this run's reference (each point row keeps the reference's figures it used)
                 bar.set_description(f"{traj.id} {REFERENCE}")
-                ref = score_trajectory(server, traj, {"session_id": f"{run_id}:{traj.id}:ref", **ms[0][2]}, None)
+                ref = score_trajectory(server, traj, ms[0], {"session_id": f"{run_id}:{traj.id}:ref", **ms[0].fields}, None)
                 with refs_path.open("a") as f:
                     f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
-                for name, budget, fields in mine:
-                    bar.set_description(f"{traj.id} {name}@{budget}")
-                    tag = "".join(c if c.isalnum() else "-" for c in name)  # session ids take no spaces
-                    field = {"session_id": f"{run_id}:{traj.id}:{tag}@{budget}", **fields}
-                    rows = score_trajectory(server, traj, field, ref)
+                for m in mine:
+                    bar.set_description(f"{traj.id} {m.name}@{m.budget}")
+                    tag = "".join(c if c.isalnum() else "-" for c in m.name)  # session ids take no spaces
+                    session = f"{run_id}:{traj.group}:memory" if m.shared else f"{run_id}:{traj.id}:{tag}@{m.budget}"
+                    if m.shared and traj.group not in memories:
+                        bar.set_description(f"{traj.group} ingest")
+                        generate(server, {"input_ids": traj.ingest, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                          "sgl_memory": {"session_id": session, **ms[0].fields}})  # fmt: skip
+                        memories.add(traj.group)
+                    rows = score_trajectory(server, traj, m, {"session_id": session, **m.fields}, ref)
                     with points_path.open("a") as f:
                         for r in rows:
-                            f.write(json.dumps({"workload": traj.workload, "trajectory": traj.id, "method": name, "budget": budget,
+                            f.write(json.dumps({"workload": traj.workload, "trajectory": traj.id, "method": m.name, "budget": m.budget,
                                                 "commit": commit(), **r}) + "\n")  # fmt: skip
                     bar.update(len(rows))
     finally:
         harness.stop(server)
+
+
+def servable(traj: P.Trajectory, m: Method) -> bool:
+    """Whether the trajectory's points carry the method's prompt (and its memory)."""
+    return m.prompt == "history" or (all(m.prompt in pt.alternates for pt in traj.points) and (not m.shared or traj.ingest is not None))
 
 
 def main(argv=None) -> None:

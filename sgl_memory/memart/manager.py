@@ -493,7 +493,9 @@ def line_ends(tokenizer) -> frozenset[int]:
 def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, tokenizer) -> list[int]:
     """The prompt positions whose queries score the blocks: every one (`all`); the last user turn
     (`query`); or its text (`text`): the turn without its chat markup (special tokens, the role
-    name on a message opener's line, whitespace), which would match every block that holds markup."""
+    name on a message opener's line, whitespace), which would match every block that holds markup,
+    up to the next message (a prompt that continues an assistant turn, or a readonly request that
+    scores one, retrieves for the question, not for the answer it holds)."""
     if mode == "all":
         return list(range(len(ids)))
     turn = list(range(spans.query_start, len(ids)))
@@ -502,6 +504,8 @@ def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, to
     special = set(getattr(tokenizer, "all_special_ids", ()))
     text, header = [], False
     for i in turn:
+        if ids[i] == markers.opener and i > spans.query_start:
+            break  # the turn ends where the next message opens: an assistant turn's text is not the query
         piece = tokenizer.decode([ids[i]])
         if ids[i] == markers.opener:
             header = True  # the role name that follows runs to the end of its line
