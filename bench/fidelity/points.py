@@ -7,9 +7,10 @@ Sources:
 - `bfcl`: BFCL multi-turn development tasks (base, miss_func, miss_param; never long_context)
   replayed along their ground truth through BFCL's back-ends (bench/agent/bfcl.py); a point is
   every step whose gold action is a tool call (the turn-ending reply has no gold text);
-- `locomo`: LoCoMo dev questions (categories 1-4), each its own trajectory of one point, asked as
-  `bench/locomo` asks them: the prompt holds the whole transcript and the question (what the
-  reference and the pruning methods serve), the gold action is the dataset's answer. A point also
+- `locomo`: LoCoMo dev questions (categories 1-4, `bench/locomo`'s stratified pick), each its own
+  trajectory of one point: the prompt is the whole transcript as one user message, acknowledged,
+  then the question (what the reference and the pruning methods serve), the gold action is the
+  dataset's answer. A point also
   carries the prompts of the methods that replace the transcript (`alternates`): the question
   alone (KV memory places retrieved blocks before it; the memory is the conversation, ingested once
   per `group`) and the question over the turns text retrieval picks within the same KV budget.
@@ -97,6 +98,16 @@ def bfcl(tokenizer, per_category: int, skip: int = 0) -> list[Trajectory]:
     return out
 
 
+def _asked(context: str | None, question: str) -> list[dict]:
+    """The messages of a LoCoMo question: the conversation (or an excerpt) is a user message of
+    its own, acknowledged, before the question's, so that pruning, which keeps the latest user
+    message whole, can drop it; without a context, the question alone (KV memory's prompt)."""
+    from bench.locomo import prompts
+
+    before = [] if context is None else [{"role": "user", "content": prompts.CONTEXT_HEADER + context}, {"role": "assistant", "content": "Noted."}]
+    return [{"role": "system", "content": prompts.SYSTEM}, *before, {"role": "user", "content": f"Question: {question}"}]
+
+
 def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -> list[Trajectory]:
     from bench.locomo import data, metrics, prompts
     from bench.locomo.retrieval import TurnRetriever
@@ -109,11 +120,14 @@ def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -
         ingest = prompts.ingest_ids(tokenizer, transcript)
         retriever = TurnRetriever(embedder, tokenizer, turns)
         for q in data.stratified(data.questions(samples[c], c), questions, seed):
-            messages = prompts.messages(prompts.context_question(transcript, q.question))
-            pt = point(tokenizer, messages, {"role": "assistant", "content": str(q.answer)}, None, f"q{q.qa_index} cat{q.category}")
+            answer, label = {"role": "assistant", "content": str(q.answer)}, f"q{q.qa_index} cat{q.category}"
+            pt = point(tokenizer, _asked(transcript, q.question), answer, None, label)
             excerpt = data.render(retriever.pick(q.question, TEXT_BUDGET))
-            pt.alternates = {"question": prompts.question_only(tokenizer, q.question),
-                             "text": prompts.with_context(tokenizer, excerpt, q.question)}  # fmt: skip
+            for name, context in (("question", None), ("text", excerpt)):
+                other = point(tokenizer, _asked(context, q.question), answer, None, label)
+                if other.gold != pt.gold:  # gold log-likelihoods compare only over the same tokens
+                    raise ValueError(f"{label}: the template renders the answer differently after the {name} prompt")
+                pt.alternates[name] = other.history
             out.append(Trajectory("locomo", f"conv{c}-q{q.qa_index}", [pt], f"conv{c}", ingest))
     return out
 

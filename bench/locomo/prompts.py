@@ -13,21 +13,14 @@ SYSTEM = "Answer the question about the conversation in a short phrase."
 CONTEXT_HEADER = "Conversation:\n"
 
 
-def messages(user: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-
-
 def chat_ids(tokenizer, user: str) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
     # transformers 5 returns a BatchEncoding unless return_dict=False
-    return list(tokenizer.apply_chat_template(messages(user), tokenize=True, add_generation_prompt=True, return_dict=False))
-
-
-def context_question(context: str, question: str) -> str:
-    return f"{CONTEXT_HEADER}{context}\n\nQuestion: {question}"
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
 
 
 def with_context(tokenizer, context: str, question: str) -> list[int]:
-    return chat_ids(tokenizer, context_question(context, question))
+    return chat_ids(tokenizer, f"{CONTEXT_HEADER}{context}\n\nQuestion: {question}")
 
 
 def question_only(tokenizer, question: str) -> list[int]:
