@@ -132,6 +132,34 @@ def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_serv
     assert again["output_ids"] == first["output_ids"]
 
 
+def logprobs(server, ids, memory, **params):
+    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                  "return_logprob": True, **params, "sgl_memory": memory})  # fmt: skip
+    assert r.status_code == 200, r.text
+    return [lp for lp, *_ in r.json()["meta_info"]["input_token_logprobs"]]
+
+
+def test_input_logprobs_of_a_memory_request_are_its_own_tokens(mem_server, tok, stated):
+    """logprob_start_len counts in the client's prompt: with every block placed first, the answer's
+    input log-probabilities equal those of the plain request holding the session's whole path (the
+    same KV at the same positions); after the system message and without a start, there are as
+    many as plain SGLang returns for the client's prompt."""
+    answer = tok.encode("Your cat is called Pepper.<|im_end|>", add_special_tokens=False)
+    q = tok.encode(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    memory = {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=1000)}
+    got = logprobs(mem_server, q + answer, memory, logprob_start_len=len(q))
+    want = logprobs(mem_server, stated["ref"] + q + answer, {"session_id": "s", "tenant": "ref"}, logprob_start_len=len(stated["ref"] + q))
+    assert len(got) == len(want) == len(answer)
+    # the first is the prompt's last row's, which a cached prompt does not compute (None in both)
+    assert max(abs(a - b) for a, b in zip(got[1:], want[1:])) < 2e-3
+    plain = {"session_id": "s", "tenant": "ref"}
+    assert len(logprobs(mem_server, q, memory)) == len(logprobs(mem_server, q, plain))
+    s = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
+    after = {**memory, "memory": retrieve(top_k=4, placement="after_system")}
+    assert len(logprobs(mem_server, s + answer, after, logprob_start_len=len(s))) == len(answer)
+    assert len(logprobs(mem_server, s, after)) == len(logprobs(mem_server, s, plain))
+
+
 def test_blocks_after_the_system_message(mem_server, tok, stated):
     """placement after_system: [system message][blocks][question]; the system message's KV is the
     probe's, so only the question after it is prefilled, and the assembly composes with the tree."""

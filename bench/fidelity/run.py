@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.fidelity [--quick] [--workloads bfcl locomo] [--budgets 32 128]
 
-All methods run on one sgl-memory server with intent, memory and keep on, each trajectory in one session per method
-(sessions keep their pruned paths apart; what a path held before its first pruning is shared, so
+All methods run on one sgl-memory server with intent on (KV memory's on a second one, after),
+each trajectory in one session per method (sessions keep their pruned paths apart; what a path held before its first pruning is shared, so
 every method starts from the reference's own KV). At each point, as the server does it for an agent:
 - request A is the agent's request there (the gold history, rendered by the chat template): its
   prefill, over the session's path as earlier points' events left it, gives the distribution of
@@ -54,15 +54,11 @@ from sgl_memory import harness, models
 from . import points as P
 
 TOP_K = 20  # reference log-probabilities per gold position: the KL's support
-CONFIG = """\
-intent:
-  enabled: true
-  budget_floor: 16
-memory:
-  enabled: true
-keep:
-  enabled: true
-"""
+CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
+# KV memory's methods run on a server of their own (after the others): with memory on, every
+# full-history request of a session is recorded into its pool, a worker pass over the whole
+# transcript per pruned session that the pruning methods do not need
+MEMORY_CONFIG = CONFIG + "memory:\n  enabled: true\nkeep:\n  enabled: true\n"
 BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
 INTENT = ("memory", "query", "learned")
 REFERENCE = "full cache"
@@ -80,9 +76,10 @@ class Method:
     prompt: str = "history"  # the point's prompt it serves: the history, or one of Point.alternates
 
     @property
-    def shared(self) -> bool:
-        """Its session is the trajectory group's memory (ingested once), not the trajectory's own."""
-        return self.prompt == "question"
+    def recalls(self) -> bool:
+        """It serves from KV memory: its session is the trajectory group's memory (ingested once),
+        not the trajectory's own, on the memory server."""
+        return "memory" in self.fields
 
 
 def methods(budgets: list[int]) -> list[Method]:
@@ -108,6 +105,13 @@ def generate(server, body: dict) -> dict:
     return r.json()["meta_info"]
 
 
+def _memory(field: dict, readonly: bool = False) -> dict:
+    """The request's sgl_memory field; none for a sessionless (plain) request."""
+    if "session_id" not in field:
+        return {"sgl_memory": field} if field else {}
+    return {"sgl_memory": {**field, "readonly": True} if readonly else field}
+
+
 def _logprobs(entries) -> dict[int, float]:
     return {tok: lp for lp, tok, *_ in entries}
 
@@ -120,25 +124,24 @@ def score_point(server, pt: P.Point, prompt: list[int], field: dict, ref: dict |
     top = TOP_K if ref is None else 1
     asked = sorted({pt.gold[0], *(t for t, _ in ref["top"][0])}) if ref else [pt.gold[0]]
     a = generate(server, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-                          "return_logprob": True, "top_logprobs_num": top, "token_ids_logprob": asked,
-                          "sgl_memory": field})  # fmt: skip
+                          "return_logprob": True, "top_logprobs_num": top, "token_ids_logprob": asked, **_memory(field)})  # fmt: skip
     first = _logprobs(a["output_token_ids_logprobs"][0])
     mem = a.get("sgl_memory") or {}
     out = {"gold": [first[pt.gold[0]]], "argmax": [a["output_top_logprobs"][0][0][1]], "ids": [first],
            "top": [[[t, lp] for lp, t, *_ in a["output_top_logprobs"][0]]],
-           # pruning reports what stayed live; placed memory blocks are live KV besides the prompt
-           "live_kv": mem.get("live_kv_tokens", len(prompt) + 2) - 2 + mem.get("memory_kv_tokens", 0)}  # fmt: skip
+           # intent reports what stayed live of the request's tokens, placed memory blocks included
+           "live_kv": mem["live_kv_tokens"] - 2 if "live_kv_tokens" in mem else len(prompt) + mem.get("memory_kv_tokens", 0)}  # fmt: skip
     if n > 1:
         asked = sorted({*pt.gold, *(t for pos in ref["top"][1:] for t, _ in pos)}) if ref else sorted(set(pt.gold))
         b = generate(server, {"input_ids": prompt + pt.gold, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                               "return_logprob": True, "logprob_start_len": len(prompt), "top_logprobs_num": top,
-                              "token_ids_logprob": asked, "sgl_memory": {**field, "readonly": True}})  # fmt: skip
+                              "token_ids_logprob": asked, **_memory(field, readonly=True)})  # fmt: skip
         # entry i is the token at len(history) + i; the first (gold[0], predicted by the prompt's
         # last row, which B does not compute) came from A
         tops, ids = b["input_top_logprobs"][1:n], b["input_token_ids_logprobs"][1:n]
         if len(tops) != n - 1:
             raise RuntimeError(f"{pt.label}: {len(tops)} input log-probabilities for {n - 1} gold tokens")
-        if (b.get("sgl_memory") or {}).get("retrieved_spans") != mem.get("retrieved_spans"):
+        if "memory" in field and (b.get("sgl_memory") or {}).get("retrieved_spans") != mem.get("retrieved_spans"):
             raise RuntimeError(f"{pt.label}: the gold action was scored over other memory blocks than the agent's request read")
         for i, (pos_top, pos_ids) in enumerate(zip(tops, ids), 1):
             got = _logprobs(pos_ids)
@@ -303,44 +306,55 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     run_id = f"fid-{int(time.time())}"  # fresh sessions per run: a resumed run never meets an old session's path
     logs = Path(tempfile.gettempdir()) / "sgl-memory-fidelity"
     logs.mkdir(exist_ok=True)
-    (logs / "config.yaml").write_text(CONFIG)
-    cmd = harness.our_command(args.model, "--memory-config", str(logs / "config.yaml"), "--max-total-tokens", str(args.max_total_tokens))
-    server = harness.start(cmd, logs / "server.log")
-    memories: set[str] = set()  # groups whose memory this run has ingested
-    try:
-        with tqdm(total=sum(len(t.points) for t, _ in todo), desc="points x methods", disable=None) as bar:
-            for traj in trajs:
-                mine = [m for t, m in todo if t is traj]
-                if not mine:
-                    continue
-                # the reference runs first in every run: the others start from its KV and are scored
-                # against this run's reference (each point row keeps the reference's figures it used)
-                bar.set_description(f"{traj.id} {REFERENCE}")
-                ref = score_trajectory(server, traj, ms[0], {"session_id": f"{run_id}:{traj.id}:ref", **ms[0].fields}, None)
-                with refs_path.open("a") as f:
-                    f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
-                for m in mine:
-                    bar.set_description(f"{traj.id} {m.name}@{m.budget}")
-                    tag = "".join(c if c.isalnum() else "-" for c in m.name)  # session ids take no spaces
-                    session = f"{run_id}:{traj.group}:memory" if m.shared else f"{run_id}:{traj.id}:{tag}@{m.budget}"
-                    if m.shared and traj.group not in memories:
-                        bar.set_description(f"{traj.group} ingest")
-                        generate(server, {"input_ids": traj.ingest, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                                          "sgl_memory": {"session_id": session, **ms[0].fields}})  # fmt: skip
-                        memories.add(traj.group)
-                    rows = score_trajectory(server, traj, m, {"session_id": session, **m.fields}, ref)
-                    with points_path.open("a") as f:
-                        for r in rows:
-                            f.write(json.dumps({"workload": traj.workload, "trajectory": traj.id, "method": m.name, "budget": m.budget,
-                                                "commit": commit(), **r}) + "\n")  # fmt: skip
-                    bar.update(len(rows))
-    finally:
-        harness.stop(server)
+    with tqdm(total=sum(len(t.points) for t, _ in todo), desc="points x methods", disable=None) as bar:
+        for recalls, config in ((False, CONFIG), (True, MEMORY_CONFIG)):
+            phase = [(t, m) for t, m in todo if m.recalls == recalls]
+            if phase:
+                (logs / "config.yaml").write_text(config)
+                cmd = harness.our_command(args.model, "--memory-config", str(logs / "config.yaml"), "--max-total-tokens", str(args.max_total_tokens))
+                server = harness.start(cmd, logs / "server.log")
+                try:
+                    serve(server, trajs, phase, ms[0], f"{run_id}{'-memory' if recalls else ''}", points_path, refs_path, bar)
+                finally:
+                    harness.stop(server)
+
+
+def serve(server, trajs: list[P.Trajectory], todo: list[tuple], ref_method: Method, run_id: str, points_path: Path, refs_path: Path,
+          bar) -> None:  # fmt: skip
+    memories: set[str] = set()  # groups whose memory this server holds
+    for traj in trajs:
+        mine = [m for t, m in todo if t is traj]
+        if not mine:
+            continue
+        # the reference runs first on every server: the others start from its KV and are scored
+        # against this run's reference (each point row keeps the reference's figures it used). On
+        # the memory server it has no session, so nothing of it is recorded.
+        bar.set_description(f"{traj.id} {REFERENCE}")
+        sessionless = all(m.recalls for m in mine)
+        field = {} if sessionless else {"session_id": f"{run_id}:{traj.id}:ref", **ref_method.fields}
+        ref = score_trajectory(server, traj, ref_method, field, None)
+        with refs_path.open("a") as f:
+            f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
+        for m in mine:
+            bar.set_description(f"{traj.id} {m.name}@{m.budget}")
+            tag = "".join(c if c.isalnum() else "-" for c in m.name)  # session ids take no spaces
+            session = f"{run_id}:{traj.group}:memory" if m.recalls else f"{run_id}:{traj.id}:{tag}@{m.budget}"
+            if m.recalls and traj.group not in memories:
+                bar.set_description(f"{traj.group} ingest")
+                generate(server, {"input_ids": traj.ingest, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                  "sgl_memory": {"session_id": session, **ref_method.fields}})  # fmt: skip
+                memories.add(traj.group)
+            rows = score_trajectory(server, traj, m, {"session_id": session, **m.fields}, ref)
+            with points_path.open("a") as f:
+                for r in rows:
+                    f.write(json.dumps({"workload": traj.workload, "trajectory": traj.id, "method": m.name, "budget": m.budget,
+                                        "commit": commit(), **r}) + "\n")  # fmt: skip
+            bar.update(len(rows))
 
 
 def servable(traj: P.Trajectory, m: Method) -> bool:
     """Whether the trajectory's points carry the method's prompt (and its memory)."""
-    return m.prompt == "history" or (all(m.prompt in pt.alternates for pt in traj.points) and (not m.shared or traj.ingest is not None))
+    return m.prompt == "history" or (all(m.prompt in pt.alternates for pt in traj.points) and (not m.recalls or traj.ingest is not None))
 
 
 def main(argv=None) -> None:

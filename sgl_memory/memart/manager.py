@@ -325,6 +325,11 @@ class MemArtManager(mechanism.Mechanism):
             req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks, units), state.recompute)
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
+        # SGLang resolved the client's logprob_start_len against the prompt it sent (it also caps
+        # the prefix match there): from the system message on, the prompt now sits after the blocks,
+        # so input log-probabilities stay those of the client's own tokens
+        if req.logprob_start_len >= system:
+            req.logprob_start_len += len(tokens) - system
         req.extra_key = extra_key
         state.memory_start, state.memory_end, state.retrieved_blocks = system, len(tokens), len(blocks)
         if state.turn_start >= system:
