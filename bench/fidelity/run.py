@@ -306,6 +306,7 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     run_id = f"fid-{int(time.time())}"  # fresh sessions per run: a resumed run never meets an old session's path
     logs = Path(tempfile.gettempdir()) / "sgl-memory-fidelity"
     logs.mkdir(exist_ok=True)
+    refs: dict[str, list[dict]] = {}  # the reference per trajectory, computed once per run
     with tqdm(total=sum(len(t.points) for t, _ in todo), desc="points x methods", disable=None) as bar:
         for recalls, config in ((False, CONFIG), (True, MEMORY_CONFIG)):
             phase = [(t, m) for t, m in todo if m.recalls == recalls]
@@ -314,27 +315,29 @@ def run(args, points_path: Path, refs_path: Path) -> None:
                 cmd = harness.our_command(args.model, "--memory-config", str(logs / "config.yaml"), "--max-total-tokens", str(args.max_total_tokens))
                 server = harness.start(cmd, logs / "server.log")
                 try:
-                    serve(server, trajs, phase, ms[0], f"{run_id}{'-memory' if recalls else ''}", points_path, refs_path, bar)
+                    serve(server, trajs, phase, ms[0], f"{run_id}{'-memory' if recalls else ''}", points_path, refs_path, refs, bar)
                 finally:
                     harness.stop(server)
 
 
 def serve(server, trajs: list[P.Trajectory], todo: list[tuple], ref_method: Method, run_id: str, points_path: Path, refs_path: Path,
-          bar) -> None:  # fmt: skip
+          refs: dict[str, list[dict]], bar) -> None:  # fmt: skip
     memories: set[str] = set()  # groups whose memory this server holds
     for traj in trajs:
         mine = [m for t, m in todo if t is traj]
         if not mine:
             continue
-        # the reference runs first on every server: the others start from its KV and are scored
-        # against this run's reference (each point row keeps the reference's figures it used). On
-        # the memory server it has no session, so nothing of it is recorded.
-        bar.set_description(f"{traj.id} {REFERENCE}")
-        sessionless = all(m.recalls for m in mine)
-        field = {} if sessionless else {"session_id": f"{run_id}:{traj.id}:ref", **ref_method.fields}
-        ref = score_trajectory(server, traj, ref_method, field, None)
-        with refs_path.open("a") as f:
-            f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
+        # the reference runs first: the pruning methods start from its KV and every method is scored
+        # against this run's reference (each point row keeps the reference's figures it used). The
+        # memory server reuses the first server's (fresh servers answer alike: test_determinism_server)
+        # or computes it without a session, so nothing of it is recorded.
+        ref = refs.get(traj.id)
+        if ref is None or not all(m.recalls for m in mine):
+            bar.set_description(f"{traj.id} {REFERENCE}")
+            field = {} if all(m.recalls for m in mine) else {"session_id": f"{run_id}:{traj.id}:ref", **ref_method.fields}
+            ref = refs[traj.id] = score_trajectory(server, traj, ref_method, field, None)
+            with refs_path.open("a") as f:
+                f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
         for m in mine:
             bar.set_description(f"{traj.id} {m.name}@{m.budget}")
             tag = "".join(c if c.isalnum() else "-" for c in m.name)  # session ids take no spaces
