@@ -37,7 +37,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from bench.common import commit, write_json
+from bench.common import bootstrap, commit, write_json
 from sgl_memory import harness, models
 
 from . import data, metrics, prompts
@@ -361,21 +361,36 @@ def _mean(rows: list[dict], name: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def summarize(results: Results, convs: list[Conversation]) -> dict:
-    """Means per variant and per category, over this run's questions only, so variants compare like for like."""
-    asked = {(q.conversation, q.qa_index) for c in convs for q in c.questions}
+def summarize(results: Results, convs: list[Conversation] | None) -> dict:
+    """Means per variant and per category, over this run's questions only (None: every row), so
+    variants compare like for like."""
+    asked = None if convs is None else {(q.conversation, q.qa_index) for c in convs for q in c.questions}
     by_label: dict[str, list[dict]] = {}
     for row in results.data["rows"].values():
-        if (row["conversation"], row["qa_index"]) in asked:
+        if asked is None or (row["conversation"], row["qa_index"]) in asked:
             by_label.setdefault(row["variant"], []).append(row)
+    text = next((rows for label, rows in by_label.items() if label.startswith("text-")), [])
     summary = {}
     for label, rows in by_label.items():
         cats = sorted({r["category"] for r in rows})
-        summary[label] = {"n": len(rows), **{m: _mean(rows, m) for m in MEANS},
+        summary[label] = {"n": len(rows), **{m: _mean(rows, m) for m in MEANS}, **intervals(rows, text),
                           "by_category": {str(c): {"n": sum(r["category"] == c for r in rows),
                                                    **{m: _mean([r for r in rows if r["category"] == c], m) for m in ("f1", "bleu1", "sim")}}
                                           for c in cats}}  # fmt: skip
     return summary
+
+
+def intervals(rows: list[dict], text: list[dict]) -> dict:
+    """95% bootstrap intervals over questions: F1, and F1 paired against text retrieval on the
+    questions both answered."""
+    _, low, high = bootstrap([[r["f1"]] for r in rows])
+    out = {"f1_ci": [low, high]}
+    theirs = {(r["conversation"], r["qa_index"]): r["f1"] for r in text}
+    pairs = [[r["f1"] - theirs[r["conversation"], r["qa_index"]]] for r in rows if (r["conversation"], r["qa_index"]) in theirs]
+    if pairs and rows is not text:
+        out["f1_vs_text"], low, high = bootstrap(pairs)
+        out["f1_vs_text_ci"], out["n_vs_text"] = [low, high], len(pairs)
+    return out
 
 
 def ingest_cost(results: Results) -> dict[str, float]:
@@ -412,6 +427,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--data", type=Path, default=data.DATA)
     ap.add_argument("--out", type=Path, default=RESULTS / "locomo.json")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing results file")
+    ap.add_argument("--report-only", action="store_true", help="print the table of every row in --out, with intervals; run and write nothing")
     ap.add_argument("--table", type=Path, default=None,
                     help="also write the per-variant summary here as a list `rows` (with a plot beside it)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -433,10 +449,13 @@ def _fmt(x, spec: str) -> str:
 def report(result: dict, vs_order: list[str], ingest: dict[str, float]) -> None:
     """The table, with seconds per question: the cost a reader compares first."""
     summary = result["summary"]
-    print(f"{'variant':48} {'n':>4} {'F1':>6} {'BLEU1':>6} {'sim':>6} {'recall':>6} {'prefill':>8} {'KV dec':>7} {'TTFT':>6} {'s/q':>7}")
+    print(f"{'variant':48} {'n':>4} {'F1':>6} {'95% CI':>13} {'vs text':>21} {'BLEU1':>6} {'sim':>6} {'recall':>6} {'prefill':>8} "
+          f"{'KV dec':>7} {'TTFT':>6} {'s/q':>7}")  # fmt: skip
     for label in sorted(summary, key=lambda s: (vs_order.index(s) if s in vs_order else len(vs_order), s)):
         s = summary[label]
-        print(f"{label:48} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {_fmt(s['bleu1'], '6.3f')} {_fmt(s['sim'], '6.3f')} "
+        ci = "[{:.3f}, {:.3f}]".format(*s["f1_ci"]) if "f1_ci" in s else "-"
+        vs = "{:+.3f} [{:+.3f}, {:+.3f}]".format(s["f1_vs_text"], *s["f1_vs_text_ci"]) if "f1_vs_text" in s else "-"
+        print(f"{label:48} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {ci:>13} {vs:>21} {_fmt(s['bleu1'], '6.3f')} {_fmt(s['sim'], '6.3f')} "
               f"{_fmt(s['evidence_recall'], '6.3f')} {_fmt(s['prefill_tokens'], '8.0f')} {_fmt(s['kv_decode_tokens'], '7.0f')} "
               f"{_fmt(s['ttft_s'], '6.2f')} {_fmt(s['wall_s'], '7.2f')}")  # fmt: skip
     for bs, seconds in ingest.items():
@@ -447,6 +466,11 @@ def main(argv=None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args(argv)
+    if args.report_only:
+        results = Results(args.out, None, True)
+        results.data.update(json.loads(args.out.read_text()))
+        report({"summary": summarize(results, None)}, [], results.data.get("ingest_s_per_conversation", {}))
+        return
     from transformers import AutoTokenizer
 
     from .plot import plot, plot_recompute
