@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.fidelity [--quick] [--workloads bfcl locomo] [--budgets 32 128]
 
 All methods run on one sgl-memory server with intent on (KV memory's on a second one, after),
-each trajectory in one session per method (sessions keep their pruned paths apart; what a path held before its first pruning is shared, so
-every method starts from the reference's own KV). At each point, as the server does it for an agent:
+each trajectory in one session per method (sessions keep their pruned paths apart; what a path
+held before its first pruning is shared, so every method starts from the reference's own KV).
+At each point, as the server does it for an agent:
 - request A is the agent's request there (the gold history, rendered by the chat template): its
   prefill, over the session's path as earlier points' events left it, gives the distribution of
   the gold action's first token (the agent's first token is sampled from the prefill), and its
@@ -17,9 +18,10 @@ agent's next request would. Where a workload's points carry them (LoCoMo), KV me
 retrieval serve the same gold action from other prompts: KV memory the question alone over the
 blocks it retrieves from the conversation's memory (one session per conversation, ingested once;
 `store: false`, so questions stay independent; B must retrieve the blocks A did), with and without
-KEEP's repair; text retrieval the question over the turns MiniLM picks within the same 1024 tokens. The reference is the full cache (a budget no request reaches) in its
-own session, run first; a second full-cache session measures what numerics alone move (it prefills
-the latest message over the reference's cached prefix, in other chunks).
+KEEP's repair; text retrieval the question over the turns MiniLM picks within the same 1024
+tokens. The reference is the full cache (a budget no request reaches) in its own session, run
+first; a second full-cache session measures what numerics alone move (it prefills the latest
+message over the reference's cached prefix, in other chunks).
 
 Per point and method (`<out>.points.jsonl`, appended as each trajectory ends; a re-run skips what it
 holds):
