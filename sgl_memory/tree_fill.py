@@ -48,11 +48,19 @@ def pool_layers(pool) -> range:
 
 
 def alloc(tree, n: int) -> torch.Tensor | None:
+    """n fresh slots, evicting for them; None when the tree cannot free enough."""
     allocator = tree.token_to_kv_pool_allocator
     if n == 0:
         return torch.zeros(0, dtype=torch.int64)
     if allocator.available_size() < n:
         tree.evict(EvictParams(num_tokens=n - allocator.available_size()))
+        # SGLang holds the frees of a batch's result processing in a free group until it ends, and
+        # intent's compression event runs inside one: what eviction just freed would not count
+        # until then (on a full pool every event failed). Ending the group and opening a new one
+        # hands them back now; the group's caller still ends it.
+        if allocator.available_size() < n and getattr(allocator, "free_group", None) is not None:
+            allocator.free_group_end()
+            allocator.free_group_begin()
     return allocator.alloc(n) if allocator.available_size() >= n else None
 
 

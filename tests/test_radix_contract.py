@@ -319,6 +319,29 @@ def test_every_mode_keeps_the_plain_radix_cache_contract(mode, page_size, tmp_pa
         check()
 
 
+def test_fresh_slots_come_from_eviction_inside_a_free_group(tmp_path):
+    """tree_fill.alloc on a full pool inside a deferred free group (intent's compression event runs
+    in SGLang's result processing, which opens one): the slots eviction frees are handed out at
+    once, the group still ends where its caller ends it, and every slot of the pool is accounted
+    for (held by the caller, the tree, or free)."""
+    from sgl_memory import tree_fill
+
+    allocator = real_allocator(1)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=1)
+    tree = SglMemoryRadixCache(params, mode_config("intent", tmp_path), tree_context(tmp_path))
+    held = 1  # the pruning sentinel
+    for first in range(3):  # three evictable paths fill the pool
+        n = allocator.available_size() if first == 2 else (POOL_TOKENS - held) // 3
+        tree.insert(InsertParams(key=RadixKey([first] + [9] * (n - 1)), value=allocator.alloc(n).to(torch.int64)))
+    assert allocator.available_size() == 0
+    allocator.free_group_begin()
+    slots = tree_fill.alloc(tree, 40)
+    assert slots is not None and len(set(slots.tolist())) == 40
+    assert allocator.free_group is not None  # still open: its caller ends it
+    allocator.free_group_end()
+    assert allocator.available_size() + tree.evictable_size() + tree.protected_size() + 40 == POOL_TOKENS
+
+
 def test_sentinel_safe_allocator_forwards_each_free_variant():
     """free_full / free_segment / their batched forms reach the same variant of the real allocator
     (an SWA allocator's free_full must not free the SWA slot), with the sentinel's entries cut out

@@ -132,7 +132,8 @@ def score_point(server, pt: P.Point, prompt: list[int], field: dict, ref: dict |
     out = {"gold": [first[pt.gold[0]]], "argmax": [a["output_top_logprobs"][0][0][1]], "ids": [first],
            "top": [[[t, lp] for lp, t, *_ in a["output_top_logprobs"][0]]],
            # intent reports what stayed live of the request's tokens, placed memory blocks included
-           "live_kv": mem["live_kv_tokens"] - 2 if "live_kv_tokens" in mem else len(prompt) + mem.get("memory_kv_tokens", 0)}  # fmt: skip
+           "live_kv": mem["live_kv_tokens"] - 2 if "live_kv_tokens" in mem else len(prompt) + mem.get("memory_kv_tokens", 0),
+           "events": mem.get("compression_events", 0)}  # fmt: skip
     if n > 1:
         asked = sorted({*pt.gold, *(t for pos in ref["top"][1:] for t, _ in pos)}) if ref else sorted(set(pt.gold))
         b = generate(server, {"input_ids": prompt + pt.gold, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
@@ -176,7 +177,7 @@ def score_trajectory(server, traj: P.Trajectory, method: Method, field: dict, re
         r = refs[i]
         rows.append({
             "point": i, "label": pt.label, "gold_tokens": len(pt.gold), "history_tokens": len(pt.history), "prompt_tokens": len(prompt),
-            "live_kv": s["live_kv"], "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
+            "live_kv": s["live_kv"], "events": s["events"], "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
             "full_match": s["argmax"] == r["argmax"],
             "token_agreement": sum(a == b for a, b in zip(s["argmax"], r["argmax"])) / len(pt.gold), "kl": sum(kl_rest(rt, m) for rt, m in zip(r["top"], s["ids"])) / len(pt.gold),
             "ref_gold_logprob": sum(r["gold"]), "ref_gold_match": r["argmax"] == pt.gold, "wall_s": time.perf_counter() - t0,
