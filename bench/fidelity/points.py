@@ -10,11 +10,11 @@ Sources:
 - `locomo`: LoCoMo dev questions (categories 1-4, `bench/locomo`'s stratified pick), each its own
   trajectory of one point: the prompt is the whole transcript as one user message, acknowledged,
   then the question (what the reference and the pruning methods serve), the gold action is the
-  dataset's answer. A point also
-  carries the prompts of the methods that replace the transcript (`alternates`): the question
-  alone (KV memory places retrieved blocks before it; the memory is the conversation, ingested once
-  per `group`) and the question over the turns text retrieval picks within the same KV budget.
-  Questions are independent (one session each), so the intervals resample questions.
+  dataset's answer. A point also carries the prompts of the methods that replace the transcript
+  (`alternates`): the question alone (KV memory places retrieved blocks before it; the memory is
+  the conversation, ingested once per `group`) and the question after the turns text retrieval
+  picks within the same KV budget. Questions are independent (one session each), so the intervals
+  resample questions (of three conversations: they say nothing of other conversations).
 """
 
 from __future__ import annotations
@@ -104,7 +104,9 @@ def _asked(context: str | None, question: str) -> list[dict]:
     message whole, can drop it; without a context, the question alone (KV memory's prompt)."""
     from bench.locomo import prompts
 
-    before = [] if context is None else [{"role": "user", "content": prompts.CONTEXT_HEADER + context}, {"role": "assistant", "content": "Noted."}]
+    before = []
+    if context is not None:
+        before = [{"role": "user", "content": prompts.CONTEXT_HEADER + context}, {"role": "assistant", "content": "Noted."}]
     return [{"role": "system", "content": prompts.SYSTEM}, *before, {"role": "user", "content": f"Question: {question}"}]
 
 
