@@ -17,9 +17,9 @@ The next point's A then prefills the gold action and the new messages over that 
 agent's next request would. Where a workload's points carry them (LoCoMo), KV memory and text
 retrieval serve the same gold action from other prompts: KV memory the question alone over the
 blocks it retrieves from the conversation's memory (one session per conversation, ingested once;
-`store: false`, so questions stay independent; B must retrieve the blocks A did), with and without
-KEEP's repair; text retrieval the question over the turns MiniLM picks within the same 1024
-tokens. The reference is the full cache (a budget no request reaches) in its own session, run
+`store: false`, so questions stay independent; rows record whether B retrieved the blocks A
+did), with and without KEEP's repair; text retrieval the question over the turns MiniLM picks
+within the same 1024 tokens. The reference is the full cache (a budget no request reaches) in its own session, run
 first; a second full-cache session measures what numerics alone move (it prefills the latest
 message over the reference's cached prefix, in other chunks).
 
@@ -144,8 +144,9 @@ def score_point(server, pt: P.Point, prompt: list[int], field: dict, ref: dict |
         tops, ids = b["input_top_logprobs"][1:n], b["input_token_ids_logprobs"][1:n]
         if len(tops) != n - 1:
             raise RuntimeError(f"{pt.label}: {len(tops)} input log-probabilities for {n - 1} gold tokens")
-        if "memory" in field and (b.get("sgl_memory") or {}).get("retrieved_spans") != mem.get("retrieved_spans"):
-            raise RuntimeError(f"{pt.label}: the gold action was scored over other memory blocks than the agent's request read")
+        # B's probe prefills the gold action too: bf16 rounding in the longer pass can flip a
+        # near-tie of the block ranking, so B may read other blocks than A (recorded, not hidden)
+        out["same_blocks"] = (b.get("sgl_memory") or {}).get("retrieved_spans") == mem.get("retrieved_spans")
         for i, (pos_top, pos_ids) in enumerate(zip(tops, ids), 1):
             got = _logprobs(pos_ids)
             out["gold"].append(got[pt.gold[i]])
@@ -177,7 +178,7 @@ def score_trajectory(server, traj: P.Trajectory, method: Method, field: dict, re
         r = refs[i]
         rows.append({
             "point": i, "label": pt.label, "gold_tokens": len(pt.gold), "history_tokens": len(pt.history), "prompt_tokens": len(prompt),
-            "live_kv": s["live_kv"], "events": s["events"], "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
+            "live_kv": s["live_kv"], "events": s["events"], "same_blocks": s.get("same_blocks", True), "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
             "full_match": s["argmax"] == r["argmax"],
             "token_agreement": sum(a == b for a, b in zip(s["argmax"], r["argmax"])) / len(pt.gold), "kl": sum(kl_rest(rt, m) for rt, m in zip(r["top"], s["ids"])) / len(pt.gold),
             "ref_gold_logprob": sum(r["gold"]), "ref_gold_match": r["argmax"] == pt.gold, "wall_s": time.perf_counter() - t0,
