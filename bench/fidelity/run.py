@@ -67,6 +67,7 @@ REFERENCE = "full cache"
 NOISE = "full cache (2nd session)"
 METRICS = ("gold_logprob", "gold_match", "full_match", "token_agreement", "kl")
 DEFAULT = "intentkv-memory"  # the server's default scorer: every other method is also paired against it
+TEXT = "text retrieval"  # the baseline KV memory must beat (issue 29): paired against it where it ran
 MEMORY_TOP_K = 64  # blocks of 16: the KV memory places 1024 tokens, text retrieval picks as many (points.TEXT_BUDGET)
 
 
@@ -96,7 +97,7 @@ def methods(budgets: list[int]) -> list[Method]:
     retrieve = {"mode": "retrieve", "top_k": MEMORY_TOP_K, "store": False}
     out += [Method("kv memory", None, {**full, "memory": retrieve}, "question"),
             Method("kv memory + keep", None, {**full, "memory": {**retrieve, "recompute": "keep"}}, "question"),
-            Method("text retrieval", None, full, "text")]  # fmt: skip
+            Method(TEXT, None, full, "text")]  # fmt: skip
     return out
 
 
@@ -108,10 +109,8 @@ def generate(server, body: dict) -> dict:
 
 
 def _memory(field: dict, readonly: bool = False) -> dict:
-    """The request's sgl_memory field; none for a sessionless (plain) request."""
-    if "session_id" not in field:
-        return {"sgl_memory": field} if field else {}
-    return {"sgl_memory": {**field, "readonly": True} if readonly else field}
+    """The request's sgl_memory field (readonly needs a session: a sessionless one changes nothing)."""
+    return {"sgl_memory": {**field, "readonly": True} if readonly and "session_id" in field else field}
 
 
 def _logprobs(entries) -> dict[int, float]:
@@ -209,25 +208,26 @@ def aggregate(rows: list[dict], seed: int = 0) -> list[dict]:
         for m, ref in (("gold_logprob", "ref_gold_logprob"), ("gold_match", "ref_gold_match")):
             row[f"{m}_vs_full"], row[f"{m}_vs_full_ci_low"], row[f"{m}_vs_full_ci_high"] = ci(lambda r, m=m, ref=ref: float(r[m]) - float(r[ref]))
         row["ref_gold_match"] = sum(r["ref_gold_match"] for r in rs) / len(rs)
-        row.update(_versus_default(rs, groups.get((workload, DEFAULT, budget), []), seed))
+        row.update(_versus(rs, groups.get((workload, DEFAULT, budget), []), "default", seed))
+        row.update(_versus(rs, next((g for (w, m, _), g in groups.items() if w == workload and m == TEXT), []), "text", seed))
         out.append(row)
     return out
 
 
-def _versus_default(rs: list[dict], default: list[dict], seed: int) -> dict:
-    """The paired difference (method - the default scorer) of gold log-likelihood and KL over the
-    points both scored, with its bootstrap interval over trajectories."""
-    theirs = {(r["trajectory"], r["point"]): r for r in default}
+def _versus(rs: list[dict], other: list[dict], tag: str, seed: int) -> dict:
+    """The paired difference (method - other) of gold log-likelihood and KL over the points both
+    scored, with its bootstrap interval over trajectories (keys `*_vs_<tag>`)."""
+    theirs = {(r["trajectory"], r["point"]): r for r in other}
     clusters: dict[str, list[tuple[dict, dict]]] = {}
     for r in rs:
         if (r["trajectory"], r["point"]) in theirs:
             clusters.setdefault(r["trajectory"], []).append((r, theirs[r["trajectory"], r["point"]]))
-    if not clusters or rs[0]["method"] == DEFAULT:
+    if not clusters or rs is other:
         return {}
-    out = {"n_vs_default": sum(len(c) for c in clusters.values())}
+    out = {f"n_vs_{tag}": sum(len(c) for c in clusters.values())}
     for m in ("gold_logprob", "kl"):
         d = bootstrap([[float(a[m]) - float(b[m]) for a, b in c] for c in clusters.values()], seed)
-        out[f"{m}_vs_default"], out[f"{m}_vs_default_ci_low"], out[f"{m}_vs_default_ci_high"] = d
+        out[f"{m}_vs_{tag}"], out[f"{m}_vs_{tag}_ci_low"], out[f"{m}_vs_{tag}_ci_high"] = d
     return out
 
 
@@ -243,13 +243,14 @@ def table(rows: list[dict]) -> str:
                      f"| {ci(r, 'gold_logprob', '.2f')} | {ci(r, 'gold_logprob_vs_full', '+.2f')} | {ci(r, 'gold_match', '.3f')} "
                      f"| {ci(r, 'gold_match_vs_full', '+.3f')} | {ci(r, 'full_match', '.3f')} | {ci(r, 'token_agreement', '.3f')} "
                      f"| {ci(r, 'kl', '.2g')} |")  # fmt: skip
-    paired = [r for r in rows if "n_vs_default" in r]
-    if paired:
-        lines += ["", f"Paired against {DEFAULT} at the same budget (method - {DEFAULT}; positive log-likelihood and negative KL are better):", "",
-                  "| workload | method | budget | N | gold log-lik. | KL |", "|---|---|---|---|---|---|"]  # fmt: skip
-        for r in paired:
-            lines.append(f"| {r['workload']} | {r['method']} | {r['budget']} | {r['n_vs_default']} | {ci(r, 'gold_logprob_vs_default', '+.2f')} "
-                         f"| {ci(r, 'kl_vs_default', '+.3f')} |")  # fmt: skip
+    for tag, other in (("default", f"{DEFAULT} at the same budget"), ("text", f"{TEXT} on the same questions")):
+        paired = [r for r in rows if f"n_vs_{tag}" in r]
+        if paired:
+            lines += ["", f"Paired against {other} (method - it; positive log-likelihood and negative KL are better):", "",
+                      "| workload | method | budget | N | gold log-lik. | KL |", "|---|---|---|---|---|---|"]  # fmt: skip
+            for r in paired:
+                lines.append(f"| {r['workload']} | {r['method']} | {r['budget'] or '-'} | {r[f'n_vs_{tag}']} "
+                             f"| {ci(r, f'gold_logprob_vs_{tag}', '+.2f')} | {ci(r, f'kl_vs_{tag}', '+.3f')} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -338,7 +339,8 @@ def serve(server, trajs: list[P.Trajectory], todo: list[tuple], ref_method: Meth
         ref = refs.get(traj.id)
         if ref is None or not all(m.recalls for m in mine):
             bar.set_description(f"{traj.id} {REFERENCE}")
-            field = {} if all(m.recalls for m in mine) else {"session_id": f"{run_id}:{traj.id}:ref", **ref_method.fields}
+            # sessionless, it still names the full budget: the server's default budget would prune it
+            field = dict(ref_method.fields) if all(m.recalls for m in mine) else {"session_id": f"{run_id}:{traj.id}:ref", **ref_method.fields}
             ref = refs[traj.id] = score_trajectory(server, traj, ref_method, field, None)
             with refs_path.open("a") as f:
                 f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
