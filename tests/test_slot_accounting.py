@@ -74,6 +74,7 @@ class FakeReq:
         self.customized_info = None
         self.skip_radix_cache_insert = False
         self.return_logprob = False
+        self.logprob_start_len = -1  # SGLang's value without log-probabilities
         self.cached_tokens = 0
         self.done = False
         spec = {"budget": budget, "scorer": "random", **field}
