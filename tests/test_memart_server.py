@@ -132,6 +132,21 @@ def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_serv
     assert again["output_ids"] == first["output_ids"]
 
 
+def test_a_prompt_that_carries_its_answer_retrieves_for_the_question(mem_server, tok, stated):
+    """The probe stops at the header of the message after the question: a prompt that goes on
+    into an assistant turn (continued, or teacher-forced to score an answer) probes the question's
+    tokens only, so it retrieves the blocks the question alone does, and its own tokens are all
+    there after them."""
+    q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
+    answer = tok.encode("Your cat is called Pepper.<|im_end|>", add_special_tokens=False)
+    memory = {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)}
+    alone = generate(mem_server, q, memory)["meta_info"]
+    carried = generate(mem_server, q + answer, memory)["meta_info"]
+    assert carried["sgl_memory"]["probe_tokens"] == alone["sgl_memory"]["probe_tokens"] == len(q)
+    assert carried["sgl_memory"]["retrieved_spans"] == alone["sgl_memory"]["retrieved_spans"]
+    assert carried["prompt_tokens"] == alone["prompt_tokens"] + len(answer)
+
+
 def logprobs(server, ids, memory, **params):
     r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                                   "return_logprob": True, **params, "sgl_memory": memory})  # fmt: skip

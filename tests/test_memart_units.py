@@ -16,7 +16,7 @@ from sgl_memory.request import SpecError, parse
 from sgl_memory.kernels.aabb_score import aabb_scores
 from sgl_memory.spans import RoleMarkers, find_spans
 from sgl_memory.memart.blocks import MemArtPool, pieces
-from sgl_memory.memart.manager import assemble, choose, scoring_positions, unrotate
+from sgl_memory.memart.manager import assemble, choose, probe_end, scoring_positions, unrotate
 from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, score_blocks, top_blocks
 from sgl_memory.rope import Rope
 
@@ -154,6 +154,10 @@ def test_text_scoring_positions_leave_out_the_chat_markup():
     assert scoring_positions(answered, find_spans(answered, markers, len(answered)), "text", markers, tok) == text
     assert scoring_positions(ids, spans, "query", markers, tok) == list(range(spans.query_start, len(ids)))
     assert scoring_positions(ids, spans, "all", markers, tok) == list(range(len(ids)))
+    # the probe computes the prompt an ordinary request ends with, and no further
+    answered_spans = find_spans(answered, markers, len(answered))
+    assert probe_end(ids, spans, "text", markers, tok) == probe_end(answered, answered_spans, "text", markers, tok) == len(ids)
+    assert probe_end(answered, answered_spans, "all", markers, tok) == len(answered)
 
 
 # --- decoupled positions -----------------------------------------------------------------------

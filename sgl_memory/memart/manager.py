@@ -227,7 +227,15 @@ class MemArtManager(mechanism.Mechanism):
     def _admit_probe(self, scheduler, req, owner, probe_id: str | None) -> None:
         ids = list(req.origin_input_ids)
         spans = self._spans(scheduler, ids)
-        scoring = scoring_positions(ids, spans, self.config.score_tokens, self.markers, getattr(scheduler, "tokenizer", None))
+        tokenizer = getattr(scheduler, "tokenizer", None)
+        end = probe_end(ids, spans, self.config.score_tokens, self.markers, tokenizer)
+        if end < len(ids):
+            # nothing past the turn scores the blocks; a longer prefill would only round the
+            # queries differently in bf16 (and the same question could retrieve other blocks)
+            ids = ids[:end]
+            req.origin_input_ids = req.origin_input_ids_unpadded = array("q", ids)
+            req.logprob_start_len = min(req.logprob_start_len, end - 1)
+        scoring = scoring_positions(ids, spans, self.config.score_tokens, self.markers, tokenizer)
         probe = Probe(owner, scoring, self.layers, len(ids), spans.system_end)
         req.sgl_memart = TurnState(owner, "probe")
         # a key of its own: the probe must compute every token (no prefix hit) and leave nothing behind
@@ -493,6 +501,19 @@ def line_ends(tokenizer) -> frozenset[int]:
     """The token ids whose text ends a line (memory.cut lines)."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     return frozenset(i for i, text in enumerate(texts) if text.endswith("\n"))
+
+
+def probe_end(ids: list[int], spans, mode: str, markers: RoleMarkers, tokenizer) -> int:
+    """How much of the prompt the probe computes: the question's turn and the header line of the
+    message that opens after it, where an ordinary prompt ends. A prompt that goes on (an assistant
+    turn continued, or one a readonly request teacher-forces) is cut there; with `all` scoring
+    every position scores, so nothing is cut."""
+    if mode == "all" or tokenizer is None:
+        return len(ids)
+    after = next((i for i in range(spans.query_start + 1, len(ids)) if ids[i] == markers.opener), None)
+    if after is None:
+        return len(ids)
+    return next((j + 1 for j in range(after + 1, len(ids)) if "\n" in tokenizer.decode([ids[j]])), len(ids))
 
 
 def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, tokenizer) -> list[int]:
