@@ -5,7 +5,7 @@ Retrieval scores blocks with the prompt's queries at every layer, which exist on
 has gone through the model. So the hook first sends the same prompt as a prefill-only request (the
 probe); the scheduler captures its queries (memart/manager.py). Then the request itself goes out
 with the probe's id, and the scheduler retrieves with those queries before admitting it. The probe
-costs one prefill of the request's own tokens, reported as `probe_tokens`.
+costs one prefill of the request's tokens up to its question, reported as `probe_tokens`.
 """
 
 from __future__ import annotations
