@@ -11,9 +11,18 @@ The question names one item and asks for one exact value of it. With `hops` 2 or
 reached through other outputs, one question per hop as an agent takes them, each earlier hop
 asked and answered (gold) before the last: which user made a request (a log line), the city of
 that user's order (an order record), the founding year of a place in that city (a search result).
-The 0.5B default model answers almost none of them when asked to chain the hops in one question. `depth` places the first hop's output at that share of
-the session's steps (later hops follow it in order). Lengths are reached by the number of steps,
-each output about 250-450 tokens.
+The 0.5B default model answers almost none of them when asked to chain the hops in one question.
+A one-hop session asks one question before the last, about the latest output that holds no
+needle, answered (gold): every session ends on an answered question before its own, as the
+multi-hop ones do (on the default model this took one-hop accuracy at 2k from 5 to 9 of 12,
+the same sessions). `depth` places the first hop's output at that share of the session's steps
+(later hops follow it in order). Lengths are reached by the number of steps, each output about
+100-150 tokens.
+
+An item is named by a key that no other item of the session shares a word with: order ids,
+request ids, customer ids and file names each take a word from `KEYS` that the session uses
+once. Keys built from a few short lists (colour-animal ids, hex request ids) left near-duplicates
+among the dozens of items of a 2k session, and the small model answered from the neighbour.
 """
 
 from __future__ import annotations
@@ -46,8 +55,13 @@ SERVICES = ["api-gateway", "billing", "auth", "search", "checkout", "notificatio
 REGIONS = ["north", "south", "east", "west", "central", "coastal", "alpine", "islands"]
 WORDS = ["alpha", "beta", "ledger", "q3", "draft", "final", "backup", "export", "summary", "invoice", "audit", "notes", "plan"]
 TOPICS = ["company", "bridge", "observatory", "festival", "library", "railway", "museum", "stadium", "harbour", "university"]
-COLOURS = ["amber", "cobalt", "crimson", "olive", "ivory", "teal", "violet", "scarlet", "indigo", "silver", "copper", "jade"]
-ANIMALS = ["fox", "heron", "otter", "lynx", "falcon", "badger", "moth", "orca", "wren", "bison", "gecko", "newt", "crane", "ibex"]
+KEYS = """apricot birch cedar dahlia ember falcon garnet harbor iris juniper kestrel lagoon maple nectar onyx
+pepper quartz raven saffron thistle umber velvet willow yarrow zephyr acorn basil clover dune elm fern glacier hazel
+indigo jasmine kelp lotus mango nutmeg oak pebble quill reed sage tulip violet walnut almond bramble canyon delta
+ebony fjord gorse heather ivy jade kale lily moss nettle olive pine quince rowan spruce tansy vale wheat yew alder
+bay cobalt daisy fig ginger holly islet jet kiwi larch mint nova orchid plum rye sorrel teak upland vetch wren
+amber blossom coral dove echo flint grove hickory inlet jasper krill laurel marble nimbus opal poplar ridge slate
+topaz valley willet yucca aspen beacon cliff drift fennel granite hemlock iceberg juno kingfisher lichen meadow""".split()
 SHAPES = ("orders", "logs", "files", "search")
 # with tools offered, the small models call one instead of answering unless told (DESIGN.md)
 ANSWER_ONLY = " Do not call a tool: reply with the value only."
@@ -65,10 +79,18 @@ class Session:
 
 
 class Ids:
-    """Unique ids of each kind within one session, so a distractor never shares the needle's id."""
+    """Unique ids within one session, so a distractor never shares the needle's id, and key words
+    that each name one item of the session (a second round suffixes them: "fern2")."""
 
     def __init__(self, rng: random.Random):
-        self.rng, self.used = rng, set()
+        self.rng, self.used, self.rounds, self.words = rng, set(), 0, []
+
+    def word(self) -> str:
+        if not self.words:
+            self.rounds += 1
+            self.words = [w + (str(self.rounds) if self.rounds > 1 else "") for w in KEYS]
+            self.rng.shuffle(self.words)
+        return self.words.pop()
 
     def make(self, fmt) -> str:
         while True:
@@ -81,21 +103,19 @@ class Ids:
 def _order(rng, ids: Ids, customer: str | None = None) -> dict:
     # the fields a question looks up follow the field it names: the item the order id, the city the customer
     # ids of words, not digits: the 0.5B default model tells five-digit ids apart badly (measured)
-    return {"order_id": ids.make(lambda r: f"ORD-{r.choice(COLOURS)}-{r.choice(ANIMALS)}"), "item": rng.choice(ITEMS),
-            "customer_id": customer or ids.make(lambda r: f"cust-{r.choice(ANIMALS)}-{r.randrange(10, 99)}"), "city": rng.choice(CITIES),
+    return {"order_id": f"ORD-{ids.word()}", "item": rng.choice(ITEMS), "customer_id": customer or f"cust-{ids.word()}", "city": rng.choice(CITIES),
             "total": f"{rng.randrange(5, 900)}.{rng.randrange(10, 99)}", "status": rng.choice(STATUS)}  # fmt: skip
 
 
 def _log(rng, ids: Ids, service: str, user: str | None = None) -> dict:
     return {"time": f"2024-0{rng.randrange(1, 9)}-{rng.randrange(10, 28)}T{rng.randrange(10, 23)}:{rng.randrange(10, 59)}:{rng.randrange(10, 59)}Z",
-            "request": ids.make(lambda r: f"R-{r.randrange(16**4, 16**5):X}"),
-            "user": user or ids.make(lambda r: f"cust-{r.choice(ANIMALS)}-{r.randrange(10, 99)}"),
+            "request": f"R-{ids.word()}", "user": user or f"cust-{ids.word()}",
             "status": str(rng.choice([200, 200, 200, 201, 204, 301, 400, 401, 403, 404, 409, 429, 500, 502, 503])),
             "latency": str(rng.randrange(3, 2400)), "service": service}  # fmt: skip
 
 
 def _file(rng, ids: Ids) -> dict:
-    name = ids.make(lambda r: f"{r.choice(WORDS)}_{r.choice(WORDS)}_{r.randrange(10, 99)}.{r.choice(['pdf', 'csv', 'txt', 'xlsx'])}")
+    name = f"{ids.word()}_{rng.choice(WORDS)}.{rng.choice(['pdf', 'csv', 'txt', 'xlsx'])}"
     return {"name": name, "owner": f"{rng.choice(FIRST)} {rng.choice(LAST)}", "size": str(rng.randrange(100, 9999)),
             "date": f"{rng.choice(['Jan', 'Feb', 'Mar', 'Apr', 'May', 'Jun'])} {rng.randrange(10, 28)} {rng.randrange(10, 23)}:{rng.randrange(10, 59)}"}  # fmt: skip
 
@@ -112,13 +132,13 @@ def render(shape: str, items: list[dict]) -> str:
     if shape == "logs":
         return "\n".join(f"{i['time']} {i['service']} req={i['request']} user={i['user']} status={i['status']} latency_ms={i['latency']}" for i in items)
     if shape == "files":
-        return "name | owner | size_bytes | modified\n" + "\n".join(f"{i['name']} | {i['owner']} | {i['size']} | {i['date']}" for i in items)
+        return "| name | owner | size_bytes | modified |\n" + "\n".join(f"| {i['name']} | {i['owner']} | {i['size']} | {i['date']} |" for i in items)
     return "\n".join(f"[{n + 1}] {i['title']} - {i['subject'][0].upper() + i['subject'][1:]} was founded in {i['year']}. ({i['source']})"
                      for n, i in enumerate(items))  # fmt: skip
 
 
-def _step(shape: str, rng, ids: Ids, n: int, needles: list[dict] = ()) -> tuple[dict, str]:
-    """One tool call and its output: n items of the shape, the needles among them at random places."""
+def _step(shape: str, rng, ids: Ids, n: int, needles: list[dict] = ()) -> tuple[dict, list[dict]]:
+    """One tool call and its output's items: n of the shape, the needles among them at random places."""
     arg = {"orders": rng.choice(REGIONS), "logs": rng.choice(SERVICES), "files": f"/data/{rng.choice(WORDS)}", "search": rng.choice(TOPICS)}[shape]
     make = {"orders": lambda: _order(rng, ids), "logs": lambda: _log(rng, ids, arg), "files": lambda: _file(rng, ids),
             "search": lambda: _snippet(rng, ids)}[shape]  # fmt: skip
@@ -128,7 +148,18 @@ def _step(shape: str, rng, ids: Ids, n: int, needles: list[dict] = ()) -> tuple[
             needle["service"] = arg
         items.insert(rng.randrange(len(items) + 1), needle)
     name = TOOL_OF[shape]
-    return {"name": name, "arguments": {ARGUMENT_OF[name]: arg}}, render(shape, items)
+    return {"name": name, "arguments": {ARGUMENT_OF[name]: arg}}, items
+
+
+def ask(shape: str, item: dict) -> tuple[str, str]:
+    """The one-hop question that names the item by its key, and its answer."""
+    if shape == "orders":
+        return f'Which item was bought in order "{item["order_id"]}"?', item["item"]
+    if shape == "logs":
+        return f"Which user made the request with req={item['request']}?", item["user"]
+    if shape == "files":
+        return f"Who owns the file {item['name']}?", item["owner"]
+    return f"According to the search results, in what year was {item['subject']} founded?", item["year"]
 
 
 ITEMS_PER_OUTPUT = {"orders": 2, "logs": 2, "files": 2, "search": 2}
@@ -141,45 +172,40 @@ def generate(seed: int, steps: int, shape: str, hops: int, depth: float) -> Sess
     at = min(steps - hops, round(depth * (steps - hops)))
     needles: dict[int, tuple[str, list[dict]]] = {}
     if hops == 1:
-        if shape == "orders":
-            item = _order(rng, ids)
-            question, answer = f"Which item was bought in order {item['order_id']}?", item["item"]
-        elif shape == "logs":
-            item = _log(rng, ids, "")
-            question, answer = f"Which user made request {item['request']}?", item["user"]
-        elif shape == "files":
-            item = _file(rng, ids)
-            question, answer = f"Who owns the file {item['name']}?", item["owner"]
-        else:
-            item = _snippet(rng, ids)
-            question, answer = f"According to the search results, in what year was {item['subject']} founded?", item["year"]
+        item = {"orders": lambda: _order(rng, ids), "logs": lambda: _log(rng, ids, ""), "files": lambda: _file(rng, ids),
+                "search": lambda: _snippet(rng, ids)}[shape]()  # fmt: skip
+        question, answer = ask(shape, item)
         needles[at] = (shape, [item])
+        chain = [(question, answer)]
     else:  # a log line names a user, that user's order a city, a search result about the city a year
-        user = ids.make(lambda r: f"cust-{r.choice(ANIMALS)}-{r.randrange(10, 99)}")
+        user = f"cust-{ids.word()}"
         log = _log(rng, ids, "", user)
         order = _order(rng, ids, customer=user)
         needles[at] = ("logs", [log])
         needles[at + 1] = ("orders", [order])
-        chain = [(f"Which user made request {log['request']}?", user),
-                 (f"In which city is the order of customer {user}?", order["city"])]  # fmt: skip
+        chain = [ask("logs", log), (f'In which city is the order of customer "{user}"?', order["city"])]
         if hops == 3:
             snippet = _snippet(rng, ids, order["city"])
             needles[at + 2] = ("search", [snippet])
-            chain.append((f"According to the search results, in what year was {snippet['subject']} founded?", snippet["year"]))
+            chain.append(ask("search", snippet))
         question, answer = chain[-1]
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
-    needed = []
+    needed, outputs = [], []
     for s in range(steps):
         kind, planted = needles.get(s) or (rng.choice(SHAPES), [])
         if planted:
             needed.append(s)
-        call, output = _step(kind, rng, ids, ITEMS_PER_OUTPUT[kind], planted)
+        call, items = _step(kind, rng, ids, ITEMS_PER_OUTPUT[kind], planted)
+        outputs.append((kind, items))
         cid = f"call_{s}"
         messages.append({"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function", "function": call}]})
-        messages.append({"role": "tool", "tool_call_id": cid, "content": output})
-    if hops > 1:  # the earlier hops as the agent takes them: asked, and answered (gold), before the last
-        for q, a in chain[:-1]:
-            messages += [{"role": "user", "content": q + ANSWER_ONLY}, {"role": "assistant", "content": a}]
+        messages.append({"role": "tool", "tool_call_id": cid, "content": render(kind, items)})
+    if hops == 1:  # the warm-up: the latest needle-free output's first item whose answer is not the gold one
+        asked = [ask(kind, item) for s, (kind, items) in reversed(list(enumerate(outputs))) if s not in needed for item in items]
+        chain.insert(0, next(qa for qa in asked if qa[1] != answer))
+    # the earlier questions as the agent takes them: asked, and answered (gold), before the last
+    for q, a in chain[:-1]:
+        messages += [{"role": "user", "content": q + ANSWER_ONLY}, {"role": "assistant", "content": a}]
     messages.append({"role": "user", "content": question + ANSWER_ONLY})
     return Session(seed, shape, hops, depth, messages, answer, needed)
 
