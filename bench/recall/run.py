@@ -13,7 +13,8 @@ budget the pruning scorers on `dead_slot` (IntentKV memory / query / learned, Sn
 StreamingLLM, random). Each method's sessions run in a tenant of their own.
 
 Files: `bench/results/recall.rows.jsonl` (one row per session and method, appended; a re-run skips
-what it holds), `recall.json` (accuracy per length and method with 95% bootstrap intervals, effective
+what it holds), `recall.json` (accuracy per length and method with 95% bootstrap intervals, paired
+differences against the full cache and against the default scorer at the same budget, effective
 live KV, prefix hit, wall), `recall.md`, `recall.png`.
 """
 
@@ -34,6 +35,7 @@ from . import sessions as S
 
 CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
 SCORERS = ("memory", "query", "learned", "snapkv", "h2o", "streaming_llm", "random")
+DEFAULT = "memory"  # the server's default scorer
 HOPS = (1, 2, 1, 3)  # half one hop
 DEPTHS = (0.1, 0.5, 0.9)
 ANSWER_TOKENS = 32
@@ -104,6 +106,13 @@ def _share(rows: list[dict], key: str, value) -> float | None:
     return sum(r["correct"] for r in rs) / len(rs) if rs else None
 
 
+def _paired(rs: list[dict], against: list[dict]) -> tuple:
+    """Accuracy minus the other method's on the same sessions, with its interval (None where none is shared)."""
+    other = {r["seed"]: r["correct"] for r in against}
+    diffs = [[float(r["correct"]) - float(other[r["seed"]])] for r in rs if r["seed"] in other]
+    return (*bootstrap(diffs), len(diffs)) if diffs and rs is not against else (None, None, None, 0)
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -111,11 +120,12 @@ def aggregate(rows: list[dict]) -> list[dict]:
     out = []
     for (length, method), rs in sorted(groups.items()):
         acc, lo, hi = bootstrap([[float(r["correct"])] for r in rs])
-        full = {r["seed"]: r["correct"] for r in groups.get((length, "full"), [])}
-        paired = [[float(r["correct"]) - float(full[r["seed"]])] for r in rs if r["seed"] in full]
-        vs_full = bootstrap(paired) if paired and method != "full" else (None, None, None)
+        vs_full = _paired(rs, groups.get((length, "full"), []))
+        budget = method.partition("@")[2]  # the default scorer at the same budget: what part 5 of issue 29 must beat
+        vs_default = _paired(rs, groups.get((length, f"{DEFAULT}@{budget}"), [])) if budget else (None, None, None, 0)
         out.append({"length": length, "method": method, "n": len(rs), "accuracy": acc, "ci_low": lo, "ci_high": hi,
-                    "vs_full": vs_full[0], "vs_full_ci_low": vs_full[1], "vs_full_ci_high": vs_full[2], "n_paired": len(paired),
+                    "vs_full": vs_full[0], "vs_full_ci_low": vs_full[1], "vs_full_ci_high": vs_full[2], "n_paired": vs_full[3],
+                    "vs_default": vs_default[0], "vs_default_ci_low": vs_default[1], "vs_default_ci_high": vs_default[2],
                     "by_hops": {h: _share(rs, "hops", h) for h in (1, 2, 3)}, "by_shape": {k: _share(rs, "shape", k) for k in S.SHAPES},
                     "prompt_tokens": sum(r["prompt_tokens"] for r in rs) / len(rs), "eff_live_kv": sum(r["live_kv"] for r in rs) / len(rs),
                     "prefix_hit": sum(r["prefix_hit"] for r in rs) / len(rs), "wall_s": sum(r["wall_s"] for r in rs) / len(rs)})  # fmt: skip
@@ -126,14 +136,14 @@ def table(rows: list[dict]) -> str:
     def shares(d: dict) -> str:
         return " / ".join("-" if v is None else f"{v:.2f}" for v in d.values())
 
-    def diff(r: dict) -> str:
-        return "-" if r["vs_full"] is None else f"{r['vs_full']:+.2f} [{r['vs_full_ci_low']:+.2f}, {r['vs_full_ci_high']:+.2f}]"
+    def diff(r: dict, key: str) -> str:
+        return "-" if r[key] is None else f"{r[key]:+.2f} [{r[key + '_ci_low']:+.2f}, {r[key + '_ci_high']:+.2f}]"
 
-    lines = [f"| length | method | N | accuracy [95% CI] | vs full, paired | 1 / 2 / 3 hops | one hop: {' / '.join(S.SHAPES)} | prompt | live KV | prefix hit "
-             "| s / session |", "|" + "---|" * 11]  # fmt: skip
+    lines = [f"| length | method | N | accuracy [95% CI] | vs full, paired | vs {DEFAULT}, paired | 1 / 2 / 3 hops | one hop: {' / '.join(S.SHAPES)} "
+             "| prompt | live KV | prefix hit | s / session |", "|" + "---|" * 12]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['length']} | {r['method']} | {r['n']} | {r['accuracy']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] "
-                     f"| {diff(r)} | {shares(r['by_hops'])} | {shares(r['by_shape'])} | {r['prompt_tokens']:.0f} | {r['eff_live_kv']:.0f} "
+                     f"| {diff(r, 'vs_full')} | {diff(r, 'vs_default')} | {shares(r['by_hops'])} | {shares(r['by_shape'])} | {r['prompt_tokens']:.0f} | {r['eff_live_kv']:.0f} "
                      f"| {r['prefix_hit']:.2f} | {r['wall_s']:.1f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
