@@ -137,12 +137,19 @@ def render(shape: str, items: list[dict]) -> str:
                      for n, i in enumerate(items))  # fmt: skip
 
 
+def _item(shape: str, rng, ids: Ids, service: str = "") -> dict:
+    """One item of the shape (a log line's service is its step's, set where it is placed)."""
+    if shape == "orders":
+        return _order(rng, ids)
+    if shape == "logs":
+        return _log(rng, ids, service)
+    return _file(rng, ids) if shape == "files" else _snippet(rng, ids)
+
+
 def _step(shape: str, rng, ids: Ids, n: int, needles: list[dict] = ()) -> tuple[dict, list[dict]]:
     """One tool call and its output's items: n of the shape, the needles among them at random places."""
     arg = {"orders": rng.choice(REGIONS), "logs": rng.choice(SERVICES), "files": f"/data/{rng.choice(WORDS)}", "search": rng.choice(TOPICS)}[shape]
-    make = {"orders": lambda: _order(rng, ids), "logs": lambda: _log(rng, ids, arg), "files": lambda: _file(rng, ids),
-            "search": lambda: _snippet(rng, ids)}[shape]  # fmt: skip
-    items = [make() for _ in range(n - len(needles))]
+    items = [_item(shape, rng, ids, arg) for _ in range(n - len(needles))]
     for needle in needles:
         if shape == "logs":
             needle["service"] = arg
@@ -172,8 +179,7 @@ def generate(seed: int, steps: int, shape: str, hops: int, depth: float) -> Sess
     at = min(steps - hops, round(depth * (steps - hops)))
     needles: dict[int, tuple[str, list[dict]]] = {}
     if hops == 1:
-        item = {"orders": lambda: _order(rng, ids), "logs": lambda: _log(rng, ids, ""), "files": lambda: _file(rng, ids),
-                "search": lambda: _snippet(rng, ids)}[shape]()  # fmt: skip
+        item = _item(shape, rng, ids)
         question, answer = ask(shape, item)
         needles[at] = (shape, [item])
         chain = [(question, answer)]
