@@ -119,6 +119,10 @@ class MemArtConfig:
     # placed with each chosen block: the first block of its turn (turn), of its line (line, where
     # blocks are cut at lines), or both; a block from the middle of a turn then has its context
     header: Literal["none", "turn", "line", "turn_line"] = "none"
+    # what a chosen block brings with it: nothing more (block), or the rest of its line (line: a
+    # dialogue turn, a tool result's row, whole; needs cut: lines)
+    unit: Literal["block", "line"] = "block"
+    placed_tokens: int = 0  # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
     # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep
     # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the
     # blocks' tokens prefilled again in the request's context)
@@ -139,6 +143,8 @@ class MemArtConfig:
         _require(self.pool_bytes >= 1, f"{path}.pool_bytes", "an integer >= 1")
         _require(self.rr_constant >= 0, f"{path}.rr_constant", "a number >= 0")
         _require(0 < self.score_layers <= 1, f"{path}.score_layers", "a number in (0, 1]")
+        _require(self.placed_tokens >= 0, f"{path}.placed_tokens", "an integer >= 0")
+        _require(self.unit != "line" or self.cut == "lines", f"{path}.unit", "block, or line with cut: lines (lines are known where blocks are cut at them)")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ class MemArtQuery:
     placement: str | None = None
     store: bool = True  # False: this turn is not added to the session's memory
     header: str | None = None  # None: the server's memory.header
+    unit: str | None = None  # None: the server's memory.unit
+    placed_tokens: int | None = None  # None: the server's memory.placed_tokens (0: no cap)
     recompute: str | None = None  # None: the server's memory.recompute
     recompute_ratio: float | None = None  # None: the server's keep.ratio
     hops: int | None = None  # None: the server's keep.hops
@@ -124,7 +126,8 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     where = f"{FIELD}.memory"
     if not isinstance(raw, dict):
         raise SpecError(f"{where} must be an object")
-    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store", "header", "recompute", "recompute_ratio", "hops")
+    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store", "header", "unit", "placed_tokens", "recompute",
+               "recompute_ratio", "hops")  # fmt: skip
     allowed += ("probe", "entry", "embedding", "group", "version", "forget") if internal else ()
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
@@ -133,7 +136,10 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     top_k = raw.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
         raise SpecError(f"{where}.top_k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
-    for name in ("norm", "agg", "scoring", "placement", "header", "recompute"):
+    placed = raw.get("placed_tokens")
+    if placed is not None and (isinstance(placed, bool) or not isinstance(placed, int) or not 0 <= placed <= MAX_BUDGET):
+        raise SpecError(f"{where}.placed_tokens must be an integer in [0, {MAX_BUDGET}], got {placed!r}")
+    for name in ("norm", "agg", "scoring", "placement", "header", "unit", "recompute"):
         _choice(raw.get(name), choices(MemArtConfig, name), f"{where}.{name}")
     ratio = raw.get("recompute_ratio")
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
@@ -148,7 +154,7 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     if probe is not None and not isinstance(probe, str):
         raise SpecError(f"{where}.probe must be a string")
     return MemArtQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store,
-                       header=raw.get("header"), recompute=raw.get("recompute"), recompute_ratio=None if ratio is None else float(ratio), hops=hops,
+                       header=raw.get("header"), unit=raw.get("unit"), placed_tokens=placed, recompute=raw.get("recompute"), recompute_ratio=None if ratio is None else float(ratio), hops=hops,
                        probe=probe, entry=raw.get("entry"), group=raw.get("group"), version=raw.get("version"),
                        embedding=None if raw.get("embedding") is None else tuple(raw["embedding"]),
                        forget=tuple(raw.get("forget", ())))  # fmt: skip
@@ -202,6 +208,9 @@ def check_served(spec: MemorySpec, config: MemoryConfig) -> None:
         raise SpecError(f"{', '.join(asked)}: intent pruning is off on this server (intent.enabled: false)")
     if spec.memory is not None and not config.memory.enabled:
         raise SpecError(f"{FIELD}.memory: KV memory is off on this server (memory.enabled: false)")
+    if spec.memory is not None and spec.memory.unit == "line" and config.memory.cut != "lines":
+        raise SpecError(f"{FIELD}.memory.unit 'line': this server cuts memory blocks by tokens, not at lines "
+                        "(memory.cut: tokens), so it does not know its blocks' lines")  # fmt: skip
     if spec.memory is not None and spec.memory.recompute in REPAIRS and not config.keep.enabled:
         raise SpecError(f"{FIELD}.memory.recompute {spec.memory.recompute!r}: the repair of memory blocks is off on this "
                         "server (keep.enabled: false)")  # fmt: skip

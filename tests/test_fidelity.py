@@ -51,7 +51,7 @@ def test_locomo_points_are_independent_questions_with_every_methods_prompt(token
     renders them; its gold is the dataset's answer through the end-of-turn token, and the same
     tokens follow each alternate prompt (the question alone, for KV memory; the question after
     retrieved turns within the text budget, every turn the transcript's own); the group's memory
-    is the transcript's tokens."""
+    is the transcript's tokens, recorded a LoCoMo session per turn."""
     from bench.locomo import data, prompts
 
     trajs = P.locomo(tokenizer, [1], 5)
@@ -62,7 +62,13 @@ def test_locomo_points_are_independent_questions_with_every_methods_prompt(token
     assert [t.id for t in trajs] == [f"conv1-q{q.qa_index}" for q in qs]
     for traj, q in zip(trajs, qs):
         (pt,) = traj.points
-        assert traj.group == "conv1" and traj.ingest == prompts.ingest_ids(tokenizer, transcript)
+        assert traj.group == "conv1" and traj.ingest[-1] == prompts.ingest_ids(tokenizer, transcript)
+        # one request per LoCoMo session, each extending the one before by that session's lines
+        sessions = sorted({(t.session, t.date) for t in data.turns(sample)})
+        assert len(traj.ingest) == len(sessions)
+        for (_, date), before, ids in zip(sessions, [[]] + traj.ingest, traj.ingest):
+            assert ids[: len(before)] == before and tokenizer.decode(ids[len(before) :]).lstrip("\n").startswith(
+                f"{prompts.CONTEXT_HEADER if not before else ''}[{date}] ")
         assert pt.alternates["question"] == prompts.question_only(tokenizer, q.question)
         assert pt.gold[-1] == end and tokenizer.decode(pt.gold[:-1]) == str(q.answer)
         for prompt, context in ((pt.history, transcript), (pt.alternates["text"], None)):

@@ -426,6 +426,9 @@ def test_capacity_evicts_by_policy(eviction, survivors):
         ({"session_id": "s", "memory": {"store": "no"}}, "store must be true or false"),
         ({"session_id": "s", "memory": {"probe": "x"}}, "unknown field(s) probe"),
         ({"session_id": "s", "memory": []}, "memory must be an object"),
+        ({"session_id": "s", "memory": {"unit": "sentence"}}, "unit 'sentence' is unknown"),
+        ({"session_id": "s", "memory": {"placed_tokens": -1}}, "placed_tokens must be an integer"),
+        ({"session_id": "s", "memory": {"placed_tokens": True}}, "placed_tokens must be an integer"),
     ],
 )
 def test_bad_memory_fields_are_refused(raw, needle):
@@ -495,3 +498,56 @@ def test_chosen_blocks_come_with_their_headers_within_the_budget():
     assert choose(memory, [3, 8], "turn", 6) == [8, 6]
     del memory.blocks[0]
     assert choose(memory, [3], "turn", None) == [3]  # its turn's start was evicted: no header
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_blocks_line_is_every_block_of_the_line_it_is_in(seed):
+    """MemArtPool.line against a reference that numbers each token's line from the turn's tokens
+    (a line ends after a line-end token and at the turn's end), random turns and block sizes; a
+    block evicted on the way splits its line, and without known lines a block is its own line."""
+    g = torch.Generator().manual_seed(seed)
+    size = int(torch.randint(2, 7, (1,), generator=g))
+    memory = MemArtPool(capacity=1000, line_ends=frozenset({NL}))
+    turns = []
+    for _ in range(3):
+        n = int(torch.randint(5, 40, (1,), generator=g))
+        tokens = [NL if x < 0.12 else 1 + int(x * 50) for x in torch.rand(n, generator=g).tolist()]
+        keys = torch.randn(1, n, 1, 4, generator=g)
+        memory.add_turn(tokens, keys, keys, size)
+        turns.append(tokens)
+    line_of = {}  # (turn, offset) -> (turn, line number)
+    for t, tokens in enumerate(turns):
+        number = 0
+        for o, token in enumerate(tokens):
+            line_of[t, o] = (t, number)
+            number += token == NL
+    expected = {b.id: [c.id for c in memory.blocks.values() if line_of[c.origin[0]] == line_of[b.origin[0]]] for b in memory.blocks.values()}
+    assert {b: memory.line(b) for b in memory.blocks} == expected
+    gone = sorted(memory.blocks)[len(memory.blocks) // 2]
+    del memory.blocks[gone]
+    for b in memory.blocks:
+        whole = expected[b]
+        left = [c for c in whole if c < gone] if gone in whole and b < gone else None
+        right = [c for c in whole if c > gone] if gone in whole and b > gone else None
+        assert memory.line(b) == (left or right or whole)
+    plain = MemArtPool(capacity=100)
+    plain.add_turn(turns[0], torch.zeros(1, len(turns[0]), 1, 4), torch.zeros(1, len(turns[0]), 1, 4), size)
+    assert all(plain.line(b) == [b] for b in plain.blocks)
+
+
+def test_a_chosen_block_brings_its_line_and_its_headers_lines_within_the_budget():
+    memory = MemArtPool(capacity=100, line_ends=frozenset({NL}))
+    keys = torch.randn(2, 30, 1, 8)
+    tokens = [1, 2, NL] + list(range(10, 21)) + [NL] + list(range(30, 35))  # lines: blocks [0], [1, 2, 3], [4, 5]
+    memory.add_turn(tokens, keys[:, :20], keys[:, :20].to(torch.bfloat16), 4)
+    memory.add_turn(list(range(40, 50)), keys[:, 20:], keys[:, 20:].to(torch.bfloat16), 4)  # one line: blocks 6-8
+    assert choose(memory, [2, 8], "none", None, "line") == [1, 2, 3, 6, 7, 8]
+    assert choose(memory, [5], "turn", None, "line") == [4, 5, 0]
+    assert choose(memory, [8, 3], "turn", None, "line") == [6, 7, 8, 1, 2, 3, 0]
+    # a header is the first block of its turn, not its whole line: the turn's start says the date
+    memory.add_turn([1, 2, 3, 4, 5, 6, NL, 7], keys[:, :8], keys[:, :8].to(torch.bfloat16), 4)  # blocks 9, 10 | 11
+    assert choose(memory, [11], "turn", None, "line") == [11, 9]
+    # the budget counts whole lines: line [1, 2, 3] is 12 tokens, [4, 5] 5, [0] 3
+    assert choose(memory, [2, 5, 0], "none", 8, "line") == [4, 5, 0]
+    assert choose(memory, [2, 5, 0], "none", 12, "line") == [1, 2, 3]
+    assert choose(memory, [2], "none", None, "block") == [2]

@@ -13,7 +13,8 @@ Sources:
   dataset's answer. A point also carries the prompts of the methods that replace the transcript
   (`alternates`): the question alone (KV memory places retrieved blocks before it; the memory is
   the conversation, ingested once per `group`) and the question after the turns text retrieval
-  picks within the same KV budget. Questions are independent (one session each), so the intervals
+  picks within the same KV budget. The memory records each LoCoMo session as one turn (a request
+  that extends the one before by the session's lines). Questions are independent (one session each), so the intervals
   resample questions (of three conversations: they say nothing of other conversations).
 """
 
@@ -40,7 +41,9 @@ class Trajectory:
     id: str
     points: list[Point] = field(default_factory=list)
     group: str = ""  # trajectories that share a memory (a LoCoMo conversation)
-    ingest: list[int] | None = None  # the memory's tokens, recorded once per group
+    # the requests that record the memory, once per group, in order: each extends the one before
+    # and is recorded as the memory's next turn (a LoCoMo conversation: one per session)
+    ingest: list[list[int]] | None = None
 
 
 def _render(tokenizer, messages: list[dict], tools: list[dict] | None, generation: bool) -> list[int]:
@@ -119,7 +122,8 @@ def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -
     for c in conversations:
         turns = data.turns(samples[c])
         transcript = data.render(turns)
-        ingest = prompts.ingest_ids(tokenizer, transcript)
+        ids = prompts.ingest_ids(tokenizer, transcript)
+        ingest = [ids[:end] for end in prompts.session_ends(turns, prompts.ingest_turn_of_tokens(tokenizer, transcript))]
         retriever = TurnRetriever(embedder, tokenizer, turns)
         for q in data.stratified(data.questions(samples[c], c), questions, seed):
             answer, label = {"role": "assistant", "content": str(q.answer)}, f"q{q.qa_index} cat{q.category}"

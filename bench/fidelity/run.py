@@ -15,11 +15,12 @@ At each point, as the server does it for an agent:
   agent's decode would read there, and B changes nothing in the session.
 The next point's A then prefills the gold action and the new messages over that path, as the
 agent's next request would. Where a workload's points carry them (LoCoMo), KV memory and text
-retrieval serve the same gold action from other prompts: KV memory the question alone over the
-blocks it retrieves from the conversation's memory (one session per conversation, ingested once;
+retrieval serve the same gold action from other prompts: KV memory the question alone over what
+it retrieves from the conversation's memory (one session per conversation, ingested once;
 `store: false`, so questions stay independent; rows record whether B retrieved the blocks A
-did), with and without KEEP's repair; text retrieval the question over the turns MiniLM picks
-within the same 1024 tokens. The reference is the full cache (a budget no request reaches) in its own session, run
+did), by retrieval unit (blocks, whole lines, lines with their turn's first block), placement
+and with KEEP's repair; text retrieval the question over the turns MiniLM picks; both place at most 1024
+tokens. The reference is the full cache (a budget no request reaches) in its own session, run
 first; a second full-cache session measures what numerics alone move (it prefills the latest
 message over the reference's cached prefix, in other chunks).
 
@@ -60,7 +61,9 @@ CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
 # KV memory's methods run on a server of their own (after the others): with memory on, every
 # full-history request of a session is recorded into its pool, a worker pass over the whole
 # transcript per pruned session that the pruning methods do not need
-MEMORY_CONFIG = CONFIG + "memory:\n  enabled: true\nkeep:\n  enabled: true\n"
+# transcript; blocks are cut at lines, so that a placed block never holds the end of one line and
+# the start of the next, and a method may place whole lines (memory.unit)
+MEMORY_CONFIG = CONFIG + "memory:\n  enabled: true\n  cut: lines\nkeep:\n  enabled: true\n"
 BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
 INTENT = ("memory", "query", "learned")
 REFERENCE = "full cache"
@@ -68,7 +71,9 @@ NOISE = "full cache (2nd session)"
 METRICS = ("gold_logprob", "gold_match", "full_match", "token_agreement", "kl")
 DEFAULT = "intentkv-memory"  # the server's default scorer: every other method is also paired against it
 TEXT = "text retrieval"  # the baseline KV memory must beat (issue 29): paired against it where it ran
-MEMORY_TOP_K = 64  # blocks of 16: the KV memory places 1024 tokens, text retrieval picks as many (points.TEXT_BUDGET)
+# KV memory places at most as many tokens as text retrieval picks (points.TEXT_BUDGET), headers
+# included; the ranking it walks is long enough that the token budget, not top_k, binds
+MEMORY_TOP_K = 1024
 
 
 @dataclass(frozen=True)
@@ -94,11 +99,23 @@ def methods(budgets: list[int]) -> list[Method]:
         out += [Method(f"intentkv-{s}", b, {**pruned, "scorer": s}) for s in INTENT]
         out.append(Method("intentkv-learned-adaptive", b, {**pruned, "scorer": "learned", "budget_mode": "adaptive"}))
         out += [Method(s, b, {**pruned, "scorer": s}) for s in BASELINES]
-    retrieve = {"mode": "retrieve", "top_k": MEMORY_TOP_K, "store": False}
-    out += [Method("kv memory", None, {**full, "memory": retrieve}, "question"),
-            Method("kv memory + keep", None, {**full, "memory": {**retrieve, "recompute": "keep"}}, "question"),
-            Method(TEXT, None, full, "text")]  # fmt: skip
+    retrieve = {"mode": "retrieve", "top_k": MEMORY_TOP_K, "placed_tokens": P.TEXT_BUDGET, "store": False}
+    out += [Method(name, None, {**full, "memory": {**retrieve, **MEMORY_DEFAULTS, **memory}}, "question")
+            for name, memory in MEMORY_METHODS.items()]  # fmt: skip
+    out.append(Method(TEXT, None, full, "text"))
     return out
+
+
+# KV memory by retrieval unit (memory.unit, memory.header), placement and repair, all at the same
+# placed tokens; the other settings named, so that a change of the server's defaults leaves them
+MEMORY_METHODS = {
+    "kv memory, blocks": {"unit": "block"},
+    "kv memory, lines": {"unit": "line"},
+    "kv memory, lines + turn header": {"unit": "line", "header": "turn"},
+    "kv memory, lines after system": {"unit": "line", "placement": "after_system"},
+    "kv memory, lines + keep": {"unit": "line", "recompute": "keep"},
+}
+MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none"}
 
 
 def generate(server, body: dict) -> dict:
@@ -350,8 +367,9 @@ def serve(server, trajs: list[P.Trajectory], todo: list[tuple], ref_method: Meth
             session = f"{run_id}:{traj.group}:memory" if m.recalls else f"{run_id}:{traj.id}:{tag}@{m.budget}"
             if m.recalls and traj.group not in memories:
                 bar.set_description(f"{traj.group} ingest")
-                generate(server, {"input_ids": traj.ingest, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                                  "sgl_memory": {"session_id": session, **ref_method.fields}})  # fmt: skip
+                for ids in traj.ingest:
+                    generate(server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                      "sgl_memory": {"session_id": session, **ref_method.fields}})  # fmt: skip
                 memories.add(traj.group)
             rows = score_trajectory(server, traj, m, {"session_id": session, **m.fields}, ref)
             with points_path.open("a") as f:

@@ -45,3 +45,12 @@ def ingest_turn_of_tokens(tokenizer, transcript: str) -> list[int | None]:
         line = bisect.bisect_right(starts, start) - 1
         out.append(line if line >= 0 else None)
     return out
+
+
+def session_ends(turns, token_turn: list[int | None]) -> list[int]:
+    """Where each LoCoMo session's tokens end in ingest_ids (`token_turn`: ingest_turn_of_tokens),
+    the last end being its length: the memory's turns when each session is sent as one."""
+    lines = sorted(turns, key=lambda t: t.index)
+    session = [None if i is None else lines[i].session for i in token_turn]
+    ends = [j for j in range(1, len(session)) if session[j] is not None and session[j - 1] is not None and session[j] != session[j - 1]]
+    return ends + [len(token_turn)]

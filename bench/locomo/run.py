@@ -137,10 +137,7 @@ class Conversation:
 
     def session_ends(self) -> list[int]:
         """Where each LoCoMo session's tokens end in ingest_ids (the memory turns of `turns: sessions`)."""
-        lines = sorted(self.turns, key=lambda t: t.index)
-        session = [None if i is None else lines[i].session for i in self.token_turn]
-        ends = [j for j in range(1, len(session)) if session[j] is not None and session[j - 1] is not None and session[j] != session[j - 1]]
-        return ends + [len(self.ingest_ids)]
+        return prompts.session_ends(self.turns, self.token_turn)
 
     def evidence_recall(self, q: data.Question, spans: list[list[int]], starts: list[int]) -> float | None:
         """Share of the question's evidence turns that a retrieved block overlaps (MemArt rows);

@@ -219,6 +219,24 @@ class MemArtPool:
             block_id, offset = block_id - 1, before.origin[0][1]
         return block_id
 
+    def line(self, block_id: int) -> list[int]:
+        """The ids of the blocks of the line that block `block_id` belongs to, in order (where
+        blocks are cut at lines: `line_ends`; elsewhere the block alone). Where a block of the line
+        was evicted or merged away, the part of the line around this block that is still whole."""
+        if block_id not in self.blocks or self.line_ends is None:
+            return [block_id]
+
+        def joined(a: Block, b: Block) -> bool:  # b goes on with a's line: a's turn's next token
+            turn, offset = a.origin[-1]
+            return b.origin[0] == (turn, offset + 1) and a.tokens[-1] not in self.line_ends
+
+        first = last = block_id
+        while first - 1 in self.blocks and joined(self.blocks[first - 1], self.blocks[first]):
+            first -= 1
+        while last + 1 in self.blocks and joined(self.blocks[last], self.blocks[last + 1]):
+            last += 1
+        return list(range(first, last + 1))
+
     def _add(self, block: Block) -> None:
         """Caller holds the lock. A block replacing one of its id takes its place (dict order is
         chronological order)."""

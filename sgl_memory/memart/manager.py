@@ -287,9 +287,12 @@ class MemArtManager(mechanism.Mechanism):
         scores = score_blocks(q, index.keys, index.lo, index.hi, query.scoring or self.config.scoring,
                               query.norm or self.config.norm, query.agg or self.config.agg, self.config.rr_constant)  # fmt: skip
         limit = getattr(scheduler, "max_req_input_len", None)
-        budget = (limit - len(req.origin_input_ids)) if limit else None
+        budgets = [limit - len(req.origin_input_ids)] if limit else []
+        placed = query.placed_tokens if query.placed_tokens is not None else self.config.placed_tokens
+        budgets += [placed] if placed else []
         ranked = [ids[i] for i in top_blocks(scores, query.top_k or self.config.top_k)]
-        blocks = memory.take(choose(memory, ranked, query.header or self.config.header, budget))
+        blocks = memory.take(choose(memory, ranked, query.header or self.config.header, min(budgets, default=None),
+                                    query.unit or self.config.unit))  # fmt: skip
         if blocks:
             self._place(req, state, memory, blocks, probe, query)
 
@@ -480,18 +483,23 @@ class MemArtManager(mechanism.Mechanism):
 HEADER_SCOPES = {"none": (), "turn": ("turn",), "line": ("line",), "turn_line": ("turn", "line")}
 
 
-def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | None) -> list[int]:
+def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | None, unit: str = "block") -> list[int]:
     """The block ids to place: each ranked block with the rest of its unit (an entry's or a static
-    group's other blocks, MemArtPool.unit) and its header blocks (the first block of its turn and/or
-    line, MemArtConfig.header) unless chosen already; a block whose tokens, unit and headers
-    included, would pass `budget` (the context left) is skipped."""
+    group's other blocks, MemArtPool.unit; with `unit` "line", the rest of its line, MemArtPool.line)
+    and its header blocks (the first block of its turn and/or line, MemArtConfig.header: a block,
+    what a turn's or line's start says, not the whole line) unless chosen already; a block whose
+    tokens, unit and headers included, would pass `budget` (the tokens left to place) is skipped,
+    and a shorter one after it may still fit."""
     chosen, used, units = {}, 0, memory.book.unit_turns()
     for block_id in ranked:
-        headers = (memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header])
-        new = [b for b in dict.fromkeys([*memory.unit(block_id, units), *headers]) if b is not None and b not in chosen and b in memory.blocks]
+        members = memory.unit(block_id, units)
+        if unit == "line":
+            members = [b for m in members for b in memory.line(m)]
+        headers = [memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header]]
+        new = [b for b in dict.fromkeys([*members, *headers]) if b is not None and b not in chosen and b in memory.blocks]
         n = sum(len(memory.blocks[b].tokens) for b in new)
         if budget is not None and used + n > budget:
-            continue  # the request must still fit the context
+            continue  # the request must still fit the context (and the placement budget)
         chosen.update(dict.fromkeys(new))
         used += n
     return list(chosen)
