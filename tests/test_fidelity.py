@@ -107,3 +107,35 @@ def test_bfcl_points_are_gold_tool_calls_of_replays_that_pass_the_checker(tokeni
                 first = next(i for i, (x, y) in enumerate(zip(pt.history, nxt.history)) if x != y)
                 assert "miss_func" in traj.id and first < pt.history.index(end)
         assert got == [[(n, a) for n, a in calls] for calls in want]
+
+
+def test_textworld_points_are_the_walkthrough_and_each_extends_the_one_before(tokenizer):
+    """A TextWorld trajectory is one game along its walkthrough: each gold action is the
+    walkthrough's next valid command (read from the game file again, apart from the source) through
+    the end-of-turn token, after the valid commands the game lists there (a walkthrough command it
+    does not list changes nothing and is no point); the next point's prompt extends prompt + gold
+    by the game's feedback to that command; the game ends won."""
+    import tempfile
+    from pathlib import Path
+
+    from bench import keep_textworld as tw
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    (traj,) = P.textworld(tokenizer, 1, seed=P.TEXTWORLD_SEED)
+    env = tw.start(tw.make_game(P.TEXTWORLD_SEED, Path(tempfile.gettempdir()) / "sgl-memory-textworld"))
+    state = env.reset()
+    walkthrough = list(state["extra.walkthrough"])
+    points = iter(zip(traj.points, traj.points[1:] + [None]))
+    for command in walkthrough:
+        if command not in state["admissible_commands"]:
+            continue  # a no-op ("open fridge" once it is open): not stepped, or the move counter would differ
+        pt, nxt = next(points)
+        assert tokenizer.decode(pt.gold) == f"{command}<|im_end|>" and pt.gold[-1] == end
+        valid = tokenizer.decode(pt.history).rsplit("Valid commands: ", 1)[1].split("<|im_end|>")[0].split(", ")
+        assert valid == state["admissible_commands"]
+        state, _, _ = env.step(command)
+        if nxt is not None:
+            assert nxt.history[: len(pt.history) + len(pt.gold)] == pt.history + pt.gold
+            assert tw.clean(state.feedback) in tokenizer.decode(nxt.history[len(pt.history) + len(pt.gold) :])
+    assert next(points, None) is None and state["won"]
+    env.close()

@@ -15,7 +15,8 @@ Sources:
   the conversation, ingested once per `group`) and the question after the turns text retrieval
   picks within the same KV budget. The memory records each LoCoMo session as one turn (a request
   that extends the one before by the session's lines). Questions are independent (one session each), so the intervals
-  resample questions (of three conversations: they say nothing of other conversations).
+  resample questions (of three conversations: they say nothing of other conversations);
+- `textworld`: TextWorld cooking games played along their walkthroughs, a point every step.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -
         turns = data.turns(samples[c])
         transcript = data.render(turns)
         ids = prompts.ingest_ids(tokenizer, transcript)
-        ingest = [ids[:end] for end in prompts.session_ends(turns, prompts.ingest_turn_of_tokens(tokenizer, transcript))]
+        ingest = [ids[:end] for end in prompts.session_ends(turns, prompts.ingest_turn_of_tokens(tokenizer, turns))]
         retriever = TurnRetriever(embedder, tokenizer, turns)
         for q in data.stratified(data.questions(samples[c], c), questions, seed):
             answer, label = {"role": "assistant", "content": str(q.answer)}, f"q{q.qa_index} cat{q.category}"
@@ -138,4 +139,41 @@ def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -
     return out
 
 
-SOURCES = {"bfcl": bfcl, "locomo": locomo}
+TEXTWORLD_SEED = 200  # games seed .. seed + n - 1 (bench/keep_textworld plays 100-105)
+TEXTWORLD_SYSTEM = "You are playing a text adventure game. {objective} Answer with exactly one of the valid commands and nothing else."
+
+
+def textworld(tokenizer, games: int, seed: int = TEXTWORLD_SEED) -> list[Trajectory]:
+    """TextWorld cooking games (bench/keep_textworld's settings) played along their walkthroughs as
+    an agent's conversation: each user message is the last observation (the game's feedback) with
+    the valid commands, each gold action the walkthrough's next command, so a point is every step
+    and its history every observation and command before it (the recipe read, the rooms seen).
+    Walkthrough commands that the game does not list as valid there are no-ops and are skipped."""
+    import tempfile
+    from pathlib import Path
+
+    from bench import keep_textworld as tw
+
+    work = Path(tempfile.gettempdir()) / "sgl-memory-textworld"
+    work.mkdir(exist_ok=True)
+    out = []
+    for g in range(seed, seed + games):
+        env = tw.start(tw.make_game(g, work))
+        state = env.reset()
+        messages = [{"role": "system", "content": TEXTWORLD_SYSTEM.format(objective=tw.clean(state["objective"]))}]
+        traj, text = Trajectory("textworld", f"game{g}"), tw.clean(state["description"])
+        for step, command in enumerate(state["extra.walkthrough"]):
+            if command not in state["admissible_commands"]:
+                continue  # a no-op of the walkthrough ("open fridge" once it is open): not a decision
+            messages.append({"role": "user", "content": f"{text}\n\nValid commands: {', '.join(state['admissible_commands'])}"})
+            gold = {"role": "assistant", "content": command}
+            traj.points.append(point(tokenizer, messages, gold, None, f"step {step}"))
+            messages.append(gold)
+            state, _, _ = env.step(command)
+            text = tw.clean(state.feedback)
+        env.close()
+        out.append(traj)
+    return out
+
+
+SOURCES = {"bfcl": bfcl, "locomo": locomo, "textworld": textworld}

@@ -301,13 +301,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--bfcl-per-category", type=int, default=30)
     ap.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--locomo-questions", type=int, default=110, help="per conversation")
-    ap.add_argument("--quick", action="store_true", help="one BFCL task per category, 8 LoCoMo questions, one budget")
+    ap.add_argument("--textworld-games", type=int, default=18, help="cooking games of about 17 steps")
+    ap.add_argument("--quick", action="store_true", help="one BFCL task per category, 8 LoCoMo questions, one game, one budget")
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--report-only", action="store_true", help="aggregate the points file, run nothing")
     ap.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.bfcl_per_category, args.locomo_conversations, args.locomo_questions = 1, [0], 8
+        args.bfcl_per_category, args.locomo_conversations, args.locomo_questions, args.textworld_games = 1, [0], 8, 1
         args.budgets = args.budgets[:1]
     return args
 
@@ -320,6 +321,8 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     for w in args.workloads:
         if w == "bfcl":
             trajs += P.bfcl(tokenizer, args.bfcl_per_category)
+        elif w == "textworld":
+            trajs += P.textworld(tokenizer, args.textworld_games)
         else:
             trajs += P.locomo(tokenizer, args.locomo_conversations, args.locomo_questions)
     ms = [m for m in methods(args.budgets) if args.methods is None or m.name in (*args.methods, REFERENCE)]

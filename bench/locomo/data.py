@@ -66,11 +66,16 @@ def render(selected: list[Turn]) -> str:
     Only a session's first shown turn carries the session date: a date on every line makes the
     transcripts about 45% longer (over the 32k context of the default model for 4 of 7).
     """
+    return "\n".join(rendered(selected))
+
+
+def rendered(selected: list[Turn]) -> list[str]:
+    """Each turn's text in `render` (chronological; a turn's text may hold line ends of its own)."""
     lines, session = [], None
     for t in sorted(selected, key=lambda t: t.index):
         lines.append(t.line(dated=t.session != session))
         session = t.session
-    return "\n".join(lines)
+    return lines
 
 
 def questions(sample: dict, conversation: int) -> list[Question]:

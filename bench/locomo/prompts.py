@@ -32,24 +32,28 @@ def ingest_ids(tokenizer, transcript: str) -> list[int]:
     return tokenizer(CONTEXT_HEADER + transcript, add_special_tokens=False)["input_ids"]
 
 
-def ingest_turn_of_tokens(tokenizer, transcript: str) -> list[int | None]:
-    """For each token of the memory turn, the index of the transcript line (turn) it falls in
-    (None for the header): where a retrieved KV block sits in the dialogue."""
-    enc = tokenizer(CONTEXT_HEADER + transcript, add_special_tokens=False, return_offsets_mapping=True)
+def ingest_turn_of_tokens(tokenizer, turns) -> list[int | None]:
+    """For each token of the memory turn of these turns (ingest_ids of their transcript), the
+    chronological position of the turn it falls in (None for the header): where a retrieved KV
+    block sits in the dialogue. Turns, not lines: a turn's text may hold line ends."""
+    from . import data
+
+    pieces = data.rendered(turns)
+    enc = tokenizer(CONTEXT_HEADER + "\n".join(pieces), add_special_tokens=False, return_offsets_mapping=True)
     starts, pos = [], len(CONTEXT_HEADER)
-    for line in transcript.split("\n"):
+    for piece in pieces:
         starts.append(pos)
-        pos += len(line) + 1
+        pos += len(piece) + 1
     out = []
     for start, _ in enc["offset_mapping"]:
-        line = bisect.bisect_right(starts, start) - 1
-        out.append(line if line >= 0 else None)
+        turn = bisect.bisect_right(starts, start) - 1
+        out.append(turn if turn >= 0 else None)
     return out
 
 
 def session_ends(turns, token_turn: list[int | None]) -> list[int]:
-    """Where each LoCoMo session's tokens end in ingest_ids (`token_turn`: ingest_turn_of_tokens),
-    the last end being its length: the memory's turns when each session is sent as one."""
+    """Where each LoCoMo session's tokens end in ingest_ids (`token_turn`: ingest_turn_of_tokens of
+    these turns), the last end being its length: the memory's turns when each session is sent as one."""
     lines = sorted(turns, key=lambda t: t.index)
     session = [None if i is None else lines[i].session for i in token_turn]
     ends = [j for j in range(1, len(session)) if session[j] is not None and session[j - 1] is not None and session[j] != session[j - 1]]

@@ -126,7 +126,7 @@ class Setup:
         turns = data.turns(sample)
         self.transcript = data.render(turns)
         self.ids = prompts.ingest_ids(tok, self.transcript)
-        token_turn = prompts.ingest_turn_of_tokens(tok, self.transcript)
+        token_turn = prompts.ingest_turn_of_tokens(tok, turns)
         lines = sorted(turns, key=lambda t: t.index)
         self.n_blocks = math.ceil(len(self.ids) / BLOCK)
         self.block_dias = [{lines[i].dia_id for i in token_turn[b * BLOCK : (b + 1) * BLOCK] if i is not None}

@@ -132,7 +132,7 @@ class Conversation:
     transcript: str
     questions: list[data.Question]
     ingest_ids: list[int] = field(default_factory=list)
-    token_turn: list[int | None] = field(default_factory=list)  # ingest token -> transcript line
+    token_turn: list[int | None] = field(default_factory=list)  # ingest token -> its turn (chronological position)
     retriever: TurnRetriever | None = None
 
     def session_ends(self) -> list[int]:
@@ -171,7 +171,7 @@ def conversations(args, tokenizer) -> list[Conversation]:
         transcript = data.render(turns)
         qs = data.stratified(data.questions(samples[i], i), args.questions_per_conversation, args.seed)
         out.append(Conversation(i, turns, transcript, qs, prompts.ingest_ids(tokenizer, transcript),
-                                prompts.ingest_turn_of_tokens(tokenizer, transcript)))  # fmt: skip
+                                prompts.ingest_turn_of_tokens(tokenizer, turns)))  # fmt: skip
     return out
 
 
