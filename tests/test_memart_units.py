@@ -551,3 +551,17 @@ def test_a_chosen_block_brings_its_line_and_its_headers_lines_within_the_budget(
     assert choose(memory, [2, 5, 0], "none", 8, "line") == [4, 5, 0]
     assert choose(memory, [2, 5, 0], "none", 12, "line") == [1, 2, 3]
     assert choose(memory, [2], "none", None, "block") == [2]
+
+
+def test_a_placed_line_is_one_segment_for_the_repair():
+    """With whole lines placed, KEEP's segments are the lines (lengths counted from the tokens),
+    blocks of one line that are not neighbours stay apart, and without lines every block is one."""
+    memory = MemArtPool(capacity=100, line_ends=frozenset({NL}))
+    keys = torch.randn(2, 30, 1, 8)
+    tokens = [1, 2, NL] + list(range(10, 21)) + [NL] + list(range(30, 35))  # lines: blocks [0], [1, 2, 3], [4, 5]
+    memory.add_turn(tokens, keys[:, :20], keys[:, :20].to(torch.bfloat16), 4)
+    memory.add_turn(list(range(40, 50)), keys[:, 20:], keys[:, 20:].to(torch.bfloat16), 4)  # one line: blocks 6-8
+    placed = memory.take([0, 1, 2, 3, 4, 6, 7, 8])
+    assert memory.segments(placed, {}, lines=True) == [3, 12, 4, 10]
+    assert memory.segments(placed, {}) == [len(b.tokens) for b in placed]
+    assert memory.segments(memory.take([1, 3, 5]), {}, lines=True) == [4, 4, 1]  # 1 and 3 are not neighbours

@@ -189,17 +189,19 @@ class MemArtPool:
             last += 1
         return list(range(first, last + 1))
 
-    def segments(self, blocks: list[Block], units: dict[int, tuple]) -> list[int]:
+    def segments(self, blocks: list[Block], units: dict[int, tuple], lines: bool = False) -> list[int]:
         """Token counts of the segments these placed blocks form, in order: an entry's or a static
-        group's blocks are one segment (KEEP recomputes them together), any other block its own."""
-        out, last = [], None
+        group's blocks are one segment (KEEP recomputes them together), and with `lines` (placed
+        whole: memory.unit line) so is each line's run of blocks; any other block is its own."""
+        out, last, before = [], None, None
         for block in blocks:
             unit = units.get(block.origin[0][0], ("block", block.id))
-            if out and unit == last and unit[0] != "block":
+            if out and ((unit == last and unit[0] != "block") or (lines and unit[0] == "block" and before is not None
+                                                                  and self._continues(before, block))):  # fmt: skip
                 out[-1] += len(block.tokens)
             else:
                 out.append(len(block.tokens))
-            last = unit
+            last, before = unit, block
         return out
 
     def first_of(self, block_id: int, scope: str) -> int | None:
@@ -225,17 +227,18 @@ class MemArtPool:
         was evicted or merged away, the part of the line around this block that is still whole."""
         if block_id not in self.blocks or self.line_ends is None:
             return [block_id]
-
-        def joined(a: Block, b: Block) -> bool:  # b goes on with a's line: a's turn's next token
-            turn, offset = a.origin[-1]
-            return b.origin[0] == (turn, offset + 1) and a.tokens[-1] not in self.line_ends
-
         first = last = block_id
-        while first - 1 in self.blocks and joined(self.blocks[first - 1], self.blocks[first]):
+        while first - 1 in self.blocks and self._continues(self.blocks[first - 1], self.blocks[first]):
             first -= 1
-        while last + 1 in self.blocks and joined(self.blocks[last], self.blocks[last + 1]):
+        while last + 1 in self.blocks and self._continues(self.blocks[last], self.blocks[last + 1]):
             last += 1
         return list(range(first, last + 1))
+
+    def _continues(self, a: Block, b: Block) -> bool:
+        """b goes on with a's line: it starts at the next token of a's turn and a ends no line
+        (lines known: blocks cut at them)."""
+        turn, offset = a.origin[-1]
+        return self.line_ends is not None and b.origin[0] == (turn, offset + 1) and a.tokens[-1] not in self.line_ends
 
     def _add(self, block: Block) -> None:
         """Caller holds the lock. A block replacing one of its id takes its place (dict order is

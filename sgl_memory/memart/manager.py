@@ -333,7 +333,8 @@ class MemArtManager(mechanism.Mechanism):
                 return
         if state.recompute in REPAIRS:
             keys, values = assemble(blocks, self.rope, at=system)
-            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks, units), state.recompute)
+            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks, units, (query.unit or self.config.unit) == "line"),
+                                     state.recompute)  # fmt: skip
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         # SGLang resolved the client's logprob_start_len against the prompt it sent (it also caps
