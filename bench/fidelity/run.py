@@ -114,6 +114,7 @@ MEMORY_METHODS = {
     "kv memory, lines + turn header": {"unit": "line", "header": "turn"},
     "kv memory, lines after system": {"unit": "line", "placement": "after_system"},
     "kv memory, lines + keep": {"unit": "line", "recompute": "keep"},
+    "kv memory, lines + full recompute": {"unit": "line", "recompute": "full"},
 }
 MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none"}
 
