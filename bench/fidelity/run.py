@@ -117,8 +117,9 @@ MEMORY_METHODS = {
     "kv memory, lines + keep": {"unit": "line", "recompute": "keep"},
     "kv memory, lines + full recompute": {"unit": "line", "recompute": "full"},
     f"kv memory, lines @{P.LARGE_BUDGET}": {"unit": "line", "placed_tokens": P.LARGE_BUDGET},
+    "kv memory, lines + sink": {"unit": "line", "sink": True},
 }
-MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none"}
+MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none", "sink": False}
 
 
 def generate(server, body: dict) -> dict:
