@@ -81,7 +81,7 @@ def session(turn_count: int, every: int, min_age: int) -> list[dict]:
 
 
 def config(method: str, budget: int, store: Path, capacity: int) -> str:
-    memory = "memory:\n  enabled: true\n  block_size: 16\n  top_k: 16\n"
+    memory = "memory:\n  enabled: true\n  block_size: 16\n  top_k: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
     if method.startswith("all-cap-"):
         memory += f"  capacity_blocks: {capacity}\n  eviction: {method.removeprefix('all-cap-')}\n"
     sections = {

@@ -103,7 +103,7 @@ class MemArtConfig:
 
     enabled: bool = False
     block_size: int = 16
-    top_k: int = 32
+    top_k: int = 1024  # ranked blocks considered; placed_tokens decides what is placed
     norm: Literal["softmax", "rr"] = "softmax"
     agg: Literal["sum", "max"] = "max"
     capacity_blocks: int = 4096  # per session; beyond it the eviction policy drops (or merges) blocks
@@ -115,14 +115,17 @@ class MemArtConfig:
     roles: Literal["chatml", "llama3", "none"] = "chatml"  # chat template family that marks turns
     placement: Literal["first", "after_system"] = "first"  # where the blocks go in the prompt
     rr_constant: float = 60.0  # c in 1 / (rank + c)
-    cut: Literal["tokens", "lines"] = "tokens"  # lines: a block also ends after each line end
+    cut: Literal["tokens", "lines"] = "lines"  # lines: a block also ends after each line end; tokens: block_size alone
     # placed with each chosen block: the first block of its turn (turn), of its line (line, where
     # blocks are cut at lines), or both; a block from the middle of a turn then has its context
     header: Literal["none", "turn", "line", "turn_line"] = "none"
     # what a chosen block brings with it: nothing more (block), or the rest of its line (line: a
     # dialogue turn, a tool result's row, whole; needs cut: lines)
-    unit: Literal["block", "line"] = "block"
-    placed_tokens: int = 0  # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
+    unit: Literal["block", "line"] = "line"
+    # place the pool's oldest block first with every set: the KV of every later turn was computed
+    # attending to it (the session's start, where attention sinks), which a block alone never sees
+    sink: bool = False
+    placed_tokens: int = 1024  # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
     # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep
     # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the
     # blocks' tokens prefilled again in the request's context)

@@ -66,7 +66,7 @@ CASES = {
 SECTIONS = {
     "intent": f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n",
     "persist": "persist:\n  enabled: true\n  dir: {store}\n  quant: " + EXACT_QUANT + "\n",
-    "memory": "memory:\n  enabled: true\n  block_size: 16\n  top_k: 8\n",
+    "memory": "memory:\n  enabled: true\n  block_size: 16\n  top_k: 8\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n",
 }
 
 

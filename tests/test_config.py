@@ -40,7 +40,7 @@ def test_example_config_is_valid_and_equals_defaults():
         ("intent:\n  budget: many\n", "intent.budget: 'many' is not allowed; expected an integer"),
         ("intent:\n  enabled: yes please\n", "intent.enabled: 'yes please' is not allowed; allowed values: true, false"),
         ("intent:\n  decay: 1.5\n", "intent.decay: invalid value"),
-        ("memory:\n  unit: line\n", "memory.unit: invalid value; allowed: block, or line with cut: lines"),
+        ("memory:\n  cut: tokens\n", "memory.unit: invalid value; allowed: block, or line with cut: lines"),
         ("memory:\n  placed_tokens: -2\n", "memory.placed_tokens: invalid value"),
         ("- 1\n- 2\n", "expected a mapping"),
         ("intent: [1\n", "not valid YAML"),

@@ -36,7 +36,7 @@ def tok():
 
 def start(d, compact: bool):
     config = d / "memory.yaml"
-    config.write_text(f"memory:\n  enabled: true\n  block_size: {BLOCK}\n  top_k: {TOP_K}\n  placement: after_system\n"
+    config.write_text(f"memory:\n  enabled: true\n  block_size: {BLOCK}\n  top_k: {TOP_K}\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n  placement: after_system\n"
                       f"keep:\n  enabled: true\n  compact: {str(compact).lower()}\n  trace_dir: {d / 'trace'}\n")  # fmt: skip
     srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(config), "--dtype", DTYPE)
     srv.trace_dir = d / "trace"

@@ -35,7 +35,8 @@ def tok():
 def mem_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("memart")
     config = d / "memory.yaml"
-    config.write_text("memory:\n  enabled: true\n  block_size: 16\n  top_k: 4\n")
+    # blocks of 16 tokens, placed alone (not the default lines): these tests count blocks
+    config.write_text("memory:\n  enabled: true\n  block_size: 16\n  top_k: 4\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n")
     srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(config), "--enable-metrics")
     yield srv
     stop_server(srv)
@@ -260,6 +261,7 @@ def test_openai_api_and_streaming_carry_memory_mode(mem_server, stated):
         ({"memory": {"mode": "retrieve"}}, "needs sgl_memory.session_id"),
         ({"session_id": "s", "memory": {"probe": "x"}}, "unknown field(s) probe"),
         ({"session_id": "s", "memory": {"top_k": -3}}, "top_k must be an integer"),
+        ({"session_id": "s", "memory": {"unit": "line"}}, "memory.cut: tokens"),  # this server's blocks know no lines
     ],
 )
 def test_bad_memory_requests_are_400s(mem_server, memory, needle):

@@ -34,7 +34,7 @@ def tok():
 def config(tmp_path_factory):
     d = tmp_path_factory.mktemp("entries")
     path = d / "memory.yaml"
-    path.write_text("memory:\n  enabled: true\n  block_size: 8\n  top_k: 1\n  static_after: 2\n  group_threshold: 0.3\n"
+    path.write_text("memory:\n  enabled: true\n  block_size: 8\n  top_k: 1\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n  static_after: 2\n  group_threshold: 0.3\n"
                     f"keep:\n  enabled: true\npersist:\n  enabled: true\n  dir: {d / 'store'}\n")  # fmt: skip
     return path
 

@@ -13,7 +13,7 @@ Sources:
   dataset's answer. A point also carries the prompts of the methods that replace the transcript
   (`alternates`): the question alone (KV memory places retrieved blocks before it; the memory is
   the conversation, ingested once per `group`) and the question after the turns text retrieval
-  picks within the same KV budget. The memory records each LoCoMo session as one turn (a request
+  picks within the same KV budget (and within twice that). The memory records each LoCoMo session as one turn (a request
   that extends the one before by the session's lines). Questions are independent (one session each), so the intervals
   resample questions (of three conversations: they say nothing of other conversations);
 - `textworld`: TextWorld cooking games played along their walkthroughs, a point every step.
@@ -25,7 +25,8 @@ import copy
 import json
 from dataclasses import dataclass, field
 
-TEXT_BUDGET = 1024  # tokens of retrieved turns: the KV that memory's top 64 blocks of 16 place
+TEXT_BUDGET = 1024  # tokens of retrieved turns: what KV memory places (its `placed_tokens`)
+LARGE_BUDGET = 2048  # the same at twice the context: alternate "text@2048"
 
 
 @dataclass
@@ -129,8 +130,9 @@ def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -
         for q in data.stratified(data.questions(samples[c], c), questions, seed):
             answer, label = {"role": "assistant", "content": str(q.answer)}, f"q{q.qa_index} cat{q.category}"
             pt = point(tokenizer, _asked(transcript, q.question), answer, None, label)
-            excerpt = data.render(retriever.pick(q.question, TEXT_BUDGET))
-            for name, context in (("question", None), ("text", excerpt)):
+            contexts = {"question": None, "text": data.render(retriever.pick(q.question, TEXT_BUDGET)),
+                        f"text@{LARGE_BUDGET}": data.render(retriever.pick(q.question, LARGE_BUDGET))}  # fmt: skip
+            for name, context in contexts.items():
                 other = point(tokenizer, _asked(context, q.question), answer, None, label)
                 if other.gold != pt.gold:  # gold log-likelihoods compare only over the same tokens
                     raise ValueError(f"{label}: the template renders the answer differently after the {name} prompt")

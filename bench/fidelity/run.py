@@ -102,7 +102,8 @@ def methods(budgets: list[int]) -> list[Method]:
     retrieve = {"mode": "retrieve", "top_k": MEMORY_TOP_K, "placed_tokens": P.TEXT_BUDGET, "store": False}
     out += [Method(name, None, {**full, "memory": {**retrieve, **MEMORY_DEFAULTS, **memory}}, "question")
             for name, memory in MEMORY_METHODS.items()]  # fmt: skip
-    out.append(Method(TEXT, None, full, "text"))
+    large = f"@{P.LARGE_BUDGET}"
+    out += [Method(TEXT, None, full, "text"), Method(TEXT + " " + large, None, full, "text" + large)]
     return out
 
 
@@ -115,8 +116,10 @@ MEMORY_METHODS = {
     "kv memory, lines after system": {"unit": "line", "placement": "after_system"},
     "kv memory, lines + keep": {"unit": "line", "recompute": "keep"},
     "kv memory, lines + full recompute": {"unit": "line", "recompute": "full"},
+    f"kv memory, lines @{P.LARGE_BUDGET}": {"unit": "line", "placed_tokens": P.LARGE_BUDGET},
+    "kv memory, lines + sink": {"unit": "line", "sink": True},
 }
-MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none"}
+MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none", "sink": False}
 
 
 def generate(server, body: dict) -> dict:

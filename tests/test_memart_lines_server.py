@@ -1,0 +1,119 @@
+"""KV memory with its default unit in the real server (SmolLM2-135M): blocks cut at line ends, and
+a chosen block placed with the rest of its line, within `placed_tokens`.
+
+A session records one turn of notes, one per line, some lines longer than a block. The
+references are the turn's own tokens (what the session sent and got back) and where the
+tokenizer says lines end: every run of placed tokens must be whole lines of that turn, in order,
+and a request that places everything must answer as the plain request whose prompt is the whole
+turn plus the question (the blocks go back to their own positions)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import TEST_MODEL, start_server, stop_server
+from sgl_memory import models
+
+pytestmark = pytest.mark.server
+
+NOTES = ["Notes of the week.", "Alice: my cat is called Pepper and she sleeps on the red sofa in the living room all day.",
+         "Bob: I went hiking on Saturday.", "Carol: the weather was sunny and warm, with a light wind from the sea in the evening.",
+         "Dan: I made soup for dinner.", "Erin: tomorrow I will read a book about the history of the old harbour town."]  # fmt: skip
+QUESTION = "What is the cat called?"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("memart-lines")
+    (d / "memory.yaml").write_text("memory:\n  enabled: true\n")  # the defaults: cut lines, unit line, placed_tokens 1024
+    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"))
+    yield srv
+    stop_server(srv)
+
+
+def generate(server, ids, memory, n=12):
+    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def turn(server, tok):
+    """The recorded turn's tokens: the prompt and the answer, less the answer's last token (no KV)."""
+    ids = tok.encode("\n".join(NOTES) + "\n", add_special_tokens=False)
+    out = generate(server, ids, {"session_id": "notes", "tenant": "a"}, n=4)["output_ids"]
+    generate(server, ids, {"session_id": "notes", "tenant": "ref"}, n=4)  # the same turn for the reference
+    return ids + out[:-1]
+
+
+def line_starts(tok, tokens: list[int]) -> set[int]:
+    """Offsets where a line starts: 0 and after every token whose text ends a line."""
+    return {0} | {i + 1 for i, t in enumerate(tokens) if tok.decode([t]).endswith("\n")}
+
+
+def runs(spans: list[list[int]]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive placed tokens of turn 0."""
+    out: list[list[int]] = []
+    for t, offset, n in spans:
+        assert t == 0
+        if out and out[-1][1] == offset:
+            out[-1][1] += n
+        else:
+            out.append([offset, offset + n])
+    return [tuple(r) for r in out]
+
+
+QUERY = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_chosen_block_is_placed_with_its_whole_line(server, tok, turn):
+    q = tok.encode(QUERY.format(QUESTION), add_special_tokens=False)
+    starts = line_starts(tok, turn) | {len(turn)}
+    m = generate(server, q, {"session_id": "notes", "tenant": "a", "memory": {"top_k": 2, "store": False}})["meta_info"]["sgl_memory"]
+    placed = runs(m["retrieved_spans"])
+    assert placed and all(a in starts and b in starts for a, b in placed), (placed, sorted(starts))
+    assert m["memory_kv_tokens"] == sum(b - a for a, b in placed) and m["retrieved_blocks"] > 2  # lines longer than a block
+    # the line holding the fact is among them
+    pepper = next(p for p in range(len(turn)) if "Pepper" in tok.decode(turn[: p + 1]))
+    assert any(a <= pepper < b for a, b in placed)
+
+
+@pytest.mark.parametrize("cap", [30, 60])
+def test_placed_tokens_caps_what_is_placed_with_whole_lines(server, tok, turn, cap):
+    q = tok.encode(QUERY.format(QUESTION), add_special_tokens=False)
+    starts = sorted(line_starts(tok, turn) | {len(turn)})
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    m = generate(server, q, {"session_id": "notes", "tenant": "a", "memory": {"placed_tokens": cap, "store": False}})["meta_info"]["sgl_memory"]
+    placed = runs(m["retrieved_spans"])
+    assert all(a in starts and b in starts for a, b in placed)
+    assert 0 < m["memory_kv_tokens"] <= cap
+    # nothing left out would still have fitted: every line not placed is longer than what is left
+    left = cap - m["memory_kv_tokens"]
+    taken = {a for a0, b0 in placed for a in starts if a0 <= a < b0}
+    assert all(n > left for a, n in zip(starts, lengths) if a not in taken)
+
+
+def test_every_line_placed_equals_the_whole_turn_in_the_prompt(server, tok, turn):
+    q = tok.encode(QUERY.format(QUESTION), add_special_tokens=False)
+    got = generate(server, q, {"session_id": "notes", "tenant": "a", "memory": {"placed_tokens": 0, "store": False}})
+    m = got["meta_info"]["sgl_memory"]
+    assert runs(m["retrieved_spans"]) == [(0, len(turn))] and m["prefill_tokens"] == len(q)
+    want = generate(server, turn + q, {"session_id": "notes", "tenant": "ref"})
+    assert got["output_ids"] == want["output_ids"]
+
+
+def test_sink_places_the_oldest_line_first_beside_what_was_chosen(server, tok, turn):
+    q = tok.encode(QUERY.format(QUESTION), add_special_tokens=False)
+    starts = line_starts(tok, turn) | {len(turn)}
+    ask = {"session_id": "notes", "tenant": "a", "memory": {"top_k": 1, "store": False}}
+    chosen = runs(generate(server, q, ask)["meta_info"]["sgl_memory"]["retrieved_spans"])
+    sunk = runs(generate(server, q, {**ask, "memory": {**ask["memory"], "sink": True}})["meta_info"]["sgl_memory"]["retrieved_spans"])
+    first_line = (0, min(s for s in starts if s > 0))
+    covered = lambda rs: {i for a, b in rs for i in range(a, b)}  # noqa: E731
+    assert covered(chosen) | covered([first_line]) == covered(sunk) and sunk[0][0] == 0
