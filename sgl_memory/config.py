@@ -122,9 +122,6 @@ class MemArtConfig:
     # what a chosen block brings with it: nothing more (block), or the rest of its line (line: a
     # dialogue turn, a tool result's row, whole; needs cut: lines)
     unit: Literal["block", "line"] = "line"
-    # place the pool's oldest block first with every set: the KV of every later turn was computed
-    # attending to it (the session's start, where attention sinks), which a block alone never sees
-    sink: bool = False
     placed_tokens: int = 1024  # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
     # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep
     # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the

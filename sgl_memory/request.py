@@ -37,7 +37,6 @@ class MemArtQuery:
     store: bool = True  # False: this turn is not added to the session's memory
     header: str | None = None  # None: the server's memory.header
     unit: str | None = None  # None: the server's memory.unit
-    sink: bool | None = None  # None: the server's memory.sink
     placed_tokens: int | None = None  # None: the server's memory.placed_tokens (0: no cap)
     recompute: str | None = None  # None: the server's memory.recompute
     recompute_ratio: float | None = None  # None: the server's keep.ratio
@@ -127,7 +126,7 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     where = f"{FIELD}.memory"
     if not isinstance(raw, dict):
         raise SpecError(f"{where} must be an object")
-    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store", "header", "unit", "sink", "placed_tokens", "recompute",
+    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store", "header", "unit", "placed_tokens", "recompute",
                "recompute_ratio", "hops")  # fmt: skip
     allowed += ("probe", "entry", "embedding", "group", "version", "forget") if internal else ()
     unknown = sorted(set(raw) - set(allowed))
@@ -148,9 +147,6 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     hops = raw.get("hops")
     if hops is not None and (isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS):
         raise SpecError(f"{where}.hops must be an integer in [1, {MAX_HOPS}], got {hops!r}")
-    sink = raw.get("sink")
-    if sink is not None and not isinstance(sink, bool):
-        raise SpecError(f"{where}.sink must be true or false, got {sink!r}")
     store = raw.get("store", True)
     if not isinstance(store, bool):
         raise SpecError(f"{where}.store must be true or false, got {store!r}")
@@ -158,7 +154,7 @@ def _memory(raw, internal: bool) -> MemArtQuery | None:
     if probe is not None and not isinstance(probe, str):
         raise SpecError(f"{where}.probe must be a string")
     return MemArtQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store,
-                       header=raw.get("header"), unit=raw.get("unit"), sink=sink, placed_tokens=placed, recompute=raw.get("recompute"), recompute_ratio=None if ratio is None else float(ratio), hops=hops,
+                       header=raw.get("header"), unit=raw.get("unit"), placed_tokens=placed, recompute=raw.get("recompute"), recompute_ratio=None if ratio is None else float(ratio), hops=hops,
                        probe=probe, entry=raw.get("entry"), group=raw.get("group"), version=raw.get("version"),
                        embedding=None if raw.get("embedding") is None else tuple(raw["embedding"]),
                        forget=tuple(raw.get("forget", ())))  # fmt: skip

@@ -106,14 +106,3 @@ def test_every_line_placed_equals_the_whole_turn_in_the_prompt(server, tok, turn
     assert runs(m["retrieved_spans"]) == [(0, len(turn))] and m["prefill_tokens"] == len(q)
     want = generate(server, turn + q, {"session_id": "notes", "tenant": "ref"})
     assert got["output_ids"] == want["output_ids"]
-
-
-def test_sink_places_the_oldest_line_first_beside_what_was_chosen(server, tok, turn):
-    q = tok.encode(QUERY.format(QUESTION), add_special_tokens=False)
-    starts = line_starts(tok, turn) | {len(turn)}
-    ask = {"session_id": "notes", "tenant": "a", "memory": {"top_k": 1, "store": False}}
-    chosen = runs(generate(server, q, ask)["meta_info"]["sgl_memory"]["retrieved_spans"])
-    sunk = runs(generate(server, q, {**ask, "memory": {**ask["memory"], "sink": True}})["meta_info"]["sgl_memory"]["retrieved_spans"])
-    first_line = (0, min(s for s in starts if s > 0))
-    covered = lambda rs: {i for a, b in rs for i in range(a, b)}  # noqa: E731
-    assert covered(chosen) | covered([first_line]) == covered(sunk) and sunk[0][0] == 0

@@ -565,10 +565,3 @@ def test_a_placed_line_is_one_segment_for_the_repair():
     assert memory.segments(placed, {}, lines=True) == [3, 12, 4, 10]
     assert memory.segments(placed, {}) == [len(b.tokens) for b in placed]
     assert memory.segments(memory.take([1, 3, 5]), {}, lines=True) == [4, 4, 1]  # 1 and 3 are not neighbours
-
-
-def test_sink_is_a_request_field_of_true_or_false():
-    assert parse({"session_id": "s", "memory": {"sink": True}}).memory.sink is True
-    assert parse({"session_id": "s", "memory": {}}).memory.sink is None
-    with pytest.raises(SpecError, match="sink must be true or false"):
-        parse({"session_id": "s", "memory": {"sink": "yes"}})

@@ -117,9 +117,8 @@ MEMORY_METHODS = {
     "kv memory, lines + keep": {"unit": "line", "recompute": "keep"},
     "kv memory, lines + full recompute": {"unit": "line", "recompute": "full"},
     f"kv memory, lines @{P.LARGE_BUDGET}": {"unit": "line", "placed_tokens": P.LARGE_BUDGET},
-    "kv memory, lines + sink": {"unit": "line", "sink": True},
 }
-MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none", "sink": False}
+MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none"}
 
 
 def generate(server, body: dict) -> dict:

@@ -291,8 +291,6 @@ class MemArtManager(mechanism.Mechanism):
         placed = query.placed_tokens if query.placed_tokens is not None else self.config.placed_tokens
         budgets += [placed] if placed else []
         ranked = [ids[i] for i in top_blocks(scores, query.top_k or self.config.top_k)]
-        if query.sink if query.sink is not None else self.config.sink:
-            ranked = [ids[0], *ranked]  # the oldest block retrieval may place (the index is chronological)
         blocks = memory.take(choose(memory, ranked, query.header or self.config.header, min(budgets, default=None),
                                     query.unit or self.config.unit))  # fmt: skip
         if blocks:
