@@ -122,7 +122,7 @@ class MemArtConfig:
     # what a chosen block brings with it: nothing more (block), or the rest of its line (line: a
     # dialogue turn, a tool result's row, whole; needs cut: lines)
     unit: Literal["block", "line"] = "line"
-    placed_tokens: int = 1024  # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
+    placed_tokens: int = 2048  # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
     # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep
     # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the
     # blocks' tokens prefilled again in the request's context)
