@@ -488,21 +488,26 @@ def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | Non
     """The block ids to place: each ranked block with the rest of its unit (an entry's or a static
     group's other blocks, MemArtPool.unit; with `unit` "line", the rest of its line, MemArtPool.line)
     and its header blocks (the first block of its turn and/or line, MemArtConfig.header: a block,
-    what a turn's or line's start says, not the whole line) unless chosen already; a block whose
-    tokens, unit and headers included, would pass `budget` (the tokens left to place) is skipped,
-    and a shorter one after it may still fit."""
+    what a turn's or line's start says, not the whole line) unless chosen already. What would pass
+    `budget` (the tokens to place at most) is skipped, so a shorter one after it may still fit; a
+    line longer than the whole budget goes as its block alone (a tool output on one line of
+    thousands of tokens is still recalled by its best blocks)."""
     chosen, used, units = {}, 0, memory.book.unit_turns()
     for block_id in ranked:
         members = memory.unit(block_id, units)
-        if unit == "line":
-            members = [b for m in members for b in memory.line(m)]
         headers = [memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header]]
-        new = [b for b in dict.fromkeys([*members, *headers]) if b is not None and b not in chosen and b in memory.blocks]
-        n = sum(len(memory.blocks[b].tokens) for b in new)
-        if budget is not None and used + n > budget:
-            continue  # the request must still fit the context (and the placement budget)
-        chosen.update(dict.fromkeys(new))
-        used += n
+        tries = [members]
+        if unit == "line":
+            line = [b for m in members for b in memory.line(m)]
+            fits = budget is None or sum(len(memory.blocks[b].tokens) for b in line if b in memory.blocks) <= budget
+            tries = [line] if fits else [members]
+        for option in tries:
+            new = [b for b in dict.fromkeys([*option, *headers]) if b is not None and b not in chosen and b in memory.blocks]
+            n = sum(len(memory.blocks[b].tokens) for b in new)
+            if budget is None or used + n <= budget:  # the request must fit the context (and the placement budget)
+                chosen.update(dict.fromkeys(new))
+                used += n
+                break
     return list(chosen)
 
 
