@@ -333,8 +333,8 @@ class MemArtManager(mechanism.Mechanism):
                 return
         if state.recompute in REPAIRS:
             keys, values = assemble(blocks, self.rope, at=system)
-            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks, units, (query.unit or self.config.unit) == "line"),
-                                     state.recompute)  # fmt: skip
+            lines = (query.unit or self.config.unit) == "line"  # a placed line is one segment
+            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks, units, lines), state.recompute)
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         # SGLang resolved the client's logprob_start_len against the prompt it sent (it also caps
@@ -495,19 +495,17 @@ def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | Non
     chosen, used, units = {}, 0, memory.book.unit_turns()
     for block_id in ranked:
         members = memory.unit(block_id, units)
-        headers = [memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header]]
-        tries = [members]
         if unit == "line":
             line = [b for m in members for b in memory.line(m)]
-            fits = budget is None or sum(len(memory.blocks[b].tokens) for b in line if b in memory.blocks) <= budget
-            tries = [line] if fits else [members]
-        for option in tries:
-            new = [b for b in dict.fromkeys([*option, *headers]) if b is not None and b not in chosen and b in memory.blocks]
-            n = sum(len(memory.blocks[b].tokens) for b in new)
-            if budget is None or used + n <= budget:  # the request must fit the context (and the placement budget)
-                chosen.update(dict.fromkeys(new))
-                used += n
-                break
+            if budget is None or sum(len(memory.blocks[b].tokens) for b in line if b in memory.blocks) <= budget:
+                members = line
+        headers = [memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header]]
+        new = [b for b in dict.fromkeys([*members, *headers]) if b is not None and b not in chosen and b in memory.blocks]
+        n = sum(len(memory.blocks[b].tokens) for b in new)
+        if budget is not None and used + n > budget:
+            continue  # the request must still fit the context (and the placement budget)
+        chosen.update(dict.fromkeys(new))
+        used += n
     return list(chosen)
 
 
