@@ -139,3 +139,21 @@ def test_textworld_points_are_the_walkthrough_and_each_extends_the_one_before(to
             assert tw.clean(state.feedback) in tokenizer.decode(nxt.history[len(pt.history) + len(pt.gold) :])
     assert next(points, None) is None and state["won"]
     env.close()
+
+
+def test_every_methods_server_config_loads_and_a_persisted_method_restores_in_its_own_format():
+    import yaml
+
+    from bench.fidelity.run import PERSISTED, SERVERS, methods
+    from sgl_memory import config
+
+    loaded = {name: config.from_dict(yaml.safe_load(text)) for name, text in SERVERS.items()}
+    ms = methods([32])
+    assert {m.server for m in ms} == set(SERVERS)
+    persisted = [m for m in ms if m.restores]
+    assert sorted(m.name for m in persisted) == sorted(f"persisted {q}" for q in PERSISTED)
+    for m in persisted:
+        cfg = loaded[m.server]
+        assert cfg.persist.enabled and m.name == f"persisted {cfg.persist.quant}"
+        assert not cfg.memory.enabled and m.fields == ms[0].fields  # the full cache, restored
+    assert not any(cfg.persist.enabled for name, cfg in loaded.items() if name in ("intent", "memory"))
