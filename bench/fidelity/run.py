@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.fidelity [--quick] [--workloads bfcl locomo] [--budgets 32 128]
 
 All methods run on one sgl-memory server with intent on (KV memory's on a second one, a restored
-session's on one per store format, after), each trajectory in one session per method (sessions keep their pruned paths apart; what a path
-held before its first pruning is shared, so every method starts from the reference's own KV).
+session's on one per store format, after), each trajectory in one session per method (sessions
+keep their pruned paths apart; what a path held before its first pruning is shared, so every
+method starts from the reference's own KV).
 At each point, as the server does it for an agent:
 - request A is the agent's request there (the gold history, rendered by the chat template): its
   prefill, over the session's path as earlier points' events left it, gives the distribution of
