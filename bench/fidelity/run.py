@@ -323,16 +323,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budgets", type=int, nargs="+", default=[32, 128], help="history budgets (prompt positions)")
     ap.add_argument("--methods", nargs="+", default=None, help="method names to run (default: all)")
     ap.add_argument("--bfcl-per-category", type=int, default=30)
+    ap.add_argument("--bcp-questions", type=int, default=14, help="per LoCoMo dev conversation (about 3.2 points each)")
     ap.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--locomo-questions", type=int, default=110, help="per conversation")
     ap.add_argument("--textworld-games", type=int, default=18, help="cooking games of about 17 steps")
-    ap.add_argument("--quick", action="store_true", help="one BFCL task per category, 8 LoCoMo questions, one game, one budget")
+    ap.add_argument("--quick", action="store_true", help="one BFCL task per category, one BCP question per conversation, "
+                    "8 LoCoMo questions, one game, one budget")
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--report-only", action="store_true", help="aggregate the points file, run nothing")
     ap.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.bfcl_per_category, args.locomo_conversations, args.locomo_questions, args.textworld_games = 1, [0], 8, 1
+        args.bcp_questions = 1
         args.budgets = args.budgets[:1]
     return args
 
@@ -345,6 +348,8 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     for w in args.workloads:
         if w == "bfcl":
             trajs += P.bfcl(tokenizer, args.bfcl_per_category)
+        elif w == "bcp":
+            trajs += P.bcp(tokenizer, args.bcp_questions)
         elif w == "textworld":
             trajs += P.textworld(tokenizer, args.textworld_games)
         else:
@@ -353,15 +358,15 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     done = {(r["trajectory"], r["method"], r["budget"]) for r in read_rows(points_path)}
     todo = [(t, m) for t in trajs for m in ms[1:] if (t.id, m.name, m.budget) not in done and servable(t, m)]
     run_id = f"fid-{int(time.time())}"  # fresh sessions per run: a resumed run never meets an old session's path
-    logs = Path(tempfile.gettempdir()) / "sgl-memory-fidelity"
-    logs.mkdir(exist_ok=True)
+    # the run's own: a server reads its config file once, but two runs must not share logs
+    logs = Path(tempfile.mkdtemp(prefix="sgl-memory-fidelity-"))
     refs: dict[str, list[dict]] = {}  # the reference per trajectory, computed once per run
     with tqdm(total=sum(len(t.points) for t, _ in todo), desc="points x methods", disable=None) as bar:
         for name, config in SERVERS.items():
             phase = [(t, m) for t, m in todo if m.server == name]
             if phase:
                 if name.startswith("persist"):
-                    config += f"  dir: {tempfile.mkdtemp(prefix='sessions-', dir=logs)}\n"
+                    config += f"  dir: {logs / 'sessions' / name.split()[1]}\n"
                 (logs / "config.yaml").write_text(config)
                 cmd = harness.our_command(args.model, "--memory-config", str(logs / "config.yaml"), "--max-total-tokens", str(args.max_total_tokens))
                 server = harness.start(cmd, logs / "server.log")
