@@ -8,6 +8,7 @@ section dataclass and one field on `MemoryConfig`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from dataclasses import dataclass, field
@@ -122,7 +123,7 @@ class MemArtConfig:
     # what a chosen block brings with it: nothing more (block), or the rest of its line (line: a
     # dialogue turn, a tool result's row, whole; needs cut: lines)
     unit: Literal["block", "line"] = "line"
-    placed_tokens: int = 1024  # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
+    placed_tokens: int = 2048  # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
     # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep
     # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the
     # blocks' tokens prefilled again in the request's context)
@@ -272,5 +273,13 @@ def load(path: str | os.PathLike | None) -> MemoryConfig:
 
 
 def from_env() -> MemoryConfig:
-    """The config of this server, in any of its processes (the launcher exports the path)."""
-    return load(os.environ.get(CONFIG_ENV) or None)
+    """The config of this server, in any of its processes (the launcher exports the path), read
+    once per process: a server serves the config it started with. Read again per request, a file
+    edited (or rewritten by another run) while the server runs made the HTTP process refuse what
+    its scheduler serves."""
+    return _load_once(os.environ.get(CONFIG_ENV) or None)
+
+
+@functools.cache
+def _load_once(path: str | None) -> MemoryConfig:
+    return load(path)

@@ -109,6 +109,38 @@ def test_bfcl_points_are_gold_tool_calls_of_replays_that_pass_the_checker(tokeni
         assert got == [[(n, a) for n, a in calls] for calls in want]
 
 
+def test_bcp_points_search_read_the_evidence_sessions_and_answer_with_the_gold(tokenizer):
+    """A BCP-shaped trajectory is one LoCoMo question along an oracle's path: its gold calls are
+    search(the question), get_document of the sessions the dataset's evidence names (read from the
+    data file apart from the source), answer(the dataset's answer); each next prompt extends prompt
+    + gold by the tool's output, which holds the document's lines."""
+    import json
+    import re
+
+    from bench.locomo import data
+
+    samples = data.load()
+    trajs = P.bcp(tokenizer, 2)
+    assert len(trajs) >= len(samples)
+    for traj in trajs:
+        c, qa = (int(x) for x in re.fullmatch(r"c(\d+)-q(\d+)", traj.id).groups())
+        raw = samples[c]["qa"][qa]
+        sessions = list(dict.fromkeys(int(n) for e in raw["evidence"] for n in re.findall(r"D(\d+):", e)))
+        want = [("search", {"query": raw["question"]}), *(("get_document", {"docid": f"c{c}s{n}"}) for n in sessions[: P.BCP_DOCUMENTS]),
+                ("answer", {"answer": str(raw["answer"])})]  # fmt: skip
+        got = []
+        for pt, nxt in zip(traj.points, traj.points[1:] + [None]):
+            (call,) = re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", tokenizer.decode(pt.gold), re.S)
+            got.append((json.loads(call)["name"], json.loads(call)["arguments"]))
+            if nxt is not None:
+                assert nxt.history[: len(pt.history) + len(pt.gold)] == pt.history + pt.gold
+            if got[-1][0] == "get_document":
+                n = int(got[-1][1]["docid"].split("s")[1])
+                first = samples[c]["conversation"][f"session_{n}"][0]
+                assert f"{first['speaker']}: {first['text'][:40]}" in tokenizer.decode(nxt.history[len(pt.history) :])
+        assert got == want
+
+
 def test_textworld_points_are_the_walkthrough_and_each_extends_the_one_before(tokenizer):
     """A TextWorld trajectory is one game along its walkthrough: each gold action is the
     walkthrough's next valid command (read from the game file again, apart from the source) through
@@ -139,3 +171,21 @@ def test_textworld_points_are_the_walkthrough_and_each_extends_the_one_before(to
             assert tw.clean(state.feedback) in tokenizer.decode(nxt.history[len(pt.history) + len(pt.gold) :])
     assert next(points, None) is None and state["won"]
     env.close()
+
+
+def test_every_methods_server_config_loads_and_a_persisted_method_restores_in_its_own_format():
+    import yaml
+
+    from bench.fidelity.run import PERSISTED, SERVERS, methods
+    from sgl_memory import config
+
+    loaded = {name: config.from_dict(yaml.safe_load(text)) for name, text in SERVERS.items()}
+    ms = methods([32])
+    assert {m.server for m in ms} == set(SERVERS)
+    persisted = [m for m in ms if m.restores]
+    assert sorted(m.name for m in persisted) == sorted(f"persisted {q}" for q in PERSISTED)
+    for m in persisted:
+        cfg = loaded[m.server]
+        assert cfg.persist.enabled and m.name == f"persisted {cfg.persist.quant}"
+        assert not cfg.memory.enabled and m.fields == ms[0].fields  # the full cache, restored
+    assert not any(cfg.persist.enabled for name, cfg in loaded.items() if name in ("intent", "memory"))

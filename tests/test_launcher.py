@@ -80,6 +80,17 @@ def test_memory_config_is_exported_for_child_processes(fake_model, tmp_path, mon
     assert "--memory-config" not in launch_server.build_argv(["--memory-config", str(p)])[0]
 
 
+def test_a_process_keeps_the_config_it_started_with_when_the_file_changes(tmp_path, monkeypatch):
+    """Every process reads the file once: rewritten while the server runs (another run's config in
+    the same place), it changes nothing until a restart."""
+    p = tmp_path / "c.yaml"
+    p.write_text("memory:\n  enabled: true\n")
+    monkeypatch.setenv(config.CONFIG_ENV, str(p))
+    assert config.from_env().memory.enabled
+    p.write_text("memory:\n  enabled: false\n")
+    assert config.from_env().memory.enabled and not config.load(p).memory.enabled
+
+
 def test_unknown_config_key_is_refused(fake_model, tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("intent:\n  budgte: 1\n")

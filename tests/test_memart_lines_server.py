@@ -31,7 +31,7 @@ def tok():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("memart-lines")
-    (d / "memory.yaml").write_text("memory:\n  enabled: true\n")  # the defaults: cut lines, unit line, placed_tokens 1024
+    (d / "memory.yaml").write_text("memory:\n  enabled: true\n")  # the defaults: cut lines, unit line, placed_tokens 2048
     srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"))
     yield srv
     stop_server(srv)

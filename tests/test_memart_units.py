@@ -548,9 +548,14 @@ def test_a_chosen_block_brings_its_line_and_its_headers_lines_within_the_budget(
     memory.add_turn([1, 2, 3, 4, 5, 6, NL, 7], keys[:, :8], keys[:, :8].to(torch.bfloat16), 4)  # blocks 9, 10 | 11
     assert choose(memory, [11], "turn", None, "line") == [11, 9]
     # the budget counts whole lines: line [1, 2, 3] is 12 tokens, [4, 5] 5, [0] 3
-    assert choose(memory, [2, 5, 0], "none", 8, "line") == [4, 5, 0]
+    assert choose(memory, [2, 5, 0], "none", 8, "line") == [2, 0]  # [1, 2, 3] passes 8: block 2 alone; then [4, 5] does not fit
+    assert choose(memory, [5, 0, 2], "none", 8, "line") == [4, 5, 0]
     assert choose(memory, [2, 5, 0], "none", 12, "line") == [1, 2, 3]
     assert choose(memory, [2], "none", None, "block") == [2]
+    # a line longer than the whole budget goes as its block alone: line [1, 2, 3] (12 tokens) in 10
+    assert choose(memory, [2, 5], "none", 10, "line") == [2, 4, 5]
+    assert choose(memory, [5, 2], "none", 10, "line") == [4, 5, 2]
+    assert choose(memory, [5, 2], "none", 6, "line") == [4, 5]  # its block fits no more
 
 
 def test_a_placed_line_is_one_segment_for_the_repair():

@@ -16,6 +16,8 @@ Sources:
   picks within the same KV budget (and within twice that). The memory records each LoCoMo session as one turn (a request
   that extends the one before by the session's lines). Questions are independent (one session each), so the intervals
   resample questions (of three conversations: they say nothing of other conversations);
+- `bcp`: the BCP-shaped search workload along an oracle's path (search, read the evidence, answer),
+  LoCoMo dev questions of every conversation, a point per action;
 - `textworld`: TextWorld cooking games played along their walkthroughs, a point every step.
 """
 
@@ -141,6 +143,42 @@ def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -
     return out
 
 
+BCP_DOCUMENTS = 2  # evidence documents an oracle reads at most: a history of about 5k tokens
+
+
+def bcp(tokenizer, per_conversation: int, seed: int = 0) -> list[Trajectory]:
+    """The BCP-shaped search workload (bench/agent/bcp.py over its offline corpus, a document per
+    LoCoMo dev session) along an oracle's path: search with the question, read the sessions its
+    evidence names (the first BCP_DOCUMENTS, in order), answer with the gold answer. A point per
+    action, so the last one's likelihood (the answer's value) needs what the documents said, and
+    the search results and documents before it are what pruning chooses among. Questions whose
+    evidence names no session are skipped."""
+    import re
+
+    from bench.agent import bcp as B
+    from bench.agent.loop import Call, Reply
+    from bench.locomo import data
+
+    work = B.Workload(B.Corpus(B.locomo_corpus()), [])
+    out = []
+    for c, sample in enumerate(data.load()):
+        for q in data.stratified(data.questions(sample, c), per_conversation, seed):
+            docs = list(dict.fromkeys(f"c{c}s{n}" for e in q.evidence for n in re.findall(r"D(\d+):", e)))
+            docs = [d for d in docs if d in work.corpus.by_id][:BCP_DOCUMENTS]
+            if not docs:
+                continue
+            actions = [("search", {"query": q.question}), *(("get_document", {"docid": d}) for d in docs), ("answer", {"answer": q.answer})]
+            messages = [{"role": "system", "content": B.SYSTEM}, {"role": "user", "content": q.question}]
+            traj = Trajectory("bcp", f"c{c}-q{q.qa_index}")
+            for i, (name, arguments) in enumerate(actions):
+                call = Call(f"call_{i}", name, arguments)
+                turn = Reply([call], "", 0, 0, 0, 0.0).exchange([call], [work.tool(name, arguments)])
+                traj.points.append(point(tokenizer, messages, turn[0], B.TOOLS, f"{name} cat{q.category}"))
+                messages += turn
+            out.append(traj)
+    return out
+
+
 TEXTWORLD_SEED = 200  # games seed .. seed + n - 1 (bench/keep_textworld plays 100-105)
 TEXTWORLD_SYSTEM = "You are playing a text adventure game. {objective} Answer with exactly one of the valid commands and nothing else."
 
@@ -178,4 +216,4 @@ def textworld(tokenizer, games: int, seed: int = TEXTWORLD_SEED) -> list[Traject
     return out
 
 
-SOURCES = {"bfcl": bfcl, "locomo": locomo, "textworld": textworld}
+SOURCES = {"bfcl": bfcl, "bcp": bcp, "locomo": locomo, "textworld": textworld}

@@ -2,9 +2,10 @@
 
     .venv/bin/python -m bench.fidelity [--quick] [--workloads bfcl locomo] [--budgets 32 128]
 
-All methods run on one sgl-memory server with intent on (KV memory's on a second one, after),
-each trajectory in one session per method (sessions keep their pruned paths apart; what a path
-held before its first pruning is shared, so every method starts from the reference's own KV).
+All methods run on one sgl-memory server with intent on (KV memory's on a second one, a restored
+session's on one per store format, after), each trajectory in one session per method (sessions
+keep their pruned paths apart; what a path held before its first pruning is shared, so every
+method starts from the reference's own KV).
 At each point, as the server does it for an agent:
 - request A is the agent's request there (the gold history, rendered by the chat template): its
   prefill, over the session's path as earlier points' events left it, gives the distribution of
@@ -20,8 +21,11 @@ it retrieves from the conversation's memory (one session per conversation, inges
 `store: false`, so questions stay independent; rows record whether B retrieved the blocks A
 did), by retrieval unit (blocks, whole lines, lines with their turn's first block), placement
 and with KEEP's repair; text retrieval the question over the turns MiniLM picks; both place at most 1024
-tokens. The reference is the full cache (a budget no request reaches) in its own session, run
-first; a second full-cache session measures what numerics alone move (it prefills the latest
+tokens. A persisted method (q4, q8, bf16) is the full-cache session on a server with persistence in
+that format, the tree flushed after every point: each point's A restores the history the
+session's earlier points wrote (dequantized, as after a restart; `restored_tokens` in its rows)
+and prefills only what is new. The reference is the full cache (a budget no request reaches) in
+its own session, run first; a second full-cache session measures what numerics alone move (it prefills the latest
 message over the reference's cached prefix, in other chunks).
 
 Per point and method (`<out>.points.jsonl`, appended as each trajectory ends; a re-run skips what it
@@ -64,6 +68,11 @@ CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
 # transcript; blocks are cut at lines, so that a placed block never holds the end of one line and
 # the start of the next, and a method may place whole lines (memory.unit)
 MEMORY_CONFIG = CONFIG + "memory:\n  enabled: true\n  cut: lines\nkeep:\n  enabled: true\n"
+# a restored session's methods: the store's format is the server's, one server per format (its
+# directory is added per run: a fresh store, so every restore is of this run's writes)
+PERSISTED = ("q4", "q8", "bf16")
+SERVERS = {"intent": CONFIG, "memory": MEMORY_CONFIG,
+           **{f"persist {q}": CONFIG + f"persist:\n  enabled: true\n  quant: {q}\n" for q in PERSISTED}}  # fmt: skip
 BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
 INTENT = ("memory", "query", "learned")
 REFERENCE = "full cache"
@@ -82,6 +91,13 @@ class Method:
     budget: int | None  # the history budget of a pruning method
     fields: dict  # the request's sgl_memory fields besides the session
     prompt: str = "history"  # the point's prompt it serves: the history, or one of Point.alternates
+    server: str = "intent"  # the SERVERS config it needs
+
+    @property
+    def restores(self) -> bool:
+        """Each point's history comes back from the store: the tree is flushed after every point,
+        so the next one restores what the session wrote (as after a restart) and prefills the rest."""
+        return self.server.startswith("persist")
 
     @property
     def recalls(self) -> bool:
@@ -100,7 +116,8 @@ def methods(budgets: list[int]) -> list[Method]:
         out.append(Method("intentkv-learned-adaptive", b, {**pruned, "scorer": "learned", "budget_mode": "adaptive"}))
         out += [Method(s, b, {**pruned, "scorer": s}) for s in BASELINES]
     retrieve = {"mode": "retrieve", "top_k": MEMORY_TOP_K, "placed_tokens": P.TEXT_BUDGET, "store": False}
-    out += [Method(name, None, {**full, "memory": {**retrieve, **MEMORY_DEFAULTS, **memory}}, "question")
+    out += [Method(f"persisted {q}", None, full, server=f"persist {q}") for q in PERSISTED]
+    out += [Method(name, None, {**full, "memory": {**retrieve, **MEMORY_DEFAULTS, **memory}}, "question", "memory")
             for name, memory in MEMORY_METHODS.items()]  # fmt: skip
     large = f"@{P.LARGE_BUDGET}"
     out += [Method(TEXT, None, full, "text"), Method(TEXT + " " + large, None, full, "text" + large)]
@@ -152,7 +169,7 @@ def score_point(server, pt: P.Point, prompt: list[int], field: dict, ref: dict |
            "top": [[[t, lp] for lp, t, *_ in a["output_top_logprobs"][0]]],
            # intent reports what stayed live of the request's tokens, placed memory blocks included
            "live_kv": mem["live_kv_tokens"] - 2 if "live_kv_tokens" in mem else len(prompt) + mem.get("memory_kv_tokens", 0),
-           "events": mem.get("compression_events", 0)}  # fmt: skip
+           "events": mem.get("compression_events", 0), "restored": mem.get("restored_tokens", 0)}  # fmt: skip
     if n > 1:
         asked = sorted({*pt.gold, *(t for pos in ref["top"][1:] for t, _ in pos)}) if ref else sorted(set(pt.gold))
         b = generate(server, {"input_ids": prompt + pt.gold, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
@@ -191,13 +208,17 @@ def score_trajectory(server, traj: P.Trajectory, method: Method, field: dict, re
         t0 = time.perf_counter()
         prompt = pt.history if method.prompt == "history" else pt.alternates[method.prompt]
         s = score_point(server, pt, prompt, field, None if refs is None else refs[i])
+        if method.restores:
+            r = server.post("/flush_cache?timeout=600", {})  # waits for the session's write
+            if r.status_code != 200:
+                raise RuntimeError(f"/flush_cache answered {r.status_code}: {r.text[:500]}")
         if refs is None:
             rows.append({"point": i, "gold": s["gold"], "argmax": s["argmax"], "top": s["top"], "live_kv": s["live_kv"]})
             continue
         r = refs[i]
         rows.append({
             "point": i, "label": pt.label, "gold_tokens": len(pt.gold), "history_tokens": len(pt.history), "prompt_tokens": len(prompt),
-            "live_kv": s["live_kv"], "events": s["events"], "same_blocks": s.get("same_blocks", True), "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
+            "live_kv": s["live_kv"], "events": s["events"], "restored_tokens": s["restored"], "same_blocks": s.get("same_blocks", True), "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
             "full_match": s["argmax"] == r["argmax"],
             "token_agreement": sum(a == b for a, b in zip(s["argmax"], r["argmax"])) / len(pt.gold), "kl": sum(kl_rest(rt, m) for rt, m in zip(r["top"], s["ids"])) / len(pt.gold),
             "ref_gold_logprob": sum(r["gold"]), "ref_gold_match": r["argmax"] == pt.gold, "wall_s": time.perf_counter() - t0,
@@ -302,16 +323,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budgets", type=int, nargs="+", default=[32, 128], help="history budgets (prompt positions)")
     ap.add_argument("--methods", nargs="+", default=None, help="method names to run (default: all)")
     ap.add_argument("--bfcl-per-category", type=int, default=30)
+    ap.add_argument("--bcp-questions", type=int, default=14, help="per LoCoMo dev conversation (about 3.2 points each)")
     ap.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--locomo-questions", type=int, default=110, help="per conversation")
     ap.add_argument("--textworld-games", type=int, default=18, help="cooking games of about 17 steps")
-    ap.add_argument("--quick", action="store_true", help="one BFCL task per category, 8 LoCoMo questions, one game, one budget")
+    ap.add_argument("--quick", action="store_true", help="one BFCL task per category, one BCP question per conversation, "
+                    "8 LoCoMo questions, one game, one budget")
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--report-only", action="store_true", help="aggregate the points file, run nothing")
     ap.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.bfcl_per_category, args.locomo_conversations, args.locomo_questions, args.textworld_games = 1, [0], 8, 1
+        args.bcp_questions = 1
         args.budgets = args.budgets[:1]
     return args
 
@@ -324,6 +348,8 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     for w in args.workloads:
         if w == "bfcl":
             trajs += P.bfcl(tokenizer, args.bfcl_per_category)
+        elif w == "bcp":
+            trajs += P.bcp(tokenizer, args.bcp_questions)
         elif w == "textworld":
             trajs += P.textworld(tokenizer, args.textworld_games)
         else:
@@ -332,18 +358,20 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     done = {(r["trajectory"], r["method"], r["budget"]) for r in read_rows(points_path)}
     todo = [(t, m) for t in trajs for m in ms[1:] if (t.id, m.name, m.budget) not in done and servable(t, m)]
     run_id = f"fid-{int(time.time())}"  # fresh sessions per run: a resumed run never meets an old session's path
-    logs = Path(tempfile.gettempdir()) / "sgl-memory-fidelity"
-    logs.mkdir(exist_ok=True)
+    # the run's own: a server reads its config file once, but two runs must not share logs
+    logs = Path(tempfile.mkdtemp(prefix="sgl-memory-fidelity-"))
     refs: dict[str, list[dict]] = {}  # the reference per trajectory, computed once per run
     with tqdm(total=sum(len(t.points) for t, _ in todo), desc="points x methods", disable=None) as bar:
-        for recalls, config in ((False, CONFIG), (True, MEMORY_CONFIG)):
-            phase = [(t, m) for t, m in todo if m.recalls == recalls]
+        for name, config in SERVERS.items():
+            phase = [(t, m) for t, m in todo if m.server == name]
             if phase:
+                if name.startswith("persist"):
+                    config += f"  dir: {logs / 'sessions' / name.split()[1]}\n"
                 (logs / "config.yaml").write_text(config)
                 cmd = harness.our_command(args.model, "--memory-config", str(logs / "config.yaml"), "--max-total-tokens", str(args.max_total_tokens))
                 server = harness.start(cmd, logs / "server.log")
                 try:
-                    serve(server, trajs, phase, ms[0], f"{run_id}{'-memory' if recalls else ''}", points_path, refs_path, refs, bar)
+                    serve(server, trajs, phase, ms[0], f"{run_id}-{name.replace(' ', '-')}", points_path, refs_path, refs, bar)
                 finally:
                     harness.stop(server)
 
@@ -357,13 +385,14 @@ def serve(server, trajs: list[P.Trajectory], todo: list[tuple], ref_method: Meth
             continue
         # the reference runs first: the pruning methods start from its KV and every method is scored
         # against this run's reference (each point row keeps the reference's figures it used). The
-        # memory server reuses the first server's (fresh servers answer alike: test_determinism_server)
-        # or computes it without a session, so nothing of it is recorded.
+        # memory and persist servers reuse the first server's (fresh servers answer alike:
+        # test_determinism_server) or compute it without a session, so nothing of it is recorded.
         ref = refs.get(traj.id)
-        if ref is None or not all(m.recalls for m in mine):
+        shared = any(m.server == "intent" for m in mine)  # a method here reads the reference's session
+        if ref is None or shared:
             bar.set_description(f"{traj.id} {REFERENCE}")
             # sessionless, it still names the full budget: the server's default budget would prune it
-            field = dict(ref_method.fields) if all(m.recalls for m in mine) else {"session_id": f"{run_id}:{traj.id}:ref", **ref_method.fields}
+            field = {"session_id": f"{run_id}:{traj.id}:ref", **ref_method.fields} if shared else dict(ref_method.fields)
             ref = refs[traj.id] = score_trajectory(server, traj, ref_method, field, None)
             with refs_path.open("a") as f:
                 f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")

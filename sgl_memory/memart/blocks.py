@@ -196,8 +196,9 @@ class MemArtPool:
         out, last, before = [], None, None
         for block in blocks:
             unit = units.get(block.origin[0][0], ("block", block.id))
-            if out and ((unit == last and unit[0] != "block") or (lines and unit[0] == "block" and before is not None
-                                                                  and self._continues(before, block))):  # fmt: skip
+            grouped = unit == last and unit[0] != "block"
+            same_line = lines and unit[0] == "block" and before is not None and self._continues(before, block)
+            if grouped or same_line:
                 out[-1] += len(block.tokens)
             else:
                 out.append(len(block.tokens))

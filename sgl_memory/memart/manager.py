@@ -333,8 +333,8 @@ class MemArtManager(mechanism.Mechanism):
                 return
         if state.recompute in REPAIRS:
             keys, values = assemble(blocks, self.rope, at=system)
-            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks, units, (query.unit or self.config.unit) == "line"),
-                                     state.recompute)  # fmt: skip
+            lines = (query.unit or self.config.unit) == "line"  # a placed line is one segment
+            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks, units, lines), state.recompute)
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         # SGLang resolved the client's logprob_start_len against the prompt it sent (it also caps
@@ -488,14 +488,17 @@ def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | Non
     """The block ids to place: each ranked block with the rest of its unit (an entry's or a static
     group's other blocks, MemArtPool.unit; with `unit` "line", the rest of its line, MemArtPool.line)
     and its header blocks (the first block of its turn and/or line, MemArtConfig.header: a block,
-    what a turn's or line's start says, not the whole line) unless chosen already; a block whose
-    tokens, unit and headers included, would pass `budget` (the tokens left to place) is skipped,
-    and a shorter one after it may still fit."""
+    what a turn's or line's start says, not the whole line) unless chosen already. What would pass
+    `budget` (the tokens to place at most) is skipped, so a shorter one after it may still fit; a
+    line longer than the whole budget goes as its block alone (a tool output on one line of
+    thousands of tokens is still recalled by its best blocks)."""
     chosen, used, units = {}, 0, memory.book.unit_turns()
     for block_id in ranked:
         members = memory.unit(block_id, units)
         if unit == "line":
-            members = [b for m in members for b in memory.line(m)]
+            line = [b for m in members for b in memory.line(m)]
+            if budget is None or sum(len(memory.blocks[b].tokens) for b in line if b in memory.blocks) <= budget:
+                members = line
         headers = [memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header]]
         new = [b for b in dict.fromkeys([*members, *headers]) if b is not None and b not in chosen and b in memory.blocks]
         n = sum(len(memory.blocks[b].tokens) for b in new)
