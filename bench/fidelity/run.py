@@ -138,11 +138,15 @@ MEMORY_METHODS = {
 MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none"}
 
 
-def generate(server, body: dict) -> dict:
-    r = server.post("/generate", body, timeout=3600)
+def post(server, path: str, body: dict):
+    r = server.post(path, body, timeout=3600)
     if r.status_code != 200:
-        raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:500]}")
-    return r.json()["meta_info"]
+        raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:500]}")
+    return r
+
+
+def generate(server, body: dict) -> dict:
+    return post(server, "/generate", body).json()["meta_info"]
 
 
 def _memory(field: dict, readonly: bool = False) -> dict:
@@ -209,9 +213,7 @@ def score_trajectory(server, traj: P.Trajectory, method: Method, field: dict, re
         prompt = pt.history if method.prompt == "history" else pt.alternates[method.prompt]
         s = score_point(server, pt, prompt, field, None if refs is None else refs[i])
         if method.restores:
-            r = server.post("/flush_cache?timeout=600", {})  # waits for the session's write
-            if r.status_code != 200:
-                raise RuntimeError(f"/flush_cache answered {r.status_code}: {r.text[:500]}")
+            post(server, "/flush_cache?timeout=600", {})  # waits for the session's write
         if refs is None:
             rows.append({"point": i, "gold": s["gold"], "argmax": s["argmax"], "top": s["top"], "live_kv": s["live_kv"]})
             continue
