@@ -73,15 +73,20 @@ def prompt_of_length(tokenizer, n: int, seed: int) -> list[int]:
     return ids[:n]
 
 
+def ok(r, what: str):
+    """The response, or a RuntimeError carrying the server's answer: a bench never scores an error body."""
+    if r.status_code != 200:
+        raise RuntimeError(f"{what} answered {r.status_code}: {r.text[:500]}")
+    return r
+
+
 def generate(server, input_ids: list[int], max_new_tokens: int) -> dict:
     """Greedy /generate on token ids; returns meta_info (e2e_latency, cached_tokens, ...)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
     }
-    r = server.post("/generate", body)
-    r.raise_for_status()
-    return r.json()["meta_info"]
+    return ok(server.post("/generate", body), "/generate").json()["meta_info"]
 
 
 def ours(model: str, *flags: str) -> tuple[list[str], None]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, kv_costs, pruning_methods, write_json
+from common import RESULTS, kv_costs, ok, pruning_methods, write_json
 from sgl_memory import harness, models
 
 GEN_TOKENS = 16
@@ -69,9 +69,7 @@ def trajectory(session: int, turns: int, seed: int) -> list[list[dict]]:
 
 def run_config(server, prompts: list[list[list[int]]], memory: dict | None, tag: str) -> dict:
     # every configuration starts from an empty tree: no run may reuse another's (pruned) prefixes
-    flushed = server.post("/flush_cache?timeout=60", {})
-    if flushed.status_code != 200:
-        raise RuntimeError(f"flush_cache failed before {tag}: {flushed.text}")
+    ok(server.post("/flush_cache?timeout=60", {}), f"/flush_cache before {tag}")
     rows, t0 = [], time.perf_counter()
     for s, turns in enumerate(prompts):
         for ids in turns:

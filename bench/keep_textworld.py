@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from sgl_memory import harness, models
 
-from .common import RESULTS, write_json
+from .common import RESULTS, ok, write_json
 from .locomo.run import generate
 
 # method -> the request's memory object (None: no memory, the observation alone)
@@ -151,10 +151,7 @@ def choose_command(answer: str, admissible: list[str]) -> str:
 
 def write(server, session: str, entries: dict[str, str]) -> dict:
     body = {"session_id": session, "entries": [{"key": k, "text": t} for k, t in entries.items()]}
-    r = requests.post(server.url + "/sgl_memory/memory/write", json=body, timeout=600)
-    if r.status_code != 200:
-        raise RuntimeError(f"memory write answered {r.status_code}: {r.text[:500]}")
-    return r.json()
+    return ok(requests.post(server.url + "/sgl_memory/memory/write", json=body, timeout=600), "memory write").json()
 
 
 def ask(server, ids: list[int], session: str, memory: dict | None, top_k: int, ratio: float) -> dict:

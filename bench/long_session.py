@@ -44,7 +44,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from common import RESULTS, write_json
+from common import RESULTS, ok, write_json
 from locomo import data
 from locomo.metrics import token_f1
 from sgl_memory import harness, models
@@ -112,8 +112,7 @@ def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple
     t0 = time.perf_counter()
     ttft, last = None, None
     with requests.post(server.url + "/generate", json=body, stream=True, timeout=1800) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
+        ok(r, "/generate")
         for raw in r.iter_lines():
             if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
                 continue

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from common import RESULTS, write_json
+from common import RESULTS, ok, write_json
 from sgl_memory import harness, models
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo_dev7.json"
@@ -103,7 +103,7 @@ def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
     try:
         for n, first in sessions.items():
             answers.setdefault(n, chat(writer, first, 16, {"session_id": f"s{n}"})[0])
-        assert writer.post("/flush_cache?timeout=600", {}).status_code == 200  # every write done
+        ok(writer.post("/flush_cache?timeout=600", {}), "/flush_cache")  # every write done
     finally:
         harness.stop(writer)
     files = list((d / "store").glob("*/*/*.safetensors"))
@@ -123,7 +123,7 @@ def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
                        "prompt_tokens": usage["prompt_tokens"], "restored_tokens": metrics.get("restored_tokens"),
                        "restore_ms": metrics.get("restore_ms"), "restored_from": metrics.get("restored_from"),
                        "text_match": metrics.get("text_match"), "answer": answer}  # fmt: skip
-        assert reader.post("/flush_cache?timeout=600", {}).status_code == 200
+        ok(reader.post("/flush_cache?timeout=600", {}), "/flush_cache")
         for n, first in sessions.items():
             _, usage, metrics, seconds = chat(reader, second_turn(first, answers[n]), 1, {"session_id": f"s{n}"})
             rows[n].update(warm_ttft_s=seconds, warm_restored_from=metrics.get("restored_from"))

@@ -2,36 +2,40 @@
 
 Two steps, each resumable from its output directory:
 
-    .venv/bin/python scripts/train_pruner.py collect --out runs/pruner [--per-category 40]
+    .venv/bin/python scripts/train_pruner.py collect --out runs/pruner [--families bfcl bcp textworld locomo]
     .venv/bin/python scripts/train_pruner.py train --out runs/pruner [--head PATH]
 
-collect: BFCL multi-turn sessions (multi_turn_base, miss_func, miss_param; never long_context, and
-never the tasks the agent benchmark evaluates on) are replayed through a real server along their
-ground truth: at every step the server sees the conversation so far (tool docs, questions, the
-ground-truth calls and their results from BFCL's back-ends) and prunes it with `scorer: learned`
-and an untrained head, which keeps the rule scorer's set and writes the head's inputs at the
-compression event (`intent.trace_dir`): the features are read by the server's own capture path,
-where inference reads them. Each step's labels are the next five ground-truth calls.
+collect: the gold trajectories of `bench/fidelity` (BFCL base / miss_func / miss_param replays that
+pass BFCL's checker, never long_context; the BCP-shaped oracle path; TextWorld walkthroughs; LoCoMo
+dev questions over their whole transcript) are sent through a real server point by point, each
+trajectory in one session, as the fidelity bench's agent requests are: the server prunes each
+prompt with `scorer: learned` at the family's budget of the fidelity tables and an untrained head,
+which keeps the rule scorer's set and writes the head's inputs at the compression event
+(`intent.trace_dir`): the features are read by the server's own capture path, where inference
+reads them. A point's labels are the values its next LOOKAHEAD gold actions name.
 
-train: a history token is positive when its text is part of a literal occurrence of an argument
-value (3+ characters) of one of the next five calls; special tokens are ignored (the forced spans
-are not candidates at all); rows without a positive are dropped. Sessions replay in turn order
-(QueryMemory accumulated in the server as at inference). Loss (eq. 8): BCE with a positive weight
-neg/pos clipped at `--pos-weight-max`, a pairwise softplus term of each positive against the
-`--hard-negatives` highest-scoring negatives, a keep-probability penalty, and a unit-norm term on
-the projected memory. AdamW, seeded; validation by task. Writes the head, `curves.json` and
-`curves.png`; reports the label statistics and, on validation, the share of positives the head and
-the rule keep at the event's budget.
+train: a history token is positive when its text is part of a literal occurrence (case ignored) of
+one of those values (a tool call's argument values of 3+ characters and their words, else the
+action's words; function words left out: `action_strings`); special tokens are ignored (the forced spans are not candidates at all); rows without a positive are dropped. Sessions
+replay in turn order (QueryMemory accumulated in the server as at inference). Loss (eq. 8): BCE
+with a positive weight neg/pos clipped at `--pos-weight-max`, a pairwise softplus term of each
+positive against the `--hard-negatives` highest-scoring negatives, a keep-probability penalty, and
+a unit-norm term on the projected memory. AdamW, seeded; validation on whole trajectories
+(`held_out`), whose ids the summary lists so that `bench/fidelity --only` can score the head on
+exactly them. Writes the head, `curves.json` and `curves.png`; reports the label statistics and, on
+validation, the share of positives the head and the rule keep at the event's budget, per family.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import random
+import re
 import sys
-from dataclasses import dataclass, field, replace
+import time
 from pathlib import Path
 
 import torch
@@ -39,12 +43,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.agent.loop import Call, Endpoint  # noqa: E402
 from sgl_memory import harness, models  # noqa: E402
 from sgl_memory.intent.head import HeadShape, PrunerHead, backbone_spec  # noqa: E402
 
-EVALUATED = {"multi_turn_base_50", "multi_turn_miss_func_100", "multi_turn_miss_param_150"}  # bench/agent's quick profile
-BUDGET = 64  # history budget of the collection: the event fires at every step with history
+FAMILIES = ("bfcl", "bcp", "textworld", "locomo")
+BUDGET = {"bfcl": 64, "bcp": 512, "textworld": 256, "locomo": 1024}  # history budgets of the README's fidelity tables
+LOOKAHEAD = 5  # a point's labels: the values of its next five gold actions (itself included)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,12 +57,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     c = sub.add_parser("collect")
     c.add_argument("--model", default=models.DEFAULT_MODEL)
     c.add_argument("--out", type=Path, default=ROOT / "runs" / "pruner")
-    c.add_argument("--per-category", type=int, default=40)
-    c.add_argument("--url", default=None, help="a running server configured for collection (see server_config)")
+    c.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    # the fidelity bench's default sizes: its trajectories are the ones collected
+    c.add_argument("--bfcl-per-category", type=int, default=30)
+    c.add_argument("--bcp-questions", type=int, default=14)
+    c.add_argument("--textworld-games", type=int, default=19)
+    c.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])
+    c.add_argument("--locomo-questions", type=int, default=110)
+    c.add_argument("--max-total-tokens", type=int, default=65536)
     t = sub.add_parser("train")
     t.add_argument("--model", default=models.DEFAULT_MODEL)
     t.add_argument("--out", type=Path, default=ROOT / "runs" / "pruner")
     t.add_argument("--head", type=Path, default=None, help="where the trained head goes (default: OUT/head.safetensors)")
+    t.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES, help="the families trained on")
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.01)
@@ -67,9 +78,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--pair-weight", type=float, default=0.5)
     t.add_argument("--keep-weight", type=float, default=0.05)
     t.add_argument("--norm-weight", type=float, default=0.1)
-    t.add_argument("--val-share", type=float, default=0.2)
+    t.add_argument("--val-share", type=float, default=0.5)
     t.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
+
+
+def held_out(trajectory: str, share: float) -> bool:
+    """Whether a trajectory is validation: a hash of its id, so every family splits alike and a
+    trajectory's points never straddle the split."""
+    return int(hashlib.sha256(trajectory.encode()).hexdigest(), 16) % 1000 < share * 1000
 
 
 # --- collect -------------------------------------------------------------------------------------
@@ -77,72 +94,68 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def server_config(work: Path, head: Path) -> Path:
     path = work / "collect.yaml"
-    path.write_text(f"intent:\n  enabled: true\n  scorer: learned\n  budget: {BUDGET}\n  budget_mode: history\n"
+    path.write_text(f"intent:\n  enabled: true\n  scorer: learned\n  budget_mode: history\n  budget_floor: 16\n"
                     f"  head: {head}\n  trace_dir: {work / 'traces'}\n")  # fmt: skip
     return path
 
 
 def collect(args) -> None:
     from tqdm import tqdm
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
-    from bench.agent import bfcl
+    from bench.common import ok
+    from bench.fidelity import points as P
 
+    path = models.resolve(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     args.out.mkdir(parents=True, exist_ok=True)
-    spec = backbone_spec(AutoConfig.from_pretrained(models.resolve(args.model)))
+    spec = backbone_spec(AutoConfig.from_pretrained(path))
     zero = args.out / "zero_head.safetensors"
     PrunerHead(HeadShape(spec["head_dim"])).save(zero, spec)
     labels_path = args.out / "labels.jsonl"
     done = {json.loads(line)["task"] for line in labels_path.open()} if labels_path.exists() else set()
-    tasks = [t for t in bfcl.tasks(limit=args.per_category) if t.id not in EVALUATED and t.id not in done]
-    server = None
-    if args.url is None:
-        server = harness.start(harness.our_command(args.model, "--memory-config", str(server_config(args.out, zero))),
-                               args.out / "collect.log")  # fmt: skip
-    url = args.url or server.url
+    trajs = [t for t in P.load(tokenizer, args.families, args) if t.id not in done]
+    # a run's own session ids: the traces of a trajectory an earlier run left half done stay unlabelled
+    run = f"pruner-{int(time.time())}"
+    cmd = harness.our_command(args.model, "--memory-config", str(server_config(args.out, zero)), "--max-total-tokens", str(args.max_total_tokens))
+    server = harness.start(cmd, args.out / "collect.log")
     try:
-        with labels_path.open("a") as sink:
-            for task in tqdm(tasks, desc="BFCL sessions", disable=None):
-                session = f"pruner-{task.id}"
-                # two tokens: the compression event runs at the end of a prefill that decodes on
-                endpoint = GoldEndpoint(url, memory={}, max_tokens=2, replies=gold_replies(task, bfcl))
-                result = bfcl.run(task, endpoint, session)
-                steps = [{"request": i + 1, "next_calls": s["next_calls"]} for i, s in enumerate(result["steps"])]
-                sink.write(json.dumps({"task": task.id, "session": session, "valid": result["valid"], "steps": steps}) + "\n")
+        with labels_path.open("a") as sink, tqdm(total=sum(len(t.points) for t in trajs), desc="points", disable=None) as bar:
+            for traj in trajs:
+                session = f"{run}:{traj.id}"
+                field = {"session_id": session, "budget": BUDGET[traj.workload], "budget_mode": "history", "scorer": "learned"}
+                for pt in traj.points:
+                    # two tokens: the compression event runs at the end of a prefill that decodes on
+                    ok(server.post("/generate", {"input_ids": pt.history, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+                                                 "sgl_memory": field}, timeout=3600), f"{traj.id} {pt.label}: /generate")  # fmt: skip
+                    bar.update()
+                # request i + 1 of the session (its QueryMemory turn) is point i
+                actions = [tokenizer.decode(pt.gold, skip_special_tokens=True) for pt in traj.points]
+                steps = [{"request": i + 1, "strings": [s for a in actions[i : i + LOOKAHEAD] for s in action_strings(a)]}
+                         for i in range(len(actions))]  # fmt: skip
+                sink.write(json.dumps({"task": traj.id, "family": traj.workload, "session": session, "steps": steps}) + "\n")
                 sink.flush()
     finally:
-        if server is not None:
-            harness.stop(server)
+        harness.stop(server)
 
 
-def gold_replies(task, bfcl) -> list[list[tuple[str, dict]]]:
-    """The replies an agent that follows the ground truth gives, in the order bfcl.run asks: per
-    turn its calls (if any), then the words that end the turn."""
-    respond = (bfcl.RESPOND["function"]["name"], {"message": "Done."})
-    out = []
-    for truth in task.ground_truth:
-        calls = bfcl.as_calls(task, truth)
-        out += ([calls] if calls else []) + [[respond]]
-    return out
+# function words never label a token: every prompt is full of them
+STOPWORDS = frozenset("the and for with from that this what when where which who whom whose why how did does was were are "
+                      "has have had not but you your his her its their they them she him our out into onto about after "
+                      "before over under than then there here".split())  # fmt: skip
 
 
-@dataclass
-class GoldEndpoint(Endpoint):
-    """Sends each step to the server (its compression event writes the row) and answers with the
-    ground truth instead of the model's reply."""
-
-    replies: list = field(default_factory=list)
-
-    def ask(self, messages, tools, session_id, tool_choice="required"):
-        reply = super().ask(messages, tools, session_id, tool_choice="auto")
-        calls = self.replies.pop(0) if self.replies else []
-        return replace(reply, calls=[Call(f"call_{i}", name, args) for i, (name, args) in enumerate(calls)])
+def words(text: str) -> list[str]:
+    return [w for w in re.findall(r"[^\W_]{3,}", text) if w.lower() not in STOPWORDS]
 
 
-# --- train ---------------------------------------------------------------------------------------
-
-
-def argument_strings(calls) -> list[str]:
+def action_strings(action: str) -> list[str]:
+    """The values a gold action names: a tool call's argument values of 3+ characters (the chat
+    template's `<tool_call>` JSON) and, of a value of several words, its words; else the words of
+    its text (a command, an answer). Words: 3+ letters or digits, function words left out."""
+    calls = re.findall(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", action, re.S)
+    if not calls:
+        return words(action)
     out = []
 
     def walk(v):
@@ -156,28 +169,29 @@ def argument_strings(calls) -> list[str]:
             s = str(v)
             if len(s) >= 3:
                 out.append(s)
+                out.extend(words(s) if len(s.split()) > 1 else [])
 
-    for name, arguments in calls:
-        if name != "respond":  # the gold replay's turn ends, not a tool call
-            walk(arguments)
+    for call in calls:
+        walk(json.loads(call).get("arguments"))
     return out
 
 
+# --- train ---------------------------------------------------------------------------------------
+
+
 def label_row(tokens: list[int], positions: torch.Tensor, strings: list[str], pieces: list[str], special: set[int]) -> torch.Tensor:
-    """[n] float labels of the candidates (1 positive, 0 negative, -1 ignored)."""
+    """[n] float labels of the candidates (1 positive, 0 negative, -1 ignored): a token is positive
+    when its text overlaps an occurrence of one of `strings`, case ignored."""
     text, starts = "", []
     for t in tokens:
         starts.append(len(text))
-        text += pieces[t]
-    ends = starts[1:] + [len(text)]
+        text += pieces[t].lower()  # per piece: the offsets stay those of the lowered whole
     hit = torch.zeros(len(tokens), dtype=torch.bool)
-    for s in set(strings):
+    for s in {s.lower() for s in strings}:
         at = text.find(s)
         while at >= 0:
-            lo, hi = at, at + len(s)
-            for i in range(len(tokens)):
-                if starts[i] < hi and ends[i] > lo:
-                    hit[i] = True
+            # the tokens from the one holding the first character through the one holding the last
+            hit[bisect.bisect_right(starts, at) - 1 : bisect.bisect_left(starts, at + len(s))] = True
             at = text.find(s, at + 1)
     labels = hit[positions].float()
     labels[torch.tensor([tokens[p] in special for p in positions.tolist()], dtype=torch.bool)] = -1.0
@@ -190,29 +204,34 @@ def load_rows(args, tokenizer) -> tuple[list[dict], dict]:
     sessions = {}
     for line in (args.out / "labels.jsonl").open():
         rec = json.loads(line)
-        sessions[rec["session"]] = (rec["task"], {s["request"]: s["next_calls"] for s in rec["steps"]})
+        if rec["family"] in args.families:
+            sessions[rec["session"]] = (rec["task"], rec["family"], {s["request"]: s["strings"] for s in rec["steps"]})
     pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     special = set(tokenizer.all_special_ids)
-    rows, stats = [], {"events": 0, "dropped_no_positive": 0, "dropped_unlabelled": 0, "positives": 0, "candidates": 0}
+    rows, stats = [], {}
     for path in sorted((args.out / "traces").glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata()
+            if meta["session"] not in sessions:  # another family's, or a run that did not finish its trajectory
+                continue
+            task, family, steps = sessions[meta["session"]]
             row = {k: f.get_tensor(k) for k in f.keys()}
-        stats["events"] += 1
-        task, steps = sessions.get(meta["session"], (None, {}))
-        calls = steps.get(int(meta["turn"]))
-        if not calls:
-            stats["dropped_unlabelled"] += 1
+        st = stats.setdefault(family, {"events": 0, "dropped_unlabelled": 0, "dropped_no_positive": 0, "positives": 0, "candidates": 0})
+        st["events"] += 1
+        strings = steps.get(int(meta["turn"]))
+        if not strings:
+            st["dropped_unlabelled"] += 1
             continue
-        labels = label_row(row["tokens"].tolist(), row["positions"], argument_strings(calls), pieces, special)
+        labels = label_row(row["tokens"].tolist(), row["positions"], strings, pieces, special)
         if not bool((labels == 1).any()):
-            stats["dropped_no_positive"] += 1
+            st["dropped_no_positive"] += 1
             continue
-        stats["positives"] += int((labels == 1).sum())
-        stats["candidates"] += int((labels >= 0).sum())
-        rows.append({**row, "labels": labels, "task": task, "turn": int(meta["turn"]), "keep": int(row["keep"][0])})
-    stats["rows"] = len(rows)
-    stats["positive_rate"] = stats["positives"] / max(1, stats["candidates"])
+        st["positives"] += int((labels == 1).sum())
+        st["candidates"] += int((labels >= 0).sum())
+        rows.append({**row, "labels": labels, "task": task, "family": family, "turn": int(meta["turn"]), "keep": int(row["keep"][0])})
+    for family, st in stats.items():
+        st["rows"] = sum(r["family"] == family for r in rows)
+        st["positive_rate"] = st["positives"] / max(1, st["candidates"])
     return rows, stats
 
 
@@ -240,11 +259,18 @@ def recall_at_keep(scores: torch.Tensor, row: dict) -> float:
 
 
 def evaluate(head: PrunerHead, rows: list[dict], args) -> dict:
-    with torch.no_grad():
-        loss = sum(float(loss_of(head, r, args)) for r in rows) / max(1, len(rows))
-        learned = sum(recall_at_keep(head.score(r["rule"], r["keys"], r["memory"], r["context"]), r) for r in rows) / max(1, len(rows))
-        rule = sum(recall_at_keep(r["rule"], r) for r in rows) / max(1, len(rows))
-    return {"loss": loss, "recall_learned": learned, "recall_rule": rule}
+    """Loss and the positives kept at the event's budget by the head and the rule, over all rows
+    and per family (`by_family`)."""
+
+    def measure(rs):
+        with torch.no_grad():
+            loss = sum(float(loss_of(head, r, args)) for r in rs) / max(1, len(rs))
+            learned = sum(recall_at_keep(head.score(r["rule"], r["keys"], r["memory"], r["context"]), r) for r in rs) / max(1, len(rs))
+            rule = sum(recall_at_keep(r["rule"], r) for r in rs) / max(1, len(rs))
+        return {"rows": len(rs), "loss": loss, "recall_learned": learned, "recall_rule": rule}
+
+    families = sorted({r["family"] for r in rows})
+    return {**measure(rows), "by_family": {f: measure([r for r in rows if r["family"] == f]) for f in families}}
 
 
 def train(args) -> None:
@@ -259,7 +285,7 @@ def train(args) -> None:
     rows, stats = load_rows(args, tokenizer)
     if not rows:
         raise SystemExit(f"no labelled rows under {args.out}: run collect first ({stats})")
-    val_tasks = {r["task"] for r in rows if int(hashlib.sha256(r["task"].encode()).hexdigest(), 16) % 1000 < args.val_share * 1000}
+    val_tasks = {r["task"] for r in rows if held_out(r["task"], args.val_share)}
     train_rows = [r for r in rows if r["task"] not in val_tasks]
     val_rows = [r for r in rows if r["task"] in val_tasks]
     head = PrunerHead(HeadShape(spec["head_dim"]))
@@ -295,6 +321,8 @@ def train(args) -> None:
                "final": curves["val"][-1], "initial": curves["val"][0], "gain": float(head.gain), "head": str(out),
                "sha256": hashlib.sha256(Path(out).read_bytes()).hexdigest(), "recipe": recipe}  # fmt: skip
     (args.out / "curves.json").write_text(json.dumps({"summary": summary, "curves": curves}, indent=1))
+    # the trajectories the head never saw: `python -m bench.fidelity --only OUT/held_out.txt` scores it there
+    (args.out / "held_out.txt").write_text("".join(t + "\n" for t in sorted(val_tasks)))
     plot(curves, args.out / "curves.png")
     print(json.dumps(summary, indent=1))
 

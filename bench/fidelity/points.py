@@ -217,3 +217,19 @@ def textworld(tokenizer, games: int, seed: int = TEXTWORLD_SEED) -> list[Traject
 
 
 SOURCES = {"bfcl": bfcl, "bcp": bcp, "locomo": locomo, "textworld": textworld}
+
+
+def load(tokenizer, workloads: list[str], args) -> list[Trajectory]:
+    """The trajectories of `workloads`, sized by `args` (bench/fidelity's and scripts/train_pruner's
+    options: bfcl_per_category, bcp_questions, textworld_games, locomo_conversations, locomo_questions)."""
+    out = []
+    for w in workloads:
+        if w == "bfcl":
+            out += bfcl(tokenizer, args.bfcl_per_category)
+        elif w == "bcp":
+            out += bcp(tokenizer, args.bcp_questions)
+        elif w == "textworld":
+            out += textworld(tokenizer, args.textworld_games)
+        else:
+            out += locomo(tokenizer, args.locomo_conversations, args.locomo_questions)
+    return out

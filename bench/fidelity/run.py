@@ -55,7 +55,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, read_rows, write_json
+from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, ok, read_rows, write_json
 from sgl_memory import harness, models
 
 from . import points as P
@@ -139,10 +139,7 @@ MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none"}
 
 
 def post(server, path: str, body: dict):
-    r = server.post(path, body, timeout=3600)
-    if r.status_code != 200:
-        raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:500]}")
-    return r
+    return ok(server.post(path, body, timeout=3600), path)
 
 
 def generate(server, body: dict) -> dict:
@@ -324,6 +321,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--workloads", nargs="+", default=list(P.SOURCES), choices=list(P.SOURCES))
     ap.add_argument("--budgets", type=int, nargs="+", default=[32, 128], help="history budgets (prompt positions)")
     ap.add_argument("--methods", nargs="+", default=None, help="method names to run (default: all)")
+    ap.add_argument("--head", type=Path, default=None, help="the learned scorer's head file (default: the one shipped for "
+                    "the model); give such a run an --out of its own")
+    ap.add_argument("--only", type=Path, default=None, help="a file of trajectory ids, one per line: run only those "
+                    "(scripts/train_pruner.py writes a head's held-out ones)")
     ap.add_argument("--bfcl-per-category", type=int, default=30)
     ap.add_argument("--bcp-questions", type=int, default=14, help="per LoCoMo dev conversation (about 3.2 points each)")
     ap.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])
@@ -346,16 +347,10 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(args.model))
-    trajs = []
-    for w in args.workloads:
-        if w == "bfcl":
-            trajs += P.bfcl(tokenizer, args.bfcl_per_category)
-        elif w == "bcp":
-            trajs += P.bcp(tokenizer, args.bcp_questions)
-        elif w == "textworld":
-            trajs += P.textworld(tokenizer, args.textworld_games)
-        else:
-            trajs += P.locomo(tokenizer, args.locomo_conversations, args.locomo_questions)
+    trajs = P.load(tokenizer, args.workloads, args)
+    if args.only is not None:
+        wanted = set(args.only.read_text().split())
+        trajs = [t for t in trajs if t.id in wanted]
     ms = [m for m in methods(args.budgets) if args.methods is None or m.name in (*args.methods, REFERENCE)]
     done = {(r["trajectory"], r["method"], r["budget"]) for r in read_rows(points_path)}
     todo = [(t, m) for t in trajs for m in ms[1:] if (t.id, m.name, m.budget) not in done and servable(t, m)]
@@ -367,6 +362,8 @@ def run(args, points_path: Path, refs_path: Path) -> None:
         for name, config in SERVERS.items():
             phase = [(t, m) for t, m in todo if m.server == name]
             if phase:
+                if args.head is not None:
+                    config = config.replace("intent:\n", f"intent:\n  head: {args.head.resolve()}\n", 1)
                 if name.startswith("persist"):
                     config += f"  dir: {logs / 'sessions' / name.split()[1]}\n"
                 (logs / "config.yaml").write_text(config)
@@ -427,7 +424,8 @@ def main(argv=None) -> None:
     if not args.report_only:
         run(args, points_path, refs_path)
     rows = aggregate(read_rows(points_path))
-    write_json(args.out, {"model": args.model, "top_k": TOP_K, "rows": rows})
+    head = {"head": str(args.head)} if args.head is not None else {}
+    write_json(args.out, {"model": args.model, "top_k": TOP_K, **head, "rows": rows})
     args.out.with_suffix(".md").write_text(table(rows))
     plot(rows, args.out.with_suffix(".png"))
     print(table(rows))

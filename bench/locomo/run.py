@@ -37,7 +37,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from bench.common import bootstrap, commit, write_json
+from bench.common import bootstrap, commit, ok, write_json
 from sgl_memory import harness, models
 
 from . import data, metrics, prompts
@@ -213,8 +213,7 @@ def generate(server, input_ids: list[int], max_new_tokens: int, memory: dict | N
     t0 = time.perf_counter()
     ttft, last = None, None
     with requests.post(server.url + "/generate", json=body, stream=True, timeout=LONG_REQUEST_S) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:1000]}")
+        ok(r, "/generate")
         for line in r.iter_lines():
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue

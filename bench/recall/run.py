@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, read_rows, write_json
+from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, ok, read_rows, write_json
 from sgl_memory import harness, models
 
 from . import sessions as S
@@ -71,10 +71,7 @@ def ask(server, ids: list[int], field: dict, n: int) -> dict:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
     if field:
         body["sgl_memory"] = field
-    r = server.post("/generate", body, timeout=3600)
-    if r.status_code != 200:
-        raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:500]}")
-    return r.json()
+    return ok(server.post("/generate", body, timeout=3600), "/generate").json()
 
 
 def run_session(server, tokenizer, session: S.Session, name: str, fields: dict, run_id: str) -> dict:
