@@ -46,7 +46,7 @@ class IntentConfig:
     # forced: the system prompt (an agent's tool docs sit there) always stays live; compressible: it
     # competes with the history for the budget, only the latest message is forced
     system_prompt: Literal["forced", "compressible"] = "forced"
-    scorer: Literal["memory", "query", "learned", "streaming_llm", "snapkv", "h2o", "random"] = "memory"
+    scorer: Literal["memory", "memory_pool", "query", "learned", "streaming_llm", "snapkv", "h2o", "random"] = "memory"
     # learned (Phase 2, intent/head.py): the head's safetensors file; "" = the head shipped for the
     # served model (sgl_memory/intent/heads/), if there is one
     head: str = ""
@@ -61,7 +61,7 @@ class IntentConfig:
     query_tail: int = 32  # forced tail when no role marker is found
     session_prefix_tokens: int = 64  # N of the "hash of the first N input tokens" session key
     window: int = 32  # SnapKV / H2O observation window (last prompt query rows)
-    kernel: int = 7  # SnapKV max-pool smoothing width
+    kernel: int = 7  # max-pool smoothing width of SnapKV and memory_pool
     sinks: int = 4  # StreamingLLM attention-sink tokens
 
     def validate(self, path: str) -> None:

@@ -34,7 +34,7 @@ def test_example_config_is_valid_and_equals_defaults():
     [
         ("intnet:\n  budget: 3\n", "intnet: unknown key; allowed keys: intent, persist, memory"),
         ("intent:\n  budgett: 3\n", "intent.budgett: unknown key"),
-        ("intent:\n  scorer: magic\n", "intent.scorer: 'magic' is not allowed; allowed values: memory, query"),
+        ("intent:\n  scorer: magic\n", "intent.scorer: 'magic' is not allowed; allowed values: memory, memory_pool, query"),
         ("persist:\n  quant: q2\n", "persist.quant: 'q2' is not allowed; allowed values: q4, q8, bf16, fp32"),
         ("intent:\n  budget: 0\n", "intent.budget: invalid value; allowed: an integer in [1, 2147483647]"),
         ("intent:\n  budget: many\n", "intent.budget: 'many' is not allowed; expected an integer"),

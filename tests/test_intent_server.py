@@ -359,7 +359,7 @@ def test_a_pruned_path_is_read_only_by_its_own_session_and_pruning(intent_server
 INVENTORY = "Inventory. " + " ".join(f"Shelf {i}: {i * 13 % 89} springs and {i * 7 % 53} nuts." for i in range(60))
 
 
-@pytest.mark.parametrize("scorer", ["snapkv", "h2o", "memory"])
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o", "memory", "memory_pool"])
 def test_the_kept_set_does_not_depend_on_what_the_cache_holds(intent_server, tokenizer, scorer):
     """Issue 13, defect 8: after a plain request cached the prompt, a pruning request must keep the
     same positions as the identical request in a tenant with an empty tree (the scorer's query rows

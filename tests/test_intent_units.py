@@ -179,6 +179,13 @@ def test_memory_scorer_is_the_rule_score_of_the_session_memory():
     assert torch.allclose(scorers.get("memory").score(x).double(), brute_rule(keys, x.memory), atol=1e-5)
 
 
+def test_memory_pool_scorer_is_the_rule_score_max_pooled_along_positions():
+    x, keys = make_inputs(seed=5)
+    rule = brute_rule(keys, x.memory)
+    want = torch.tensor([max(rule[max(0, i - 2) : i + 3]) for i in range(40)])  # kernel 5
+    assert torch.allclose(scorers.get("memory_pool").score(x).double(), want, atol=1e-5)
+
+
 def test_query_scorer_uses_the_unit_current_query():
     x, keys = make_inputs(seed=1)
     unit = x.q_mean / x.q_mean.norm(dim=-1, keepdim=True)
@@ -225,7 +232,7 @@ def test_random_scorer_is_seeded():
 
 
 def test_unknown_scorer_names_the_allowed_ones():
-    with pytest.raises(KeyError, match="allowed: h2o, learned, memory, query, random, snapkv, streaming_llm"):
+    with pytest.raises(KeyError, match="allowed: h2o, learned, memory, memory_pool, query, random, snapkv, streaming_llm"):
         scorers.get("magic")
 
 

@@ -26,7 +26,7 @@ from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.spans import RoleMarkers, Spans, find_spans
 
 logger = logging.getLogger(__name__)
-ADAPTIVE_SCORERS = ("memory", "query", "learned")  # their scores are a mass over the candidates
+ADAPTIVE_SCORERS = ("memory", "memory_pool", "query", "learned")  # their scores, normalised, are a mass over the candidates
 
 class QueryCapture:
     """Post-RoPE query rows of one request's prompt, as the attention layers receive them:

@@ -107,6 +107,25 @@ class MemoryScorer(Scorer):
         return rule_score(x, x.memory)
 
 
+def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Each position's score raised to the largest within `kernel` positions around it (SnapKV's
+    max-pool smoothing): a kept token brings its neighbours, so a name or a value of several tokens
+    is kept whole rather than as its most attended piece."""
+    return F.max_pool1d(scores.view(1, 1, -1), kernel, stride=1, padding=kernel // 2).view(-1)
+
+
+@register
+class MemoryPoolScorer(Scorer):
+    """The QueryMemory rule's scores max-pooled along positions (`kernel`); the server's default
+    (bench/fidelity, README: ahead of the rule as published on all four workloads)."""
+
+    name = "memory_pool"
+    needs_queries = True
+
+    def score(self, x):
+        return pooled(rule_score(x, x.memory), x.kernel)
+
+
 @register
 class LearnedScorer(Scorer):
     """IntentKV Phase 2: the memory rule score plus the learned residual head (head.py)."""
@@ -150,8 +169,7 @@ class SnapKVScorer(Scorer):
         total = torch.zeros(x.positions.numel())
         layers = 0
         for layer, keys in enumerate(x.layer_keys()):
-            votes = attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1)).cpu()
-            total += F.max_pool1d(votes.view(1, 1, -1), x.kernel, stride=1, padding=x.kernel // 2).view(-1)
+            total += pooled(attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1)).cpu(), x.kernel)
             layers += 1
         return total / max(layers, 1)
 
