@@ -34,7 +34,7 @@ from sgl_memory import harness, models
 from . import sessions as S
 
 CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
-SCORERS = ("memory", "query", "learned", "snapkv", "h2o", "streaming_llm", "random")
+SCORERS = ("memory", "memory_pool", "query", "learned", "snapkv", "h2o", "streaming_llm", "random")
 DEFAULT = "memory"  # the server's default scorer
 HOPS = (1, 2, 1, 3)  # half one hop
 DEPTHS = (0.1, 0.5, 0.9)
