@@ -78,7 +78,7 @@ INTENT = ("memory", "memory_pool", "query", "learned")
 REFERENCE = "full cache"
 NOISE = "full cache (2nd session)"
 METRICS = ("gold_logprob", "gold_match", "full_match", "token_agreement", "kl")
-DEFAULT = "intentkv-memory"  # the server's default scorer: every other method is also paired against it
+DEFAULT = "intentkv-memory"  # IntentKV's rule as published: every other method is also paired against it
 TEXT = "text retrieval"  # the baseline KV memory must beat (issue 29): paired against it where it ran
 # KV memory places at most as many tokens as text retrieval picks (points.TEXT_BUDGET), headers
 # included; the ranking it walks is long enough that the token budget, not top_k, binds

@@ -35,7 +35,7 @@ from . import sessions as S
 
 CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
 SCORERS = ("memory", "memory_pool", "query", "learned", "snapkv", "h2o", "streaming_llm", "random")
-DEFAULT = "memory"  # the server's default scorer
+DEFAULT = "memory"  # IntentKV's rule as published: every scorer is paired against it
 HOPS = (1, 2, 1, 3)  # half one hop
 DEPTHS = (0.1, 0.5, 0.9)
 ANSWER_TOKENS = 32
