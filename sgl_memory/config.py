@@ -46,7 +46,7 @@ class IntentConfig:
     # forced: the system prompt (an agent's tool docs sit there) always stays live; compressible: it
     # competes with the history for the budget, only the latest message is forced
     system_prompt: Literal["forced", "compressible"] = "forced"
-    scorer: Literal["memory", "query", "learned", "streaming_llm", "snapkv", "h2o", "random"] = "memory"
+    scorer: Literal["memory", "memory_pool", "memory_window", "query", "learned", "streaming_llm", "snapkv", "h2o", "random"] = "memory"
     # learned (Phase 2, intent/head.py): the head's safetensors file; "" = the head shipped for the
     # served model (sgl_memory/intent/heads/), if there is one
     head: str = ""

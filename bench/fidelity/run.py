@@ -74,7 +74,7 @@ PERSISTED = ("q4", "q8", "bf16")
 SERVERS = {"intent": CONFIG, "memory": MEMORY_CONFIG,
            **{f"persist {q}": CONFIG + f"persist:\n  enabled: true\n  quant: {q}\n" for q in PERSISTED}}  # fmt: skip
 BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
-INTENT = ("memory", "query", "learned")
+INTENT = ("memory", "query", "learned", "memory_pool", "memory_window")
 REFERENCE = "full cache"
 NOISE = "full cache (2nd session)"
 METRICS = ("gold_logprob", "gold_match", "full_match", "token_agreement", "kl")

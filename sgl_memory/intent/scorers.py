@@ -107,6 +107,42 @@ class MemoryScorer(Scorer):
         return rule_score(x, x.memory)
 
 
+def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max over each position's `kernel` neighbours (SnapKV's smoothing): a kept token brings the
+    tokens around it, so a multi-token value stays whole."""
+    return F.max_pool1d(scores.view(1, 1, -1), kernel, stride=1, padding=kernel // 2).view(-1)
+
+
+@register
+class MemoryPoolScorer(Scorer):
+    """EXPERIMENT: the memory rule, max-pooled along positions."""
+
+    name = "memory_pool"
+    needs_queries = True
+
+    def score(self, x):
+        return pooled(rule_score(x, x.memory), x.kernel)
+
+
+@register
+class MemoryWindowScorer(Scorer):
+    """EXPERIMENT: half the memory rule, half the attention of the prompt's last W rows, max-pooled."""
+
+    name = "memory_window"
+    needs_queries = True
+    needs_window = True
+
+    def score(self, x):
+        total = torch.zeros(x.positions.numel())
+        layers = 0
+        for layer, keys in enumerate(x.layer_keys()):
+            rule = attention_probs(keys, x.memory[layer].unsqueeze(0)).mean(dim=(0, 1))
+            window = attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1))
+            total += (0.5 * rule + 0.5 * window).cpu()
+            layers += 1
+        return pooled(total / max(layers, 1), x.kernel)
+
+
 @register
 class LearnedScorer(Scorer):
     """IntentKV Phase 2: the memory rule score plus the learned residual head (head.py)."""
