@@ -29,6 +29,9 @@ from openai import OpenAI
 ANSWER = {"type": "function", "function": {
     "name": "answer", "description": "Give the final answer and end the task.",
     "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}  # fmt: skip
+# tokens per reply: a call fits in the first; the forced answer gets room for a sentence or two
+# (cut short, its JSON does not parse and the agent returns nothing)
+MAX_TOKENS, ANSWER_TOKENS = 96, 256
 SYSTEM = ("You are a deep-research agent. Use search to find documents and get_document to read one. "
           "When you know the answer, call answer with the exact answer only.")  # fmt: skip
 
@@ -52,12 +55,13 @@ async def research(question: str, url: str, mcp, session_id: str, budget: int = 
         tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                    "parameters": t.inputSchema}} for t in listed.tools] + [ANSWER]  # fmt: skip
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-        steps = []
+        steps, last = [], False
         for i in range(max_steps):
             # the last step must answer: a bounded agent always returns one
-            choice = {"type": "function", "function": {"name": "answer"}} if i == max_steps - 1 else "required"
+            last = last or i == max_steps - 1
+            choice = {"type": "function", "function": {"name": "answer"}} if last else "required"
             response = llm.chat.completions.create(
-                model="default", messages=messages, tools=tools, tool_choice=choice, temperature=0, max_tokens=96,
+                model="default", messages=messages, tools=tools, tool_choice=choice, temperature=0, max_tokens=ANSWER_TOKENS if last else MAX_TOKENS,
                 extra_body={"sgl_memory": {"session_id": session_id, "budget": budget, "budget_mode": "history"}})  # fmt: skip
             message = response.choices[0].message
             step = {"calls": [], "outputs": [], "sgl_memory": response.model_extra.get("sgl_memory")}
@@ -75,8 +79,10 @@ async def research(question: str, url: str, mcp, session_id: str, budget: int = 
                 output = "\n".join(part.text for part in result.content if part.type == "text") or "null"
                 step["outputs"].append(output)
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
-            if not calls:
-                break
+            if last:
+                break  # the forced answer did not parse
+            # a reply without a call ends the research: the next step is the forced answer
+            last = not calls
         return {"answer": None, "steps": steps}
 
 

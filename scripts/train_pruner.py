@@ -16,14 +16,15 @@ reads them. A point's labels are the values its next LOOKAHEAD gold actions name
 
 train: a history token is positive when its text is part of a literal occurrence (case ignored) of
 one of those values (a tool call's argument values of 3+ characters and their words, else the
-action's words; function words left out: `action_strings`); special tokens are ignored (the forced spans are not candidates at all); rows without a positive are dropped. Sessions
-replay in turn order (QueryMemory accumulated in the server as at inference). Loss (eq. 8): BCE
-with a positive weight neg/pos clipped at `--pos-weight-max`, a pairwise softplus term of each
-positive against the `--hard-negatives` highest-scoring negatives, a keep-probability penalty, and
-a unit-norm term on the projected memory. AdamW, seeded; validation on whole trajectories
-(`held_out`), whose ids the summary lists so that `bench/fidelity --only` can score the head on
-exactly them. Writes the head, `curves.json` and `curves.png`; reports the label statistics and, on
-validation, the share of positives the head and the rule keep at the event's budget, per family.
+action's words; function words left out: `action_strings`); special tokens are ignored (the forced
+spans are not candidates at all); rows without a positive are dropped. Sessions replay in turn
+order (QueryMemory accumulated in the server as at inference). Loss (eq. 8): BCE with a positive
+weight neg/pos clipped at `--pos-weight-max`, a pairwise softplus term of each positive against
+the `--hard-negatives` highest-scoring negatives, a keep-probability penalty, and a unit-norm term
+on the projected memory. AdamW, seeded; validation on whole trajectories (`held_out`), whose ids
+go to `OUT/held_out.txt` so that `bench/fidelity --only` can score the head on exactly them.
+Writes the head, `curves.json` and `curves.png`; reports the label statistics and, on validation,
+the share of positives the head and the rule keep at the event's budget, per family.
 """
 
 from __future__ import annotations

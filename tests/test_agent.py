@@ -322,13 +322,15 @@ def test_an_mcp_client_agent_completes_a_query_on_sgl_memory(server):
     example = load_example("mcp_search_agent")
     params = StdioServerParameters(command=sys.executable, args=["-m", "bench.agent.mcp_server", "--transport", "stdio"],
                                    cwd=str(Path(__file__).resolve().parents[1]))  # fmt: skip
-    result = asyncio.run(example.research("When did Melanie paint a sunrise?", server.url, params, "mcp-agent-test",
-                                          budget=32, max_steps=4))  # fmt: skip
+    # the example's own history budget (512); at 32 the default model's forced answer can run on
+    # past its token cap under the default scorer (seen 2026-11-25) and the agent returns nothing
+    result = asyncio.run(example.research("When did Melanie paint a sunrise?", server.url, params, "mcp-agent-test", max_steps=4))
     assert result["answer"], result["steps"]
+    assert any(step["sgl_memory"]["compression_events"] for step in result["steps"])  # the history outgrew the budget
     corpus = bcp.Corpus(bcp.locomo_corpus())
     searched = 0
     for step in result["steps"]:
-        assert step["sgl_memory"]["session_key_source"] == "session_id" and step["sgl_memory"]["budget"] > 32
+        assert step["sgl_memory"]["session_key_source"] == "session_id" and step["sgl_memory"]["budget"] > 512
         for (name, arguments), output in zip(step["calls"], step["outputs"]):
             if name == "search":
                 searched += 1
