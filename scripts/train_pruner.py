@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--model", default=models.DEFAULT_MODEL)
     c.add_argument("--out", type=Path, default=ROOT / "runs" / "pruner")
     c.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    # the fidelity bench's default sizes: its trajectories are the ones collected
+    # the sizes of the README's fidelity tables, so its trajectories are the ones collected
+    # (TextWorld: 19 games there, where bench/fidelity's own default is 18)
     c.add_argument("--bfcl-per-category", type=int, default=30)
     c.add_argument("--bcp-questions", type=int, default=14)
     c.add_argument("--textworld-games", type=int, default=19)
