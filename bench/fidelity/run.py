@@ -134,6 +134,7 @@ MEMORY_METHODS = {
     "kv memory, lines + keep": {"unit": "line", "recompute": "keep"},
     "kv memory, lines + full recompute": {"unit": "line", "recompute": "full"},
     f"kv memory, lines @{P.LARGE_BUDGET}": {"unit": "line", "placed_tokens": P.LARGE_BUDGET},
+    f"kv memory, lines + turn header @{P.LARGE_BUDGET}": {"unit": "line", "header": "turn", "placed_tokens": P.LARGE_BUDGET},
 }
 MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none"}
 
