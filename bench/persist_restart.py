@@ -6,16 +6,21 @@ receives the second turn. Side by side, in one run:
 
 - plain SGLang (torch_native, its CPU default): no persistence, the second turn re-prefills all;
 - our engine without the store: the same, on our CPU attention backend (cold re-prefill);
-- our store with bf16, Q8 and Q4 files: the second turn restores the history from disk; then, the
-  tree flushed, once more from the host-memory (warm) tier;
+- our store with bf16, Q8 and Q4 files: the second turn restores the history from disk (the files
+  dropped from the page cache; REPEATS sessions per length, the median reported); then, the tree
+  flushed, once more from the host-memory (warm) tier, and once with everything in the tree (hot);
 - SGLang's HiCache with its `file` storage backend, when it starts on this machine.
 
-Time to first token is the latency of the turn with one output token. Bytes on disk per token
-come from the files. Fidelity of Q8 / Q4 against bf16 is measured on the model itself
-(transformers): the KV of a LoCoMo prefix is quantized and dequantized as the store does, then a
-continuation is teacher-forced: next-token KL against the bf16 cache, perplexity, greedy (top-1)
-agreement, plus agreement of a free greedy continuation. The restored servers' answers are also
-compared with the cold server's. Writes bench/results/persist_restart.json and .png.
+Time to first token is the latency of the turn with one output token. Each store row also has its
+restore's floor, measured in this run (`restore_floor`: the file read at the disk's bandwidth,
+dequantizing, one copy into mapped memory) and the restore's parts as the server reports them.
+Bytes on disk per token come from the files. After the restore every configuration answers
+len(FOLLOW_UPS) follow-up questions (greedy, ANSWER_TOKENS tokens), compared with the cold
+server's answers: same answer and token agreement, with intervals. Fidelity of Q8 / Q4 against bf16
+is also measured on the model itself (transformers): the KV of a LoCoMo prefix is quantized and
+dequantized as the store does, then a continuation is teacher-forced: next-token KL against the
+bf16 cache, perplexity, greedy (top-1) agreement, plus agreement of a free greedy continuation.
+Writes bench/results/persist_restart.json and .png.
 
     .venv/bin/python bench/persist_restart.py [--lengths 1024 4096 16384]
 """
@@ -33,12 +38,18 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from common import RESULTS, ok, write_json
+from common import RESULTS, bootstrap, ok, write_json
 from sgl_memory import harness, models
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo_dev7.json"
 SYSTEM = "You are a helpful assistant that remembers the whole conversation."
-QUESTIONS = ("Summarise what we talked about in one sentence.", "What did I say first?")
+FIRST = "Summarise what we talked about in one sentence."
+# the second turn, asked after the restart: each is a request of its own over the same history, so
+# the restored answers are compared with the cold ones on len(FOLLOW_UPS) answers per length
+FOLLOW_UPS = ("What did I say first?", "What is my name?", "What did we talk about last?",
+              "Name one thing I told you about my family.", "What hobbies have I mentioned?",
+              "Where did I say I went recently?", "What is your name?", "Which of my plans did I mention?")  # fmt: skip
+ANSWER_TOKENS = 32
 QUANTS = ("bf16", "q8", "q4")
 
 
@@ -90,19 +101,75 @@ def store_config(directory: Path, quant: str) -> Path:
     return path
 
 
-def second_turn(first: list[dict], answer: str) -> list[dict]:
-    return first + [{"role": "assistant", "content": answer}, {"role": "user", "content": QUESTIONS[1]}]
+def second_turn(first: list[dict], answer: str, question: str = FOLLOW_UPS[0]) -> list[dict]:
+    return first + [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+
+
+def answer_all(server, first: list[dict], answer: str, memory: dict | None) -> list[str]:
+    """The greedy answer to every follow-up over this history."""
+    return [chat(server, second_turn(first, answer, q), ANSWER_TOKENS, memory)[0] for q in FOLLOW_UPS]
+
+
+REPEATS = 3  # sessions per length and configuration, each restored from disk on its own
+
+
+def drop_from_page_cache(files) -> None:
+    """So that the next read of these files reads the disk, as after a reboot."""
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def restore_floor(root: Path, session_id: str) -> dict:
+    """What restoring a session cannot go below on this machine, measured here: reading its file
+    from the disk (at the bandwidth this read measures), dequantizing its blocks (the store's own
+    decode), and one copy of the KV into memory that is already mapped (the pool write, no scatter)."""
+    from sgl_memory.persist.store import CacheSpec, SessionFiles
+
+    for file in root.glob("*/*/*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            meta = f.metadata()
+        if meta["session_id"] == session_id:
+            break
+    else:
+        raise FileNotFoundError(session_id)
+    drop_from_page_cache([file])
+    t0 = time.perf_counter()
+    with open(file, "rb", buffering=0) as f:
+        while f.read(1 << 24):
+            pass
+    read_s = time.perf_counter() - t0
+    files = SessionFiles(root, CacheSpec(**json.loads(meta["spec"])), meta["quant"], meta["kivi"] == "True", int(meta["block_size"]))
+    record = files.read(None, session_id)
+    t0 = time.perf_counter()
+    keys, values = files.decode(record)
+    dequantize_s = time.perf_counter() - t0
+    pool = torch.ones_like(keys), torch.ones_like(values)  # touched: a running server's pool is mapped
+    t0 = time.perf_counter()
+    pool[0].copy_(keys), pool[1].copy_(values)
+    write_s = time.perf_counter() - t0
+    size = file.stat().st_size
+    return {"bytes": size, "read_s": read_s, "disk_mb_per_s": size / read_s / 1e6, "dequantize_s": dequantize_s,
+            "write_s": write_s, "floor_s": read_s + dequantize_s + write_s}  # fmt: skip
 
 
 def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
-    """Writer server: first turns; reader server: second turns from disk, then from memory."""
+    """Writer server: first turns, REPEATS sessions per length. Reader server: per length, each
+    session's second turn restored from disk (the tree flushed before each), the follow-up answers,
+    the same turn again from host memory (warm) and with everything in the tree (hot: what the
+    turn costs besides the restore)."""
     d = work / quant
     d.mkdir()
     config = store_config(d, quant)
     writer = harness.start(harness.our_command(model, "--memory-config", str(config)), d / "writer.log")
     try:
         for n, first in sessions.items():
-            answers.setdefault(n, chat(writer, first, 16, {"session_id": f"s{n}"})[0])
+            answers.setdefault(n, chat(writer, first, 16, {"session_id": f"s{n}-0"})[0])
+            for r in range(REPEATS):  # the same history: a radix hit after the first
+                chat(writer, first, 16, {"session_id": f"s{n}-{r}"})
         ok(writer.post("/flush_cache?timeout=600", {}), "/flush_cache")  # every write done
     finally:
         harness.stop(writer)
@@ -112,37 +179,49 @@ def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
     for file in files:
         with safe_open(str(file), "pt") as f:
             stored_tokens += int(f.metadata()["tokens"])
+    floors = {n: restore_floor(d / "store", f"s{n}-0") for n in sessions}
+    drop_from_page_cache(files)
     reader = harness.start(harness.our_command(model, "--memory-config", str(config)), d / "reader.log")
     rows = {}
     try:
         for n, first in sessions.items():
             messages = second_turn(first, answers[n])
-            _, usage, metrics, seconds = chat(reader, messages, 1, {"session_id": f"s{n}"})
-            answer = chat(reader, messages, 32, {"session_id": f"s{n}"})[0]
-            rows[n] = {"ttft_s": seconds, "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                       "prompt_tokens": usage["prompt_tokens"], "restored_tokens": metrics.get("restored_tokens"),
-                       "restore_ms": metrics.get("restore_ms"), "restored_from": metrics.get("restored_from"),
-                       "text_match": metrics.get("text_match"), "answer": answer}  # fmt: skip
-        ok(reader.post("/flush_cache?timeout=600", {}), "/flush_cache")
-        for n, first in sessions.items():
-            _, usage, metrics, seconds = chat(reader, second_turn(first, answers[n]), 1, {"session_id": f"s{n}"})
+            runs = []
+            for r in range(REPEATS):
+                ok(reader.post("/flush_cache?timeout=600", {}), "/flush_cache")
+                _, usage, metrics, seconds = chat(reader, messages, 1, {"session_id": f"s{n}-{r}"})
+                runs.append({"ttft_s": seconds, "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                             "prompt_tokens": usage["prompt_tokens"], "restored_tokens": metrics.get("restored_tokens"),
+                             "restore_ms": metrics.get("restore_ms"), "restore_parts_ms": metrics.get("restore_parts_ms"),
+                             "restored_from": metrics.get("restored_from"), "text_match": metrics.get("text_match")})  # fmt: skip
+            median = sorted(runs, key=lambda run: run["ttft_s"])[len(runs) // 2]
+            rows[n] = {**median, "runs": runs, "floor": floors[n],
+                       "answers": answer_all(reader, first, answers[n], {"session_id": f"s{n}-0"})}  # fmt: skip
+            ok(reader.post("/flush_cache?timeout=600", {}), "/flush_cache")
+            _, _, metrics, seconds = chat(reader, messages, 1, {"session_id": f"s{n}-0"})
             rows[n].update(warm_ttft_s=seconds, warm_restored_from=metrics.get("restored_from"))
+            rows[n]["hot_ttft_s"] = chat(reader, messages, 1, {"session_id": f"s{n}-0"})[3]
     finally:
         harness.stop(reader)
     return {"rows": rows, "stored_bytes": stored_bytes, "files": len(files), "stored_tokens": stored_tokens,
             "bytes_per_token": stored_bytes / max(stored_tokens, 1)}  # fmt: skip
 
 
-def run_cold(command, env, sessions, answers, log: Path, memory: bool) -> dict:
+def run_cold(command, env, sessions, answers, log: Path, memory: bool, follow_ups: bool = True) -> dict:
+    """The second turn re-prefilled whole (the sessions share their start: the tree is flushed
+    before each, so none is a prefix hit), then the follow-up answers where they are compared."""
     server = harness.start(command, log, env)
     rows = {}
     try:
         for n, first in sessions.items():
             messages = second_turn(first, answers[n])
-            _, usage, _, seconds = chat(server, messages, 1, {"session_id": f"s{n}"} if memory else None)
-            answer = chat(server, messages, 32, {"session_id": f"s{n}"} if memory else None)[0]
+            field = {"session_id": f"s{n}"} if memory else None
+            ok(server.post("/flush_cache?timeout=600", {}), "/flush_cache")
+            _, usage, _, seconds = chat(server, messages, 1, field)
             rows[n] = {"ttft_s": seconds, "prompt_tokens": usage["prompt_tokens"],
-                       "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"), "answer": answer}  # fmt: skip
+                       "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}  # fmt: skip
+            if follow_ups:
+                rows[n]["answers"] = answer_all(server, first, answers[n], field)
     finally:
         harness.stop(server)
     return {"rows": rows}
@@ -166,7 +245,7 @@ def run_hicache(path, sessions, answers, work: Path) -> dict:
             chat(writer, first, 16)
     finally:
         harness.stop(writer)
-    cold = run_cold(cmd, env, sessions, answers, d / "reader.log", memory=False)
+    cold = run_cold(cmd, env, sessions, answers, d / "reader.log", memory=False, follow_ups=False)
     return {"status": "ran", **cold}
 
 
@@ -215,9 +294,33 @@ def fidelity(path, tokenizer, turns, prefix_tokens=2048, continuation=512, free=
     return {"prefix_tokens": prefix_tokens, "continuation_tokens": int(rest.shape[1]), "variants": results}
 
 
-def agreement(a: str, b: str, tokenizer) -> float:
+def token_agreement(a: str, b: str, tokenizer) -> float:
     x, y = tokenizer.encode(a), tokenizer.encode(b)
     return sum(p == q for p, q in zip(x, y)) / max(len(x), len(y), 1)
+
+
+def agreement(answers: list[str], cold: list[str], tokenizer) -> dict:
+    """Answers against the cold server's, per follow-up: the share that is the same text, and the
+    mean share of positions with the same token, each with a 95% bootstrap interval."""
+    same = [[float(a == b)] for a, b in zip(answers, cold)]
+    tokens = [[token_agreement(a, b, tokenizer)] for a, b in zip(answers, cold)]
+    (e, e_lo, e_hi), (t, t_lo, t_hi) = bootstrap(same), bootstrap(tokens)
+    return {"n": len(same), "same_answer": e, "same_answer_ci": [e_lo, e_hi], "token_agreement": t, "token_agreement_ci": [t_lo, t_hi]}
+
+
+def ratios(row: dict, cold: dict, tokenizer) -> dict:
+    """A configuration's turn against the cold re-prefill; for a store, where its time went: the
+    restore against its floor, and the rest of the time to first token against the same turn with
+    everything in the tree (hot)."""
+    out = {"cold_over_ttft": cold["ttft_s"] / row["ttft_s"]}
+    if "warm_ttft_s" in row:
+        out["cold_over_warm_ttft"] = cold["ttft_s"] / row["warm_ttft_s"]
+    if row.get("floor"):
+        out["restore_over_floor"] = row["restore_ms"] / 1000 / row["floor"]["floor_s"]
+        out["ttft_besides_restore_and_hot_s"] = row["ttft_s"] - row["restore_ms"] / 1000 - row["hot_ttft_s"]
+    if "answers" in row and "answers" in cold:
+        out["answers_vs_cold"] = agreement(row["answers"], cold["answers"], tokenizer)
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
@@ -266,7 +369,7 @@ def main() -> None:
     turns = dialogue(conversations[args.conversation]) + dialogue(conversations[args.conversation + 1])
     sessions, answers = {}, {}
     for n in args.lengths:
-        sessions[str(n)] = session_of_length(tokenizer, turns, n) + [{"role": "user", "content": QUESTIONS[0]}]
+        sessions[str(n)] = session_of_length(tokenizer, turns, n) + [{"role": "user", "content": FIRST}]
     result = {"model": args.model, "sessions": {n: len(chat_ids(tokenizer, m)) for n, m in sessions.items()},
               "ttft": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="persist-bench-") as tmp:
@@ -280,18 +383,13 @@ def main() -> None:
                 result["ttft"][step] = run_cold(cmd, None, sessions, answers, work / "cold.log", memory=True)
             elif step == "plain-sglang-cold":
                 cmd, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"), "--enable-cache-report")
-                result["ttft"][step] = run_cold(cmd, env, sessions, answers, work / "plain.log", memory=False)
+                result["ttft"][step] = run_cold(cmd, env, sessions, answers, work / "plain.log", memory=False, follow_ups=False)
             else:
                 result["ttft"][step] = run_hicache(path, sessions, answers, work)
             save(result)  # a late failure keeps what ran
     cold = result["ttft"]["ours-cold"]["rows"]
-    result["ratios"] = {
-        mode: {n: {"cold_over_ttft": cold[n]["ttft_s"] / rows["rows"][n]["ttft_s"],
-                   **({"cold_over_warm_ttft": cold[n]["ttft_s"] / rows["rows"][n]["warm_ttft_s"]} if "warm_ttft_s" in rows["rows"][n] else {}),
-                   "answer_agreement_with_cold": agreement(rows["rows"][n]["answer"], cold[n]["answer"], tokenizer)}
-               for n in sessions}
-        for mode, rows in result["ttft"].items() if rows.get("rows")
-    }  # fmt: skip
+    result["ratios"] = {mode: {n: ratios(rows["rows"][n], cold[n], tokenizer) for n in sessions}
+                        for mode, rows in result["ttft"].items() if rows.get("rows")}  # fmt: skip
     save(result)
     result["fidelity"] = fidelity(path, tokenizer, turns)
     save(result)

@@ -89,9 +89,13 @@ def place(tree, key, match, keys, values, live: torch.Tensor | None = None) -> b
         slots = alloc(tree, int(live.sum()))
         if slots is None:
             return False
+        everything = bool(live.all())
+        # a fresh or quiet pool hands out one run of slots: a plain copy, not a scatter
+        run = len(slots) > 0 and int(slots[-1]) - int(slots[0]) + 1 == len(slots) and bool((slots.diff() == 1).all())
+        rows = slice(int(slots[0]), int(slots[0]) + len(slots)) if run else slots
         for i, layer in enumerate(pool_layers(pool)):
-            pool.get_key_buffer(layer)[slots] = keys[i][live].to(slots.device)
-            pool.get_value_buffer(layer)[slots] = values[i][live].to(slots.device)
+            for buffer, kv in ((pool.get_key_buffer(layer), keys[i]), (pool.get_value_buffer(layer), values[i])):
+                buffer[rows] = (kv if everything else kv[live]).to(slots.device)
         value = torch.full((n,), tree.sentinel if tree.sentinel is not None else -1, dtype=torch.int64)
         value[live] = slots.to(torch.int64).cpu()
         prefix = tree.path_device_indices(match.last_device_node)[:have].to(torch.int64)

@@ -58,3 +58,19 @@ def test_ragged_groups_and_constant_groups():
     assert ((dequantize(q, torch.float32) - x).abs() <= error_bound(q)).all()
     flat = torch.full((4, 64), 0.75)
     assert torch.equal(dequantize(quantize(flat, 4), torch.float32), flat)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_short_last_group_keeps_its_own_range(bits):
+    """A session's last KIVI group holds fewer than 64 tokens; its error must be what those tokens
+    alone would give (reference: the tail quantized as a group of its own length), not the error
+    of a range stretched to zero by padding. Here the channel sits near 20, as outlier key
+    channels do."""
+    g = torch.Generator().manual_seed(7)
+    x = 20.0 + torch.rand(64 + 28, 1, 4, generator=g)  # one full group, then a tail of 28 tokens
+    tail = x[64:]
+    got = dequantize(quantize(x, bits, axis=0), torch.float32)[64:]
+    alone = dequantize(quantize(tail, bits, axis=0, group=28), torch.float32)
+    assert torch.allclose(got, alone)
+    step = (tail.amax(0) - tail.amin(0)) / ((1 << bits) - 1)
+    assert ((got - tail).abs() <= step * 0.5 + 20.0 * 2.0**-10 + 1e-6).all()

@@ -91,6 +91,8 @@ class TurnState:
     text_match: str | None = None
     restored_tokens: int = 0
     restore_ms: float = 0.0
+    # where restore_ms went: the file (read and checked), the text match, dequantizing, the pool write
+    parts_ms: dict[str, float] = field(default_factory=dict)
     restored_from: str | None = None
     refused: str | None = None
     reuse: int = 0  # stored tokens the (possibly rewritten) prompt repeats
@@ -101,6 +103,7 @@ class TurnState:
     def metrics(self, error: str | None) -> dict:
         return {"text_match": self.text_match, "restored_tokens": self.restored_tokens,
                 "restore_ms": round(self.restore_ms, 3), "restored_from": self.restored_from,
+                "restore_parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()} if self.restored_tokens else None,
                 "persist_refused": self.refused, "persist_error": error}  # fmt: skip
 
 
@@ -196,7 +199,7 @@ class SessionPersistence(mechanism.Mechanism):
         t0 = time.perf_counter()
         if self._session(spec.tenant, spec.session_id, create=False) is None:
             state.loaded = self._load(state) is not None
-        state.restore_ms = (time.perf_counter() - t0) * 1000
+        state.restore_ms = state.parts_ms["file"] = (time.perf_counter() - t0) * 1000
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
         state: TurnState | None = getattr(req, "sgl_persist", None)
@@ -212,6 +215,7 @@ class SessionPersistence(mechanism.Mechanism):
             state.text_match = textmatch.DISCARD
             return
         self._match_text(scheduler, req, session, state)
+        state.parts_ms["match"] = (time.perf_counter() - t0) * 1000
         if state.text_match != textmatch.DISCARD:
             self._restore(req, session, state, "disk" if state.loaded else "memory")
         if state.restored_tokens:
@@ -285,14 +289,21 @@ class SessionPersistence(mechanism.Mechanism):
             self._encode_pending(session)
             record = session.record
             if record is None:
+                t0 = time.perf_counter()
                 with session.io:
                     record = session.record = self._read(state)
+                state.parts_ms["file"] = state.parts_ms.get("file", 0.0) + (time.perf_counter() - t0) * 1000
                 source = "disk"
             if record is None or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse]) or record.branches != branches:
                 return
             pool = self.pool
+            t0 = time.perf_counter()
             keys, values = self.files.decode(record, have, reuse, dtype=pool.get_key_buffer(tree_fill.pool_layers(pool)[0]).dtype)
-        if not tree_fill.place(tree, key, match, keys, values, None if live is None else live[have:reuse]):
+            state.parts_ms["dequantize"] = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        placed = tree_fill.place(tree, key, match, keys, values, None if live is None else live[have:reuse])
+        state.parts_ms["pool_write"] = (time.perf_counter() - t0) * 1000
+        if not placed:
             logger.warning("session store: no free KV slots to restore %d tokens of session %r; prefilling instead",
                            reuse - have, state.session_id)  # fmt: skip
             return

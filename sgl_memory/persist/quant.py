@@ -36,11 +36,13 @@ class Quantized:
 
 
 def _grouped(x: torch.Tensor, axis: int, group: int) -> tuple[torch.Tensor, int]:
-    """x with `axis` moved last and cut into [..., n_groups, group] (zero-padded); returns the pad."""
+    """x with `axis` moved last and cut into [..., n_groups, group]; returns the pad. A short last
+    group is padded with its own last value: a zero would widen its range (a KIVI key channel far
+    from zero, in a session's last tokens) and coarsen its step."""
     x = x.movedim(axis, -1)
     pad = (-x.shape[-1]) % group
     if pad:
-        x = torch.nn.functional.pad(x, (0, pad))
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], -1)
     return x.reshape(*x.shape[:-1], x.shape[-1] // group, group), pad
 
 
@@ -67,14 +69,16 @@ def _grouped_shape(q: Quantized) -> list[int]:
     return shape
 
 
-def dequantize(q: Quantized, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize(q: Quantized, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor back, in `dtype`; with `out` (q.shape, any dtype) written into it instead, so a
+    caller that assembles many blocks (the session restore) makes no second copy."""
     codes = q.codes
     if q.bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
-    g = codes.float() * q.scales.float().unsqueeze(-1) + q.biases.float().unsqueeze(-1)
+    g = codes.float().mul_(q.scales.float().unsqueeze(-1)).add_(q.biases.float().unsqueeze(-1))  # in place: one float32 temporary
     moved = _grouped_shape(q)
-    x = g.flatten(-2)[..., : moved[-1]].reshape(moved)
-    return x.movedim(-1, q.axis).to(dtype)
+    x = g.flatten(-2)[..., : moved[-1]].reshape(moved).movedim(-1, q.axis)
+    return x.to(dtype) if out is None else out.copy_(x)
 
 
 def error_bound(q: Quantized) -> torch.Tensor:

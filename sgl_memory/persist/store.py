@@ -159,21 +159,24 @@ class SessionFiles:
         n = len(record.token_ids)
         stop = n if stop is None else stop
         size = record.block_size
-        keys, values = [], []
-        for b in range(start // size, -(-stop // size)):
-            length = min(size, n - b * size)
-            shape = (self.spec.layers, length, self.spec.kv_heads, self.spec.head_dim)
-            keys.append(self._decode(record.blocks[b], "k", shape, 1 if record.kivi else 3, record.quant, dtype))
-            values.append(self._decode(record.blocks[b], "v", shape, 3, record.quant, dtype))
-        first = (start // size) * size
-        return torch.cat(keys, 1)[:, start - first : stop - first], torch.cat(values, 1)[:, start - first : stop - first]
+        first, last = start // size, -(-stop // size)
+        # every block is decoded straight into one buffer (no per-block tensors to concatenate)
+        shape = (self.spec.layers, min(last * size, n) - first * size, self.spec.kv_heads, self.spec.head_dim)
+        keys, values = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        for b in range(first, last):
+            at, length = (b - first) * size, min(size, n - b * size)
+            part = (*shape[:1], length, *shape[2:])
+            self._decode(record.blocks[b], "k", part, 1 if record.kivi else 3, record.quant, dtype, keys[:, at : at + length])
+            self._decode(record.blocks[b], "v", part, 3, record.quant, dtype, values[:, at : at + length])
+        cut = slice(start - first * size, stop - first * size)
+        return keys[:, cut], values[:, cut]
 
-    def _decode(self, block, name, shape, axis, quant, dtype) -> torch.Tensor:
+    def _decode(self, block, name, shape, axis, quant, dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         if quant in RAW:
-            return block[name].to(dtype)
+            return block[name].to(dtype) if out is None else out.copy_(block[name])
         q = Quantized(block[f"{name}.codes"], block[f"{name}.scales"], block[f"{name}.biases"],
                       shape, BITS[quant], axis, GROUP)  # fmt: skip
-        return dequantize(q, dtype)
+        return dequantize(q, dtype, out)
 
     # --- write -----------------------------------------------------------------------------------
 
