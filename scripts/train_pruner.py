@@ -44,6 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.fidelity import points as P  # noqa: E402
 from sgl_memory import harness, models  # noqa: E402
 from sgl_memory.intent.head import HeadShape, PrunerHead, backbone_spec  # noqa: E402
 
@@ -59,13 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--model", default=models.DEFAULT_MODEL)
     c.add_argument("--out", type=Path, default=ROOT / "runs" / "pruner")
     c.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    # the sizes of the README's fidelity tables, so its trajectories are the ones collected
-    # (TextWorld: 19 games there, where bench/fidelity's own default is 18)
-    c.add_argument("--bfcl-per-category", type=int, default=30)
-    c.add_argument("--bcp-questions", type=int, default=14)
-    c.add_argument("--textworld-games", type=int, default=19)
-    c.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])
-    c.add_argument("--locomo-questions", type=int, default=110)
+    P.add_size_options(c)  # the fidelity tables' trajectories are the ones collected
     c.add_argument("--max-total-tokens", type=int, default=65536)
     t = sub.add_parser("train")
     t.add_argument("--model", default=models.DEFAULT_MODEL)
@@ -106,7 +101,6 @@ def collect(args) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from bench.common import ok
-    from bench.fidelity import points as P
 
     path = models.resolve(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -219,9 +219,18 @@ def textworld(tokenizer, games: int, seed: int = TEXTWORLD_SEED) -> list[Traject
 SOURCES = {"bfcl": bfcl, "bcp": bcp, "locomo": locomo, "textworld": textworld}
 
 
+def add_size_options(ap) -> None:
+    """The options that size each workload's trajectories (bench/fidelity's and
+    scripts/train_pruner's), with the sizes of the README's fidelity tables as defaults."""
+    ap.add_argument("--bfcl-per-category", type=int, default=30)
+    ap.add_argument("--bcp-questions", type=int, default=14, help="per LoCoMo dev conversation (about 3.2 points each)")
+    ap.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--locomo-questions", type=int, default=110, help="per conversation")
+    ap.add_argument("--textworld-games", type=int, default=19, help="cooking games of about 17 steps")
+
+
 def load(tokenizer, workloads: list[str], args) -> list[Trajectory]:
-    """The trajectories of `workloads`, sized by `args` (bench/fidelity's and scripts/train_pruner's
-    options: bfcl_per_category, bcp_questions, textworld_games, locomo_conversations, locomo_questions)."""
+    """The trajectories of `workloads`, sized by `args` (add_size_options)."""
     out = []
     for w in workloads:
         if w == "bfcl":

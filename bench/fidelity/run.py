@@ -326,11 +326,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "the model); give such a run an --out of its own")
     ap.add_argument("--only", type=Path, default=None, help="a file of trajectory ids, one per line: run only those "
                     "(scripts/train_pruner.py writes a head's held-out ones)")
-    ap.add_argument("--bfcl-per-category", type=int, default=30)
-    ap.add_argument("--bcp-questions", type=int, default=14, help="per LoCoMo dev conversation (about 3.2 points each)")
-    ap.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--locomo-questions", type=int, default=110, help="per conversation")
-    ap.add_argument("--textworld-games", type=int, default=18, help="cooking games of about 17 steps")
+    P.add_size_options(ap)
     ap.add_argument("--quick", action="store_true", help="one BFCL task per category, one BCP question per conversation, "
                     "8 LoCoMo questions, one game, one budget")
     ap.add_argument("--max-total-tokens", type=int, default=65536)
