@@ -6,7 +6,8 @@ receives the second turn. Side by side, in one run:
 
 - plain SGLang (torch_native, its CPU default): no persistence, the second turn re-prefills all;
 - our engine without the store: the same, on our CPU attention backend (cold re-prefill);
-- our store with bf16, Q8 and Q4 files: the second turn restores the history from disk (the files
+- our store with exact (the pool's dtype: bf16 or fp32), Q8 and Q4 files: the second turn restores
+  the history from disk (the files
   dropped from the page cache; REPEATS sessions per length, the median reported); then, the tree
   flushed, once more from the host-memory (warm) tier, and once with everything in the tree (hot);
 - SGLang's HiCache with its `file` storage backend, when it starts on this machine.
@@ -15,8 +16,12 @@ Time to first token is the latency of the turn with one output token. Each store
 restore's floor, measured in this run (`restore_floor`: the file read at the disk's bandwidth,
 dequantizing, one copy into mapped memory) and the restore's parts as the server reports them.
 Bytes on disk per token come from the files. After the restore every configuration answers
-len(FOLLOW_UPS) follow-up questions (greedy, ANSWER_TOKENS tokens), compared with the cold
-server's answers: same answer and token agreement, with intervals. Fidelity of Q8 / Q4 against bf16
+len(FOLLOW_UPS) follow-up questions (greedy, ANSWER_TOKENS tokens). A Q8 / Q4 store's answers are
+compared with the exact store's, which restores the session's KV bit for bit and so answers as the
+session would have without the restart (tests/test_persist_server.py holds that); every
+configuration's are also compared with the cold re-prefill's, which differ from the session's by
+bf16 rounding alone (a prefill computes in other chunks than the session did). Each comparison:
+the share of same answers and the token agreement, with 95% intervals. Fidelity of Q8 / Q4 against bf16
 is also measured on the model itself (transformers): the KV of a LoCoMo prefix is quantized and
 dequantized as the store does, then a continuation is teacher-forced: next-token KL against the
 bf16 cache, perplexity, greedy (top-1) agreement, plus agreement of a free greedy continuation.
@@ -39,7 +44,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from common import RESULTS, bootstrap, ok, write_json
-from sgl_memory import harness, models
+from sgl_memory import cpu_dtype, harness, models
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo_dev7.json"
 SYSTEM = "You are a helpful assistant that remembers the whole conversation."
@@ -48,9 +53,12 @@ FIRST = "Summarise what we talked about in one sentence."
 # the restored answers are compared with the cold ones on len(FOLLOW_UPS) answers per length
 FOLLOW_UPS = ("What did I say first?", "What is my name?", "What did we talk about last?",
               "Name one thing I told you about my family.", "What hobbies have I mentioned?",
-              "Where did I say I went recently?", "What is your name?", "Which of my plans did I mention?")  # fmt: skip
+              "Where did I say I went recently?", "What is your name?", "Which of my plans did I mention?",
+              "What did you advise me to do?", "Who did I mention besides my family?",
+              "What made me happy lately?", "What am I worried about?")  # fmt: skip
 ANSWER_TOKENS = 32
-QUANTS = ("bf16", "q8", "q4")
+EXACT = {"bfloat16": "bf16", "float32": "fp32"}[cpu_dtype.choose().dtype]  # the pool's own dtype: stored as is
+QUANTS = (EXACT, "q8", "q4")
 
 
 def dialogue(conversation: dict) -> list[dict]:
@@ -308,17 +316,18 @@ def agreement(answers: list[str], cold: list[str], tokenizer) -> dict:
     return {"n": len(same), "same_answer": e, "same_answer_ci": [e_lo, e_hi], "token_agreement": t, "token_agreement_ci": [t_lo, t_hi]}
 
 
-def ratios(row: dict, cold: dict, tokenizer) -> dict:
+def ratios(row: dict, cold: dict, exact: dict, tokenizer) -> dict:
     """A configuration's turn against the cold re-prefill; for a store, where its time went: the
     restore against its floor, and the rest of the time to first token against the same turn with
-    everything in the tree (hot)."""
+    everything in the tree (hot); its answers against the exact store's and the cold ones."""
     out = {"cold_over_ttft": cold["ttft_s"] / row["ttft_s"]}
     if "warm_ttft_s" in row:
         out["cold_over_warm_ttft"] = cold["ttft_s"] / row["warm_ttft_s"]
     if row.get("floor"):
         out["restore_over_floor"] = row["restore_ms"] / 1000 / row["floor"]["floor_s"]
         out["ttft_besides_restore_and_hot_s"] = row["ttft_s"] - row["restore_ms"] / 1000 - row["hot_ttft_s"]
-    if "answers" in row and "answers" in cold:
+    if "answers" in row:
+        out["answers_vs_exact_store"] = agreement(row["answers"], exact["answers"], tokenizer)
         out["answers_vs_cold"] = agreement(row["answers"], cold["answers"], tokenizer)
     return out
 
@@ -370,8 +379,8 @@ def main() -> None:
     sessions, answers = {}, {}
     for n in args.lengths:
         sessions[str(n)] = session_of_length(tokenizer, turns, n) + [{"role": "user", "content": FIRST}]
-    result = {"model": args.model, "sessions": {n: len(chat_ids(tokenizer, m)) for n, m in sessions.items()},
-              "ttft": {}}  # fmt: skip
+    result = {"model": args.model, "pool_dtype": cpu_dtype.choose().dtype,
+              "sessions": {n: len(chat_ids(tokenizer, m)) for n, m in sessions.items()}, "ttft": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="persist-bench-") as tmp:
         work = Path(tmp)
         steps = [*(f"store-{q}" for q in QUANTS), "ours-cold", "plain-sglang-cold", "hicache-file"]
@@ -387,8 +396,8 @@ def main() -> None:
             else:
                 result["ttft"][step] = run_hicache(path, sessions, answers, work)
             save(result)  # a late failure keeps what ran
-    cold = result["ttft"]["ours-cold"]["rows"]
-    result["ratios"] = {mode: {n: ratios(rows["rows"][n], cold[n], tokenizer) for n in sessions}
+    cold, exact = result["ttft"]["ours-cold"]["rows"], result["ttft"][f"store-{EXACT}"]["rows"]
+    result["ratios"] = {mode: {n: ratios(rows["rows"][n], cold[n], exact[n], tokenizer) for n in sessions}
                         for mode, rows in result["ttft"].items() if rows.get("rows")}  # fmt: skip
     save(result)
     result["fidelity"] = fidelity(path, tokenizer, turns)

@@ -85,7 +85,9 @@ class PersistConfig:
 
     enabled: bool = False
     dir: str = "~/.cache/sgl-memory/sessions"
-    quant: Literal["q4", "q8", "bf16", "fp32"] = "q4"  # bf16 / fp32: unquantized (the pool's dtype: exact)
+    # q8 by default: a Q4 restore changed half of the session's greedy answers (bench/persist_restart);
+    # bf16 / fp32: unquantized (the pool's dtype: exact)
+    quant: Literal["q4", "q8", "bf16", "fp32"] = "q8"
     kivi: bool = True  # keys grouped per channel over tokens (KIVI), values per token: see persist/README.md
     write_policy: Literal["on_finish", "off"] = "on_finish"  # off: restore from the store, never write
     quota_bytes: int = 8 << 30  # disk; least recently used session files go first
