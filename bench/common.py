@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @cache
 def commit() -> str:
     """The code a result came from: HEAD's hash, with `+dirty` when tracked files differ from it
-    (a result from uncommitted code names no commit that reproduces it); `unknown` outside git."""
+    (a result from uncommitted code names no commit that reproduces it); `unknown` outside git.
+    Results files do not count: a run rewrites its own, and an earlier run's uncommitted results
+    change no code."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT).returncode != 0
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!bench/results"], cwd=ROOT).returncode != 0
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
