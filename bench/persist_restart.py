@@ -137,20 +137,16 @@ def restore_floor(root: Path, session_id: str) -> dict:
     decode), and one copy of the KV into memory that is already mapped (the pool write, no scatter)."""
     from sgl_memory.persist.store import CacheSpec, SessionFiles
 
-    for file in root.glob("*/*/*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            meta = f.metadata()
-        if meta["session_id"] == session_id:
-            break
-    else:
-        raise FileNotFoundError(session_id)
+    with safe_open(str(next(root.glob("*/*/*.safetensors"))), "pt") as f:
+        meta = f.metadata()  # every file of the store has this server's spec and format
+    files = SessionFiles(root, CacheSpec(**json.loads(meta["spec"])), meta["quant"], meta["kivi"] == "True", int(meta["block_size"]))
+    file = files.path(None, session_id)
     drop_from_page_cache([file])
     t0 = time.perf_counter()
     with open(file, "rb", buffering=0) as f:
         while f.read(1 << 24):
             pass
     read_s = time.perf_counter() - t0
-    files = SessionFiles(root, CacheSpec(**json.loads(meta["spec"])), meta["quant"], meta["kivi"] == "True", int(meta["block_size"]))
     record = files.read(None, session_id)
     t0 = time.perf_counter()
     keys, values = files.decode(record)
@@ -307,11 +303,11 @@ def token_agreement(a: str, b: str, tokenizer) -> float:
     return sum(p == q for p, q in zip(x, y)) / max(len(x), len(y), 1)
 
 
-def agreement(answers: list[str], cold: list[str], tokenizer) -> dict:
-    """Answers against the cold server's, per follow-up: the share that is the same text, and the
-    mean share of positions with the same token, each with a 95% bootstrap interval."""
-    same = [[float(a == b)] for a, b in zip(answers, cold)]
-    tokens = [[token_agreement(a, b, tokenizer)] for a, b in zip(answers, cold)]
+def agreement(answers: list[str], reference: list[str], tokenizer) -> dict:
+    """Answers against a reference configuration's, per follow-up: the share that is the same text,
+    and the mean share of positions with the same token, each with a 95% bootstrap interval."""
+    same = [[float(a == b)] for a, b in zip(answers, reference)]
+    tokens = [[token_agreement(a, b, tokenizer)] for a, b in zip(answers, reference)]
     (e, e_lo, e_hi), (t, t_lo, t_hi) = bootstrap(same), bootstrap(tokens)
     return {"n": len(same), "same_answer": e, "same_answer_ci": [e_lo, e_hi], "token_agreement": t, "token_agreement_ci": [t_lo, t_hi]}
 

@@ -91,7 +91,7 @@ def place(tree, key, match, keys, values, live: torch.Tensor | None = None) -> b
             return False
         everything = bool(live.all())
         # a fresh or quiet pool hands out one run of slots: a plain copy, not a scatter
-        run = len(slots) > 0 and int(slots[-1]) - int(slots[0]) + 1 == len(slots) and bool((slots.diff() == 1).all())
+        run = len(slots) > 0 and bool((slots.diff() == 1).all())
         rows = slice(int(slots[0]), int(slots[0]) + len(slots)) if run else slots
         for i, layer in enumerate(pool_layers(pool)):
             for buffer, kv in ((pool.get_key_buffer(layer), keys[i]), (pool.get_value_buffer(layer), values[i])):
