@@ -128,3 +128,17 @@ def test_quantizing_on_the_gpu_stores_the_host_codes(bits, axis):
     host, gpu = quantize(x, bits, axis=axis), quantize(x.to(CUDA), bits, axis=axis)
     assert torch.equal(gpu.codes.cpu(), host.codes)
     torch.testing.assert_close(dequantize(gpu).cpu(), dequantize(host), rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("bits, axis", [(4, 0), (8, 2)])
+def test_decoding_into_a_gpu_buffer_slice_equals_the_host_decode(bits, axis):
+    """The restore's shape: 200 tokens (a short last KIVI group of 8) decoded into the middle of a
+    larger CUDA buffer, as the session store does; nothing outside the slice is touched."""
+    x = torch.randn(200, 2, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    host = quantize(x, bits, axis=axis)
+    gpu = quantize(x.to(CUDA), bits, axis=axis)
+    buffer = torch.full((300, 2, 64), 5.0, dtype=torch.bfloat16, device=CUDA)
+    dequantize(gpu, out=buffer[50:250])
+    torch.testing.assert_close(buffer[50:250].cpu(), dequantize(host), rtol=0, atol=1e-2)
+    assert bool((buffer[:50] == 5).all()) and bool((buffer[250:] == 5).all())
+
