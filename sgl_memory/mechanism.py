@@ -57,6 +57,12 @@ class Mechanism(ABC):
         May rewrite `req.origin_input_ids` and `req.extra_key`, attach its per-request state to the
         req, put KV into the tree (tree_fill.place), or abort the request with a client error."""
 
+    def match_limit(self, req) -> int | None:
+        """The most of the request's first tokens the tree may give it from the cache (None: this
+        mechanism sets no limit). A mechanism that reads rows as the prefill computes them (a
+        scorer's query rows, a probe's) needs them prefilled by the request itself."""
+        return None
+
     def on_checkpoint(self, req, tree):
         """At the end of the request's prefill, before its row is inserted into the tree. Returns a
         row edit (see intent/layouts.py) or None to leave the row as it is."""

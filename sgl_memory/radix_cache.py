@@ -156,15 +156,17 @@ class SglMemoryRadixCache(RadixCache):
     def match_prefix(self, params):
         if self._allocator is not None and self.sentinel is None:
             self._take_sentinel()
+        key = params.key
+        # rows a mechanism reads as they are computed are prefilled again, so they are the request's own
+        limits = [n for m in self.mechanisms if (n := m.match_limit(params.req)) is not None] if params.req is not None else []
+        if limits:
+            limit = min(limits) if key.limit is None else min(key.limit, *limits)
+            key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit, cache_salt=key.cache_salt)
+            params = dataclasses.replace(params, key=key)
         state = getattr(params.req, "sgl_intent", None) if self._allocator is not None else None
         if state is None or not state.enabled or self.disable:
             return super().match_prefix(params)
-        # A pruning request matches its session's pruned path, every branch of it (intent/paths.py),
-        # and never takes the rows its scorer reads from the cache: they are prefilled again, so
-        # they are its own.
-        key = params.key
-        limit = state.capture_start if key.limit is None else min(key.limit, state.capture_start)
-        key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit, cache_salt=key.cache_salt)
+        # A pruning request matches its session's pruned path, every branch of it (intent/paths.py)
         branches = find_branches(self.root_node, key, state.namespace)
         key.token_ids = with_branches(key.token_ids, branches)
         result = super().match_prefix(dataclasses.replace(params, key=key))

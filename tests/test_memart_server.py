@@ -52,6 +52,14 @@ def system_end(tok, ids):
     return [i for i, t in enumerate(ids) if t == opener][1]
 
 
+def question_rows(tok, ids):
+    """What a probe of this prompt computes at least: its last message from the text on (the tree
+    may give it what it caches before that)."""
+    opener = tok.convert_tokens_to_ids("<|im_start|>")
+    last = max(i for i, t in enumerate(ids[:-1]) if t == opener and tok.decode([ids[i + 1]]) == "user")
+    return len(ids) - next(j + 1 for j in range(last, len(ids)) if "\n" in tok.decode([ids[j]]))
+
+
 def generate(server, ids, memory, n=16, status=200):
     r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory})
     assert r.status_code == status, r.text
@@ -84,7 +92,7 @@ def test_every_block_retrieved_equals_the_full_history_prompt(mem_server, tok, s
     got = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=1000)})
     m = got["meta_info"]["sgl_memory"]
     assert m["memory_kv_tokens"] == len(stated["a"]) and m["retrieved_turns"] == list(range(len(FACTS)))
-    assert m["prefill_tokens"] == len(q) and m["probe_tokens"] == len(q)
+    assert m["prefill_tokens"] == len(q) and question_rows(tok, q) <= m["probe_tokens"] <= len(q)
     # the reference tenant's turns were computed the same way; its tree holds the path
     want = generate(mem_server, stated["ref"] + q, {"session_id": "s", "tenant": "ref"})
     assert want["meta_info"]["cached_tokens"] >= len(stated["ref"]) - 1
@@ -125,7 +133,7 @@ def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_serv
     pepper = next(p for p in range(len(turn0)) if "Pepper" in tok.decode(turn0[: p + 1]))
     assert any(turn == 0 and offset <= pepper < offset + n for turn, offset, n in m["retrieved_spans"])
     assert m["memory_kv_tokens"] == 64 and m["prefill_tokens"] == len(q)
-    assert first["meta_info"]["prompt_tokens"] == 64 + len(q) and m["probe_tokens"] == len(q)
+    assert first["meta_info"]["prompt_tokens"] == 64 + len(q) and question_rows(tok, q) <= m["probe_tokens"] <= len(q)
     assert "Pepper" in first["text"], first["text"]
     # the same assembled prefix again: the radix tree holds it, and the question with it
     again = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)})
@@ -143,7 +151,8 @@ def test_a_prompt_that_carries_its_answer_retrieves_for_the_question(mem_server,
     memory = {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)}
     alone = generate(mem_server, q, memory)["meta_info"]
     carried = generate(mem_server, q + answer, memory)["meta_info"]
-    assert carried["sgl_memory"]["probe_tokens"] == alone["sgl_memory"]["probe_tokens"] == len(q)
+    # the second probe takes what the first one left in the tree up to the question
+    assert carried["sgl_memory"]["probe_tokens"] == question_rows(tok, q) <= alone["sgl_memory"]["probe_tokens"] <= len(q)
     assert carried["sgl_memory"]["retrieved_spans"] == alone["sgl_memory"]["retrieved_spans"]
     assert carried["prompt_tokens"] == alone["prompt_tokens"] + len(answer)
 
@@ -313,3 +322,35 @@ def test_parallel_samples_all_use_the_memory(mem_server, tok, stated):
     assert len(outs) == 2
     for out in outs:
         assert out["meta_info"]["sgl_memory"]["memory_kv_tokens"] == 64 and out["meta_info"]["prompt_tokens"] == 64 + len(q)
+
+
+# an agent's system message: tool docs the session's every request repeats
+TOOL_DOCS = "You can call these tools:\n" + "\n".join(
+    f'{{"name": "{name}", "description": "{what}", "parameters": {{"type": "object", "properties": {{"{arg}": {{"type": "string"}}}}}}}}'
+    for name, what, arg in [("get_weather", "The weather in a city today", "city"), ("book_table", "Books a table at a restaurant", "restaurant"),
+                            ("send_email", "Sends an email to a contact", "to"), ("find_flight", "Finds flights between two airports", "route"),
+                            ("play_music", "Plays a song on the speaker", "song"), ("set_alarm", "Sets an alarm for a time", "time"),
+                            ("convert", "Converts an amount between currencies", "amount"), ("translate", "Translates a sentence", "text")]
+)  # fmt: skip
+AGENT_TURNS = ["My favourite restaurant is Luigi's on Elm Street.", "Book me a flight from Oslo to Rome, I land at noon.",
+               "My sister Ana lives in Lisbon and loves jazz.", "The meeting with Tom moved to Friday at 9.",
+               "Which restaurant do I like?", "When is the meeting with Tom?", "Where does Ana live?"]  # fmt: skip
+
+
+def test_a_probe_that_reuses_the_cached_prefix_chooses_the_blocks_a_full_probe_does(mem_server, tok):
+    """The probe takes what the tree caches of its prompt up to the question (an agent's tool docs,
+    computed once) and computes the rest. Reference: the same probe after a cache flush, which
+    computes every token as the probe did before it reused the tree. At every turn of a session,
+    with the blocks after the system message as an agent's requests place them, the two choose the
+    same blocks, and the reusing one prefills no more than the question's message."""
+    system = [{"role": "system", "content": TOOL_DOCS}]
+    session = {"session_id": "agent", "tenant": "probe-reuse"}
+    for i, text in enumerate(AGENT_TURNS):
+        ids = render(tok, system + [{"role": "user", "content": text}])
+        assert mem_server.post("/flush_cache?timeout=60", {}).status_code == 200
+        full = generate(mem_server, ids, {**session, "memory": retrieve(top_k=4, placement="after_system")})["meta_info"]["sgl_memory"]
+        reused = generate(mem_server, ids, {**session, "memory": retrieve(top_k=4, placement="after_system", store=True)})
+        m = reused["meta_info"]["sgl_memory"]
+        assert full["probe_tokens"] == len(ids) and m["probe_tokens"] <= len(ids) - system_end(tok, ids)
+        assert m["retrieved_spans"] == full["retrieved_spans"], f"turn {i}"
+        assert (m["retrieved_blocks"] > 0) == (i > 0)

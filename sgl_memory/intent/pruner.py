@@ -159,8 +159,6 @@ class IntentPruner(mechanism.Mechanism):
         elif state.enabled:
             window = self.config.window if scorers.SCORERS[state.scorer].needs_window else 0
             query_capture = self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
-            # rows a scorer reads are computed by this request's own prefill, never taken from the
-            # cache, so the kept set does not depend on what the tree held (radix_cache.match_prefix)
             state.capture_start = min(query_capture.span_start, query_capture.window_start)
             if state.layout == "compact" and self.rope is None:
                 from sgl_memory.rope import Rope
@@ -170,6 +168,12 @@ class IntentPruner(mechanism.Mechanism):
                 except ValueError as exc:
                     req.set_finish_with_abort(f"{FIELD}.layout compact: {exc}")
                     self.captures.pop(req.rid, None)
+
+    def match_limit(self, req) -> int | None:
+        # the rows the scorer reads are computed by the request's own prefill, never taken from the
+        # cache, so the kept set does not depend on what the tree held
+        state = getattr(req, "sgl_intent", None)
+        return state.capture_start if state is not None and state.enabled else None
 
     def _plan(self, req, spec: MemorySpec) -> RequestIntent:
         cfg = spec.intent(self.config)

@@ -54,45 +54,35 @@ MAX_PROBES = 32  # recent probes kept for their request (a request with n > 1 sa
 
 @dataclass
 class Probe:
-    """What the probe pass of one prompt leaves for its request, filled layer by layer: the
-    position-free queries of its scoring tokens, and the KV of its system message (which stays
-    first, before the memory blocks, at the same positions)."""
+    """What the probe pass of one prompt leaves for its request: the position-free queries of its
+    scoring tokens, filled layer by layer as its prefill computes them, and, for a request that
+    places its blocks after the system message, that message's KV (post-RoPE at its own
+    positions, which it keeps), copied off the probe's row at its release."""
 
     owner: tuple[str, str]
     scoring: list[int]  # the prompt positions whose queries score the blocks
     layers: int  # the layers whose queries score the blocks (the first ones)
     length: int
-    system_end: int  # [0, system_end) is the prompt's system message
+    system_end: int  # [0, system_end) is the system message whose KV the request needs (0: none)
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [length - start, H, D]
-    system_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer -> K, V
+    system_kv: tree_fill.PathKV | None = None
+    prefilled: int = 0  # what the probe computed (its length less the tree's cached prefix), set at its release
 
     @property
     def start(self) -> int:
         return self.scoring[0]
 
-    def add(self, layer: int, q, k, v, positions: torch.Tensor, rope: Rope) -> None:
+    def add(self, layer: int, q, positions: torch.Tensor, rope: Rope) -> None:
         keep = positions >= self.start
         if layer < self.layers and bool(keep.any()):
             rows = self.rows.get(layer)
             if rows is None:
                 rows = self.rows[layer] = torch.zeros(self.length - self.start, *q.shape[1:])
             rows[positions[keep] - self.start] = rope.rotate(q[keep].float(), -positions[keep]).float()
-        system = positions < self.system_end
-        if bool(system.any()):
-            buf = self.system_kv.get(layer)
-            if buf is None:
-                buf = self.system_kv[layer] = (k.new_zeros(self.system_end, *k.shape[1:]), v.new_zeros(self.system_end, *v.shape[1:]))
-            buf[0][positions[system]] = k[system]
-            buf[1][positions[system]] = v[system]
 
     def queries(self) -> torch.Tensor:
         picked = torch.tensor(self.scoring) - self.start
         return torch.stack([self.rows[i][picked] for i in sorted(self.rows)])  # [L, T, H, D]
-
-    def system(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (post-RoPE at positions 0..system_end-1) and V of the system message, [L, S, Hkv, D]."""
-        layers = sorted(self.system_kv)
-        return torch.stack([self.system_kv[i][0] for i in layers]), torch.stack([self.system_kv[i][1] for i in layers])
 
 
 @dataclass
@@ -176,10 +166,13 @@ class MemArtManager(mechanism.Mechanism):
     def take(self, bound, layer, q, k, v) -> None:
         for probe, r in bound:
             rows = slice(r.start, r.start + r.count)
-            probe.add(layer.layer_id, q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim),
-                      k[rows].reshape(r.count, layer.tp_k_head_num, layer.qk_head_dim),
-                      v[rows].reshape(r.count, layer.tp_v_head_num, layer.v_head_dim),
-                      r.row_positions(), self.rope)  # fmt: skip
+            probe.add(layer.layer_id, q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim), r.row_positions(), self.rope)
+
+    def match_limit(self, req) -> int | None:
+        # a probe takes what the tree caches of its prompt (the system message: an agent's tool docs)
+        # up to its first scoring token; the scoring rows are computed, so the capture sees them
+        probe = self.probing.get(req.rid)
+        return probe.start if probe is not None else None
 
     def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
         # grouping off: no entry reaches the threshold, so each is a group of its own and never static
@@ -208,7 +201,7 @@ class MemArtManager(mechanism.Mechanism):
         if query is None:
             req.sgl_memart = TurnState(owner, "record")
         elif query.mode == "probe":
-            self._admit_probe(scheduler, req, owner, query.probe)
+            self._admit_probe(scheduler, req, owner, query.probe, query.placement)
         elif query.mode in ("write", "forget"):
             self._admit_edit(req, owner, query)
         else:
@@ -224,7 +217,7 @@ class MemArtManager(mechanism.Mechanism):
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
         return find_spans(ids, self.markers, len(ids))
 
-    def _admit_probe(self, scheduler, req, owner, probe_id: str | None) -> None:
+    def _admit_probe(self, scheduler, req, owner, probe_id: str | None, placement: str | None) -> None:
         ids = list(req.origin_input_ids)
         spans = self._spans(scheduler, ids)
         tokenizer = getattr(scheduler, "tokenizer", None)
@@ -236,11 +229,13 @@ class MemArtManager(mechanism.Mechanism):
             req.origin_input_ids = req.origin_input_ids_unpadded = array("q", ids)
             req.logprob_start_len = min(req.logprob_start_len, end - 1)
         scoring = scoring_positions(ids, spans, self.config.score_tokens, self.markers, tokenizer)
-        probe = Probe(owner, scoring, self.layers, len(ids), spans.system_end)
+        after_system = (placement or self.config.placement) == "after_system"
+        probe = Probe(owner, scoring, self.layers, len(ids), spans.system_end if after_system else 0)
         req.sgl_memart = TurnState(owner, "probe")
-        # a key of its own: the probe must compute every token (no prefix hit) and leave nothing behind
-        req.extra_key = f"{req.extra_key or ''}\x00memory-probe:{probe_id}"
-        req.skip_radix_cache_insert = True
+        # Under the request's own key, like any prompt: the probe reuses what the tree caches of it
+        # (match_limit) and leaves its prompt there for the session's next probe. A readonly request's
+        # probe too: its prompt is not session state, and its release copies the system message.
+        req.skip_radix_cache_insert = False
         self.probing[req.rid] = probe
         with self._lock:
             self.probes[probe_id] = probe
@@ -275,7 +270,7 @@ class MemArtManager(mechanism.Mechanism):
         if probe is None or probe.owner != state.owner or not probe.rows:
             state.refused = "no query pass for this request"
             return
-        state.probe_tokens = probe.length
+        state.probe_tokens = probe.prefilled
         if memory is None:
             return  # nothing remembered yet
         memory.ingest(self._unrotate, self.config.block_size)  # turns the worker has not added yet
@@ -304,7 +299,7 @@ class MemArtManager(mechanism.Mechanism):
         prompt = list(req.origin_input_ids)
         units = memory.book.unit_turns()  # entries and static groups: placed whole, one segment each
         after_system = (query.placement or self.config.placement) == "after_system"
-        system = probe.system_end if after_system and probe.system_kv else 0
+        system = probe.system_end if after_system and probe.system_kv is not None else 0
         memory_tokens = [t for b in blocks for t in b.tokens]
         tokens = prompt[:system] + memory_tokens
         digest = hashlib.blake2b(array("q", [b.id for b in blocks]).tobytes(), digest_size=12).hexdigest()
@@ -320,11 +315,11 @@ class MemArtManager(mechanism.Mechanism):
         have = match.device_prefix_len
         if have < len(placed):
             if state.recompute != "none":
-                keys, values = probe.system()
+                keys, values = probe.system_kv.keys, probe.system_kv.values
             else:
                 keys, values = assemble(blocks, self.rope, at=system)
                 if system:
-                    system_k, system_v = probe.system()
+                    system_k, system_v = probe.system_kv.keys, probe.system_kv.values
                     keys, values = torch.cat([system_k.to(keys.dtype), keys], 1), torch.cat([system_v.to(values.dtype), values], 1)
             if not tree_fill.place(self.tree, key, match, keys[:, have:], values[:, have:]):
                 state.refused = "no free KV slots for the memory blocks"
@@ -369,7 +364,13 @@ class MemArtManager(mechanism.Mechanism):
         """Copy the turn's prompt part off the pool at the end of its prefill, before intent (later
         in ORDER) prunes the row: what pruning drops from the request stays recallable as KV."""
         state: TurnState | None = getattr(req, "sgl_memart", None)
-        if state is None or state.mode == "probe" or not state.store or state.prompt_kv is not None:
+        if state is not None and state.mode == "probe":
+            probe = self.probing.get(req.rid)
+            if probe is not None and probe.system_end and req.finished():  # its release: the row holds every position
+                slots = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx][: probe.system_end].to(torch.int64)
+                probe.system_kv = tree_fill.copy_slots(tree, slots)
+            return None
+        if state is None or not state.store or state.prompt_kv is not None:
             return None
         if req.finished() or not req.output_ids or tree.disable:
             return None  # not the end of the prefill
@@ -385,7 +386,9 @@ class MemArtManager(mechanism.Mechanism):
         if state is None:
             return
         if state.mode == "probe":
-            self.probing.pop(req.rid, None)
+            probe = self.probing.pop(req.rid, None)
+            if probe is not None:
+                probe.prefilled = len(req.origin_input_ids) - req.cached_tokens
             return
         memory = self.session(state.owner, create=True)
         if state.mode in ("write", "forget"):

@@ -5,7 +5,9 @@ Retrieval scores blocks with the prompt's queries at every layer, which exist on
 has gone through the model. So the hook first sends the same prompt as a prefill-only request (the
 probe); the scheduler captures its queries (memart/manager.py). Then the request itself goes out
 with the probe's id, and the scheduler retrieves with those queries before admitting it. The probe
-costs one prefill of the request's tokens up to its question, reported as `probe_tokens`.
+prefills the request's tokens up to its question less what the radix tree caches of them (the
+system message, an agent's tool docs, once a probe with the same start ran), reported as
+`probe_tokens`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ async def generate_hook(original, manager, obj, request=None):
     raw = None if INTERNAL.get() else memory_field(obj)  # the entries API's own passes go as they are
     if raw is not None:
         probe_id = uuid.uuid4().hex
-        probe_raw = {**raw, "memory": {"mode": "probe", "probe": probe_id}}
+        # the placement tells the probe whether its request needs the system message's KV
+        placement = {k: v for k, v in raw["memory"].items() if k == "placement"}
+        probe_raw = {**raw, "memory": {"mode": "probe", "probe": probe_id, **placement}}
         probe = GenerateReqInput(text=obj.text, input_ids=obj.input_ids, lora_path=obj.lora_path, extra_key=obj.extra_key,
                                  sampling_params=_with_field(obj.sampling_params, probe_raw, max_new_tokens=0, n=1),
                                  rid=f"sgl-memory-probe-{probe_id}")  # fmt: skip
