@@ -148,6 +148,27 @@ def test_a_kv_memory_request_carries_the_system_prompt_the_last_user_message_and
     assert [m["content"] for m in windowed(conversation[:2], exchanges)] == ["tools", "u0"]
 
 
+@pytest.mark.parametrize("tokens, kept", [
+    (None, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+    (22, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+    (21, ["a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+    (16, ["a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+    (15, ["a2.2", "t2.2.0", "t2.2.1"]),
+    (0, ["a2.2", "t2.2.0", "t2.2.1"]),  # the last exchange goes whatever its size
+])  # fmt: skip
+def test_a_token_window_leaves_out_the_oldest_exchanges_that_do_not_fit(tokens, kept):
+    """Three exchanges of 6, 6 and 10 tokens (here a message of n characters counts n // 2, a tool
+    result one more), in a window of three exchanges; written out by hand."""
+    from bench.agent.loop import windowed
+
+    conversation = [{"role": "system", "content": "tools"}, {"role": "user", "content": "u2"}]
+    for step in range(3):
+        conversation.append({"role": "assistant", "content": f"a2.{step}"})
+        conversation += [{"role": "tool", "content": f"t2.{step}.{r}"} for r in range(1 + (step == 2))]
+    count = lambda m: len(m["content"]) // 2 + (m["role"] == "tool")  # noqa: E731
+    assert [m["content"] for m in windowed(conversation, 3, tokens, count)] == ["tools", "u2", *kept]
+
+
 # --- the BCP-shaped workload ---------------------------------------------------------------------
 
 

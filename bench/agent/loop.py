@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import requests
@@ -79,16 +80,28 @@ class Reply:
                 **kv_costs(self.metrics, self.prompt_tokens, self.output_tokens)}  # fmt: skip
 
 
-def windowed(messages: list[dict], exchanges: int) -> list[dict]:
+def windowed(messages: list[dict], exchanges: int, tokens: int | None = None, count=None) -> list[dict]:
     """What a KV-memory request carries: the system message, the last user message and the last
     `exchanges` exchanges after it (each from an assistant message on, so tool results keep their
-    call); the server brings back the rest from the session's memory."""
+    call); the server brings back the rest from the session's memory. With `tokens`, the oldest of
+    those exchanges are left out as long as the ones kept hold more (`count`: a message's tokens),
+    the last one always kept whole (its results are what the next step acts on)."""
     system = messages[:1] if messages and messages[0]["role"] == "system" else []
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(system) - 1)
     tail = messages[last_user + 1 :]
     starts = [i for i, m in enumerate(tail) if m["role"] == "assistant"]
-    cut = starts[max(len(starts) - exchanges, 0)] if exchanges and starts else len(tail)
+    first = max(len(starts) - exchanges, 0) if exchanges else len(starts)
+    if tokens is not None:
+        sizes = [sum(count(m) for m in tail[a:b]) for a, b in zip(starts, [*starts[1:], len(tail)])]
+        while first < len(starts) - 1 and sum(sizes[first:]) > tokens:
+            first += 1
+    cut = starts[first] if first < len(starts) else len(tail)
     return system + messages[len(system) : last_user + 1][-1:] + tail[cut:]
+
+
+def message_tokens(tokenizer):
+    """A message's tokens as `windowed` counts them: its text and its calls' JSON (not the markup)."""
+    return lambda m: len(tokenizer.encode((m.get("content") or "") + json.dumps(m.get("tool_calls") or ""), add_special_tokens=False))
 
 
 @dataclass
@@ -101,11 +114,13 @@ class Endpoint:
     max_tokens: int = 256
     timeout_s: float = 600
     window: int | None = None
+    window_tokens: int | None = None  # with window: the most tokens its exchanges hold (windowed)
+    count: Callable[[dict], int] | None = None
     last_prompt: tuple[str, list[int]] = ("", [])  # (session, ids): what the next prompt's ids are stored against
 
     def ask(self, messages: list[dict], tools: list[dict], session_id: str, tool_choice="required") -> Reply:
         if self.window is not None:
-            messages = windowed(messages, self.window)
+            messages = windowed(messages, self.window, self.window_tokens, self.count)
         body = {"model": "default", "messages": messages, "tools": tools, "tool_choice": tool_choice,
                 "temperature": 0, "max_tokens": self.max_tokens, "return_token_ids": True}  # fmt: skip
         if self.memory is not None:

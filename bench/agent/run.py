@@ -38,7 +38,7 @@ from bench.common import RESULTS, commit, pruning_methods, read_rows, write_json
 from sgl_memory import harness, models
 
 from . import bcp, bfcl
-from .loop import Endpoint, Refused
+from .loop import Endpoint, Refused, message_tokens
 
 WORKLOADS = ("bfcl", "bcp")
 # the adaptive methods' floor sits below the smallest fixed budget so their budget can move both ways
@@ -251,9 +251,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="kv memory: the exchanges (a call and its results) each request carries after the last user message")
     ap.add_argument("--url", help="an sgl-memory server already running with intent (and, for kv memory, memory) on; its "
                                   "radix cache is flushed between methods; default: the benchmark starts its own")  # fmt: skip
+    ap.add_argument("--memory-window-tokens", type=int, default=None,
+                    help="kv memory: the most tokens those exchanges hold (older ones are left out; the last is always sent)")
     args = ap.parse_args(argv)
     if args.memory_window < 0:
         ap.error("--memory-window takes a number of exchanges >= 0")
+    if args.memory_window_tokens is not None and args.memory_window_tokens < 0:
+        ap.error("--memory-window-tokens takes a number of tokens >= 0")
 
     args.out.mkdir(parents=True, exist_ok=True)
     work = workload(args)
@@ -269,6 +273,11 @@ def main(argv: list[str] | None = None) -> None:
     steps = {} if args.max_steps is None else {"max_steps": args.max_steps}
 
     references = {t["task"]: t for t in read_rows(traces_path) if t["method"] == REFERENCE}
+    count = None
+    if args.memory_window_tokens is not None:
+        from transformers import AutoTokenizer
+
+        count = message_tokens(AutoTokenizer.from_pretrained(models.model_dir(args.model)))
     agreed = {(r["method"], r["task"]) for r in read_rows(agreement_path)}
 
     def wanted(name: str, task) -> bool:
@@ -278,7 +287,9 @@ def main(argv: list[str] | None = None) -> None:
         for name, fields in group:
             if fields is not None:  # each method starts from an empty tree: none reuses another's prefixes
                 requests.post(url + "/flush_cache?timeout=60", timeout=120).raise_for_status()
-            endpoint = Endpoint(url, fields, args.max_tokens, window=args.memory_window if server_of(fields) == "memory" else None)
+            endpoint = Endpoint(url, fields, args.max_tokens)
+            if server_of(fields) == "memory":
+                endpoint.window, endpoint.window_tokens, endpoint.count = args.memory_window, args.memory_window_tokens, count
             for task in tqdm([t for t in todo if wanted(name, t)], desc=name):
                 if (name, task.id) not in done:
                     t0 = time.perf_counter()
