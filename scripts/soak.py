@@ -10,8 +10,10 @@ Two parts, each on its own servers (SmolLM2 by default, a small KV pool):
   - no answer is a 5xx (a dropped request is counted, not checked);
   - no session's output ever contains another session's secret (a random made-up word: the model
     can only produce it from KV that held it);
-  - the server's resident memory (all its processes) stays bounded: its peak over the second half
-    of the run is within `--rss-slack` of its peak over the first half.
+  - the server's resident memory (all its processes) stays bounded: at the end of the run (the
+    median of its last tenth) it is within `--rss-slack` of where it was at half-time (the median
+    of the tenth around the middle); the least-squares trend over the second half and the memory
+    pools' bytes (Prometheus gauge, sampled with the RSS) are reported beside it.
 - `kill`: T trials of: start a persistence server on one store, run turns of a few sessions, kill
   -9 the whole server at a random moment (half of the trials while a session file is being
   written, the rest at a random delay), then check the store offline and on a restarted server:
@@ -35,6 +37,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import string
 import sys
 import tempfile
@@ -67,6 +70,8 @@ def secret(rng: random.Random) -> str:
 
 
 class RssSampler(threading.Thread):
+    """(seconds, RSS bytes of the server's processes, its memory pools' bytes or None) every interval."""
+
     def __init__(self, server, interval: float = 1.0):
         super().__init__(daemon=True)
         self.server, self.interval, self.samples, self.done = server, interval, [], threading.Event()
@@ -75,9 +80,26 @@ class RssSampler(threading.Thread):
         t0 = time.monotonic()
         while not self.done.wait(self.interval):
             try:
-                self.samples.append((time.monotonic() - t0, self.server.rss_bytes()))
+                pools = self.server.prometheus().get(("sgl_memory_memory_pool_bytes", ()))
+                self.samples.append((time.monotonic() - t0, self.server.rss_bytes(), pools))
             except Exception:  # a process of the server ended between listing and reading it
                 pass
+
+
+def rss_trend(samples: list[tuple[float, int, float | None]]) -> dict:
+    """Where RSS went after half-time: its level at half-time (the median of the tenth of the
+    samples around the middle), at the end (the median of the last tenth), and the least-squares
+    slope over the second half as growth over that half relative to the half-time level."""
+    n = len(samples)
+    if n < 20:
+        return {"rss_half_mb": None, "rss_end_mb": None, "rss_second_half_trend": None}
+    tenth = n // 10
+    half = statistics.median(b for _, b, _ in samples[n // 2 - tenth // 2 : n // 2 + tenth // 2 + 1])
+    end = statistics.median(b for _, b, _ in samples[-tenth:])
+    second = samples[n // 2 :]
+    slope = statistics.linear_regression([t for t, _, _ in second], [b for _, b, _ in second]).slope
+    return {"rss_half_mb": round(half / 2**20), "rss_end_mb": round(end / 2**20),
+            "rss_second_half_trend": round(slope * (second[-1][0] - second[0][0]) / half, 4)}  # fmt: skip
 
 
 def session_run(server, config: str, sid: int, turns: int, secrets: dict, rng: random.Random, stats: dict, lock) -> None:
@@ -123,7 +145,7 @@ def run_sessions(args, config: str, workdir: Path) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     (d / "memory.yaml").write_text(CONFIGS[config].format(store=d / "store"))
     server = harness.start(harness.our_command(args.model, "--memory-config", str(d / "memory.yaml"),
-                                               "--max-total-tokens", str(args.pool)), d / "server.log")  # fmt: skip
+                                               "--max-total-tokens", str(args.pool), "--enable-metrics"), d / "server.log")  # fmt: skip
     rng = random.Random(args.seed)
     secrets = {i: secret(rng) for i in range(args.sessions)}
     stats = {"requests": 0, "dropped": 0, "status": {}, "errors": [], "leaks": []}
@@ -145,14 +167,17 @@ def run_sessions(args, config: str, workdir: Path) -> dict:
     wall = time.monotonic() - t0
     rss = sampler.samples
     half = len(rss) // 2
-    first, second = max((b for _, b in rss[:half]), default=0), max((b for _, b in rss[half:]), default=0)
+    first, second = max((b for _, b, _ in rss[:half]), default=0), max((b for _, b, _ in rss[half:]), default=0)
+    trend = rss_trend(rss)
     log = (d / "server.log").read_text(errors="replace")
     return {
         "config": config, "sessions": args.sessions, "turns": args.turns, "wall_s": round(wall, 1), **stats,
         "five_xx": sum(n for code, n in stats["status"].items() if code.startswith("5")),
         "healthy_after": healthy, "scheduler_crashed": "Scheduler hit an exception" in log,
         "rss_peak_first_half_mb": round(first / 2**20), "rss_peak_second_half_mb": round(second / 2**20),
-        "rss_bounded": second <= first * (1 + args.rss_slack), "rss_series": [(round(t, 1), round(b / 2**20)) for t, b in rss],
+        **trend, "rss_bounded": trend["rss_end_mb"] is not None and trend["rss_end_mb"] <= trend["rss_half_mb"] * (1 + args.rss_slack),
+        "rss_series": [(round(t, 1), round(b / 2**20)) for t, b, _ in rss],
+        "pool_series": [(round(t, 1), round(p / 2**20, 1)) for t, _, p in rss if p is not None],
     }
 
 
@@ -311,7 +336,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--pool", type=int, default=20000, help="--max-total-tokens of every server")
-    ap.add_argument("--rss-slack", type=float, default=0.15)
+    ap.add_argument("--rss-slack", type=float, default=0.05, help="RSS at the end over RSS at half-time, at most 1 + this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = ap.parse_args()
@@ -330,7 +355,8 @@ def main() -> None:
     sessions, kill = result.get("sessions", []), result.get("kill", {})
     for r in sessions:
         print(f"{r['config']}: {r['requests']} requests, {r['dropped']} dropped by the client, 5xx {r['five_xx']}, "
-              f"leaks {len(r['leaks'])}, RSS peak {r['rss_peak_first_half_mb']} -> {r['rss_peak_second_half_mb']} MB, "
+              f"leaks {len(r['leaks'])}, RSS at half-time {r['rss_half_mb']} MB, at the end {r['rss_end_mb']} MB "
+              f"(second-half trend {r['rss_second_half_trend']}), "
               f"{r['wall_s']} s")  # fmt: skip
     if kill:
         print(f"kill -9: {kill['trials']} trials ({kill['killed_during_write']} during a file write), "
