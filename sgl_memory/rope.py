@@ -44,3 +44,9 @@ class Rope:
             a, b = k[..., 0::2], k[..., 1::2]
             out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
         return out.to(keys.dtype)
+
+    def rotate_layers(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Keys [L, n, heads, head_dim] of every layer rotated by delta [n] positions."""
+        L, n, h, d = keys.shape
+        flat = keys.permute(1, 0, 2, 3).reshape(n, L * h, d)
+        return self.rotate(flat, delta).reshape(n, L, h, d).permute(1, 0, 2, 3).contiguous()

@@ -101,12 +101,18 @@ def test_every_block_retrieved_equals_the_full_history_prompt(mem_server, tok, s
 
 def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, stated):
     """The memory pool gauges (GET /metrics) against the pools' contents as retrieval reports them:
-    every block of both sessions retrieved, and their bytes from the model's shape (position-free
-    keys and the AABB in float32, values in the pool's dtype: bf16 or float32 as the launcher chose)."""
+    every block of both sessions retrieved, and their bytes from the model's shape: keys and values
+    in the pool's dtype (bf16 or float32, as the launcher chose) and an int32 position per token,
+    what the KV pool holds per token and 4 bytes; the index, the scoring layers' keys (the first
+    half) once more, in a buffer that may hold an eighth more rows than it uses."""
     from transformers import AutoConfig
 
+    from sgl_memory.config import MemArtConfig
+
     cfg = AutoConfig.from_pretrained(models.model_dir(TEST_MODEL))
-    per_value = cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    per_layer = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    per_value = cfg.num_hidden_layers * per_layer
+    scored = round(cfg.num_hidden_layers * MemArtConfig().score_layers) * per_layer
     q = tok.encode("<|im_start|>user\nWhat did I do on Saturday?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     before = mem_server.prometheus()
     pools = [generate(mem_server, q, {"session_id": "s", "tenant": t, "memory": retrieve(top_k=1000)})["meta_info"]["sgl_memory"]
@@ -119,7 +125,8 @@ def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, sta
         time.sleep(0.2)
     assert after[("sgl_memory_memory_pool_blocks", ())] == blocks
     value_bytes = {"bfloat16": 2, "float32": 4}[SERVER_DTYPE]
-    assert after[("sgl_memory_memory_pool_bytes", ())] == per_value * (tokens * (4 + value_bytes) + blocks * 2 * 4)
+    kv_bytes, index_bytes = tokens * (2 * per_value * value_bytes + 4), tokens * scored * value_bytes
+    assert kv_bytes + index_bytes <= after[("sgl_memory_memory_pool_bytes", ())] <= kv_bytes + 1.125 * index_bytes
     grew = after[("sgl_memory_retrievals_total", ())] - before.get(("sgl_memory_retrievals_total", ()), 0)
     assert grew == 2 and after[("sgl_memory_retrieved_blocks_total", ())] - before.get(("sgl_memory_retrieved_blocks_total", ()), 0) == blocks
 

@@ -119,7 +119,7 @@ def test_the_pool_hides_static_members_and_places_units_whole():
     pool.add_turn(tokens, *kv(len(tokens), 9), 4, pool.book.joint_tag(group))
     joint_turn = group.joint
     assert joint_turn == 4
-    visible = set(pool.index(L, 4).ids)
+    visible = set(pool.index().ids)
     hidden = set(turn_blocks(pool, 1) + turn_blocks(pool, 2))
     assert hidden and visible == set(pool.blocks) - hidden
     joint = turn_blocks(pool, joint_turn)
@@ -134,7 +134,7 @@ def test_the_pool_hides_static_members_and_places_units_whole():
     assert pool.segments(blocks, units) == [4, 2, 5, 9]
     # the member changes: joint KV dropped now, members visible again
     pool.drop_turns(pool.book.write("a2", [7, 7], torch.tensor([1.0, 0.0])).stale)
-    assert not turn_blocks(pool, joint_turn) and set(pool.index(L, 4).ids) == set(pool.blocks)
+    assert not turn_blocks(pool, joint_turn) and set(pool.index().ids) == set(pool.blocks)
 
 
 def test_an_exported_pool_with_entries_loads_equal():
@@ -149,7 +149,7 @@ def test_an_exported_pool_with_entries_loads_equal():
         other = loaded.book.entries[key]
         assert (other.tokens, other.group, other.written, other.turn) == (entry.tokens, entry.group, entry.written, entry.turn)
         assert torch.equal(other.embedding, entry.embedding)
-    assert loaded.index(L, 4).ids == pool.index(L, 4).ids
+    assert loaded.index().ids == pool.index().ids
     assert all(loaded.unit(b, loaded.book.unit_turns()) == pool.unit(b, pool.book.unit_turns()) for b in pool.blocks)
 
 

@@ -303,7 +303,7 @@ class AllSim(Sim):
         only positions already dead in the prefix it matched have no KV to copy), each with the KV
         written for its token at its position."""
         pool = self.memory.session(state.owner, create=False)
-        pool.ingest(self.memory._unrotate, 4)
+        pool.ingest(4)
         start, n, sentinel = state.prompt_kv_start, len(req.origin_input_ids), self.tree.sentinel
         had_kv = [p for p in range(start, n) if int(req.prefilled_row[p]) != sentinel]
         if not had_kv:

@@ -1,10 +1,16 @@
-"""A session's memory pool: its finished turns as KV blocks with position-free keys and AABBs.
+"""A session's memory pool: its finished turns as KV blocks, and the index that scores them.
 
-Keys are stored with their rotary rotation removed (the rotation of position p inverted exactly in
-float64, kept as float32), so a block can be placed at any position later (MemArt 3.2.3); values
-carry no position and stay in the pool's dtype. Each block keeps its tokens, where each token came
-from (turn, offset in the turn), the wall time it was made, and the per-layer, per-KV-head bounding
-box of its keys (the AABB index).
+A block keeps its keys as the KV pool held them (post-RoPE, the pool's dtype) with the position of
+each, its values, its tokens and where each token came from (turn, offset in the turn), and the wall
+time it was made. Placed at other positions (MemArt 3.2.3), its keys are rotated by the difference
+(float64 math, one rounding into the pool's dtype); placed at their own positions they are the
+cached keys bit for bit.
+
+Retrieval compares queries and keys without positions, so the pool also keeps an index
+(`ScoreKeys`): the keys of the scoring layers only, rotation removed (float64 math, rounded into the
+pool's dtype), one row per stored token, appended per turn. A bf16 pool holds a token in
+2 x 2 bytes (keys, values) per layer and KV head element, as SGLang's KV pool does, plus 2 bytes for
+the index on the scoring layers (half of them by default): 1.25x the KV pool's bytes per token.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_memory.memart.entries import ALONE, EntryBook
+from sgl_memory.rope import Rope
 
 logger = logging.getLogger(__name__)
 
@@ -26,17 +33,17 @@ logger = logging.getLogger(__name__)
 class Block:
     id: int  # chronological: blocks are made in turn order, ids never reused
     tokens: list[int]
-    keys: torch.Tensor  # [L, n, Hkv, D] float32, position-free
+    keys: torch.Tensor  # [L, n, Hkv, D] pool dtype, post-RoPE at `positions`
     values: torch.Tensor  # [L, n, Hkv, D] pool dtype
-    lo: torch.Tensor  # [L, Hkv, D] element-wise min of keys
-    hi: torch.Tensor  # [L, Hkv, D] element-wise max
+    positions: torch.Tensor  # [n] int32: where each key was computed
     origin: list[tuple[int, int]]  # per token: (turn, offset within its turn's stored tokens)
     made: float  # wall time
     used: int  # the pool's retrieval counter when last retrieved (or made)
     covers: int  # tokens of the turns it stands for: len(tokens), or more once merged
+    row: int = 0  # its first row in the pool's ScoreKeys (its rows are consecutive)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.lo, self.hi))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
 
     def turns(self) -> set[int]:
         return {turn for turn, _ in self.origin}
@@ -52,27 +59,86 @@ class Block:
         return runs
 
 
+class ScoreKeys:
+    """The index's keys: [layers, rows, Hkv, D] position-free keys of the scoring layers, one row per
+    stored token, in the pool's dtype. A turn's rows are appended (the buffer grows by an eighth of
+    its rows at least, so appending stays amortised O(turn)); a removed block's rows stay until an
+    eighth of the rows are dead, then the live ones are copied into a buffer of their own size.
+    Neither writes a row a scoring view may read: growth and compaction make new buffers, appends
+    write past the rows any view was taken with."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+        self.used = 0  # rows written
+        self.dead = 0  # rows of removed blocks
+
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
+
+    def append(self, free: torch.Tensor) -> int:
+        """Rows for these keys [layers, n, Hkv, D]; returns the first."""
+        n = free.shape[1]
+        if self.buffer is None or self.used + n > self.buffer.shape[1]:
+            grown = free.new_empty(free.shape[0], self.used + max(n, self.used // 8), *free.shape[2:])
+            if self.used:
+                grown[:, : self.used] = self.buffer[:, : self.used]
+            self.buffer = grown
+        self.buffer[:, self.used : self.used + n] = free
+        self.used += n
+        return self.used - n
+
+    def rows(self, block: Block) -> torch.Tensor:
+        return self.buffer[:, block.row : block.row + len(block.tokens)]
+
+    def compact(self, blocks: list[Block]) -> None:
+        """Keep the rows of these blocks only (their `row` moves), in a buffer of exactly their size."""
+        if not blocks:
+            self.buffer, self.used, self.dead = None, 0, 0
+            return
+        self.buffer = torch.cat([self.rows(b) for b in blocks], 1)
+        at = 0
+        for block in blocks:
+            block.row, at = at, at + len(block.tokens)
+        self.used, self.dead = at, 0
+
+
 @dataclass
 class BlockIndex:
-    """A pool's blocks stacked for scoring: ids in chronological order, their AABBs lo, hi
-    [L, N, Hkv, D], and their keys [L, N, block_size, Hkv, D] (a short block padded with copies of
-    its own last key, which changes neither its box nor its best key)."""
+    """A scoring view of a pool: its visible blocks' ids in chronological order, the index's keys
+    [layers, rows, Hkv, D] and each block's rows [N, S] (S its longest block; a short block repeats
+    its last row, which changes neither its box nor its best key)."""
 
     layers: int
     ids: list[int]
-    lo: torch.Tensor
-    hi: torch.Tensor
     keys: torch.Tensor
+    rows: torch.Tensor
+    _boxes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def of(cls, blocks: list[Block], layers: int, block_size: int) -> BlockIndex:
+    def of(cls, blocks: list[Block], score: ScoreKeys, layers: int) -> BlockIndex:
         if not blocks:
-            return cls(layers, [], torch.zeros(0), torch.zeros(0), torch.zeros(0))
-        padded = [b.keys[:layers] if len(b.tokens) == block_size else
-                  torch.cat([b.keys[:layers], b.keys[:layers, -1:].expand(-1, block_size - len(b.tokens), -1, -1)], 1)
-                  for b in blocks]  # fmt: skip
-        return cls(layers, [b.id for b in blocks], torch.stack([b.lo[:layers] for b in blocks], 1),
-                   torch.stack([b.hi[:layers] for b in blocks], 1), torch.stack(padded, 1))  # fmt: skip
+            return cls(layers, [], torch.zeros(layers, 0, 1, 1), torch.zeros(0, 1, dtype=torch.int64))
+        starts = torch.tensor([b.row for b in blocks], dtype=torch.int64)
+        lengths = torch.tensor([len(b.tokens) for b in blocks], dtype=torch.int64)
+        steps = torch.arange(int(lengths.max()))
+        rows = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)
+        return cls(layers, [b.id for b in blocks], score.buffer, rows)
+
+    def block_keys(self, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+        """The keys of blocks n0..n1, padded: [layers, n, S, Hkv, D]."""
+        rows = self.rows[n0:n1]
+        return self.keys[:, rows.flatten()].view(self.keys.shape[0], *rows.shape, *self.keys.shape[2:])
+
+    def boxes(self, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """The AABB of each block's keys, lo and hi [layers, N, Hkv, D], computed once per view."""
+        if self._boxes is None:
+            lo = self.keys.new_empty(self.keys.shape[0], len(self.ids), *self.keys.shape[2:])
+            hi = torch.empty_like(lo)
+            for n0 in range(0, len(self.ids), chunk):  # a chunk's padded keys at a time
+                part = self.block_keys(n0, n0 + chunk)
+                lo[:, n0 : n0 + chunk], hi[:, n0 : n0 + chunk] = part.amin(2), part.amax(2)
+            self._boxes = (lo, hi)
+        return self._boxes
 
 
 def pieces(tokens: list[int], block_size: int, line_ends: frozenset[int] | None = None) -> list[tuple[int, int]]:
@@ -109,7 +175,10 @@ class MemArtPool:
     next_id: int = 0
     evicted: int = 0
     merged: int = 0  # blocks folded into a neighbour (eviction `merge`)
-    bytes: int = 0  # host memory of its blocks
+    rope: Rope | None = None  # the model's; None: keys come position-free (at position 0)
+    score_layers: int | None = None  # the index's layers: the first ones (None: all)
+    score: ScoreKeys = field(default_factory=ScoreKeys)
+    held: int = 0  # host memory of its blocks (the index's is score.nbytes())
     counts: Counter = field(default_factory=Counter)  # token id -> occurrences in its blocks (for merging)
     inbox: deque = field(default_factory=deque)  # submitted turns not added yet, oldest first
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards blocks, inbox, counters
@@ -118,18 +187,23 @@ class MemArtPool:
     line_ends: frozenset[int] | None = None  # token ids after which a block ends (memory.cut: lines)
     book: EntryBook = field(default_factory=lambda: EntryBook(threshold=ALONE, static_after=1))  # entries.py
 
+    @property
+    def bytes(self) -> int:
+        """Host memory of the pool: its blocks and its index."""
+        return self.held + self.score.nbytes()
+
     def submit(self, tokens: list[int], positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                tag: tuple | None = None) -> None:
-        """A finished turn's KV as copied off the KV pool (keys still rotated), for ingest(); `tag`:
-        the entry or group joint KV it holds (EntryBook)."""
+        """A finished turn's KV as copied off the KV pool (keys rotated at `positions`), for
+        ingest(); `tag`: the entry or group joint KV it holds (EntryBook)."""
         with self.lock:
             self.inbox.append((tokens, positions, keys, values, tag))
 
-    def ingest(self, unrotate, block_size: int) -> None:
-        """Add every submitted turn, in order; `unrotate(keys, positions)` makes keys position-free.
-        The memory worker calls this, and so does a retrieval of the session before it reads the
-        pool: waiting for the turn the worker is adding, then adding the rest itself, so no
-        retrieval ever runs without a turn that finished before it, however slow the worker is."""
+    def ingest(self, block_size: int) -> None:
+        """Add every submitted turn, in order. The memory worker calls this, and so does a
+        retrieval of the session before it reads the pool: waiting for the turn the worker is
+        adding, then adding the rest itself, so no retrieval ever runs without a turn that finished
+        before it, however slow the worker is."""
         with self.ingesting:
             while True:
                 with self.lock:
@@ -137,29 +211,44 @@ class MemArtPool:
                         return
                     tokens, positions, keys, values, tag = self.inbox.popleft()
                 try:
-                    self.add_turn(tokens, unrotate(keys, positions), values, block_size, tag)
+                    self.add_turn(tokens, keys, values, block_size, tag, positions)
                 except Exception:  # one bad turn must not stop the session's others
                     logger.exception("memory: adding a turn failed")
 
     def busy(self) -> bool:
         return bool(self.inbox) or self.ingesting.locked()
 
+    def free_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The index's rows of keys [L, n, Hkv, D] rotated at `positions`: the scoring layers'
+        keys with the rotation removed (float64 math), in the keys' dtype."""
+        keys = keys[: self.score_layers]
+        if self.rope is not None:
+            return self.rope.rotate_layers(keys, -positions)
+        if positions.any():
+            raise ValueError("a pool without the model's RoPE takes position-free keys only")
+        return keys.clone()
+
     def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int,
-                 tag: tuple | None = None) -> None:
-        """Cut one turn's position-free KV [L, n, Hkv, D] into blocks of `block_size` tokens (the
-        last may be shorter); with `line_ends` (token ids that end a line), a block also ends
-        after each of them, so that no block holds the end of one line and the start of the next.
+                 tag: tuple | None = None, positions: torch.Tensor | None = None) -> None:
+        """Cut one turn's KV [L, n, Hkv, D] (keys rotated at `positions`; None: position-free,
+        at 0) into blocks of `block_size` tokens (the last may be shorter); with `line_ends` (token
+        ids that end a line), a block also ends after each of them, so that no block holds the end
+        of one line and the start of the next. Keys are kept in the values' dtype, the pool's.
         A tagged turn (an entry, a group's joint KV) replaces the turn its tag had, or is dropped
         when a newer write made it stale."""
         now = time.time()
+        keys = keys.to(values.dtype)
+        positions = torch.zeros(len(tokens), dtype=torch.int32) if positions is None else positions.to(torch.int32)
+        free = self.free_keys(keys, positions)  # the slow part, outside the lock
         with self.lock:
             turn = self.turns
             self.turns += 1
+            first = self.score.append(free)
             for start, end in pieces(tokens, block_size, self.line_ends):
                 # clones: an evicted block's memory goes with it, not with the rest of its turn
-                k = keys[:, start:end].clone()
-                self._add(Block(self.next_id, tokens[start:end], k, values[:, start:end].clone(), k.amin(1), k.amax(1),
-                                [(turn, o) for o in range(start, end)], now, self.clock, end - start))  # fmt: skip
+                self._add(Block(self.next_id, tokens[start:end], keys[:, start:end].clone(), values[:, start:end].clone(),
+                                positions[start:end].clone(), [(turn, o) for o in range(start, end)], now, self.clock,
+                                end - start, first + start))  # fmt: skip
                 self.next_id += 1
             if tag is not None:
                 stays, replaced = self.book.arrived(tag, turn)
@@ -245,19 +334,23 @@ class MemArtPool:
         """Caller holds the lock. A block replacing one of its id takes its place (dict order is
         chronological order)."""
         if block.id in self.blocks:
-            old = self.blocks[block.id]
-            self.bytes -= old.nbytes()
-            self.counts.subtract(old.tokens)
+            self._forget(self.blocks[block.id])
         self.blocks[block.id] = block
-        self.bytes += block.nbytes()
+        self.held += block.nbytes()
         self.counts.update(block.tokens)
         self._index = None
 
     def _remove(self, block: Block) -> None:
         del self.blocks[block.id]
-        self.bytes -= block.nbytes()
-        self.counts.subtract(block.tokens)
+        self._forget(block)
+        if self.score.dead * 8 > self.score.used:
+            self.score.compact(list(self.blocks.values()))
         self._index = None
+
+    def _forget(self, block: Block) -> None:
+        self.held -= block.nbytes()
+        self.counts.subtract(block.tokens)
+        self.score.dead += len(block.tokens)
 
     def trim(self, max_bytes: int) -> None:
         """Evict blocks (by the pool's policy) until its blocks take at most max_bytes."""
@@ -297,26 +390,31 @@ class MemArtPool:
                 key=lambda i: (blocks[i].covers + blocks[i + 1].covers, max(blocks[i].used, blocks[i + 1].used), i))  # fmt: skip
         first, second = blocks[i], blocks[i + 1]
         keys, values = torch.cat([first.keys, second.keys], 1), torch.cat([first.values, second.values], 1)
+        positions = torch.cat([first.positions, second.positions])
+        free = torch.cat([self.score.rows(first), self.score.rows(second)], 1)
         tokens, origin = first.tokens + second.tokens, first.origin + second.origin
         if len(tokens) > self.block_size:
-            strength = keys.norm(dim=-1).mean(dim=(0, 2)).tolist()
+            strength = keys.float().norm(dim=-1).mean(dim=(0, 2)).tolist()  # a rotation keeps the norm
             ranked = sorted(range(len(tokens)), key=lambda t: (self.counts[tokens[t]], -strength[t]))
             keep = sorted(ranked[: self.block_size])
-            keys, values = keys[:, keep], values[:, keep]
+            keys, values, positions, free = keys[:, keep], values[:, keep], positions[keep], free[:, keep]
             tokens, origin = [tokens[t] for t in keep], [origin[t] for t in keep]
         self._remove(second)
-        self._add(Block(first.id, tokens, keys.contiguous(), values.contiguous(), keys.amin(1), keys.amax(1), origin,
-                        min(first.made, second.made), max(first.used, second.used), first.covers + second.covers))  # fmt: skip
+        row = self.score.append(free)  # after the removal: a compaction there moves rows, not these
+        self._add(Block(first.id, tokens, keys.contiguous(), values.contiguous(), positions.contiguous(), origin,
+                        min(first.made, second.made), max(first.used, second.used), first.covers + second.covers, row))  # fmt: skip
         self.merged += 1
         return True
 
-    def index(self, layers: int, block_size: int) -> BlockIndex:
-        """The scoring view of the first `layers` layers, rebuilt after the pool changes."""
+    def index(self) -> BlockIndex:
+        """The scoring view of the blocks retrieval may choose, made again after the pool changes
+        (its block rows only: the keys are the index's buffer)."""
         with self.lock:
-            if self._index is None or self._index.layers != layers:
+            if self._index is None:
                 hidden = self.book.hidden_turns()
                 visible = [b for b in self.blocks.values() if hidden.isdisjoint(b.turns())] if hidden else list(self.blocks.values())
-                self._index = BlockIndex.of(visible, layers, block_size)
+                layers = self.score.buffer.shape[0] if self.score.buffer is not None else 0
+                self._index = BlockIndex.of(visible, self.score, layers)
             return self._index
 
     def export(self) -> dict[str, torch.Tensor]:
@@ -336,13 +434,15 @@ class MemArtPool:
                 "lengths": torch.tensor([len(b.tokens) for b in blocks], dtype=torch.int64),
                 "tokens": torch.tensor([t for b in blocks for t in b.tokens], dtype=torch.int64),
                 "origin": torch.tensor([o for b in blocks for o in b.origin], dtype=torch.int64),
+                "positions": torch.cat([b.positions for b in blocks]),
                 "keys": torch.cat([b.keys for b in blocks], 1), "values": torch.cat([b.values for b in blocks], 1),
                 **book,
             }  # fmt: skip
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take the state `export` gave (into an empty pool); the boxes are recomputed from the keys.
-        A file written before blocks kept per-token origins has a turn and offset per block."""
+        """Take the state `export` gave (into an empty pool); the index is computed from the keys.
+        Files of earlier formats: without per-token origins, a turn and offset per block; without
+        positions, keys stored position-free in float32 (the same keys at position 0)."""
         with self.lock:
             self.turns, self.clock, self.next_id, self.evicted, self.merged = (int(x) for x in tensors["meta"])
             self.path = tensors["path"].tolist()
@@ -357,12 +457,15 @@ class MemArtPool:
                 origin = [(turn, offset + j) for turn, offset, n in
                           zip(tensors["turn"].tolist(), tensors["offset"].tolist(), lengths) for j in range(n)]  # fmt: skip
             covers = tensors["covers"].tolist() if "covers" in tensors else lengths
+            keys = keys.to(values.dtype)
+            positions = tensors["positions"].to(torch.int32) if "positions" in tensors else torch.zeros(len(tokens), dtype=torch.int32)
+            first = self.score.append(self.free_keys(keys, positions))
             start = 0
             for i, n in enumerate(lengths):
-                k = keys[:, start : start + n].clone()
-                self._add(Block(int(tensors["ids"][i]), tokens[start : start + n], k, values[:, start : start + n].clone(),
-                                k.amin(dim=1), k.amax(dim=1), origin[start : start + n], float(tensors["made"][i]),
-                                int(tensors["used"][i]), covers[i]))  # fmt: skip
+                self._add(Block(int(tensors["ids"][i]), tokens[start : start + n], keys[:, start : start + n].clone(),
+                                values[:, start : start + n].clone(), positions[start : start + n].clone(),
+                                origin[start : start + n], float(tensors["made"][i]), int(tensors["used"][i]), covers[i],
+                                first + start))  # fmt: skip
                 start += n
             self._evict(lambda: len(self.blocks) > self.capacity)
 

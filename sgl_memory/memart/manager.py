@@ -177,7 +177,8 @@ class MemArtManager(mechanism.Mechanism):
     def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
         # grouping off: no entry reaches the threshold, so each is a group of its own and never static
         book = lambda: EntryBook(self.config.group_threshold if self.config.groups else ALONE, self.config.static_after)  # noqa: E731
-        make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size, book=book())) if create else None
+        make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size, rope=self.rope,
+                                   score_layers=self.layers, book=book())) if create else None  # fmt: skip
         pool = self.tree.sessions.get(owner, self.name, make)
         if pool is not None:
             pool.line_ends = self.line_ends
@@ -273,13 +274,13 @@ class MemArtManager(mechanism.Mechanism):
         state.probe_tokens = probe.prefilled
         if memory is None:
             return  # nothing remembered yet
-        memory.ingest(self._unrotate, self.config.block_size)  # turns the worker has not added yet
-        index = memory.index(self.layers, self.config.block_size)
+        memory.ingest(self.config.block_size)  # turns the worker has not added yet
+        index = memory.index()
         ids = index.ids
         if not ids:
             return
         q = probe.queries()
-        scores = score_blocks(q, index.keys, index.lo, index.hi, query.scoring or self.config.scoring,
+        scores = score_blocks(q, index, query.scoring or self.config.scoring,
                               query.norm or self.config.norm, query.agg or self.config.agg, self.config.rr_constant)  # fmt: skip
         limit = getattr(scheduler, "max_req_input_len", None)
         budgets = [limit - len(req.origin_input_ids)] if limit else []
@@ -396,7 +397,7 @@ class MemArtManager(mechanism.Mechanism):
                 self._record(req, state, memory)
             # added here, not by the worker: the entries API answers with its entries in the pool,
             # and an entry is a line of text, cheap to unrotate
-            memory.ingest(self._unrotate, self.config.block_size)
+            memory.ingest(self.config.block_size)
             self._bound_pools(memory)
             metrics.attach(req, self._book_metrics(memory, req))
             return
@@ -450,7 +451,7 @@ class MemArtManager(mechanism.Mechanism):
         memory = self.session(key, create=False)
         if memory is None:
             return {}
-        memory.ingest(self._unrotate, self.config.block_size)  # turns still queued belong to it
+        memory.ingest(self.config.block_size)  # turns still queued belong to it
         return memory.export()
 
     def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
@@ -459,11 +460,8 @@ class MemArtManager(mechanism.Mechanism):
             memory.load(tensors)
             self._bound_pools(memory)
 
-    def _unrotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return unrotate(keys, positions, self.rope)
-
     def _work(self, memory: MemArtPool) -> None:
-        memory.ingest(self._unrotate, self.config.block_size)
+        memory.ingest(self.config.block_size)
         self._bound_pools(memory)
 
     def _bound_pools(self, current: MemArtPool) -> None:
@@ -557,22 +555,11 @@ def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, to
     return text or turn or list(range(len(ids)))
 
 
-def rotate_layers(keys: torch.Tensor, delta: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Keys [L, n, Hkv, D] of every layer rotated by delta [n] positions (float64 math)."""
-    L, n, h, d = keys.shape
-    flat = keys.permute(1, 0, 2, 3).reshape(n, L * h, d)
-    return rope.rotate(flat, delta).reshape(n, L, h, d).permute(1, 0, 2, 3)
-
-
-def unrotate(keys: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Post-RoPE keys [L, n, Hkv, D] at these positions -> position-free float32 keys."""
-    return rotate_layers(keys.float(), -positions, rope).contiguous()
-
-
 def assemble(blocks: list[Block], rope: Rope, at: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks in the given order at contiguous positions at..at+M-1: keys re-rotated to their new
-    positions (pool dtype), values as stored; [L, M, Hkv, D] each."""
+    """Blocks in the given order at contiguous positions at..at+M-1: keys rotated from where they
+    were computed to their new positions (float64 math, one rounding into the pool's dtype; a key
+    placed where it was computed is the cached key bit for bit), values as stored; [L, M, Hkv, D] each."""
     keys = torch.cat([b.keys for b in blocks], dim=1)
     values = torch.cat([b.values for b in blocks], dim=1)
-    rotated = rotate_layers(keys, torch.arange(at, at + keys.shape[1]), rope)
-    return rotated.to(values.dtype).contiguous(), values
+    moved = torch.arange(at, at + keys.shape[1]) - torch.cat([b.positions for b in blocks]).long()
+    return rope.rotate_layers(keys, moved), values
