@@ -124,9 +124,21 @@ def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple
     return last["text"], ttft, last["meta_info"]
 
 
-def pool_bytes(server) -> float:
-    samples = server.prometheus("sgl_memory_memory_pool_bytes")
-    return sum(samples.values())
+def pool_gauge(server, name: str) -> float:
+    return sum(server.prometheus(f"sgl_memory_memory_pool_{name}").values())
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """What the server's KV pool holds per token: keys and values of every layer and KV head, in
+    the dtype the launcher picks on this machine."""
+    from transformers import AutoConfig
+
+    from sgl_memory import cpu_dtype
+
+    cfg = AutoConfig.from_pretrained(models.model_dir(model))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}[cpu_dtype.choose().dtype]
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * size
 
 
 def run_method(method: str, turns: list[dict], tokenizer, args, work: Path) -> list[dict]:
@@ -167,7 +179,8 @@ def run_method(method: str, turns: list[dict], tokenizer, args, work: Path) -> l
                    "live_kv_tokens": ours.get("live_kv_tokens", meta["prompt_tokens"] + meta["completion_tokens"]),
                    "retrieved_blocks": ours.get("retrieved_blocks"), "restored_tokens": ours.get("restored_tokens")}  # fmt: skip
             row["prefill_tokens"] = row["prompt_tokens"] - row["cached_tokens"] + row["probe_tokens"]
-            row["pool_bytes"] = pool_bytes(server) if method != "plain" else 0
+            row["pool_bytes"] = pool_gauge(server, "bytes") if method != "plain" else 0
+            row["pool_tokens"] = pool_gauge(server, "tokens") if method != "plain" else 0
             if turn["question"]:
                 row["f1"] = token_f1(text, turn["answer"])
                 held = set(ours.get("retrieved_turns") or []) if method not in ("plain", "intent") else set(turn["evidence"])
@@ -179,8 +192,10 @@ def run_method(method: str, turns: list[dict], tokenizer, args, work: Path) -> l
     return rows
 
 
-def summary(rows: list[dict], turns: int) -> dict:
+def summary(rows: list[dict], turns: int, kv_per_token: int) -> dict:
     done = [r for r in rows if not r.get("overflow")]
+    last = done[-1] if done else {}
+    per_token = last["pool_bytes"] / last["pool_tokens"] if last.get("pool_tokens") else None
     late = [r for r in done if r["turn"] >= turns // 2]
     qs = [r["f1"] for r in done if "f1" in r]
     recall = [r["evidence_recall"] for r in done if "evidence_recall" in r]
@@ -192,7 +207,10 @@ def summary(rows: list[dict], turns: int) -> dict:
         "ttft_s_second_half": mean([r["ttft_s"] for r in late]),
         "prefill_tokens_second_half": mean([r["prefill_tokens"] for r in late]),
         "live_kv_tokens_last": done[-1]["live_kv_tokens"] if done else None,
-        "pool_bytes_last": done[-1]["pool_bytes"] if done else None,
+        "pool_bytes_last": last.get("pool_bytes"),
+        "pool_tokens_last": last.get("pool_tokens"),
+        # the memory pool's host bytes per stored token over the KV pool's bytes per token
+        "pool_bytes_per_token_vs_kv_pool": per_token / kv_per_token if per_token else None,
     }  # fmt: skip
 
 
@@ -244,15 +262,20 @@ def main() -> None:
         for method in args.methods:
             rows += run_method(method, turns, tokenizer, args, Path(tmp))
     out = RESULTS / "long_session.json"
+    previous = {}
     if args.update and out.exists():  # keep the other methods' rows of an earlier run with the same session
         earlier = json.loads(out.read_text())
         if earlier["turns"] != len(turns) or earlier["model"] != args.model:
             raise SystemExit(f"--update: {out} holds another session ({earlier['turns']} turns of {earlier['model']})")
         rows = sorted([r for r in earlier["rows"] if r["method"] not in args.methods] + rows, key=lambda r: METHODS.index(r["method"]))
+        # what the re-run methods measured before, side by side with what they measure now
+        previous = {m: earlier["summary"][m] for m in args.methods if m in earlier["summary"]}
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    per_token = kv_bytes_per_token(args.model)
     result = {"model": args.model, "turns": len(turns), "questions": sum(t["question"] for t in turns),
-              "args": vars(args), "summary": {m: summary([r for r in rows if r["method"] == m], len(turns)) for m in methods},
-              "rows": rows}  # fmt: skip
+              "args": vars(args), "kv_pool_bytes_per_token": per_token,
+              "summary": {m: summary([r for r in rows if r["method"] == m], len(turns), per_token) for m in methods},
+              "previous": previous, "rows": rows}  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
     write_json(out, result)
     plot(rows, RESULTS / "long_session.png")

@@ -44,3 +44,14 @@ def admit_hook(scheduler, req, *args, **kwargs):
     if getattr(tree, "mechanisms", None):
         tree.admit(scheduler, req, spec)
     return None
+
+
+def dropped_hook(result, scheduler, req, *args, **kwargs):
+    """AFTER hook on Scheduler._release_aborted_request (patches/hooks.yaml). A request aborted
+    before it held a KV row (a client that went away while it waited in the queue) never reaches
+    the tree's release: the per-request state its admission made is dropped here. One that holds a
+    row is released by the tree as any other, right after."""
+    tree = scheduler.tree_cache
+    if getattr(req, "sgl_admitted", False) and not req.kv.holds_kv and getattr(tree, "mechanisms", None):
+        tree.on_drop(req)
+    return None

@@ -72,6 +72,11 @@ class Mechanism(ABC):
         """After the tree released the request (scheduler thread): attach its metrics, copy out what
         it keeps (tree_fill.copy_path) and queue the rest of the work for its worker."""
 
+    def on_drop(self, req) -> None:
+        """The request was aborted before it held a KV row (in the waiting queue, or refused by
+        SGLang after admission): the tree never releases it, so `on_release` does not run. Drop
+        the per-request state `admit` kept outside the req."""
+
     def export_session(self, key) -> dict[str, torch.Tensor]:
         """What this mechanism holds for the session (tenant, id) that a later server needs to
         continue it, as named host tensors (session persistence stores them next to the session's

@@ -57,6 +57,7 @@ class _Metrics:
         self.retrieval = Histogram(PREFIX + "retrieval_seconds", "Memory retrieval time", buckets=SECONDS)
         self.pool_bytes = Gauge(PREFIX + "memory_pool_bytes", "Host memory of the KV memory pools", multiprocess_mode="livesum")
         self.pool_blocks = Gauge(PREFIX + "memory_pool_blocks", "Blocks in the KV memory pools", multiprocess_mode="livesum")
+        self.pool_tokens = Gauge(PREFIX + "memory_pool_tokens", "Tokens stored in the KV memory pools", multiprocess_mode="livesum")
         self.store_bytes = Gauge(PREFIX + "store_bytes", "Session files on disk", multiprocess_mode="livesum")
         self.warm_bytes = Gauge(PREFIX + "store_warm_bytes", "Stored-form session KV in host memory", multiprocess_mode="livesum")
 
@@ -124,10 +125,11 @@ def write_error() -> None:
         m.write_errors.inc()
 
 
-def memory_pool(nbytes: int, blocks: int) -> None:
+def memory_pool(nbytes: int, blocks: int, tokens: int) -> None:
     if (m := _metrics()) is not None:
         m.pool_bytes.set(nbytes)
         m.pool_blocks.set(blocks)
+        m.pool_tokens.set(tokens)
 
 
 def store(disk_bytes: int, warm_bytes: int) -> None:

@@ -228,6 +228,10 @@ class SglMemoryRadixCache(RadixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][start : len(tree)].to(tree.device)
         return bool(((tree[start:] == self.sentinel) != (row == self.sentinel)).any())
 
+    def on_drop(self, req) -> None:
+        for m in self.mechanisms:
+            m.on_drop(req)
+
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         for m in self.mechanisms:

@@ -11,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_memory"
 GROUND = {"config", "request", "metrics", "spans", "capture", "runtime", "mechanism", "sessions", "worker", "tree_fill", "rope",
-          "prometheus", "kernels", "reuse", "compact", "__init__"}  # fmt: skip
+          "prometheus", "kernels", "reuse", "compact", "allocator", "__init__"}  # fmt: skip
 MECHANISMS = {"intent", "persist", "memart", "keep"}
 
 

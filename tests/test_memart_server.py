@@ -123,7 +123,7 @@ def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, sta
     deadline = time.monotonic() + 10  # the gauges are set by the memory worker once a turn is in its pool
     while (after := mem_server.prometheus())[("sgl_memory_memory_pool_blocks", ())] != blocks and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert after[("sgl_memory_memory_pool_blocks", ())] == blocks
+    assert after[("sgl_memory_memory_pool_blocks", ())] == blocks and after[("sgl_memory_memory_pool_tokens", ())] == tokens
     value_bytes = {"bfloat16": 2, "float32": 4}[SERVER_DTYPE]
     kv_bytes, index_bytes = tokens * (2 * per_value * value_bytes + 4), tokens * scored * value_bytes
     assert kv_bytes + index_bytes <= after[("sgl_memory_memory_pool_bytes", ())] <= kv_bytes + 1.125 * index_bytes

@@ -355,3 +355,35 @@ def test_all_mechanisms_together_conserve_slots_and_read_their_own_kv(seed, tmp_
     sim.tree.evict(EvictParams(num_tokens=POOL))
     sim.check()
     assert sim.alloc.available_size() == POOL - 1
+
+
+def test_a_request_aborted_while_queued_leaves_no_state_behind(tmp_path):
+    """SGLang releases a request aborted in its waiting queue through
+    Scheduler._release_aborted_request, never through the tree, so on_release does not run for it.
+    What admission kept for it (intent's query capture, a memory probe) must go with it (the
+    dropped hook); a request that holds a KV row is left to the tree's release."""
+    from types import SimpleNamespace
+
+    from sgl_memory import admission
+
+    sim = AllSim(0, tmp_path)
+    scheduler = SimpleNamespace(tree_cache=sim.tree)
+    held = lambda: (len(sim.memory.probing), len(sim.pruner.captures))  # noqa: E731
+    queued = []
+    for i in range(6):
+        tokens, base = sim.prompt()
+        field = {"session_id": f"s{base}"}
+        if i % 2:
+            field["memory"] = {"mode": "probe", "probe": f"p{i}"}
+        req = FakeReq(f"q{i}", tokens + [1] * 12, budget=2, **field)
+        sim.tree.admit(None, req, of_request(req))  # as admission.admit_hook does
+        req.sgl_admitted = True
+        queued.append(req)
+    assert held() == (3, 3)
+    running = queued.pop()
+    running.kv.req_pool_idx = 0  # it got a row: the tree releases it
+    for req in queued:
+        admission.dropped_hook(None, scheduler, req)
+    assert held() == (1, 0)
+    admission.dropped_hook(None, scheduler, running)
+    assert held() == (1, 0)

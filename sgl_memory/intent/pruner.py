@@ -394,6 +394,10 @@ class IntentPruner(mechanism.Mechanism):
 
     # --- release: metrics into meta_info -------------------------------------------------------
 
+    def on_drop(self, req) -> None:
+        self.captures.pop(req.rid, None)
+        self.position_shifts.pop(req.rid, None)
+
     def on_release(self, req) -> None:
         self.captures.pop(req.rid, None)
         self.position_shifts.pop(req.rid, None)

@@ -183,6 +183,11 @@ class KeepManager(mechanism.Mechanism):
 
     # --- release ---------------------------------------------------------------------------------
 
+    def on_drop(self, req) -> None:
+        blend = self.blends.pop(req.rid, None)
+        if blend is not None:
+            blend.close()
+
     def on_release(self, req) -> None:
         blend = self.blends.pop(req.rid, None)
         if blend is None:

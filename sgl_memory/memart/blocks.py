@@ -179,6 +179,7 @@ class MemArtPool:
     score_layers: int | None = None  # the index's layers: the first ones (None: all)
     score: ScoreKeys = field(default_factory=ScoreKeys)
     held: int = 0  # host memory of its blocks (the index's is score.nbytes())
+    tokens: int = 0  # tokens its blocks hold
     counts: Counter = field(default_factory=Counter)  # token id -> occurrences in its blocks (for merging)
     inbox: deque = field(default_factory=deque)  # submitted turns not added yet, oldest first
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards blocks, inbox, counters
@@ -337,6 +338,7 @@ class MemArtPool:
             self._forget(self.blocks[block.id])
         self.blocks[block.id] = block
         self.held += block.nbytes()
+        self.tokens += len(block.tokens)
         self.counts.update(block.tokens)
         self._index = None
 
@@ -349,6 +351,7 @@ class MemArtPool:
 
     def _forget(self, block: Block) -> None:
         self.held -= block.nbytes()
+        self.tokens -= len(block.tokens)
         self.counts.subtract(block.tokens)
         self.score.dead += len(block.tokens)
 

@@ -33,7 +33,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_memory import capture, mechanism, metrics, prometheus, tree_fill
+from sgl_memory import allocator, capture, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.capture import ExtendRows
 from sgl_memory.config import REPAIRS, MemArtConfig
 from sgl_memory.memart.blocks import Block, MemArtPool
@@ -149,6 +149,7 @@ class MemArtManager(mechanism.Mechanism):
             raise ValueError("KV memory needs the scheduler's build context (the model's RoPE)")
         manager = cls(config, tree, Rope.from_hf_config(ctx.model_config.hf_config))
         capture.subscribe(cls.name, manager)
+        allocator.fix_mmap_threshold()  # blocks and pools come and go: their memory must go back
         logger.info("KV memory: blocks of %d tokens, top_k %d, %s-%s", config.block_size, config.top_k, config.norm, config.agg)
         return manager
 
@@ -382,6 +383,9 @@ class MemArtManager(mechanism.Mechanism):
         state.prompt_kv, state.prompt_kv_start = tree_fill.copy_slots(tree, slots), start
         return None
 
+    def on_drop(self, req) -> None:
+        self.probing.pop(req.rid, None)
+
     def on_release(self, req) -> None:
         state: TurnState | None = getattr(req, "sgl_memart", None)
         if state is None:
@@ -479,7 +483,7 @@ class MemArtManager(mechanism.Mechanism):
         if total > self.config.pool_bytes:
             current.trim(max(0, current.bytes - (total - self.config.pool_bytes)))
         pools = [pool for _, pool in self.tree.sessions.slots(self.name)]
-        prometheus.memory_pool(sum(m.bytes for m in pools), sum(len(m.blocks) for m in pools))
+        prometheus.memory_pool(sum(m.bytes for m in pools), sum(len(m.blocks) for m in pools), sum(m.tokens for m in pools))
 
 
 HEADER_SCOPES = {"none": (), "turn": ("turn",), "line": ("line",), "turn_line": ("turn", "line")}
