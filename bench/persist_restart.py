@@ -44,9 +44,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from common import RESULTS, bootstrap, ok, write_json
+from locomo import data
 from sgl_memory import cpu_dtype, harness, models
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo_dev7.json"
 SYSTEM = "You are a helpful assistant that remembers the whole conversation."
 FIRST = "Summarise what we talked about in one sentence."
 # the second turn, asked after the restart: each is a request of its own over the same history, so
@@ -369,7 +369,7 @@ def main() -> None:
 
     path = models.model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    conversations = json.loads(DATA.read_text())
+    conversations = data.load()
     # one LoCoMo conversation is about 15k tokens: the next one continues the 16k session
     turns = dialogue(conversations[args.conversation]) + dialogue(conversations[args.conversation + 1])
     sessions, answers = {}, {}

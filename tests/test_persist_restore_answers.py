@@ -11,7 +11,6 @@ not hide the rest)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -64,7 +63,7 @@ def test_a_session_restored_in_the_default_format_answers_as_it_would_have_witho
 
     model = models.DEFAULT_MODEL
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(model))
-    messages = bench.session_of_length(tokenizer, bench.dialogue(json.loads(bench.DATA.read_text())[0]), LENGTH)
+    messages = bench.session_of_length(tokenizer, bench.dialogue(bench.data.load()[0]), LENGTH)
     messages.append({"role": "user", "content": bench.FIRST})
     config = tmp_path / "persist.yaml"
     config.write_text(f"persist:\n  enabled: true\n  dir: {tmp_path / 'store'}\n")  # quant: the default
