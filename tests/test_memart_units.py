@@ -86,7 +86,7 @@ def flat_index(keys, lengths, order=None):
         parts.append(keys[:, n, : lengths[n]])
         rows[n] = [at + min(s, lengths[n] - 1) for s in range(max(lengths))]
         at += lengths[n]
-    return BlockIndex(keys.shape[0], list(range(keys.shape[1])), torch.cat(parts, 1),
+    return BlockIndex(list(range(keys.shape[1])), torch.cat(parts, 1),
                       torch.tensor([rows[n] for n in range(keys.shape[1])]))  # fmt: skip
 
 
@@ -119,7 +119,7 @@ from sgl_memory.memart.retrieval import score_blocks
 torch.set_num_threads(1)
 L, T, H, Hkv, D, N, S = 12, 1024, 14, 2, 64, 1024, 16  # the default model's scoring layers, a 1k-token turn
 q, keys = torch.randn(L, T, H, D), torch.randn(L, N * S, Hkv, D, dtype=torch.bfloat16)
-index = BlockIndex(L, list(range(N)), keys, torch.arange(N * S).view(N, S))
+index = BlockIndex(list(range(N)), keys, torch.arange(N * S).view(N, S))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 score_blocks(q, index, sys.argv[1], "softmax", "max")
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)

@@ -399,8 +399,7 @@ class IntentPruner(mechanism.Mechanism):
         self.position_shifts.pop(req.rid, None)
 
     def on_release(self, req) -> None:
-        self.captures.pop(req.rid, None)
-        self.position_shifts.pop(req.rid, None)
+        self.on_drop(req)
         state: RequestIntent | None = getattr(req, "sgl_intent", None)
         if state is None:
             return

@@ -108,21 +108,20 @@ class BlockIndex:
     [layers, rows, Hkv, D] and each block's rows [N, S] (S its longest block; a short block repeats
     its last row, which changes neither its box nor its best key)."""
 
-    layers: int
     ids: list[int]
     keys: torch.Tensor
     rows: torch.Tensor
     _boxes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def of(cls, blocks: list[Block], score: ScoreKeys, layers: int) -> BlockIndex:
+    def of(cls, blocks: list[Block], score: ScoreKeys) -> BlockIndex:
         if not blocks:
-            return cls(layers, [], torch.zeros(layers, 0, 1, 1), torch.zeros(0, 1, dtype=torch.int64))
+            return cls([], torch.zeros(0, 0, 1, 1), torch.zeros(0, 1, dtype=torch.int64))
         starts = torch.tensor([b.row for b in blocks], dtype=torch.int64)
         lengths = torch.tensor([len(b.tokens) for b in blocks], dtype=torch.int64)
         steps = torch.arange(int(lengths.max()))
         rows = starts[:, None] + torch.minimum(steps[None], lengths[:, None] - 1)
-        return cls(layers, [b.id for b in blocks], score.buffer, rows)
+        return cls([b.id for b in blocks], score.buffer, rows)
 
     def block_keys(self, n0: int = 0, n1: int | None = None) -> torch.Tensor:
         """The keys of blocks n0..n1, padded: [layers, n, S, Hkv, D]."""
@@ -227,7 +226,7 @@ class MemArtPool:
             return self.rope.rotate_layers(keys, -positions)
         if positions.any():
             raise ValueError("a pool without the model's RoPE takes position-free keys only")
-        return keys.clone()
+        return keys  # a view: append() and merges copy it
 
     def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int,
                  tag: tuple | None = None, positions: torch.Tensor | None = None) -> None:
@@ -416,8 +415,7 @@ class MemArtPool:
             if self._index is None:
                 hidden = self.book.hidden_turns()
                 visible = [b for b in self.blocks.values() if hidden.isdisjoint(b.turns())] if hidden else list(self.blocks.values())
-                layers = self.score.buffer.shape[0] if self.score.buffer is not None else 0
-                self._index = BlockIndex.of(visible, self.score, layers)
+                self._index = BlockIndex.of(visible, self.score)
             return self._index
 
     def export(self) -> dict[str, torch.Tensor]:
