@@ -39,13 +39,13 @@ from sgl_memory import harness, models
 from .common import RESULTS, ok, write_json
 from .locomo.run import generate
 
-# method -> the request's memory object (None: no memory, the observation alone)
+# method -> the request's memory object and keep object (None: no memory, the observation alone)
 METHODS = {
-    "none": {"recompute": "none"},
-    "full": {"recompute": "full"},
-    "cacheblend": {"recompute": "cacheblend"},
-    "keep": {"recompute": "keep"},
-    "keep_one_hop": {"recompute": "keep", "hops": 1},
+    "none": ({"recompute": "none"}, {}),
+    "full": ({"recompute": "full"}, {}),
+    "cacheblend": ({"recompute": "cacheblend"}, {}),
+    "keep": ({"recompute": "keep"}, {}),
+    "keep_one_hop": ({"recompute": "keep"}, {"hops": 1}),
     "no_memory": None,
 }
 SWEEP = ("none", "full", "cacheblend", "keep")
@@ -154,13 +154,13 @@ def write(server, session: str, entries: dict[str, str]) -> dict:
     return ok(requests.post(server.url + "/sgl_memory/memory/write", json=body, timeout=600), "memory write").json()
 
 
-def ask(server, ids: list[int], session: str, memory: dict | None, top_k: int, ratio: float) -> dict:
+def ask(server, ids: list[int], session: str, method: tuple[dict, dict] | None, top_k: int, ratio: float) -> dict:
     field = None
-    if memory is not None:
-        memory = {"mode": "retrieve", "top_k": top_k, "store": False, **memory}
+    if method is not None:
+        memory, keep = method
+        field = {"session_id": session, "memory": {"mode": "retrieve", "top_k": top_k, "store": False, **memory}}
         if memory["recompute"] in ("keep", "cacheblend"):
-            memory["recompute_ratio"] = ratio
-        field = {"session_id": session, "memory": memory}
+            field["keep"] = {"ratio": ratio, **keep}
     text, meta, _ = generate(server, ids, 10, field)
     m = meta.get("sgl_memory") or {}
     segments = (m.get("retrieved_entries") or 0) + (m.get("retrieved_static_groups") or 0)
@@ -196,8 +196,8 @@ def play(server, tokenizer, gamefile: str, methods: dict, args, bar, sweep: bool
         user = f"{text}\n\nValid commands: {', '.join(state['admissible_commands'])}\n\nWhat is the best next command?"
         ids = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
                                             add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
-        for name, memory in methods.items():
-            out = ask(server, ids, session, memory, args.top_k, args.ratio)
+        for name, method in methods.items():
+            out = ask(server, ids, session, method, args.top_k, args.ratio)
             command = choose_command(out.pop("answer"), state["admissible_commands"])
             steps.append({"method": name, "step": step, "target": target, "command": command, "correct": command == target,
                           "memory_entries": len(written), "static_groups": book["static_groups"], **out})  # fmt: skip

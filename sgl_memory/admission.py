@@ -6,15 +6,24 @@ client may send an `extra_key` of its own, so before anything is appended the cl
 escaped to a string without NUL (`client_namespace`): no client value can then spell one of ours,
 and the tenant namespace comes from `sgl_memory.tenant` alone. The field is parsed once, here (a
 bad one is a 400), and the tree admits the request through each of its mechanisms with the parsed
-spec, in the order `mechanism.ORDER` gives (the order in which they rewrite the prompt)."""
+spec, by rank (the order in which they rewrite the prompt)."""
 
 from __future__ import annotations
+
+import functools
 
 from sgl_memory import prometheus
 from sgl_memory.config import MemoryConfig
 from sgl_memory.request import SpecError, check_served, of_request
+from sgl_memory.slots import Slot
 
-OFF = MemoryConfig()  # what a server runs when its tree is not ours (or is disabled): no mechanism
+ADMITTED: Slot[bool] = Slot("admitted")  # a request this hook saw (a retracted one comes back through it)
+
+
+@functools.cache
+def _off() -> MemoryConfig:
+    """What a server runs when its tree is not ours (or is disabled): no mechanism."""
+    return MemoryConfig()
 
 
 def client_namespace(extra_key: str | None) -> str | None:
@@ -27,16 +36,16 @@ def client_namespace(extra_key: str | None) -> str | None:
 
 def admit_hook(scheduler, req, *args, **kwargs):
     """BEFORE hook on Scheduler._add_request_to_queue (patches/hooks.yaml)."""
-    if args[:1] == (True,) or kwargs.get("is_retracted") or req.finished() or getattr(req, "sgl_admitted", False):
+    if args[:1] == (True,) or kwargs.get("is_retracted") or req.finished() or req in ADMITTED:
         return None  # admitted once already (a retracted request comes back through here)
-    req.sgl_admitted = True
+    ADMITTED.set(req, True)
     req.extra_key = client_namespace(req.extra_key)
     tree = scheduler.tree_cache
     try:
         spec = of_request(req)
-        check_served(spec, OFF if getattr(tree, "disable", True) else getattr(tree, "memory_config", OFF))
+        check_served(spec, _off() if getattr(tree, "disable", True) else getattr(tree, "memory_config", None) or _off())
     except SpecError as exc:
-        prometheus.bad_request("field")
+        prometheus.BAD_REQUESTS.labels("field").inc()
         req.set_finish_with_abort(str(exc))
         return None
     if spec.tenant is not None:
@@ -52,6 +61,6 @@ def dropped_hook(result, scheduler, req, *args, **kwargs):
     the tree's release: the per-request state its admission made is dropped here. One that holds a
     row is released by the tree as any other, right after."""
     tree = scheduler.tree_cache
-    if getattr(req, "sgl_admitted", False) and not req.kv.holds_kv and getattr(tree, "mechanisms", None):
+    if req in ADMITTED and not req.kv.holds_kv and getattr(tree, "mechanisms", None):
         tree.on_drop(req)
     return None

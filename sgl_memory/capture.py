@@ -20,6 +20,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from sgl_memory.slots import Slot
+
 
 class ExtendRows(NamedTuple):
     rid: str
@@ -58,6 +60,10 @@ class Subscriber(Protocol):
 
 
 _SUBSCRIBERS: dict[str, Subscriber] = {}
+# per forward batch: the row layout compact.py made (the rows the layers compute, once rows are
+# dropped), and each subscriber's binding of the rows, made once per layout version
+ROW_LAYOUT: Slot = Slot("row layout")
+BOUND: Slot[tuple[int, list]] = Slot("capture bindings")
 
 
 def subscribe(name: str, subscriber: Subscriber) -> None:
@@ -69,14 +75,14 @@ def forward_hook(layer, q, k, v, forward_batch, *args, **kwargs):
     """BEFORE hook on RadixAttention.forward: each subscriber's rows of an extend forward."""
     if not forward_batch.rids or forward_batch.forward_mode.is_decode():
         return None  # decode steps, every layer of every token: nothing to capture
-    layout = getattr(forward_batch, "sgl_layout", None)  # compact.py: the rows this layer computes
+    layout = ROW_LAYOUT.get(forward_batch)  # compact.py: the rows this layer computes
     version = layout.version if layout is not None else 0
-    bound = getattr(forward_batch, "sgl_capture", None)
-    if bound is None or getattr(forward_batch, "sgl_capture_version", 0) != version:  # once per forward and row layout
+    held = BOUND.get(forward_batch)
+    if held is None or held[0] != version:  # once per forward and row layout
         active = [s for s in _SUBSCRIBERS.values() if s.capturing()]
         rows = (layout.current() if layout is not None else extend_rows(forward_batch)) if active else []
-        bound = forward_batch.sgl_capture = [(s, s.bind(rows)) for s in active]
-        forward_batch.sgl_capture_version = version
+        held = BOUND.set(forward_batch, (version, [(s, s.bind(rows)) for s in active]))
+    bound = held[1]
     for subscriber, parts in bound:
         if parts:
             subscriber.take(parts, layer, q, k, v)

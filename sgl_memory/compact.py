@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 from sglang.srt.model_executor.forward_context import get_attn_backend
 
+from sgl_memory import capture
 from sgl_memory.capture import ExtendRows, extend_rows
 
 
@@ -82,7 +83,7 @@ def register(name: str, compactor: Compactor) -> None:
 
 
 def layout(forward_batch) -> RowLayout | None:
-    return getattr(forward_batch, "sgl_layout", None)
+    return capture.ROW_LAYOUT.get(forward_batch)
 
 
 def _may_drop(forward_batch) -> bool:
@@ -92,7 +93,7 @@ def _may_drop(forward_batch) -> bool:
         return False
     if getattr(forward_batch.residual_stream, "transport", None) is not None:
         return False  # rows in flight to other ranks
-    bound = getattr(forward_batch, "sgl_capture", None) or []
+    bound = (capture.BOUND.get(forward_batch) or (0, []))[1]
     return all(s in _COMPACTORS.values() for s, parts in bound if parts)
 
 
@@ -148,7 +149,7 @@ def layer_hook(original, layer, positions, hidden_states, forward_batch, *args, 
     if rows is None:
         if layer_id != 0:
             return original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
-        rows = forward_batch.sgl_layout = RowLayout(extend_rows(forward_batch))
+        rows = capture.ROW_LAYOUT.set(forward_batch, RowLayout(extend_rows(forward_batch)))
     full_loc = forward_batch.out_cache_loc
     if rows.index is not None:
         positions = positions[rows.index.to(positions.device)]

@@ -2,8 +2,8 @@
 `sgl_memory` field.
 
 The frontend's sampling arguments have no place for it, so the endpoint takes it from the program's
-own arguments named after the field's keys (`session_id`, `tenant`, the pruning fields `budget`,
-`budget_mode`, `system_prompt`, `scorer`, `layout`, and `memory`), on every call the program makes:
+own arguments named after the field's keys (`session_id`, `tenant`, `readonly` and every registered
+mechanism's: the pruning keys `budget`, `scorer`, ..., `memory`, `keep`), on every call the program makes:
 
     @sgl.function
     def ask(s, question, session_id, memory=None):
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-from sgl_memory.request import FIELD, PRUNING_FIELDS
-
-ARGUMENTS = ("session_id", "tenant", *PRUNING_FIELDS, "memory")
+from sgl_memory.request import FIELD, keys
 
 
 class MemoryEndpoint(RuntimeEndpoint):
     def _add_images(self, s, data):
         # the one method every generate, stream and select request body passes through before it is sent
         super()._add_images(s, data)
-        field = {name: s.arguments[name] for name in ARGUMENTS if s.arguments.get(name) is not None}
+        field = {name: s.arguments[name] for name in keys() if s.arguments.get(name) is not None}
         if field:
             data[FIELD] = field

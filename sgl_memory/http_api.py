@@ -19,10 +19,8 @@ import dataclasses
 import json
 from contextvars import ContextVar
 
-from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype, prometheus
-from sgl_memory.config import from_env
-from sgl_memory.config import MemoryConfig
-from sgl_memory.memart import writes
+from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype, mechanism, prometheus
+from sgl_memory.config import MemoryConfig, from_env
 from sgl_memory.request import FIELD, SpecError, check_served, encode, parse
 from sgl_memory.metrics import STATS
 
@@ -57,14 +55,15 @@ def mount(server_args, *args, **kwargs):
             "radix_cache_backend": server_args.radix_cache_backend,
             "attention_backend": server_args.attention_backend,
             "dtype": dtype,
-            "config": dataclasses.asdict(config),
+            "config": config.as_dict(),
         }
 
     @app.get("/sgl_memory/stats")
     async def sgl_memory_stats():
         return STATS.snapshot()
 
-    writes.mount(app, config)
+    for cls in mechanism.ordered():
+        cls.mount(app, config)
     app.add_middleware(MemoryFieldMiddleware, config=config)
     return None
 
@@ -111,14 +110,14 @@ class MemoryFieldMiddleware:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > MAX_BODY_BYTES:
-                prometheus.bad_request("size")
+                prometheus.BAD_REQUESTS.labels("size").inc()
                 return await _send_error(send, 413, f"request body over {MAX_BODY_BYTES} bytes")
             more = message.get("more_body", False)
         body = b"".join(chunks)
         try:
             data = json.loads(body)
         except RecursionError:
-            prometheus.bad_request("json")
+            prometheus.BAD_REQUESTS.labels("json").inc()
             return await _send_error(send, 400, "request body is JSON nested too deeply to parse")
         except ValueError:
             data = None  # SGLang answers malformed JSON itself
@@ -126,7 +125,7 @@ class MemoryFieldMiddleware:
             try:
                 body = json.dumps(move_field(path, data, self.config)).encode()
             except SpecError as exc:
-                prometheus.bad_request("field")
+                prometheus.BAD_REQUESTS.labels("field").inc()
                 return await _send_error(send, 400, str(exc))
         scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"]
                      + [(b"content-length", str(len(body)).encode())])  # fmt: skip

@@ -1,43 +1,95 @@
-"""The contract between the radix tree and a memory mechanism, and the registry of mechanisms.
+"""The contract between the server and a memory mechanism, and the registry of mechanisms.
 
-A mechanism (intent pruning, session persistence, KV memory, and the ones to come) is one package
-with one class that subclasses `Mechanism` and registers under its config section's name. The tree
-(radix_cache.py) builds the enabled ones in `ORDER` and calls them at the points of a request's life
-below; nothing else holds a mechanism's state, and no mechanism imports another.
+A mechanism (intent pruning, session persistence, KV memory, KEEP, and the ones to come) is one
+package with one class that subclasses `Mechanism` and registers under its name. The class
+declares everything the server layers need from it, so that adding a mechanism edits no shared
+file: its config section (`settings`), where it runs among the others (`rank`), the keys of the
+`sgl_memory` request field it owns (`fields`, `parse_request`, `check_request`), its per-request
+metrics (`schema`, `observe`) and its HTTP routes (`mount`). The tree (radix_cache.py) builds the
+enabled ones by rank and calls them at the points of a request's life below. Per-request state
+lives in the mechanism or in a `slots.RequestSlot` beside SGLang's request, never on it; no
+mechanism imports another.
+
+Mechanisms are found by importing their modules: `BUILTIN` lists the ones that ship with
+sgl-memory, and a config's `plugins:` names more (any importable module that registers one).
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-# The order of admission, which is the order in which mechanisms rewrite a request's tokens (every
-# mechanism's `open` runs before the first admission, so all of them see a session loaded from disk):
-# - memory first: it puts retrieved blocks before a memory-mode request's prompt, under a key of
-#   their own (persistence leaves such a request alone: the assembly is rebuilt from the pool);
-# - keep next: it repairs the blocks memory placed among the request's prefill tokens (reuse.py),
-#   and its capture subscriber writes their KV before intent's reads the layer;
-# - persist next: its text-level match may replace a full-history prompt's ids with the stored
-#   session's, and it restores their KV;
-# - intent last: it finds its forced spans and session in the final tokens.
-# Checkpoint and release run in the same order: memory copies a turn's prompt before intent prunes
-# the row (what pruning drops stays recallable), and queues the turn into the pool before
-# persistence writes the session's state.
-ORDER = ("memory", "keep", "persist", "intent")
+# The mechanisms that ship with sgl-memory: importing a module registers its mechanism.
+BUILTIN = ("sgl_memory.memart.manager", "sgl_memory.keep.manager", "sgl_memory.persist.manager", "sgl_memory.intent.pruner")
 
 REGISTRY: dict[str, type[Mechanism]] = {}
 
 
+@dataclass(frozen=True)
+class MetricsSchema:
+    """How the server aggregates a mechanism's per-request metrics (GET /sgl_memory/stats and the
+    per-mechanism request counts in Prometheus). Each name is a key of the dict the mechanism
+    attaches to its requests (metrics.attach)."""
+
+    marker: str | None = None  # present in a request's metrics when the mechanism acted on it
+    summed: tuple[str, ...] = ()  # numbers summed over requests (stats `totals` and `means`)
+    maxed: tuple[str, ...] = ()  # numbers whose largest value is kept (stats `maxima`)
+    counted: tuple[str, ...] = ()  # values from a small fixed set, counted per value (stats `counts`)
+    flagged: tuple[str, ...] = ()  # set (truthy) on a request that went wrong (stats `flags`)
+
+
 class Mechanism(ABC):
     name: ClassVar[str]
-    # other mechanism -> why the two cannot run in one server (yet); checked where the tree is built
+    # Where the mechanism's admission runs among the others (lower first): the order in which they
+    # rewrite a request's tokens. Checkpoint and release run in the same order. Each mechanism's
+    # value says why it sits there (every `open` runs before the first `admit`).
+    rank: ClassVar[int]
+    settings: ClassVar[type]  # its config section: a frozen dataclass with an `enabled` field and defaults
+    fields: ClassVar[tuple[str, ...]] = ()  # the keys of the `sgl_memory` request field it owns
+    schema: ClassVar[MetricsSchema] = MetricsSchema()
+    # other mechanism -> why the two cannot run in one server (yet); checked at start-up (radix_cache.check_config)
     conflicts: ClassVar[dict[str, str]] = {}
     needs_sentinel: ClassVar[bool] = False  # points positions of rows at the tree's sentinel slot (page size 1)
+    # the server's own passes for another mechanism (request.RequestPart.internal) are not admitted
+    # here, unless this is set: persistence keeps what such a pass changed in the session's file
+    follows_internal: ClassVar[bool] = False
     # export_session names whose tensors hold KV [layers, tokens, heads, dim]: "k" keys or "v" values,
     # which the session store may quantize like the session's own KV; the rest are stored exactly
     kv_state: ClassVar[dict[str, str]] = {}
+
+    # --- declarations: read by the config, the request parser, the HTTP layer (any process) ------
+
+    @classmethod
+    def parse_request(cls, raw: dict, internal: bool) -> Any:
+        """Its part of a request's `sgl_memory` field (`raw`, a dict already checked to hold only
+        known keys), a request.RequestPart, or None when the request sets none of `fields`.
+        `internal`: the field as the scheduler receives it (it may carry the server's own keys).
+        Raises request.SpecError naming the key for a bad value."""
+        return None
+
+    @classmethod
+    def check_request(cls, part, config) -> None:
+        """Refuse (request.SpecError) a part this server's config cannot serve, beyond the
+        mechanism being off (the parser says that). Called with a part that is not None."""
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Refuse (config.ConfigError) a config whose other sections this mechanism's section
+        needs and lacks (e.g. a repair mode whose mechanism is off)."""
+
+    @classmethod
+    def observe(cls, metrics: dict, meta_info: dict) -> None:
+        """One finished request's metrics (HTTP process): record this mechanism's Prometheus series."""
+
+    @classmethod
+    def mount(cls, app, config) -> None:
+        """Add this mechanism's HTTP routes to SGLang's FastAPI app (HTTP process)."""
+
+    # --- a request's life (scheduler process) ------------------------------------------------------
 
     @classmethod
     @abstractmethod
@@ -50,18 +102,35 @@ class Mechanism(ABC):
         """Before any mechanism admits the request (scheduler thread): bring its session into this
         server's memory. Persistence loads a session seen by an earlier server from its file and
         hands the other mechanisms their part (the tree's import_session), so that every admission,
-        whatever its place in ORDER, sees the session's state."""
+        whatever its rank, sees the session's state."""
 
     def admit(self, scheduler, req, spec) -> None:
-        """Before the request is queued (scheduler thread), after the mechanisms earlier in ORDER.
-        May rewrite `req.origin_input_ids` and `req.extra_key`, attach its per-request state to the
-        req, put KV into the tree (tree_fill.place), or abort the request with a client error."""
+        """Before the request is queued (scheduler thread), after the mechanisms of lower rank.
+        May rewrite `req.origin_input_ids` and `req.extra_key` (through `namespace`), keep its
+        per-request state, put KV into the tree (tree_fill.place), or abort the request with a
+        client error."""
 
     def match_limit(self, req) -> int | None:
         """The most of the request's first tokens the tree may give it from the cache (None: this
         mechanism sets no limit). A mechanism that reads rows as the prefill computes them (a
         scorer's query rows, a probe's) needs them prefilled by the request itself."""
         return None
+
+    def branch_ids(self, req) -> Any:
+        """Where this request's path may leave the shared tree (tree_fill.py, branches): a function
+        from the request's token ids (an int64 array) to the key id each would take at a branch of
+        its own, or None for a plain path. The tree finds the branches on the path and reports them
+        with `on_match`."""
+        return None
+
+    def on_match(self, req, branches) -> None:
+        """The branches (tree_fill.Branches) the tree matched on the request's path, for a request
+        whose `branch_ids` is not None."""
+
+    def branches(self, req):
+        """Where the request's key in the tree takes branch ids instead of its tokens
+        (tree_fill.Branches; () for a plain path): the tree inserts its row under that key."""
+        return ()
 
     def on_checkpoint(self, req, tree):
         """At the end of the request's prefill, before its row is inserted into the tree. Returns a
@@ -94,11 +163,16 @@ class Mechanism(ABC):
 
 
 def register(name: str):
-    """Class decorator: the mechanism configured by section `name` of MemoryConfig."""
-    if name not in ORDER:
-        raise ValueError(f"mechanism {name!r} has no place in mechanism.ORDER {ORDER}")
+    """Class decorator: the mechanism configured by section `name` of the config."""
 
     def wrap(cls: type[Mechanism]) -> type[Mechanism]:
+        for attr in ("rank", "settings"):
+            if not hasattr(cls, attr):
+                raise TypeError(f"mechanism {name!r} declares no {attr}")
+        taken = {f: m.name for m in REGISTRY.values() if m.name != name for f in m.fields}
+        clash = sorted(set(cls.fields) & set(taken))
+        if clash:
+            raise ValueError(f"mechanism {name!r}: request field key(s) {clash} belong to {sorted({taken[f] for f in clash})}")
         cls.name = name
         REGISTRY[name] = cls
         return cls
@@ -106,9 +180,20 @@ def register(name: str):
     return wrap
 
 
+def discover(plugins: tuple[str, ...] = ()) -> None:
+    """Import the built-in mechanisms and the `plugins` modules, which registers them."""
+    for module in BUILTIN + tuple(plugins):
+        importlib.import_module(module)
+
+
+def ordered() -> list[type[Mechanism]]:
+    """Every registered mechanism, by rank (the name breaks ties)."""
+    return sorted(REGISTRY.values(), key=lambda cls: (cls.rank, cls.name))
+
+
 def enabled(config) -> list[str]:
-    """The mechanisms a MemoryConfig switches on, in ORDER."""
-    return [name for name in ORDER if getattr(config, name).enabled]
+    """The mechanisms a config switches on, by rank."""
+    return [cls.name for cls in ordered() if config.section(cls.name).enabled]
 
 
 def conflicts(config) -> list[str]:

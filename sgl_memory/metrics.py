@@ -1,4 +1,5 @@
-"""Server-wide aggregates of the per-request `sgl_memory` metrics (GET /sgl_memory/stats).
+"""Server-wide aggregates of the per-request `sgl_memory` metrics (GET /sgl_memory/stats), as
+each registered mechanism's MetricsSchema declares them.
 
 They are collected in the HTTP process, where every finished request's meta_info passes through
 SGLang's tokenizer manager; the scheduler process only attaches metrics to its requests.
@@ -9,40 +10,42 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 
-from sgl_memory import prometheus
+from sgl_memory import mechanism, prometheus
 from sgl_memory.request import FIELD
 
 RECENT = 4096  # per-request metrics kept for the OpenAI response rewrite (by response id)
-SUMMED = ("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms",
-          "restored_tokens", "restore_ms")  # fmt: skip
 
 
 class Stats:
+    """What every registered mechanism's MetricsSchema asks for, over the requests so far."""
+
     def __init__(self):
         self._lock = threading.Lock()
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
-        self.sums = dict.fromkeys(SUMMED, 0)
-        self.peak_request_tokens_max = 0
-        self.key_sources: Counter[str] = Counter()
-        self.text_matches: Counter[str] = Counter()
-        self.persist_errors = 0
+        self.totals: Counter[str] = Counter()
+        self.maxima: dict[str, float] = {}
+        self.counts: dict[str, Counter[str]] = {}
+        self.flags: Counter[str] = Counter()
         self.recent: OrderedDict[str, dict] = OrderedDict()
 
     def record(self, rid: str | None, metrics: dict, meta_info: dict) -> None:
+        schemas = [cls.schema for cls in mechanism.ordered()]
         with self._lock:
             self.requests += 1
             self.prompt_tokens += int(meta_info.get("prompt_tokens") or 0)
             self.cached_tokens += int(meta_info.get("cached_tokens") or 0)
-            for key in SUMMED:
-                self.sums[key] += metrics.get(key) or 0
-            self.peak_request_tokens_max = max(self.peak_request_tokens_max, metrics.get("peak_request_tokens", 0))
-            if metrics.get("session_key_source"):
-                self.key_sources[metrics["session_key_source"]] += 1
-            if metrics.get("text_match"):
-                self.text_matches[metrics["text_match"]] += 1
-            self.persist_errors += bool(metrics.get("persist_error") or metrics.get("persist_refused"))
+            for schema in schemas:
+                for key in schema.summed:
+                    self.totals[key] += metrics.get(key) or 0
+                for key in schema.maxed:
+                    self.maxima[key] = max(self.maxima.get(key, 0), metrics.get(key) or 0)
+                for key in schema.counted:
+                    if metrics.get(key):
+                        self.counts.setdefault(key, Counter())[metrics[key]] += 1
+                for key in schema.flagged:
+                    self.flags[key] += bool(metrics.get(key))
             if rid is not None:
                 self.recent[rid] = metrics
                 while len(self.recent) > RECENT:
@@ -53,20 +56,20 @@ class Stats:
             return self.recent.get(rid)
 
     def snapshot(self) -> dict:
+        keys = [cls.schema for cls in mechanism.ordered()]
         with self._lock:
             n = max(self.requests, 1)
+            totals = {key: self.totals[key] for schema in keys for key in schema.summed}
             return {
                 "requests": self.requests,
                 "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
                 "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens,
-                "totals": dict(self.sums),
-                "mean_peak_request_tokens": self.sums["peak_request_tokens"] / n,
-                "max_peak_request_tokens": self.peak_request_tokens_max,
-                "mean_live_kv_tokens": self.sums["live_kv_tokens"] / n,
-                "session_key_sources": dict(self.key_sources),
-                "text_matches": dict(self.text_matches),
-                "persist_errors": self.persist_errors,
+                "totals": totals,
+                "means": {key: total / n for key, total in totals.items()},
+                "maxima": {key: self.maxima.get(key, 0) for schema in keys for key in schema.maxed},
+                "counts": {key: dict(self.counts.get(key, {})) for schema in keys for key in schema.counted},
+                "flags": {key: self.flags[key] for schema in keys for key in schema.flagged},
             }
 
 

@@ -13,16 +13,17 @@ it to that). With intent pruning on, the tree also owns the dead-slot substrate 
 - the compression event runs in `checkpoint` at the end of a request's prefill, before its row is
   inserted, so the tree stores the pruned row and the next turn reuses it.
 
-The memory mechanisms (sgl_memory/mechanism.py: intent pruning, session persistence, KV memory)
-are built by the tree from the config, in `mechanism.ORDER`, and the tree is their only owner: it
-admits a request through each (admission.py calls `admit`), gives each its checkpoint and its
-release, and drains their workers before flush_cache empties it.
+The memory mechanisms (sgl_memory/mechanism.py) are built by the tree from the config, by rank,
+and the tree is their only owner: it admits a request through each (admission.py calls `admit`),
+gives each its checkpoint and its release, and drains their workers before flush_cache empties
+it. It knows none of them by name: a mechanism whose paths must not be shared says so through
+`branch_ids` (tree_fill.py, branches), one whose request reads its own prefill through
+`match_limit`, and one that edits a request's row through `on_checkpoint`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 
 import torch
@@ -31,16 +32,17 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_memory import mechanism, prometheus, runtime
 from sgl_memory.config import ConfigError, MemoryConfig, from_env
-from sgl_memory.intent.paths import find_branches
 from sgl_memory.mechanism import Mechanism
 from sgl_memory.sessions import SessionRegistry
-from sgl_memory.tree_fill import Branches, with_branches
-
-# Importing a mechanism's module registers it (mechanism.register); the tree is the one layer that
-# knows them all.
-MECHANISM_MODULES = ("sgl_memory.memart.manager", "sgl_memory.keep.manager", "sgl_memory.persist.manager", "sgl_memory.intent.pruner")
+from sgl_memory.slots import Slot
+from sgl_memory.tree_fill import Branches, find_branches, with_branches
 
 logger = logging.getLogger(__name__)
+
+# per tree node: its value's sentinel entries (counted once per value), and whether the node is in
+# the dead-entry accounting (an insert creates at most one node, its last one; splits re-divide it)
+DEAD: Slot[tuple[torch.Tensor, int]] = Slot("dead entries")
+COUNTED: Slot[bool] = Slot("counted")
 
 BACKEND_NAME = "sgl_memory"
 
@@ -125,7 +127,7 @@ class SglMemoryRadixCache(RadixCache):
                 self._allocator = self.token_to_kv_pool_allocator
                 self.token_to_kv_pool_allocator = SentinelSafeAllocator(self._allocator, self)
                 self._take_sentinel()
-            self.mechanisms.append(cls.build(getattr(self.memory_config, name), self, ctx))
+            self.mechanisms.append(cls.build(self.memory_config.section(name), self, ctx))
         runtime.bind(self)
 
     def mechanism(self, name: str) -> Mechanism | None:
@@ -163,21 +165,21 @@ class SglMemoryRadixCache(RadixCache):
             limit = min(limits) if key.limit is None else min(key.limit, *limits)
             key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit, cache_salt=key.cache_salt)
             params = dataclasses.replace(params, key=key)
-        state = getattr(params.req, "sgl_intent", None) if self._allocator is not None else None
-        if state is None or not state.enabled or self.disable:
-            return super().match_prefix(params)
-        # A pruning request matches its session's pruned path, every branch of it (intent/paths.py)
-        branches = find_branches(self.root_node, key, state.namespace)
-        key.token_ids = with_branches(key.token_ids, branches)
-        result = super().match_prefix(dataclasses.replace(params, key=key))
-        state.branches = tuple(b for b in branches if b[0] < result.device_prefix_len)
-        return result
+        for m in self.mechanisms if params.req is not None and not self.disable else ():
+            ids_of = m.branch_ids(params.req)
+            if ids_of is not None:
+                # the request matches its own branches of the path (tree_fill.py), every one of them
+                branches = find_branches(self.root_node, key, ids_of)
+                key.token_ids = with_branches(key.token_ids, branches)
+                result = super().match_prefix(dataclasses.replace(params, key=key))
+                m.on_match(params.req, tuple(b for b in branches if b[0] < result.device_prefix_len))
+                return result
+        return super().match_prefix(params)
 
     def branches(self, req) -> Branches:
-        """Where the request's key in the tree takes branch ids instead of its tokens: a pruned path
-        (intent/paths.py). () for a plain path."""
-        state = getattr(req, "sgl_intent", None)
-        return state.branches if state is not None else ()
+        """Where the request's key in the tree takes branch ids instead of its tokens (tree_fill.py);
+        () for a plain path."""
+        return next((b for m in self.mechanisms if (b := m.branches(req))), ())
 
     def _insert_cache(self, req, token_ids, **kwargs):
         return super()._insert_cache(req, with_branches(token_ids, self.branches(req)), **kwargs)
@@ -187,9 +189,10 @@ class SglMemoryRadixCache(RadixCache):
     def admit(self, scheduler, req, spec) -> None:
         if spec.readonly:
             req.skip_radix_cache_insert = True  # no checkpoint: no event, and nothing of it stays in the tree
-        for m in self.mechanisms:
+        admitting = [m for m in self.mechanisms if spec.admits(m)]
+        for m in admitting:
             m.open(scheduler, req, spec)
-        for m in self.mechanisms:
+        for m in admitting:
             if req.finished():
                 return  # an earlier mechanism refused it
             m.admit(scheduler, req, spec)
@@ -262,17 +265,17 @@ class SglMemoryRadixCache(RadixCache):
     def _dead(self, node) -> int:
         if self.sentinel is None or node.value is None or node is self.root_node:
             return 0
-        cached = getattr(node, "sgl_dead", None)
+        cached = DEAD.get(node)
         if cached is None or cached[0] is not node.value:
-            cached = node.sgl_dead = (node.value, int((node.value == self.sentinel).sum()))
+            cached = DEAD.set(node, (node.value, int((node.value == self.sentinel).sum())))
         return cached[1]
 
     def insert(self, params):
         result = super().insert(params)
         node = result.last_device_node
         # an insert creates at most one node, its last one; splits only re-divide counted nodes
-        if node is not None and node is not self.root_node and not getattr(node, "sgl_counted", False):
-            node.sgl_counted = True
+        if node is not None and node is not self.root_node and node not in COUNTED:
+            COUNTED.set(node, True)
             if node.lock_ref == 0:
                 self._dead_evictable += self._dead(node)
             else:
@@ -281,7 +284,8 @@ class SglMemoryRadixCache(RadixCache):
 
     def _split_node(self, key, child, split_len):
         new_node = super()._split_node(key, child, split_len)
-        new_node.sgl_counted = getattr(child, "sgl_counted", False)
+        if child in COUNTED:
+            COUNTED.set(new_node, True)
         return new_node
 
     def _delete_leaf(self, node):
@@ -333,8 +337,6 @@ def check_config(config: MemoryConfig) -> None:
     """The start-up guard: a ConfigError naming every pair of enabled mechanisms that cannot run
     together. Called where the tree is built (so a plain `sglang.launch_server` with the plugin gets
     it) and by our launcher before anything starts."""
-    for module in MECHANISM_MODULES:
-        importlib.import_module(module)
     problems = mechanism.conflicts(config)
     if problems:
         raise ConfigError("; ".join(problems))

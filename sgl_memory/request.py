@@ -1,17 +1,20 @@
 """The per-request `sgl_memory` field: parsing and validation shared by the HTTP layer and the scheduler.
 
 Clients send it as a top-level object on the native `/generate` body and on the OpenAI bodies;
-the HTTP layer moves it into SGLang's `custom_params`, which is how it reaches the scheduler. Every
-mechanism reads the one parsed `MemorySpec`; named options are checked against the config's lists.
+the HTTP layer moves it into SGLang's `custom_params`, which is how it reaches the scheduler. The
+keys `session_id`, `tenant` and `readonly` are common; every other key belongs to one registered
+mechanism, which parses its part (Mechanism.parse_request) with the checks below. Every mechanism
+reads the one parsed `MemorySpec`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from sgl_memory.config import MAX_BUDGET, MAX_HOPS, REPAIRS, IntentConfig, MemoryConfig, MemArtConfig, choices
+from sgl_memory import mechanism
 
 FIELD = "sgl_memory"
 MAX_ID_LEN = 256
@@ -23,79 +26,73 @@ class SpecError(ValueError):
     """A bad `sgl_memory` field; the message is what the client sees with the 400."""
 
 
-@dataclass(frozen=True)
-class MemArtQuery:
-    """`sgl_memory.memory`: the request carries only its new turn and the server places the
-    session's relevant memory blocks before it (sgl_memory/memart)."""
+class RequestPart:
+    """A mechanism's part of a parsed `sgl_memory` field (Mechanism.parse_request). The properties
+    say what kind of pass the request is, so that the other mechanisms can act on it without
+    knowing the one that set them."""
 
-    mode: str = "retrieve"
-    top_k: int | None = None  # None: the server's memory.top_k
-    norm: str | None = None
-    agg: str | None = None
-    scoring: str | None = None
-    placement: str | None = None
-    store: bool = True  # False: this turn is not added to the session's memory
-    header: str | None = None  # None: the server's memory.header
-    unit: str | None = None  # None: the server's memory.unit
-    placed_tokens: int | None = None  # None: the server's memory.placed_tokens (0: no cap)
-    recompute: str | None = None  # None: the server's memory.recompute
-    recompute_ratio: float | None = None  # None: the server's keep.ratio
-    hops: int | None = None  # None: the server's keep.hops
-    probe: str | None = None  # internal: the id of the query pass the HTTP hook ran first
-    # internal, the memory entries API (memart/writes.py): mode "write" records the prompt as the
-    # entry `entry` (with its sentence `embedding`) or as the joint KV of group `group` at `version`;
-    # mode "forget" drops the entries `forget`
-    entry: str | None = None
-    embedding: tuple[float, ...] | None = None
-    group: int | None = None
-    version: int | None = None
-    forget: tuple[str, ...] = ()
+    @property
+    def internal(self) -> bool:
+        """A pass the server's HTTP side sends for this mechanism (KV memory's probe, an entry
+        write): no other mechanism admits it, but those that follow internal passes."""
+        return False
+
+    @property
+    def transient(self) -> bool:
+        """An internal pass that leaves nothing behind (a probe): no other mechanism admits it."""
+        return False
+
+    @property
+    def reads_only(self) -> bool:
+        """A pass that changes no session state (persistence loads the session for it, writes nothing)."""
+        return False
+
+    @property
+    def assembles(self) -> bool:
+        """The prompt is assembled by this mechanism (recalled blocks before a new turn), not the
+        session's history: a text-level match against the session's stored path does not apply."""
+        return False
 
 
-MEMORY_MODES = ("retrieve",)
-INTERNAL_MODES = ("probe", "write", "forget")  # sent by the server's own HTTP side only
-MAX_TOP_K = 1 << 16
-PRUNING_FIELDS = ("budget", "budget_mode", "system_prompt", "scorer", "layout", "ablation")
+COMMON = ("session_id", "tenant", "readonly")  # the keys no mechanism owns
 
 
 @dataclass(frozen=True)
 class MemorySpec:
     session_id: str | None = None
     tenant: str | None = None
-    budget: int | None = None
-    scorer: str | None = None
-    layout: str | None = None
-    memory: MemArtQuery | None = None
-    budget_mode: str | None = None
-    system_prompt: str | None = None
-    ablation: str | None = None
     # reads the session as its next turn would and changes nothing: no pruning event, nothing
     # recorded, captured or inserted into the tree (scoring a continuation under the session's state)
     readonly: bool = False
+    parts: Mapping[str, RequestPart] = field(default_factory=dict)  # mechanism name -> its part
+    asked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # mechanism name -> the keys its part came from
+
+    def part(self, name: str) -> RequestPart | None:
+        return self.parts.get(name)
 
     @property
-    def is_probe(self) -> bool:
-        """The query pass the HTTP hook runs before a memory-mode request (memart/probe.py): it
-        computes its prompt for KV memory's retrieval and leaves nothing behind, so no other
-        mechanism acts on it."""
-        return self.memory is not None and self.memory.mode == "probe"
+    def owner(self) -> str | None:
+        """The mechanism whose internal pass this is (None: a client's request)."""
+        return next((name for name, p in self.parts.items() if p.internal), None)
+
+    @property
+    def transient(self) -> bool:
+        return any(p.transient for p in self.parts.values())
 
     @property
     def reads_only(self) -> bool:
-        """A pass that changes no session state: a readonly request, a probe, or a forget of no keys
-        (the entries API reading a session's book; persistence loads the session for it, and writes nothing)."""
-        return self.readonly or self.is_probe or (self.memory is not None and self.memory.mode == "forget" and not self.memory.forget)
+        return self.readonly or any(p.reads_only for p in self.parts.values())
 
     @property
-    def is_internal(self) -> bool:
-        """A pass the server's HTTP side sends for KV memory (a probe, an entry write or forget):
-        no mechanism but memory (and persistence, which keeps what it changed) acts on it."""
-        return self.memory is not None and self.memory.mode in INTERNAL_MODES
+    def assembled(self) -> bool:
+        return any(p.assembles for p in self.parts.values())
 
-    def intent(self, base: IntentConfig) -> IntentConfig:
-        """The server's intent config with this request's overrides."""
-        overrides = {k: getattr(self, k) for k in PRUNING_FIELDS if getattr(self, k) is not None}
-        return replace(base, **overrides)
+    def admits(self, mechanism) -> bool:
+        """Whether `mechanism` (a Mechanism class or instance) acts on this request: every one on a
+        client's request; on an internal pass its owner, and the mechanisms that follow internal
+        passes unless the pass is transient."""
+        owner = self.owner
+        return owner is None or mechanism.name == owner or (mechanism.follows_internal and not self.transient)
 
 
 def check_id(value, name: str) -> str | None:
@@ -111,7 +108,10 @@ def check_id(value, name: str) -> str | None:
     return value
 
 
-def _choice(value, choices, where: str):
+# Value checks shared by the mechanisms' parsers: each names the key in the client's message.
+
+
+def choice(value, choices, where: str):
     """A named option: checked as a string first, so an object or a list is a 400, not a TypeError."""
     if value is None:
         return None
@@ -120,100 +120,67 @@ def _choice(value, choices, where: str):
     return value
 
 
-def _memory(raw, internal: bool) -> MemArtQuery | None:
-    if raw is None:
-        return None
-    where = f"{FIELD}.memory"
-    if not isinstance(raw, dict):
-        raise SpecError(f"{where} must be an object")
-    allowed = ("mode", "top_k", "norm", "agg", "scoring", "placement", "store", "header", "unit", "placed_tokens", "recompute",
-               "recompute_ratio", "hops")  # fmt: skip
-    allowed += ("probe", "entry", "embedding", "group", "version", "forget") if internal else ()
+def integer(value, lo: int, hi: int, where: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi):
+        raise SpecError(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def number(value, lo: float, hi: float, where: str) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi):
+        raise SpecError(f"{where} must be a number in [{lo}, {hi}], got {value!r}")
+    return None if value is None else float(value)
+
+
+def flag(value, where: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise SpecError(f"{where} must be true or false, got {value!r}")
+    return value
+
+
+def only(raw: dict, allowed: tuple[str, ...], where: str) -> None:
+    """Refuse keys of an object that are not in `allowed`."""
     unknown = sorted(set(raw) - set(allowed))
     if unknown:
         raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
-    mode = _choice(raw.get("mode", "retrieve"), MEMORY_MODES + (INTERNAL_MODES if internal else ()), f"{where}.mode")
-    top_k = raw.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K):
-        raise SpecError(f"{where}.top_k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
-    placed = raw.get("placed_tokens")
-    if placed is not None and (isinstance(placed, bool) or not isinstance(placed, int) or not 0 <= placed <= MAX_BUDGET):
-        raise SpecError(f"{where}.placed_tokens must be an integer in [0, {MAX_BUDGET}], got {placed!r}")
-    for name in ("norm", "agg", "scoring", "placement", "header", "unit", "recompute"):
-        _choice(raw.get(name), choices(MemArtConfig, name), f"{where}.{name}")
-    ratio = raw.get("recompute_ratio")
-    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
-        raise SpecError(f"{where}.recompute_ratio must be a number in [0, 1], got {ratio!r}")
-    hops = raw.get("hops")
-    if hops is not None and (isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS):
-        raise SpecError(f"{where}.hops must be an integer in [1, {MAX_HOPS}], got {hops!r}")
-    store = raw.get("store", True)
-    if not isinstance(store, bool):
-        raise SpecError(f"{where}.store must be true or false, got {store!r}")
-    probe = raw.get("probe")
-    if probe is not None and not isinstance(probe, str):
-        raise SpecError(f"{where}.probe must be a string")
-    return MemArtQuery(mode, top_k, raw.get("norm"), raw.get("agg"), raw.get("scoring"), raw.get("placement"), store,
-                       header=raw.get("header"), unit=raw.get("unit"), placed_tokens=placed, recompute=raw.get("recompute"), recompute_ratio=None if ratio is None else float(ratio), hops=hops,
-                       probe=probe, entry=raw.get("entry"), group=raw.get("group"), version=raw.get("version"),
-                       embedding=None if raw.get("embedding") is None else tuple(raw["embedding"]),
-                       forget=tuple(raw.get("forget", ())))  # fmt: skip
+
+
+def keys() -> tuple[str, ...]:
+    """Every key a client may set in the field: the common ones and the registered mechanisms'."""
+    return COMMON + tuple(f for cls in mechanism.ordered() for f in cls.fields)
 
 
 def parse(raw, internal: bool = False) -> MemorySpec:
-    """`internal`: the field as the scheduler receives it, which may carry the HTTP hook's probe id."""
+    """`internal`: the field as the scheduler receives it, which may carry the server's own keys
+    (the HTTP hook's probe id)."""
     if raw is None:
         return MemorySpec()
     if not isinstance(raw, dict):
         raise SpecError(f"{FIELD} must be an object, got {type(raw).__name__}")
-    allowed = ("session_id", "tenant", *PRUNING_FIELDS, "memory", "readonly")
-    unknown = sorted(set(raw) - set(allowed))
-    if unknown:
-        raise SpecError(f"{FIELD}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
-    budget = raw.get("budget")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET):
-        raise SpecError(f"{FIELD}.budget must be an integer in [1, {MAX_BUDGET}], got {budget!r}")
-    scorer = _choice(raw.get("scorer"), choices(IntentConfig, "scorer"), f"{FIELD}.scorer")
-    layout = _choice(raw.get("layout"), choices(IntentConfig, "layout"), f"{FIELD}.layout")
-    budget_mode = _choice(raw.get("budget_mode"), choices(IntentConfig, "budget_mode"), f"{FIELD}.budget_mode")
-    system_prompt = _choice(raw.get("system_prompt"), choices(IntentConfig, "system_prompt"), f"{FIELD}.system_prompt")
-    ablation = _choice(raw.get("ablation"), choices(IntentConfig, "ablation"), f"{FIELD}.ablation")
-    memory = _memory(raw.get("memory"), internal)
-    readonly = raw.get("readonly", False)
-    if not isinstance(readonly, bool):
-        raise SpecError(f"{FIELD}.readonly must be true or false, got {readonly!r}")
-    if readonly and raw.get("session_id") is None:
+    mechanism.discover()
+    only(raw, keys(), FIELD)
+    readonly = flag(raw.get("readonly", False), f"{FIELD}.readonly")
+    session_id = check_id(raw.get("session_id"), "session_id")
+    if readonly and session_id is None:
         raise SpecError(f"{FIELD}.readonly needs {FIELD}.session_id: it reads a session")
-    if memory is not None and raw.get("session_id") is None:
-        raise SpecError(f"{FIELD}.memory needs {FIELD}.session_id: memory belongs to a session")
-    return MemorySpec(
-        session_id=check_id(raw.get("session_id"), "session_id"),
-        tenant=check_id(raw.get("tenant"), "tenant"),
-        budget=budget,
-        scorer=scorer,
-        layout=layout,
-        memory=memory,
-        budget_mode=budget_mode,
-        system_prompt=system_prompt,
-        ablation=ablation,
-        readonly=readonly,
-    )
+    parts, asked = {}, {}
+    for cls in mechanism.ordered():
+        part = cls.parse_request(raw, internal)
+        if part is not None:
+            parts[cls.name] = part
+            asked[cls.name] = tuple(f for f in cls.fields if f in raw)
+    return MemorySpec(session_id, check_id(raw.get("tenant"), "tenant"), readonly, parts, asked)
 
 
-def check_served(spec: MemorySpec, config: MemoryConfig) -> None:
+def check_served(spec: MemorySpec, config) -> None:
     """A request that asks for a mechanism this server runs without is refused, naming the config
     key: serving it without the behaviour asked for would drop the request's intent silently."""
-    asked = [f"{FIELD}.{name}" for name in PRUNING_FIELDS if getattr(spec, name) is not None]
-    if asked and not config.intent.enabled:
-        raise SpecError(f"{', '.join(asked)}: intent pruning is off on this server (intent.enabled: false)")
-    if spec.memory is not None and not config.memory.enabled:
-        raise SpecError(f"{FIELD}.memory: KV memory is off on this server (memory.enabled: false)")
-    if spec.memory is not None and spec.memory.unit == "line" and config.memory.cut != "lines":
-        raise SpecError(f"{FIELD}.memory.unit 'line': this server cuts memory blocks by tokens, not at lines "
-                        "(memory.cut: tokens), so it does not know its blocks' lines")  # fmt: skip
-    if spec.memory is not None and spec.memory.recompute in REPAIRS and not config.keep.enabled:
-        raise SpecError(f"{FIELD}.memory.recompute {spec.memory.recompute!r}: the repair of memory blocks is off on this "
-                        "server (keep.enabled: false)")  # fmt: skip
+    for name, part in spec.parts.items():
+        cls = mechanism.REGISTRY[name]
+        if not config.section(name).enabled:
+            asked = ", ".join(f"{FIELD}.{f}" for f in spec.asked.get(name, cls.fields))
+            raise SpecError(f"{asked}: {name} is off on this server ({name}.enabled: false)")
+        cls.check_request(part, config)
 
 
 # The wire format: the raw field travels in SGLang's `custom_params` as a JSON string under FIELD

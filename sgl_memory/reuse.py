@@ -3,7 +3,7 @@ for the one that repairs it (keep), so that neither imports the other.
 
 KV memory places blocks whose KV was computed in other contexts. Reused as a prefix hit, that KV
 is never recomputed ("full reuse"). When the request asks for a repair, memory makes the blocks'
-tokens part of the request's prefill instead and attaches a `ReusedKV` as `req.sgl_reuse`: the keep
+tokens part of the request's prefill instead and keeps a `ReusedKV` in the request's `REUSED` slot: the keep
 mechanism then writes the placed KV over the rows it decides not to recompute, layer by layer,
 inside the forward (keep/README.md).
 """
@@ -14,6 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_memory.slots import Slot
+
+# The repairs of placed KV a request may ask for, and the mechanism that carries out each: the
+# placer checks that it runs (memart/settings.py), the repairer registers under that name.
+REPAIRS = {"keep": "keep", "cacheblend": "keep"}
+
 
 @dataclass
 class ReusedKV:
@@ -21,7 +27,7 @@ class ReusedKV:
     keys: torch.Tensor  # [layers, M, kv heads, head dim], post-RoPE at positions start..start+M-1, host memory
     values: torch.Tensor  # [layers, M, kv heads, head dim]
     segments: list[int]  # token counts of the placed segments (memory blocks), in order; they sum to M
-    method: str  # the repair asked for: "keep" or "cacheblend" (config.REPAIRS)
+    method: str  # the repair asked for, a key of REPAIRS
 
     @property
     def end(self) -> int:
@@ -30,3 +36,6 @@ class ReusedKV:
     def segment_of_token(self) -> torch.Tensor:
         """[M] the segment index of each placed token."""
         return torch.repeat_interleave(torch.arange(len(self.segments)), torch.tensor(self.segments))
+
+
+REUSED: Slot[ReusedKV] = Slot("reused KV")  # per request: set by the placer, read by the repairer

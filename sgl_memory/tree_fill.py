@@ -9,28 +9,66 @@ was pruned comes with its live mask: its dead positions point at this tree's sen
 take no slot of their own.
 
 Out of the tree (`held_path`, `copy_path`): at a request's release, the path its tokens left in the
-tree is matched under the request's own key (a pruned path takes branch ids, intent/paths.py) and
-the KV of a stretch of it copied to host memory, with the mask of positions that are live (a pruned
-position points at the sentinel slot and holds no KV of its token).
+tree is matched under the request's own key and the KV of a stretch of it copied to host memory,
+with the mask of positions that are live (a pruned position points at the sentinel slot and holds
+no KV of its token).
+
+Branches: a path whose KV is not what its tokens alone would give (pruned positions, KV computed
+after a pruning) must be found only by the requests that accept it. Such a path leaves the shared
+tree at a branch: from that position on its key holds a branch id instead of the token, an id no
+tokenizer emits (negative), which only a request that computes the same ids matches. The mechanism
+that makes such paths says how its requests' ids are computed (Mechanism.branch_ids: intent's are
+in intent/paths.py); the tree finds the branches on a request's path (`find_branches`) and inserts
+its row with them (`with_branches`).
 """
 
 from __future__ import annotations
 
 import os.path
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-
 Branches = tuple[tuple[int, int], ...]  # (position, key id), ascending positions; () for a plain path
+BranchIds = Callable[[np.ndarray], np.ndarray]  # a request's token ids (int64) -> the id each takes at a branch
+
+
+def find_branches(root, key: RadixKey, ids_of: BranchIds) -> Branches:
+    """The branches on `key`'s path in the tree below `root`: where the tree holds the branch id
+    (`ids_of`) of the key's token. At a node boundary with both a plain child and a branch child the
+    walk takes the branch: it is the request's own continuation. Read-only: no split, no
+    access-time update."""
+    n = len(key)
+    ids = np.asarray(key.token_ids[:n], dtype=np.int64)
+    branched = ids_of(ids)
+    node, pos, found = root, 0, []
+    while pos < n:
+        probe = RadixKey(array("q", [int(branched[pos])]), key.extra_key, cache_salt=key.cache_salt).child_key()
+        child = node.children.get(probe)
+        if child is None:
+            child = node.children.get(key.child_key_at(pos))
+        if child is None:
+            break
+        held = np.asarray(child.key.token_ids[: len(child.key)], dtype=np.int64)
+        m = min(len(held), n - pos)
+        plain = held[:m] == ids[pos : pos + m]
+        branch = held[:m] == branched[pos : pos + m]
+        off = np.flatnonzero(~(plain | branch))
+        matched = int(off[0]) if off.size else m
+        found.extend((pos + int(i), int(branched[pos + i])) for i in np.flatnonzero(branch[:matched]))
+        if matched < len(held):
+            break
+        node, pos = child, pos + matched
+    return tuple(found)
 
 
 def with_branches(token_ids, branches: Branches):
-    """The key ids of a path with these branches (intent/paths.py; those beyond its end left out): a
+    """The key ids of a path with these branches (those beyond its end left out): a
     copy of the same sequence type, which the tree's key comparison requires, or `token_ids` itself
     when no branch falls inside it."""
     inside = [(p, i) for p, i in branches if p < len(token_ids)]

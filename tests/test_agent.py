@@ -429,7 +429,7 @@ def test_bcps_qwen_agent_client_runs_against_sgl_memory_and_the_mcp_server(serve
         query = json.loads(message["function_call"]["arguments"])["query"]
         assert re.findall(r'"docid": "([^"]+)"', result["content"]) == [d.docid for d in corpus.search(query)]
     after = stats()
-    assert after["session_key_sources"]["session_id"] - before["session_key_sources"].get("session_id", 0) >= 1 + 3
+    assert after["counts"]["session_key_source"]["session_id"] - before["counts"]["session_key_source"].get("session_id", 0) >= 1 + 3
     assert after["totals"]["compression_events"] > before["totals"]["compression_events"]
 
 

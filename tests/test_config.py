@@ -1,6 +1,9 @@
 import pytest
 
 from sgl_memory import config
+from sgl_memory.intent.settings import IntentConfig
+from sgl_memory.memart.settings import MemArtConfig
+from sgl_memory.persist.settings import PersistConfig
 
 
 def write(tmp_path, text):
@@ -14,7 +17,7 @@ def test_valid_file_overrides_only_given_keys(tmp_path):
     assert cfg.intent.budget == 512 and cfg.intent.scorer == "snapkv"
     assert cfg.intent.layout == "dead_slot"  # untouched default
     assert cfg.memory.agg == "max" and cfg.memory.norm == "rr"
-    assert cfg.persist == config.PersistConfig()
+    assert cfg.persist == PersistConfig()
 
 
 def test_empty_file_and_no_file_give_defaults(tmp_path):
@@ -32,7 +35,7 @@ def test_example_config_is_valid_and_equals_defaults():
 @pytest.mark.parametrize(
     "text, needle",
     [
-        ("intnet:\n  budget: 3\n", "intnet: unknown key; allowed keys: intent, persist, memory"),
+        ("intnet:\n  budget: 3\n", "intnet: unknown key; allowed keys: plugins, intent, keep, memory, persist"),
         ("intent:\n  budgett: 3\n", "intent.budgett: unknown key"),
         ("intent:\n  scorer: magic\n", "intent.scorer: 'magic' is not allowed; allowed values: memory, memory_pool, query"),
         ("persist:\n  quant: q2\n", "persist.quant: 'q2' is not allowed; allowed values: q4, q8, bf16, fp32"),
@@ -95,8 +98,8 @@ def test_named_options_are_the_registries(tmp_path):
     from sgl_memory.memart.blocks import EVICTIONS
     from sgl_memory.memart.retrieval import AGGS, NORMS
 
-    assert set(config.choices(config.IntentConfig, "scorer")) == set(SCORERS)
-    assert set(config.choices(config.IntentConfig, "layout")) == set(LAYOUTS)
-    assert set(config.choices(config.MemArtConfig, "norm")) == set(NORMS)
-    assert set(config.choices(config.MemArtConfig, "agg")) == set(AGGS)
-    assert set(config.choices(config.MemArtConfig, "eviction")) == set(EVICTIONS)
+    assert set(config.choices(IntentConfig, "scorer")) == set(SCORERS)
+    assert set(config.choices(IntentConfig, "layout")) == set(LAYOUTS)
+    assert set(config.choices(MemArtConfig, "norm")) == set(NORMS)
+    assert set(config.choices(MemArtConfig, "agg")) == set(AGGS)
+    assert set(config.choices(MemArtConfig, "eviction")) == set(EVICTIONS)

@@ -13,7 +13,7 @@ import torch
 from sgl_memory.intent import scorers
 from sgl_memory.intent.layouts import apply_dead_slot, freeable
 from sgl_memory.request import SpecError, parse
-from sgl_memory.config import IntentConfig
+from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.sessions import SessionRegistry
 from sgl_memory.spans import RoleMarkers, find_spans
@@ -286,12 +286,13 @@ def test_bad_request_field(raw, needle):
 
 
 def test_request_field_overrides_the_config():
-    from sgl_memory.config import IntentConfig
+    from sgl_memory.intent.settings import IntentConfig
 
     spec = parse({"session_id": "a", "budget": 7, "scorer": "h2o"})
-    cfg = spec.intent(IntentConfig(budget=100, layout="compact"))
+    cfg = spec.part("intent").apply(IntentConfig(budget=100, layout="compact"))
     assert (cfg.budget, cfg.scorer, cfg.layout, cfg.budget_mode) == (7, "h2o", "compact", "total")
-    assert parse({"budget_mode": "history"}).intent(IntentConfig()).budget_mode == "history"
+    assert parse({"budget_mode": "history"}).part("intent").apply(IntentConfig()).budget_mode == "history"
+    assert parse({"session_id": "a"}).part("intent") is None  # no pruning key: no part
 
 
 # --- RoPE re-rotation --------------------------------------------------------------------------
@@ -355,8 +356,11 @@ def test_find_branches_walks_every_branch_of_the_session_on_the_path():
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-    from sgl_memory.intent.paths import branch_id, find_branches
-    from sgl_memory.tree_fill import with_branches
+    from sgl_memory.intent.paths import branch_id, branch_ids
+    from sgl_memory.tree_fill import find_branches as find_with, with_branches
+
+    def find_branches(root, key, ns):
+        return find_with(root, key, lambda ids: branch_ids(ns, ids))
 
     a, b = 11, 22  # two namespaces
     tree = RadixCache.create_simulated()
@@ -389,7 +393,9 @@ def test_a_client_extra_key_never_contains_the_namespace_separator(key):
 
 
 def test_a_mechanism_the_server_runs_without_is_refused_naming_its_key():
-    from sgl_memory.config import IntentConfig, MemoryConfig, MemArtConfig
+    from sgl_memory.config import MemoryConfig
+    from sgl_memory.intent.settings import IntentConfig
+    from sgl_memory.memart.settings import MemArtConfig
     from sgl_memory.request import check_served
 
     off = MemoryConfig()

@@ -73,7 +73,8 @@ def reference_model():
 def ask(server, tok, recompute: str, **extra) -> tuple[dict, dict | None]:
     """A memory-mode question; its answer and (for a repair) the trace the server wrote."""
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    out = generate(server, q, {"session_id": "s", "tenant": "a", "memory": {"top_k": TOP_K, "store": False, "recompute": recompute, **extra}})
+    out = generate(server, q, {"session_id": "s", "tenant": "a", "memory": {"top_k": TOP_K, "store": False, "recompute": recompute},
+                               **({"keep": extra} if extra else {})})  # fmt: skip
     path = server.trace_dir / f"{out['meta_info']['id']}.safetensors"
     return out, (load_file(str(path)) if path.exists() else None)
 
@@ -94,7 +95,7 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 
 
 def test_ratio_one_is_a_full_prefill_of_the_same_tokens(keep_server, tok, stated, reference_model):
-    out, trace = ask(keep_server, tok, "keep", recompute_ratio=1.0)
+    out, trace = ask(keep_server, tok, "keep", ratio=1.0)
     m = out["meta_info"]["sgl_memory"]
     layers, placed = trace["keys"].shape[:2]
     assert placed == BLOCK * TOP_K and m["memory_kv_tokens"] == placed and m["recompute"] == "keep"
@@ -112,8 +113,8 @@ def test_ratio_one_is_a_full_prefill_of_the_same_tokens(keep_server, tok, stated
 
 @pytest.mark.parametrize("method,ratio", [("keep", 0.5), ("cacheblend", 0.3)])
 def test_a_repair_recomputes_nested_rows_and_stores_the_placed_kv_elsewhere(keep_server, tok, stated, reference_model, method, ratio):
-    out, trace = ask(keep_server, tok, method, recompute_ratio=ratio)
-    _, reused = ask(keep_server, tok, "keep", recompute_ratio=0.0)  # layer 0 recomputed, the placed KV after it
+    out, trace = ask(keep_server, tok, method, ratio=ratio)
+    _, reused = ask(keep_server, tok, "keep", ratio=0.0)  # layer 0 recomputed, the placed KV after it
     assert torch.equal(trace["tokens"], reused["tokens"])
     selected = trace["selected"].bool()
     layers, placed = selected.shape
@@ -145,8 +146,8 @@ def test_dropping_the_rows_gives_the_attention_of_writing_over_them(keep_server,
     """The compacted prefill (rows dropped from the hidden states after the layer that stops
     recomputing them) against the full-cost one: the same rows chosen at every layer, the same KV
     (float32: within the rounding of matmuls over other row counts), the same answer."""
-    dropped, dropped_trace = ask(keep_server, tok, method, recompute_ratio=0.3)
-    full_cost, full_cost_trace = ask(overwrite_server, tok, method, recompute_ratio=0.3)
+    dropped, dropped_trace = ask(keep_server, tok, method, ratio=0.3)
+    full_cost, full_cost_trace = ask(overwrite_server, tok, method, ratio=0.3)
     assert dropped["meta_info"]["sgl_memory"]["recompute_dropped_rows"] is True
     assert full_cost["meta_info"]["sgl_memory"]["recompute_dropped_rows"] is False
     assert torch.equal(dropped_trace["tokens"], full_cost_trace["tokens"])
@@ -168,9 +169,9 @@ def test_reuse_prefills_only_the_question_and_a_repair_the_blocks_too(keep_serve
     assert 0 < keep["meta_info"]["sgl_memory"]["recompute_share"] < 1 and keep["meta_info"]["sgl_memory"]["recompute_refused"] is None
 
 
-@pytest.mark.parametrize("memory,needle", [({"recompute": "all"}, "recompute"), ({"recompute_ratio": -0.1}, "recompute_ratio"),
-                                           ({"hops": 100}, "hops")])  # fmt: skip
-def test_bad_recompute_requests_are_400s(keep_server, memory, needle):
+@pytest.mark.parametrize("field,needle", [({"memory": {"recompute": "all"}}, "recompute"), ({"keep": {"ratio": -0.1}}, "keep.ratio"),
+                                          ({"keep": {"hops": 100}}, "keep.hops")])  # fmt: skip
+def test_bad_recompute_requests_are_400s(keep_server, field, needle):
     r = keep_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1},
-                                       "sgl_memory": {"session_id": "s", "memory": memory}})  # fmt: skip
+                                       "sgl_memory": {"session_id": "s", **field}})  # fmt: skip
     assert r.status_code == 400 and needle in r.text

@@ -155,12 +155,21 @@ def test_a_repair_needs_the_keep_mechanism():
         request.check_served(request.parse({"session_id": "s", "memory": {"recompute": mode}}), served)
 
 
-@pytest.mark.parametrize("field,value,needle", [("recompute", "some", "recompute"), ("recompute", 1, "recompute"),
-                                                ("recompute_ratio", 1.5, "recompute_ratio"), ("recompute_ratio", True, "recompute_ratio"),
-                                                ("hops", 0, "hops"), ("hops", 2.5, "hops")])  # fmt: skip
-def test_bad_recompute_fields(field, value, needle):
+@pytest.mark.parametrize("raw,needle", [({"memory": {"recompute": "some"}}, "memory.recompute"), ({"memory": {"recompute": 1}}, "memory.recompute"),
+                                        ({"keep": {"ratio": 1.5}}, "keep.ratio"), ({"keep": {"ratio": True}}, "keep.ratio"),
+                                        ({"keep": {"hops": 0}}, "keep.hops"), ({"keep": {"hops": 2.5}}, "keep.hops"),
+                                        ({"keep": {"ratios": 1}}, "keep: unknown field"), ({"keep": 1}, "keep must be an object"),
+                                        ({"memory": {"recompute_ratio": 0.5}}, "unknown field")])  # fmt: skip
+def test_bad_recompute_fields(raw, needle):
     with pytest.raises(request.SpecError, match=needle):
-        request.parse({"session_id": "s", "memory": {field: value}})
+        request.parse({"session_id": "s", **raw})
+
+
+def test_keep_overrides_are_parsed_by_keep():
+    spec = request.parse({"session_id": "s", "memory": {"recompute": "keep"}, "keep": {"ratio": 0.25, "hops": 2}})
+    assert (spec.part("keep").ratio, spec.part("keep").hops, spec.part("memory").recompute) == (0.25, 2, "keep")
+    with pytest.raises(request.SpecError, match=r"keep.enabled: false"):
+        request.check_served(spec, config.from_dict({"memory": {"enabled": True}}))
 
 
 def placed(layers=6, m=40, heads=2, dim=8, seed=0):

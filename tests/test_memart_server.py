@@ -107,7 +107,7 @@ def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, sta
     half) once more, in a buffer that may hold an eighth more rows than it uses."""
     from transformers import AutoConfig
 
-    from sgl_memory.config import MemArtConfig
+    from sgl_memory.memart.settings import MemArtConfig
 
     cfg = AutoConfig.from_pretrained(models.model_dir(TEST_MODEL))
     per_layer = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)

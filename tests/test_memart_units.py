@@ -526,9 +526,10 @@ def test_bad_memory_fields_are_refused(raw, needle):
 
 
 def test_memory_field_defaults():
-    spec = parse({"session_id": "s", "memory": {"mode": "retrieve", "top_k": 8}})
-    assert spec.memory.top_k == 8 and spec.memory.store and spec.memory.norm is None and spec.memory.probe is None
-    assert parse({"session_id": "s", "memory": {"mode": "probe", "probe": "p"}}, internal=True).memory.probe == "p"
+    memory = parse({"session_id": "s", "memory": {"mode": "retrieve", "top_k": 8}}).part("memory")
+    assert memory.top_k == 8 and memory.store and memory.norm is None and memory.probe is None
+    probe = parse({"session_id": "s", "memory": {"mode": "probe", "probe": "p"}}, internal=True)
+    assert probe.part("memory").probe == "p" and probe.owner == "memory" and probe.transient and probe.reads_only
 
 
 # --- blocks cut at lines, and the header blocks placed with a chosen one ------------------------

@@ -112,7 +112,7 @@ def test_a_quiet_group_gets_a_joint_kv_and_a_write_makes_it_dynamic(srv, tok):
     assert metrics["retrieved_static_groups"] == 1 and metrics["memory_kv_tokens"] == len(joint), metrics
     assert got["output_ids"] == ask(srv, joint + q)["output_ids"]
     # KEEP over the unit: recomputing all of it is the plain prefill of the members' lines
-    got = ask(srv, q, {"session_id": "three", "memory": {"top_k": 1, "store": False, "recompute": "keep", "recompute_ratio": 1.0}})
+    got = ask(srv, q, {"session_id": "three", "memory": {"top_k": 1, "store": False, "recompute": "keep"}, "keep": {"ratio": 1.0}})
     assert got["meta_info"]["sgl_memory"]["recompute"] == "keep"
     assert got["output_ids"] == ask(srv, joint + q)["output_ids"]
     # a member changes: the group is dynamic, members are placed on their own again

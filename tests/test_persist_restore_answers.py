@@ -18,7 +18,7 @@ import pytest
 
 from conftest import start_server, stop_server
 from sgl_memory import models
-from sgl_memory.config import PersistConfig
+from sgl_memory.persist.settings import PersistConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import persist_restart as bench  # noqa: E402  (a script of bench/: its dialogue and follow-up questions)

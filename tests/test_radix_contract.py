@@ -195,7 +195,10 @@ def real_allocator(page_size):
 
 
 def mode_config(mode, tmp_path):
-    from sgl_memory.config import IntentConfig, MemoryConfig, MemArtConfig, PersistConfig
+    from sgl_memory.config import MemoryConfig
+    from sgl_memory.intent.settings import IntentConfig
+    from sgl_memory.persist.settings import PersistConfig
+    from sgl_memory.memart.settings import MemArtConfig
 
     return {
         "off": MemoryConfig(),

@@ -32,9 +32,16 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory import mechanism
-from sgl_memory.config import IntentConfig, MemArtConfig, MemoryConfig, PersistConfig
+from sgl_memory.admission import ADMITTED
+from sgl_memory.config import MemoryConfig
+from sgl_memory.intent.pruner import REQUESTS as INTENT
+from sgl_memory.intent.settings import IntentConfig
+from sgl_memory.memart.manager import TURNS as MEMORY
 from sgl_memory.memart.manager import MemArtManager, Probe
+from sgl_memory.memart.settings import MemArtConfig
+from sgl_memory.persist.manager import TURNS as PERSIST
 from sgl_memory.persist.manager import SessionPersistence
+from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import CacheSpec
 from sgl_memory.request import of_request
 from sgl_memory.rope import Rope
@@ -156,12 +163,12 @@ class Sim:
         self.write(req, len(prefix), new)
         req.kv.cache_protected_len = len(prefix)
         req.kv.kv_allocated_len = len(tokens)
-        self.reused += int(bool(req.sgl_intent.branches))
+        self.reused += int(bool(INTENT.get(req).branches))
         req.output_ids.append(self.rng.randint(0, 6))  # the prefill's sampled token
         req.prefilled_row = self.row(req)[: len(tokens)].clone()  # as the mechanisms' checkpoint sees it
         self.tree.checkpoint(req, up_to=len(tokens))
-        self.pruned += req.sgl_intent.events
-        self.copied += req.sgl_intent.copied
+        self.pruned += INTENT.get(req).events
+        self.copied += INTENT.get(req).copied
         self.running.append(req)
 
     def decode(self, req):
@@ -266,7 +273,7 @@ class Chars:
 
 
 class AllSim(Sim):
-    """Intent, persistence and KV memory in one tree, as the server builds them (in ORDER), over
+    """Intent, persistence and KV memory in one tree, as the server builds them (by rank), over
     sessions named after the shared prefixes: record turns, memory-mode turns with a hand-made
     query pass, restores of evicted paths from the host-memory tier."""
 
@@ -277,7 +284,7 @@ class AllSim(Sim):
         persist.tokenizer = Chars()
         memory = MemArtManager(MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree, Rope(head_dim=2, theta=10000.0))
         memory.markers = RoleMarkers(None, {})
-        self.tree.mechanisms = sorted([*self.tree.mechanisms, persist, memory], key=lambda m: mechanism.ORDER.index(m.name))
+        self.tree.mechanisms = sorted([*self.tree.mechanisms, persist, memory], key=lambda m: m.rank)
         self.persist, self.memory = persist, memory
         self.placed = self.restored = self.recorded_dead = 0
         self.last: dict[int, list[int]] = {}  # session -> its last finished record turn's tokens
@@ -292,9 +299,9 @@ class AllSim(Sim):
     def finish(self, req):
         row = self.row(req)[: len(req.origin_input_ids)].clone()
         super().finish(req)
-        state = req.sgl_memart
+        state = MEMORY.get(req)
         if state.mode == "record":
-            self.last[int(req.sgl_persist.session_id[1:])] = list(req.seq)
+            self.last[int(PERSIST.get(req).session_id[1:])] = list(req.seq)
         self.check_recorded(req, state, row)
 
     def check_recorded(self, req, state, row) -> None:
@@ -336,11 +343,11 @@ class AllSim(Sim):
         super().start()
         if len(self.running) > before:
             req = self.running[-1]
-            self.placed += bool(getattr(req, "sgl_memart", None) and req.sgl_memart.retrieved_blocks)
-            self.restored += bool(getattr(req, "sgl_persist", None) and req.sgl_persist.restored_tokens)
+            self.placed += bool(MEMORY.get(req) and MEMORY.get(req).retrieved_blocks)
+            self.restored += bool(PERSIST.get(req) and PERSIST.get(req).restored_tokens)
 
     def placed_end(self, req) -> int:
-        state = getattr(req, "sgl_memart", None)
+        state = MEMORY.get(req)
         return state.memory_end if state is not None else 0
 
 
@@ -377,7 +384,7 @@ def test_a_request_aborted_while_queued_leaves_no_state_behind(tmp_path):
             field["memory"] = {"mode": "probe", "probe": f"p{i}"}
         req = FakeReq(f"q{i}", tokens + [1] * 12, budget=2, **field)
         sim.tree.admit(None, req, of_request(req))  # as admission.admit_hook does
-        req.sgl_admitted = True
+        ADMITTED.set(req, True)
         queued.append(req)
     assert held() == (3, 3)
     running = queued.pop()

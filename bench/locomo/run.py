@@ -292,10 +292,9 @@ class Runner:
         memory = {"session_id": sid, "memory": {"mode": "retrieve", "top_k": variant.top_k, "norm": variant.norm,
                                                 "agg": variant.agg, "scoring": variant.scoring, "placement": variant.placement,
                                                 "store": False, "recompute": variant.recompute, "header": variant.header}}  # fmt: skip
-        if variant.ratio is not None:
-            memory["memory"]["recompute_ratio"] = variant.ratio
-        if variant.hops is not None:
-            memory["memory"]["hops"] = variant.hops
+        keep = {k: v for k, v in (("ratio", variant.ratio), ("hops", variant.hops)) if v is not None}
+        if keep:
+            memory["keep"] = keep
         return prompts.question_only(self.tokenizer, q.question), memory, {}
 
     def ask(self, server, variant: Variant, conv: Conversation, q: data.Question, sid: str | None, starts: list[int]) -> None:

@@ -12,7 +12,7 @@ into slots of the path's own, are no longer shared with the path they came from.
 not the token t but a branch id: a negative id (no tokenizer emits one) derived from the pruning's
 namespace (tenant, session, scorer, budget rule, layout) and t. Every event of a session adds one
 branch along its path, so a path of a session that pruned at several turns carries several
-(`find_branches` walks them). Therefore:
+(tree_fill.find_branches walks them). Therefore:
 
 - a plain request walks the shared part and stops at the first branch, then computes its own
   unpruned continuation;
@@ -29,12 +29,8 @@ at a position with probability about 2^-63 (tenants never share a path: theirs i
 from __future__ import annotations
 
 import hashlib
-from array import array
 
 import numpy as np
-from sglang.srt.mem_cache.radix_cache import RadixKey
-
-from sgl_memory.tree_fill import Branches
 
 MASK63 = (1 << 63) - 1
 MIX = 0x9E3779B97F4A7C15  # odd: token -> token * MIX mod 2^63 is one-to-one
@@ -59,32 +55,3 @@ def branch_ids(ns: int, tokens: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         mixed = (tokens.astype(np.uint64) * np.uint64(MIX) + np.uint64(ns)) & np.uint64(MASK63)
     return ~mixed.astype(np.int64)
-
-
-def find_branches(root, key: RadixKey, ns: int) -> Branches:
-    """The branches of namespace `ns` on `key`'s path in the tree below `root`: where the tree holds
-    the branch id of the key's token. At a node boundary with both a plain child and a branch child
-    the walk takes the branch: it is the session's pruned continuation. Read-only: no split, no
-    access-time update."""
-    n = len(key)
-    ids = np.asarray(key.token_ids[:n], dtype=np.int64)
-    branched = branch_ids(ns, ids)
-    node, pos, found = root, 0, []
-    while pos < n:
-        probe = RadixKey(array("q", [int(branched[pos])]), key.extra_key, cache_salt=key.cache_salt).child_key()
-        child = node.children.get(probe)
-        if child is None:
-            child = node.children.get(key.child_key_at(pos))
-        if child is None:
-            break
-        held = np.asarray(child.key.token_ids[: len(child.key)], dtype=np.int64)
-        m = min(len(held), n - pos)
-        plain = held[:m] == ids[pos : pos + m]
-        branch = held[:m] == branched[pos : pos + m]
-        off = np.flatnonzero(~(plain | branch))
-        matched = int(off[0]) if off.size else m
-        found.extend((pos + int(i), int(branched[pos + i])) for i in np.flatnonzero(branch[:matched]))
-        if matched < len(held):
-            break
-        node, pos = child, pos + matched
-    return tuple(found)

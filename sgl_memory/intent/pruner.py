@@ -7,6 +7,7 @@ the layout applied to the slot map by the radix tree (compress) -> metrics on re
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import zlib
@@ -16,12 +17,13 @@ import torch
 
 from sgl_memory import capture, mechanism, metrics, prometheus, runtime, tree_fill
 from sgl_memory.capture import ExtendRows
-from sgl_memory.config import IntentConfig
 from sgl_memory.intent import scorers
 from sgl_memory.intent.head import PrunerHead, backbone_spec, find_head
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
-from sgl_memory.intent.paths import branch_id, namespace
+from sgl_memory.intent.paths import branch_id, branch_ids, namespace
+from sgl_memory.intent.settings import OVERRIDES, IntentConfig, IntentRequest, parse_request
 from sgl_memory.request import FIELD, MemorySpec, SpecError
+from sgl_memory.slots import Slot
 from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.spans import RoleMarkers, Spans, find_spans
 
@@ -66,7 +68,7 @@ class QueryCapture:
 
 @dataclass
 class RequestIntent:
-    """What the pruner knows about one request, attached to SGLang's Req as `req.sgl_intent`."""
+    """What the pruner knows about one request, kept in its `REQUESTS` slot."""
 
     enabled: bool
     budget: int
@@ -93,9 +95,44 @@ class RequestIntent:
     adaptive_metrics: dict | None = None  # what the event did to the session's budget
 
 
+REQUESTS: Slot[RequestIntent] = Slot("intent request")
+
+
+COMPRESSION_EVENTS = prometheus.counter("compression_events", "IntentKV compression events")
+LIVE_KV = prometheus.counter("live_kv_tokens", "KV tokens live after pruning, summed over requests")
+PEAK_TOKENS = prometheus.counter("peak_request_tokens", "Peak request tokens, summed over requests")
+KV_READS = prometheus.counter("kv_reads", "KV entries attended over decode steps", ["kind"])
+BUDGET_CLAMPED = prometheus.counter("budget_clamped", "Requests whose forced set exceeded the configured budget")
+SCORING_SECONDS = prometheus.histogram("scoring_seconds", "IntentKV scoring time per compression event")
+
+
 @mechanism.register("intent")
 class IntentPruner(mechanism.Mechanism):
+    rank = 40  # last: it finds its forced spans and session in the final tokens
+    settings = IntentConfig
+    fields = OVERRIDES
+    schema = mechanism.MetricsSchema(
+        marker="compression_events", maxed=("peak_request_tokens",), counted=("session_key_source",),
+        summed=("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms"))  # fmt: skip
     needs_sentinel = True
+
+    @classmethod
+    def parse_request(cls, raw: dict, internal: bool) -> IntentRequest | None:
+        return parse_request(raw)
+
+    @classmethod
+    def observe(cls, metrics: dict, meta_info: dict) -> None:
+        if "compression_events" not in metrics:
+            return
+        COMPRESSION_EVENTS.inc(metrics["compression_events"])
+        LIVE_KV.inc(metrics["live_kv_tokens"])
+        PEAK_TOKENS.inc(metrics["peak_request_tokens"])
+        KV_READS.labels("raw").inc(metrics["raw_kv_reads"])
+        KV_READS.labels("eff").inc(metrics["eff_kv_reads"])
+        if metrics["compression_events"]:
+            SCORING_SECONDS.observe(metrics["scoring_ms"] / 1000)
+        if metrics.get("budget_reason"):
+            BUDGET_CLAMPED.inc()
 
     def __init__(self, config: IntentConfig, tree, head: PrunerHead | None = None):
         self.config, self.tree = config, tree
@@ -142,17 +179,17 @@ class IntentPruner(mechanism.Mechanism):
     # --- admission (scheduler hook, before the request is queued) --------------------------------
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
-        if getattr(req, "sgl_intent", None) is not None or req.finished() or spec.is_internal:
+        if REQUESTS.get(req) is not None or req.finished():
             return
         if self.markers is None:
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
         try:
-            req.sgl_intent = self._plan(req, spec)
+            REQUESTS.set(req, self._plan(req, spec))
         except SpecError as exc:
-            prometheus.bad_request("field")
+            prometheus.BAD_REQUESTS.labels("field").inc()
             req.set_finish_with_abort(str(exc))
             return
-        state = req.sgl_intent
+        state = REQUESTS.get(req)
         if spec.readonly:
             # no event: no query rows to compute, so it takes all the session's path holds of its prompt
             state.capture_start = state.prompt_len
@@ -169,14 +206,27 @@ class IntentPruner(mechanism.Mechanism):
                     req.set_finish_with_abort(f"{FIELD}.layout compact: {exc}")
                     self.captures.pop(req.rid, None)
 
+    def branch_ids(self, req):
+        # a pruning request matches its session's pruned path, every branch of it (intent/paths.py)
+        state = REQUESTS.get(req)
+        return functools.partial(branch_ids, state.namespace) if state is not None and state.enabled else None
+
+    def on_match(self, req, branches) -> None:
+        REQUESTS.get(req).branches = branches
+
+    def branches(self, req):
+        state = REQUESTS.get(req)
+        return state.branches if state is not None else ()
+
     def match_limit(self, req) -> int | None:
         # the rows the scorer reads are computed by the request's own prefill, never taken from the
         # cache, so the kept set does not depend on what the tree held
-        state = getattr(req, "sgl_intent", None)
+        state = REQUESTS.get(req)
         return state.capture_start if state is not None and state.enabled else None
 
     def _plan(self, req, spec: MemorySpec) -> RequestIntent:
-        cfg = spec.intent(self.config)
+        asked: IntentRequest = spec.part(self.name) or IntentRequest()
+        cfg = asked.apply(self.config)
         tokens = req.origin_input_ids
         spans = find_spans(tokens, self.markers, cfg.query_tail)
         if cfg.system_prompt == "compressible":
@@ -199,7 +249,7 @@ class IntentPruner(mechanism.Mechanism):
             budget = cfg.budget + forced
         elif enabled and budget < forced:
             parts = f"(system prefix {spans.system_end} + actionable query span {len(tokens) - spans.query_start})"
-            if spec.budget is not None:  # the client asked for what cannot be kept: say so
+            if asked.budget is not None:  # the client asked for what cannot be kept: say so
                 raise SpecError(f"{FIELD}.budget {budget} is smaller than this request's forced set of {forced} "
                                 f"tokens {parts}; use a budget >= {forced}, budget_mode history or system_prompt compressible")  # fmt: skip
             # the server's default cannot refuse a client that asked for nothing: prune as far as it can
@@ -251,7 +301,7 @@ class IntentPruner(mechanism.Mechanism):
 
     def on_checkpoint(self, req, tree) -> RowEdit | None:
         """The compression event: once per request, at the end of its prefill."""
-        state: RequestIntent | None = getattr(req, "sgl_intent", None)
+        state: RequestIntent | None = REQUESTS.get(req)
         if state is None or state.decided or req.finished() or not req.output_ids:
             return None
         state.decided = True
@@ -345,7 +395,7 @@ class IntentPruner(mechanism.Mechanism):
         """live: [length] bool, the row's positions that held KV before the event."""
         length = live.numel()
         protected = req.kv.cache_protected_len
-        state: RequestIntent = req.sgl_intent
+        state: RequestIntent = REQUESTS.get(req)
         if state.layout == "dead_slot":
             return self._apply_dead_slot(req, tree, row, kept, live, protected)
         edit = apply_compact(
@@ -366,7 +416,7 @@ class IntentPruner(mechanism.Mechanism):
         hold slots of the shared path, which other paths still own: their KV is copied into fresh
         slots, so the branch owns every slot it holds and the shared path's stay evictable on
         their own. The next turn's prefill then attends to exactly what this event kept."""
-        state: RequestIntent = req.sgl_intent
+        state: RequestIntent = REQUESTS.get(req)
         length = live.numel()
         newly = live.clone()
         newly[kept] = False
@@ -400,7 +450,7 @@ class IntentPruner(mechanism.Mechanism):
 
     def on_release(self, req) -> None:
         self.on_drop(req)
-        state: RequestIntent | None = getattr(req, "sgl_intent", None)
+        state: RequestIntent | None = REQUESTS.get(req)
         if state is None:
             return
         metrics.attach(req, request_metrics(state, len(req.output_ids)))

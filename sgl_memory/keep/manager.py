@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_memory import capture, compact, mechanism, metrics, tree_fill
+from sgl_memory import capture, compact, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.capture import ExtendRows
-from sgl_memory.config import KeepConfig
+from sgl_memory.keep.settings import KeepConfig, KeepRequest, parse_request
 from sgl_memory.keep.loading import LayerLoader
 from sgl_memory.keep.select import REGISTRY, LayerView, Selector, ratio_at
-from sgl_memory.reuse import ReusedKV
+from sgl_memory.reuse import REUSED, ReusedKV
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +133,40 @@ class Blend:
         m = self.reuse.keys.shape[1]
         recomputed = sum(self.per_layer) if not self.refused else m * self.layers
         loads = self.loader.metrics() if self.loader is not None else {}
-        return loads | {"recomputed_tokens": recomputed, "recomputed_per_layer": self.per_layer,
+        return loads | {"recompute_method": self.reuse.method, "recompute_placed_tokens": m * self.layers,
+                        "recomputed_tokens": recomputed, "recomputed_per_layer": self.per_layer,
                 "recompute_share": round(recomputed / max(1, m * self.layers), 6), "recompute_ms": round(self.select_ms, 3),
                 "recompute_dropped_rows": self.dropped_rows, "recompute_refused": self.refused}  # fmt: skip
 
 
+REPAIRED = prometheus.counter("keep_repairs", "Requests whose placed memory blocks KEEP repaired", ["method"])
+PLACED_TOKENS = prometheus.counter("keep_placed_tokens", "Placed memory tokens times layers of the repaired requests")
+RECOMPUTED_TOKENS = prometheus.counter("keep_recomputed_tokens", "Of those, the tokens times layers recomputed")
+SELECT_SECONDS = prometheus.histogram("keep_select_seconds", "KEEP's selection time per repaired request")
+
+
 @mechanism.register("keep")
 class KeepManager(mechanism.Mechanism):
+    # after memory: it repairs the blocks memory placed among the request's prefill tokens
+    # (reuse.py), and its capture subscriber writes their KV before intent's reads the layer
+    rank = 20
+    settings = KeepConfig
+    fields = ("keep",)
+    schema = mechanism.MetricsSchema(marker="recompute_method", summed=("recomputed_tokens", "recompute_ms"))
+
+    @classmethod
+    def parse_request(cls, raw: dict, internal: bool) -> KeepRequest | None:
+        return parse_request(raw)
+
+    @classmethod
+    def observe(cls, metrics: dict, meta_info: dict) -> None:
+        if "recompute_method" not in metrics:
+            return
+        REPAIRED.labels(metrics["recompute_method"]).inc()
+        PLACED_TOKENS.inc(metrics["recompute_placed_tokens"])
+        RECOMPUTED_TOKENS.inc(metrics["recomputed_tokens"])
+        SELECT_SECONDS.observe(metrics["recompute_ms"] / 1000)
+
     def __init__(self, config: KeepConfig, tree):
         self.config, self.tree = config, tree
         self.layers = tree.token_to_kv_pool_allocator.get_kvcache().layer_num
@@ -154,13 +181,13 @@ class KeepManager(mechanism.Mechanism):
         return manager
 
     def admit(self, scheduler, req, spec) -> None:
-        reuse: ReusedKV | None = getattr(req, "sgl_reuse", None)
-        if reuse is None or spec.memory is None:
+        reuse: ReusedKV | None = REUSED.get(req)
+        if reuse is None:
             return
-        query = spec.memory
-        hops = query.hops or self.config.hops
+        asked: KeepRequest = spec.part(self.name) or KeepRequest()
+        hops = asked.hops or self.config.hops
         selector = REGISTRY[reuse.method](hops=hops) if reuse.method == "keep" else REGISTRY[reuse.method]()
-        ratio = self.config.ratio if query.recompute_ratio is None else query.recompute_ratio
+        ratio = self.config.ratio if asked.ratio is None else asked.ratio
         self.blends[req.rid] = Blend(reuse, selector, ratio, self.config.decay, self.layers, len(req.origin_input_ids),
                                      loading=self.config.loading, bandwidth=self.config.tier_bandwidth)  # fmt: skip
 

@@ -35,13 +35,15 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory import allocator, capture, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.capture import ExtendRows
-from sgl_memory.config import REPAIRS, MemArtConfig
+from sgl_memory.memart import writes
 from sgl_memory.memart.blocks import Block, MemArtPool
 from sgl_memory.memart.entries import ALONE, EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
+from sgl_memory.memart.settings import MemArtConfig, MemArtRequest, check_config, check_request, parse_request
 from sgl_memory.request import MemorySpec
-from sgl_memory.reuse import ReusedKV
+from sgl_memory.reuse import REPAIRS, REUSED, ReusedKV
 from sgl_memory.rope import Rope
+from sgl_memory.slots import Slot
 from sgl_memory.spans import RoleMarkers, find_spans
 from sgl_memory.worker import Worker
 
@@ -87,7 +89,7 @@ class Probe:
 
 @dataclass
 class TurnState:
-    """What memory did for one request, attached to SGLang's Req as `req.sgl_memart`."""
+    """What memory did for one request, kept in its `TURNS` slot."""
 
     owner: tuple[str, str]
     mode: str  # "record" (full-history turn), "retrieve", "probe", "write" (an entry or a joint KV), "forget"
@@ -123,9 +125,57 @@ class TurnState:
         return out
 
 
+TURNS: Slot[TurnState] = Slot("memory turn")  # per request
+
+
+# Prometheus series (HTTP process: per request; scheduler process: the pools)
+RETRIEVALS = prometheus.counter("retrievals", "Memory-mode requests that retrieved blocks")
+RETRIEVED_BLOCKS = prometheus.counter("retrieved_blocks", "Memory blocks placed before requests")
+RETRIEVAL_SECONDS = prometheus.histogram("retrieval_seconds", "Memory retrieval time")
+POOL_BYTES = prometheus.gauge("memory_pool_bytes", "Host memory of the KV memory pools")
+POOL_BLOCKS = prometheus.gauge("memory_pool_blocks", "Blocks in the KV memory pools")
+POOL_TOKENS = prometheus.gauge("memory_pool_tokens", "Tokens stored in the KV memory pools")
+# how a memory-mode request that placed nothing is labelled; the reason strings are the manager's
+REFUSALS = {"no query pass": "no_probe", "no free KV slots": "no_kv_slots"}
+
+
 @mechanism.register("memory")
 class MemArtManager(mechanism.Mechanism):
+    # first: it puts retrieved blocks before a memory-mode request's prompt, under a key of their
+    # own; at checkpoint it copies a turn's prompt before intent prunes the row (what pruning drops
+    # stays recallable), and at release queues the turn before persistence writes the session
+    rank = 10
+    settings = MemArtConfig
+    fields = ("memory",)
+    schema = mechanism.MetricsSchema(marker="retrieved_blocks", summed=("retrieved_blocks", "retrieval_ms"))
     kv_state = {"keys": "k", "values": "v"}  # of the pool's export (MemArtPool.export)
+
+    @classmethod
+    def parse_request(cls, raw: dict, internal: bool) -> MemArtRequest | None:
+        return parse_request(raw, internal)
+
+    @classmethod
+    def check_request(cls, part: MemArtRequest, config) -> None:
+        check_request(part, config)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        check_config(config)
+
+    @classmethod
+    def observe(cls, metrics: dict, meta_info: dict) -> None:
+        if metrics.get("retrieved_blocks"):
+            RETRIEVALS.inc()
+            RETRIEVED_BLOCKS.inc(metrics["retrieved_blocks"])
+            RETRIEVAL_SECONDS.observe(metrics["retrieval_ms"] / 1000)
+        refused = metrics.get("memory_refused")
+        if refused:
+            reason = next((code for text, code in REFUSALS.items() if refused.startswith(text)), "other")
+            prometheus.REFUSALS.labels(cls.name, reason).inc()
+
+    @classmethod
+    def mount(cls, app, config) -> None:
+        writes.mount(app, config)
 
     def __init__(self, config: MemArtConfig, tree, rope: Rope):
         self.config, self.tree, self.rope = config, tree, rope
@@ -194,21 +244,21 @@ class MemArtManager(mechanism.Mechanism):
     # --- admission -------------------------------------------------------------------------------
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
-        if spec.session_id is None or hasattr(req, "sgl_memart"):
+        if spec.session_id is None or req in TURNS:
             return
         owner = (spec.tenant or "", spec.session_id)
-        query = spec.memory
+        query: MemArtRequest | None = spec.part(self.name)
         if query is None and spec.readonly:
             return  # nothing to record, nothing to place
         if query is None:
-            req.sgl_memart = TurnState(owner, "record")
+            TURNS.set(req, TurnState(owner, "record"))
         elif query.mode == "probe":
             self._admit_probe(scheduler, req, owner, query.probe, query.placement)
         elif query.mode in ("write", "forget"):
             self._admit_edit(req, owner, query)
         else:
-            req.sgl_memart = state = TurnState(owner, "retrieve", store=query.store and not spec.readonly,
-                                               recompute=query.recompute or self.config.recompute)  # fmt: skip
+            state = TURNS.set(req, TurnState(owner, "retrieve", store=query.store and not spec.readonly,
+                                             recompute=query.recompute or self.config.recompute))  # fmt: skip
             state.turn_start = self._spans(scheduler, list(req.origin_input_ids)).query_start
             t0 = time.perf_counter()
             self._retrieve(scheduler, req, state, query)
@@ -233,7 +283,7 @@ class MemArtManager(mechanism.Mechanism):
         scoring = scoring_positions(ids, spans, self.config.score_tokens, self.markers, tokenizer)
         after_system = (placement or self.config.placement) == "after_system"
         probe = Probe(owner, scoring, self.layers, len(ids), spans.system_end if after_system else 0)
-        req.sgl_memart = TurnState(owner, "probe")
+        TURNS.set(req, TurnState(owner, "probe"))
         # Under the request's own key, like any prompt: the probe reuses what the tree caches of it
         # (match_limit) and leaves its prompt there for the session's next probe. A readonly request's
         # probe too: its prompt is not session state, and its release copies the system message.
@@ -248,7 +298,7 @@ class MemArtManager(mechanism.Mechanism):
         """An entries API pass (memart/writes.py): the book changes now, in request order; a write's
         KV is its prompt, computed alone and recorded at release under its tag."""
         memory = self.session(owner, create=True)
-        state = req.sgl_memart = TurnState(owner, query.mode, store=query.mode == "write")
+        state = TURNS.set(req, TurnState(owner, query.mode, store=query.mode == "write"))
         with memory.lock:
             if query.mode == "forget":
                 for key in query.forget:
@@ -331,7 +381,7 @@ class MemArtManager(mechanism.Mechanism):
         if state.recompute in REPAIRS:
             keys, values = assemble(blocks, self.rope, at=system)
             lines = (query.unit or self.config.unit) == "line"  # a placed line is one segment
-            req.sgl_reuse = ReusedKV(system, keys, values, memory.segments(blocks, units, lines), state.recompute)
+            REUSED.set(req, ReusedKV(system, keys, values, memory.segments(blocks, units, lines), state.recompute))
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         # SGLang resolved the client's logprob_start_len against the prompt it sent (it also caps
@@ -364,8 +414,8 @@ class MemArtManager(mechanism.Mechanism):
 
     def on_checkpoint(self, req, tree):
         """Copy the turn's prompt part off the pool at the end of its prefill, before intent (later
-        in ORDER) prunes the row: what pruning drops from the request stays recallable as KV."""
-        state: TurnState | None = getattr(req, "sgl_memart", None)
+        by rank) prunes the row: what pruning drops from the request stays recallable as KV."""
+        state: TurnState | None = TURNS.get(req)
         if state is not None and state.mode == "probe":
             probe = self.probing.get(req.rid)
             if probe is not None and probe.system_end and req.finished():  # its release: the row holds every position
@@ -387,7 +437,7 @@ class MemArtManager(mechanism.Mechanism):
         self.probing.pop(req.rid, None)
 
     def on_release(self, req) -> None:
-        state: TurnState | None = getattr(req, "sgl_memart", None)
+        state: TurnState | None = TURNS.get(req)
         if state is None:
             return
         if state.mode == "probe":
@@ -483,7 +533,9 @@ class MemArtManager(mechanism.Mechanism):
         if total > self.config.pool_bytes:
             current.trim(max(0, current.bytes - (total - self.config.pool_bytes)))
         pools = [pool for _, pool in self.tree.sessions.slots(self.name)]
-        prometheus.memory_pool(sum(m.bytes for m in pools), sum(len(m.blocks) for m in pools), sum(m.tokens for m in pools))
+        POOL_BYTES.set(sum(m.bytes for m in pools))
+        POOL_BLOCKS.set(sum(len(m.blocks) for m in pools))
+        POOL_TOKENS.set(sum(m.tokens for m in pools))
 
 
 HEADER_SCOPES = {"none": (), "turn": ("turn",), "line": ("line",), "turn_line": ("turn", "line")}

@@ -31,14 +31,14 @@ def memory_field(obj) -> dict | None:
         return None
     params = obj.sampling_params
     if isinstance(params, list):
-        if any(parse(_raw_field(p)).memory is not None for p in params if isinstance(p, dict)):
+        if any(parse(_raw_field(p)).part("memory") is not None for p in params if isinstance(p, dict)):
             raise SpecError(f"{FIELD}.memory takes one prompt per request, not a batch")
         return None
     if not isinstance(params, dict):
         return None
     raw = _raw_field(params)
     spec = parse(raw)  # internal=False: a client cannot pass a probe id of its own
-    if spec.memory is None:
+    if spec.part("memory") is None:
         return None
     check_served(spec, from_env())
     if isinstance(obj.text, list) or (isinstance(obj.input_ids, list) and obj.input_ids and isinstance(obj.input_ids[0], list)):

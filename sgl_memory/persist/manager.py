@@ -32,10 +32,11 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
 from sgl_memory import mechanism, metrics, prometheus, tree_fill
-from sgl_memory.config import PersistConfig
 from sgl_memory.request import MemorySpec
 from sgl_memory.sessions import session_key
+from sgl_memory.slots import Slot
 from sgl_memory.persist import textmatch
+from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError
 from sgl_memory.worker import Worker
 
@@ -84,7 +85,7 @@ class Session:
 
 @dataclass
 class TurnState:
-    """What persistence did for one request, attached to SGLang's Req as `req.sgl_persist`."""
+    """What persistence did for one request, kept in its `TURNS` slot."""
 
     tenant: str | None
     session_id: str
@@ -97,7 +98,7 @@ class TurnState:
     refused: str | None = None
     reuse: int = 0  # stored tokens the (possibly rewritten) prompt repeats
     loaded: bool = False  # this request loaded the session from its file
-    memory_mode: bool = False  # a KV-memory request: its path is not the session's history
+    assembled: bool = False  # a prompt assembled by a mechanism (MemorySpec.assembled): its path is not the session's history
     reads_only: bool = False  # a pass that changes nothing (MemorySpec.reads_only): loads, never writes
 
     def metrics(self, error: str | None) -> dict:
@@ -105,6 +106,9 @@ class TurnState:
                 "restore_ms": round(self.restore_ms, 3), "restored_from": self.restored_from,
                 "restore_parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()} if self.restored_tokens else None,
                 "persist_refused": self.refused, "persist_error": error}  # fmt: skip
+
+
+TURNS: Slot[TurnState] = Slot("persist turn")  # per request
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -141,8 +145,34 @@ def cache_spec(model_config, server_args, pool, page_size: int, tp_rank: int, tp
                      buffer.shape[-1], str(buffer.dtype).removeprefix("torch."), page_size, f"tp{tp_rank}/{tp_size}")  # fmt: skip
 
 
+RESTORES = prometheus.counter("restores", "Session KV restored into the tree", ["source"])
+RESTORED_TOKENS = prometheus.counter("restored_tokens", "Tokens restored from the session store")
+RESTORE_SECONDS = prometheus.histogram("restore_seconds", "Session restore time")
+WRITE_ERRORS = prometheus.counter("write_errors", "Session file writes that failed")
+STORE_BYTES = prometheus.gauge("store_bytes", "Session files on disk")
+WARM_BYTES = prometheus.gauge("store_warm_bytes", "Stored-form session KV in host memory")
+
+
 @mechanism.register("persist")
 class SessionPersistence(mechanism.Mechanism):
+    # after memory and keep, before intent: its text-level match may replace a full-history
+    # prompt's ids with the stored session's, and it restores their KV; intent then finds its
+    # spans in the final tokens. At release it writes the session after memory queued its turn.
+    rank = 30
+    settings = PersistConfig
+    follows_internal = True  # an entry write or forget changes the session: its file keeps that
+    schema = mechanism.MetricsSchema(marker="text_match", summed=("restored_tokens", "restore_ms"), counted=("text_match",),
+                                     flagged=("persist_error", "persist_refused"))  # fmt: skip
+
+    @classmethod
+    def observe(cls, metrics: dict, meta_info: dict) -> None:
+        if metrics.get("restored_tokens"):
+            RESTORES.labels(metrics.get("restored_from") or "unknown").inc()
+            RESTORED_TOKENS.inc(metrics["restored_tokens"])
+            RESTORE_SECONDS.observe(metrics["restore_ms"] / 1000)
+        if metrics.get("persist_refused"):
+            prometheus.REFUSALS.labels(cls.name, "file").inc()
+
     def __init__(self, config: PersistConfig, tree, spec: CacheSpec):
         self.config, self.tree, self.spec = config, tree, spec
         self.files = SessionFiles(config.dir, spec, quant=config.quant, kivi=config.kivi)
@@ -190,21 +220,20 @@ class SessionPersistence(mechanism.Mechanism):
     def open(self, scheduler, req, spec: MemorySpec) -> None:
         """Load a session this server has not seen (or dropped) from its file, before any mechanism
         admits the request: the other mechanisms' state in the file goes back to them."""
-        if hasattr(req, "sgl_persist") or req.finished() or spec.session_id is None or spec.is_probe or self.tree.disable:
+        if req in TURNS or req.finished() or spec.session_id is None or self.tree.disable:
             return
         if self.tokenizer is None:
             self.tokenizer = scheduler.tokenizer
-        state = req.sgl_persist = TurnState(spec.tenant, spec.session_id, memory_mode=spec.memory is not None,
-                                            reads_only=spec.reads_only)  # fmt: skip
+        state = TURNS.set(req, TurnState(spec.tenant, spec.session_id, assembled=spec.assembled, reads_only=spec.reads_only))
         t0 = time.perf_counter()
         if self._session(spec.tenant, spec.session_id, create=False) is None:
             state.loaded = self._load(state) is not None
         state.restore_ms = state.parts_ms["file"] = (time.perf_counter() - t0) * 1000
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
-        state: TurnState | None = getattr(req, "sgl_persist", None)
-        if state is None or req.finished() or state.memory_mode:
-            return  # a memory-mode prompt is an assembly of recalled blocks, rebuilt from the pool
+        state: TurnState | None = TURNS.get(req)
+        if state is None or req.finished() or state.assembled:
+            return  # an assembled prompt (recalled blocks before a new turn) is rebuilt by its mechanism
         t0 = time.perf_counter()
         session = self._session(spec.tenant, spec.session_id, create=False)
         if session is None or not session.tokens:
@@ -314,16 +343,16 @@ class SessionPersistence(mechanism.Mechanism):
     def on_release(self, req) -> None:
         """Capture the turn: the KV of the request's path that the stored record lacks, off the pool
         now (the slots are the tree's to evict), encoded and written by the worker."""
-        state: TurnState | None = getattr(req, "sgl_persist", None)
+        state: TurnState | None = TURNS.get(req)
         if state is None:
             return
         session = self._session(state.tenant, state.session_id, create=True)
         metrics.attach(req, state.metrics(session.error))
         if self.config.write_policy == "off" or self.tree.disable or state.reads_only:
             return
-        if state.memory_mode:
-            # its path is an assembly of recalled blocks, not the session's history: the stored path
-            # stays, and the memory pool the turn went into is written with it
+        if state.assembled:
+            # its path is assembled (recalled blocks before a new turn), not the session's history:
+            # the stored path stays, and what the turn changed in the other mechanisms is written
             with session.lock:
                 session.state_changed = True
             self._writer.submit(session)
@@ -389,7 +418,7 @@ class SessionPersistence(mechanism.Mechanism):
             record = session.record
             record.text = self._decode_text(record.token_ids) if self.tokenizer is not None else ""
             # what the other mechanisms hold for the session now (this turn's included: release
-            # runs them first in ORDER, or their state changed before the turn ended)
+            # runs them first, by rank, or their state changed before the turn ended)
             record.state, record.state_kv = self.tree.export_session(session.key(), skip=self)
             if session.tokens is record.token_ids:  # no newer turn: the next admission needs this text
                 session.text = record.text
@@ -397,7 +426,7 @@ class SessionPersistence(mechanism.Mechanism):
             try:
                 self.files.write(session.tenant, session.session_id, record)
             except OSError as exc:
-                prometheus.write_error()
+                WRITE_ERRORS.inc()
                 session.error = f"writing the session file failed: {exc}"
                 logger.error("session store: %s (session %r, tenant %r); it stays in memory, the server keeps serving",
                              session.error, session.session_id, session.tenant)  # fmt: skip
@@ -410,7 +439,8 @@ class SessionPersistence(mechanism.Mechanism):
             for _, other in self.tree.sessions.slots(self.name):
                 if self.files.path(other.tenant, other.session_id) == path:
                     other.on_disk = False
-        prometheus.store(self.files.disk_bytes, self._trim_warm())
+        STORE_BYTES.set(self.files.disk_bytes)
+        WARM_BYTES.set(self._trim_warm())
 
     def _trim_warm(self) -> int:
         """Drop the stored form of least recently used sessions that are safely on disk; returns

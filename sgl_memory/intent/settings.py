@@ -1,0 +1,89 @@
+"""IntentKV's settings: the `intent:` config section and the per-request overrides of it (the
+pruning keys of the `sgl_memory` field: budget, budget_mode, system_prompt, scorer, layout, ablation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from sgl_memory.config import MAX_BUDGET, choices, require
+from sgl_memory.request import FIELD, RequestPart, choice, integer
+
+
+@dataclass(frozen=True)
+class IntentConfig:
+    """Cross-turn intent pruning (IntentKV): see sgl_memory/intent/README.md."""
+
+    enabled: bool = False
+    budget: int = 2048  # prompt positions kept live per request after its prefill (see budget_mode)
+    # total: the budget counts the forced set (system prefix, latest message) too; history: it
+    # counts only the compressible history between them, the forced set is kept on top (IntentKV's
+    # budget, which lets a budget sit below an agent's tool docs)
+    # adaptive: a history budget per session that follows it (intent/sessions.py AdaptiveBudget),
+    # starting at `budget`, within [budget_floor, budget_ceiling]
+    budget_mode: Literal["total", "history", "adaptive"] = "total"
+    budget_floor: int = 128
+    budget_ceiling: int = 8192
+    grow_at: float = 0.3  # the scorer's mass on the candidates left out above which the budget grows
+    shrink_at: float = 0.9  # the share of the last event's kept history kept again above which it shrinks
+    budget_step: float = 1.25  # the factor of one change
+    # forced: the system prompt (an agent's tool docs sit there) always stays live; compressible: it
+    # competes with the history for the budget, only the latest message is forced
+    system_prompt: Literal["forced", "compressible"] = "forced"
+    scorer: Literal["memory", "memory_pool", "query", "learned", "streaming_llm", "snapkv", "h2o", "random"] = "memory_pool"
+    # learned (Phase 2, intent/head.py): the head's safetensors file; "" = the head shipped for the
+    # served model (sgl_memory/intent/heads/), if there is one
+    head: str = ""
+    ablation: Literal["none", "memory", "x_attn", "residual"] = "none"  # the learned head's Appendix-B switches
+    # training data: every compression event of scorer learned writes the head's inputs and the
+    # prompt's tokens there, one safetensors file per request (scripts/train_pruner.py reads them)
+    trace_dir: str = ""
+    layout: Literal["dead_slot", "compact"] = "dead_slot"
+    decay: float = 0.9  # QueryMemory EMA weight of the past
+    session_capacity: int = 1024  # QueryMemory entries kept (LRU)
+    roles: Literal["chatml", "llama3", "none"] = "chatml"  # how message boundaries are found in tokens
+    query_tail: int = 32  # forced tail when no role marker is found
+    session_prefix_tokens: int = 64  # N of the "hash of the first N input tokens" session key
+    window: int = 32  # SnapKV / H2O observation window (last prompt query rows)
+    kernel: int = 7  # max-pool smoothing width of SnapKV and memory_pool
+    sinks: int = 4  # StreamingLLM attention-sink tokens
+
+    def validate(self, path: str) -> None:
+        require(1 <= self.budget <= MAX_BUDGET, f"{path}.budget", f"an integer in [1, {MAX_BUDGET}]")
+        require(0.0 <= self.decay < 1.0, f"{path}.decay", "a number in [0, 1)")
+        require(1 <= self.budget_floor <= self.budget_ceiling <= MAX_BUDGET, f"{path}.budget_floor / budget_ceiling",
+                 f"integers with 1 <= floor <= ceiling <= {MAX_BUDGET}")  # fmt: skip
+        require(0.0 < self.grow_at <= 1.0, f"{path}.grow_at", "a number in (0, 1]")
+        require(0.0 < self.shrink_at <= 1.0, f"{path}.shrink_at", "a number in (0, 1]")
+        require(self.budget_step > 1.0, f"{path}.budget_step", "a number > 1")
+        require(self.session_capacity >= 1, f"{path}.session_capacity", "an integer >= 1")
+        for name in ("query_tail", "session_prefix_tokens", "window", "kernel"):
+            require(getattr(self, name) >= 1, f"{path}.{name}", "an integer >= 1")
+        require(self.kernel % 2 == 1, f"{path}.kernel", "an odd integer >= 1")
+        require(self.sinks >= 0, f"{path}.sinks", "an integer >= 0")
+
+
+OVERRIDES = ("budget", "budget_mode", "system_prompt", "scorer", "layout", "ablation")  # request keys over the section
+
+
+@dataclass(frozen=True)
+class IntentRequest(RequestPart):
+    """A request's pruning overrides (None: the server's value)."""
+
+    budget: int | None = None
+    budget_mode: str | None = None
+    system_prompt: str | None = None
+    scorer: str | None = None
+    layout: str | None = None
+    ablation: str | None = None
+
+    def apply(self, base: IntentConfig) -> IntentConfig:
+        """The server's intent config with this request's overrides."""
+        return replace(base, **{k: getattr(self, k) for k in OVERRIDES if getattr(self, k) is not None})
+
+
+def parse_request(raw: dict) -> IntentRequest | None:
+    if not any(k in raw for k in OVERRIDES):
+        return None
+    named = {k: choice(raw.get(k), choices(IntentConfig, k), f"{FIELD}.{k}") for k in OVERRIDES if k != "budget"}
+    return IntentRequest(budget=integer(raw.get("budget"), 1, MAX_BUDGET, f"{FIELD}.budget"), **named)

@@ -1,0 +1,61 @@
+"""KEEP's settings: the `keep:` config section and the per-request overrides of it
+(`sgl_memory.keep`: ratio, hops)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sgl_memory.config import require
+from sgl_memory.request import FIELD, RequestPart, SpecError, integer, number, only
+
+MAX_HOPS = 64  # importance propagation rounds (it stops earlier once its set is stable)
+
+
+@dataclass(frozen=True)
+class KeepConfig:
+    """Recomputation of the placed memory blocks that matter (KEEP, and CacheBlend as its baseline):
+    see sgl_memory/keep/README.md."""
+
+    enabled: bool = False
+    # share of the placed segments (keep) or tokens (cacheblend) recomputed at layer 1; layer 0
+    # recomputes all of them, and layer l the share ratio ** (1 + decay * (l - 1) / (layers - 2)),
+    # each layer's set inside the one before (a row dropped at a layer has no hidden state after it)
+    ratio: float = 0.3
+    decay: float = 0.5
+    hops: int = 4  # importance propagation rounds of keep (1: the new turn's attention alone)
+    # drop the rows no later layer recomputes from the hidden states (the speed-up, on backends that
+    # attend a row layout); false: write the placed KV over them at full cost (the same attention)
+    compact: bool = True
+    # how the placed KV reaches each layer (keep/loading.py): when the layer starts (sync), while the
+    # layer before computes (next_layer), or that plus preloading the rows no later layer
+    # recomputes while the loader is idle (balanced, KEEP's layer-balanced loading)
+    loading: Literal["sync", "next_layer", "balanced"] = "balanced"
+    tier_bandwidth: float = 0.0  # bytes/s of a simulated slower tier for the placed KV (0: none)
+    trace_dir: str = ""  # diagnostics: each repaired request's memory KV and selections, one file per request
+
+    def validate(self, path: str) -> None:
+        require(0.0 <= self.ratio <= 1.0, f"{path}.ratio", "a number in [0, 1]")
+        require(self.decay >= 0.0, f"{path}.decay", "a number >= 0")
+        require(1 <= self.hops <= MAX_HOPS, f"{path}.hops", f"an integer in [1, {MAX_HOPS}]")
+        require(self.tier_bandwidth >= 0.0, f"{path}.tier_bandwidth", "a number >= 0 (bytes per second; 0: no simulated tier)")
+
+
+@dataclass(frozen=True)
+class KeepRequest(RequestPart):
+    """`sgl_memory.keep`: a request's overrides of the repair of its placed memory blocks (None:
+    the server's value). Which repair runs is KV memory's choice (`sgl_memory.memory.recompute`)."""
+
+    ratio: float | None = None
+    hops: int | None = None
+
+
+def parse_request(raw: dict) -> KeepRequest | None:
+    body = raw.get("keep")
+    if body is None:
+        return None
+    where = f"{FIELD}.keep"
+    if not isinstance(body, dict):
+        raise SpecError(f"{where} must be an object")
+    only(body, ("ratio", "hops"), where)
+    return KeepRequest(number(body.get("ratio"), 0, 1, f"{where}.ratio"), integer(body.get("hops"), 1, MAX_HOPS, f"{where}.hops"))

@@ -1,0 +1,44 @@
+"""sgl-memory's state of one of SGLang's objects (a request, a tree node, a forward batch), held
+beside the object, never on it.
+
+A `Slot` maps an object to one value for as long as the object lives: SGLang's classes carry no
+attribute of ours, each value has a declared type and an owner (the module that declares the slot),
+and it goes when SGLang drops the object, so a request aborted anywhere leaves nothing behind. The
+map is keyed by identity (a ForwardBatch, a dataclass, is not hashable) and each entry removes itself
+when its object is collected, before the object's id can be reused.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Slot(Generic[T]):
+    def __init__(self, name: str):
+        self.name = name
+        self._values: dict[int, tuple[weakref.ref, T]] = {}
+
+    def get(self, obj, default: T | None = None) -> T | None:
+        entry = self._values.get(id(obj))
+        return entry[1] if entry is not None and entry[0]() is obj else default
+
+    def set(self, obj, value: T) -> T:
+        key = id(obj)
+        self._values[key] = (weakref.ref(obj, lambda _, key=key, values=self._values: values.pop(key, None)), value)
+        return value
+
+    def pop(self, obj) -> T | None:
+        entry = self._values.pop(id(obj), None)
+        return entry[1] if entry is not None else None
+
+    def __contains__(self, obj) -> bool:
+        return self.get(obj) is not None
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Slot({self.name!r}, {len(self._values)} held)"

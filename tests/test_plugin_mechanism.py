@@ -1,0 +1,124 @@
+"""A mechanism added from outside the package (tests/toy_mechanism.py) runs in the real server:
+its config section, request key, validation, metrics, Prometheus series and route all come from
+its own module, named in the config's `plugins:` list; no file of sgl_memory names it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from sgl_memory import config, harness, mechanism, prometheus, request
+from sgl_memory.request import SpecError
+
+from conftest import TEST_MODEL
+
+HERE = Path(__file__).resolve().parent
+PACKAGE = HERE.parent / "sgl_memory"
+
+
+@pytest.fixture
+def toy_registered():
+    """The toy registered in this process for one test, then taken out again (other tests see
+    the built-in mechanisms only)."""
+    mechanism.discover()  # the built-in ones first: they stay
+    registry = dict(mechanism.REGISTRY)
+    declared = dict(prometheus.DECLARED)
+    cfg = config.from_dict({"plugins": ["toy_mechanism"], "toy": {"enabled": True, "max_note": 3}})
+    yield cfg
+    mechanism.REGISTRY.clear()
+    mechanism.REGISTRY.update(registry)
+    prometheus.DECLARED.clear()
+    prometheus.DECLARED.update(declared)
+    sys.modules.pop("toy_mechanism", None)
+
+
+def test_the_package_never_names_the_toy():
+    assert not any("toy" in p.read_text() for p in PACKAGE.rglob("*.py"))
+
+
+def test_a_plugin_brings_its_section_request_key_and_checks(toy_registered):
+    cfg = toy_registered
+    assert cfg.toy.enabled and cfg.toy.max_note == 3 and cfg.plugins == ("toy_mechanism",)
+    assert cfg.as_dict()["toy"] == {"enabled": True, "max_note": 3}
+    assert [cls.name for cls in mechanism.ordered()][-1] == "toy"  # rank 50: after every built-in
+    spec = request.parse({"session_id": "s", "toy": {"note": "ab"}})
+    assert spec.part("toy").note == "ab" and spec.asked == {"toy": ("toy",)}
+    request.check_served(spec, cfg)
+    with pytest.raises(SpecError, match=r"toy\.max_note"):
+        request.check_served(request.parse({"toy": {"note": "abcd"}}), cfg)
+    with pytest.raises(SpecError, match=r"sgl_memory\.toy: toy is off on this server \(toy\.enabled: false\)"):
+        request.check_served(spec, config.from_dict({"plugins": ["toy_mechanism"]}))
+    with pytest.raises(config.ConfigError, match=r"toy\.max_note"):
+        config.from_dict({"plugins": ["toy_mechanism"], "toy": {"max_note": 0}})
+    with pytest.raises(config.ConfigError, match="plugins: cannot import"):
+        config.from_dict({"plugins": ["no_such_module_here"]})
+
+
+def test_a_second_mechanism_cannot_take_a_key_another_owns(toy_registered):
+    with pytest.raises(ValueError, match="belong to"):
+
+        @mechanism.register("toy2")
+        class Clash(mechanism.Mechanism):
+            rank, settings, fields = 60, type(toy_registered.toy), ("budget",)
+
+            @classmethod
+            def build(cls, config, tree, ctx):
+                raise AssertionError
+
+
+@pytest.fixture(scope="module")
+def toy_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("toy")
+    (d / "memory.yaml").write_text("plugins: [toy_mechanism]\ntoy:\n  enabled: true\n  max_note: 8\nintent:\n  enabled: true\n  budget: 64\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    srv = harness.start(harness.our_command(TEST_MODEL, "--memory-config", str(d / "memory.yaml"), "--enable-metrics"), d / "server.log", env)
+    yield srv
+    harness.stop(srv)
+
+
+def generate(server, ids, field=None):
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+    if field is not None:
+        body["sgl_memory"] = field
+    r = server.post("/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sample(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.mark.server
+def test_the_server_serves_a_plugin_mechanism_beside_the_built_in_ones(toy_server):
+    before, stats_before = toy_server.prometheus(), toy_server.get("/sgl_memory/stats").json()
+    ids = list(range(1000, 1120))  # 120 tokens: intent prunes them to its budget of 64
+    plain = generate(toy_server, ids)
+    toy = generate(toy_server, ids, {"toy": {"note": "hi"}})
+    both = generate(toy_server, ids, {"session_id": "toy-s", "toy": {"note": "hi"}})
+    # the toy reports what the client sent, and changes nothing it was not asked to
+    for out in (toy, both):
+        m = out["meta_info"]["sgl_memory"]
+        assert (m["toy_prompt_tokens"], m["toy_first_token"], m["toy_note"]) == (len(ids), ids[0], "hi")
+    assert toy["output_ids"] == plain["output_ids"]
+    assert "toy_prompt_tokens" not in (plain["meta_info"].get("sgl_memory") or {})
+    # intent ran on the same request (a session pruned to its budget), the toy beside it
+    assert both["meta_info"]["sgl_memory"]["compression_events"] == 1
+    # its own validation, with the key named
+    for field, needle in (({"toy": {"note": 5}}, "sgl_memory.toy.note must be a string"),
+                          ({"toy": {"note": "far too long"}}, "toy.max_note"), ({"toy": {"x": 1}}, "sgl_memory.toy: unknown field")):  # fmt: skip
+        r = toy_server.post("/generate", {"input_ids": ids, "sgl_memory": field})
+        assert r.status_code == 400 and needle in r.text, r.text
+    # its route, its config section, its aggregates and its Prometheus series
+    assert toy_server.get("/sgl_memory/toy").json() == {"max_note": 8}
+    info = toy_server.get("/sgl_memory/info").json()["config"]
+    assert info["toy"] == {"enabled": True, "max_note": 8} and info["plugins"] == ["toy_mechanism"]
+    stats, after = toy_server.get("/sgl_memory/stats").json(), toy_server.prometheus()
+    assert stats["totals"]["toy_prompt_tokens"] - stats_before["totals"]["toy_prompt_tokens"] == 2 * len(ids)
+    assert stats["counts"]["toy_note"]["hi"] - stats_before["counts"]["toy_note"].get("hi", 0) == 2
+    assert sample(after, "sgl_memory_toy_requests_total") - sample(before, "sgl_memory_toy_requests_total") == 2
+    grew = sample(after, "sgl_memory_requests_total", mechanism="toy") - sample(before, "sgl_memory_requests_total", mechanism="toy")
+    assert grew == 2

@@ -1,0 +1,89 @@
+"""A mechanism from outside the package, for tests/test_plugin_mechanism.py: a server loads it
+through its config (`plugins: [toy_mechanism]`), and nothing in sgl_memory names it.
+
+It counts what it is asked to: each request that sets `sgl_memory.toy` gets, in its metrics, the
+prompt's token count and first token id as the tree saw them at admission, and the note it sent.
+It owns its config section, its request key, its metrics schema, a Prometheus counter and a route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgl_memory import mechanism, metrics, prometheus
+from sgl_memory.config import require
+from sgl_memory.request import FIELD, RequestPart, SpecError, only
+from sgl_memory.slots import Slot
+
+
+@dataclass(frozen=True)
+class ToyConfig:
+    enabled: bool = False
+    max_note: int = 16
+
+    def validate(self, path: str) -> None:
+        require(self.max_note >= 1, f"{path}.max_note", "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ToyRequest(RequestPart):
+    note: str = ""
+
+
+SEEN: Slot[dict] = Slot("toy")
+REQUESTS = prometheus.counter("toy_requests", "Requests the toy mechanism counted")
+
+
+@mechanism.register("toy")
+class ToyMechanism(mechanism.Mechanism):
+    rank = 50  # after every built-in: it sees the prompt they made
+    settings = ToyConfig
+    fields = ("toy",)
+    schema = mechanism.MetricsSchema(marker="toy_prompt_tokens", summed=("toy_prompt_tokens",), counted=("toy_note",))
+
+    def __init__(self, config: ToyConfig):
+        self.config = config
+
+    @classmethod
+    def build(cls, config, tree, ctx) -> ToyMechanism:
+        return cls(config)
+
+    @classmethod
+    def parse_request(cls, raw: dict, internal: bool) -> ToyRequest | None:
+        body = raw.get("toy")
+        if body is None:
+            return None
+        if not isinstance(body, dict):
+            raise SpecError(f"{FIELD}.toy must be an object")
+        only(body, ("note",), f"{FIELD}.toy")
+        note = body.get("note", "")
+        if not isinstance(note, str):
+            raise SpecError(f"{FIELD}.toy.note must be a string, got {note!r}")
+        return ToyRequest(note)
+
+    @classmethod
+    def check_request(cls, part: ToyRequest, config) -> None:
+        if len(part.note) > config.toy.max_note:
+            raise SpecError(f"{FIELD}.toy.note is longer than toy.max_note ({config.toy.max_note})")
+
+    @classmethod
+    def observe(cls, metrics: dict, meta_info: dict) -> None:
+        if "toy_prompt_tokens" in metrics:
+            REQUESTS.inc()
+
+    @classmethod
+    def mount(cls, app, config) -> None:
+        @app.get("/sgl_memory/toy")
+        async def toy():
+            return {"max_note": config.toy.max_note}
+
+    def admit(self, scheduler, req, spec) -> None:
+        part = spec.part(self.name)
+        if part is not None:
+            ids = list(req.origin_input_ids)
+            SEEN.set(req, {"toy_prompt_tokens": len(ids), "toy_first_token": ids[0], "toy_note": part.note})
+
+    def on_release(self, req) -> None:
+        seen = SEEN.pop(req)
+        if seen is not None:
+            metrics.attach(req, seen)
