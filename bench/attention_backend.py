@@ -20,8 +20,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import RESULTS, generate, ours, parse_args, prompt_of_length, read_bandwidth_gbs, write_json
-from sgl_memory import harness, launch_server, models
-from sgl_memory.harness import cpu_flags, plain_sglang
+from sgl_memory import launch_server, models
+from bench import harness
+from bench.harness import cpu_flags, plain_sglang
 
 NEW_TOKENS = 64
 DECODE_TOKENS = 32

@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: prompts of exact token length, timed requests, our server's
 command line, the pruning methods compared side by side and their per-request KV costs, and the
-machine's memory bandwidth (plain SGLang's command line is in sgl_memory.harness)."""
+machine's memory bandwidth (plain SGLang's command line is in bench.harness)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]

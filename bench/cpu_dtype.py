@@ -28,8 +28,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import RESULTS, generate, ours, parse_args, prompt_of_length, write_json
-from sgl_memory import cpu_dtype, harness, models
-from sgl_memory.harness import cpu_flags, plain_sglang
+from sgl_memory import cpu_dtype, models
+from bench import harness
+from bench.harness import cpu_flags, plain_sglang
 
 DECODE_TOKENS = 33  # 32 decode steps after the first token
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

@@ -32,8 +32,9 @@ from tqdm import tqdm
 
 from attention_backend import floors
 from common import RESULTS, generate, ours, parse_args, prompt_of_length, read_bandwidth_gbs, write_json
-from sgl_memory import harness, models
-from sgl_memory.harness import cpu_flags, plain_sglang
+from sgl_memory import models
+from bench import harness
+from bench.harness import cpu_flags, plain_sglang
 
 PROFILE_STEPS = 12
 DECODE_TOKENS = 33  # the timed decode: 32 steps after the prompt's last token

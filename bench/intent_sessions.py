@@ -28,7 +28,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import RESULTS, kv_costs, ok, pruning_methods, write_json
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 GEN_TOKENS = 16
 TOP = 20

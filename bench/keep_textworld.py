@@ -34,7 +34,8 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 from .common import RESULTS, ok, write_json
 from .locomo.run import generate

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 from .common import RESULTS, write_json
 from .locomo import data, prompts

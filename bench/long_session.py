@@ -47,7 +47,8 @@ from tqdm import tqdm
 from common import RESULTS, ok, write_json
 from locomo import data
 from locomo.metrics import token_f1
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 SYSTEM = "You are a memory assistant. Acknowledge each part of the conversation in a few words; answer questions about it in a short phrase."
 METHODS = ("plain", "intent", "memory", "all", "all+restart", "all-cap-lru", "all-cap-merge")

@@ -45,7 +45,8 @@ from tqdm import tqdm
 
 from common import RESULTS, bootstrap, ok, write_json
 from locomo import data
-from sgl_memory import cpu_dtype, harness, models
+from sgl_memory import cpu_dtype, models
+from bench import harness
 
 SYSTEM = "You are a helpful assistant that remembers the whole conversation."
 FIRST = "Summarise what we talked about in one sentence."

@@ -16,8 +16,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import RESULTS, generate, ours, parse_args, prompt_of_length, write_json
-from sgl_memory import harness, models
-from sgl_memory.harness import cpu_flags, plain_sglang
+from sgl_memory import models
+from bench import harness
+from bench.harness import cpu_flags, plain_sglang
 
 DECODE_TOKENS = 64
 

@@ -51,7 +51,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import provenance  # noqa: E402
-from sgl_memory import harness  # noqa: E402
+from bench import harness  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 # host-memory caps small enough to bind within the run, so "RSS stays bounded" tests them

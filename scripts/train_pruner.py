@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.fidelity import points as P  # noqa: E402
-from sgl_memory import harness, models  # noqa: E402
+from sgl_memory import models  # noqa: E402
+from bench import harness  # noqa: E402
 from sgl_memory.intent.head import HeadShape, PrunerHead, backbone_spec  # noqa: E402
 
 FAMILIES = ("bfcl", "bcp", "textworld", "locomo")

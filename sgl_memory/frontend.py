@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
-from sgl_memory.request import FIELD, keys
+from sgl_memory.core.request import FIELD, keys
 
 
 class MemoryEndpoint(RuntimeEndpoint):

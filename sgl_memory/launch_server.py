@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from sgl_memory import config as memory_config
+from sgl_memory.core import config as memory_config
 from sgl_memory import cpu_dtype, models
 
 KV_POOL_RAM_FRACTION = 0.15
@@ -84,8 +84,8 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
     parser.add_argument("--memory-config", default=None)
     ours, rest = parser.parse_known_args(argv)
 
-    from sgl_memory import radix_cache
-    from sgl_memory.attention import cpu_backend
+    from sgl_memory.engine import radix_cache
+    from sgl_memory.engine.attention import cpu_backend
 
     cfg = memory_config.load(ours.memory_config)
     radix_cache.check_config(cfg)  # the tree checks again where it is built; here it fails before start-up

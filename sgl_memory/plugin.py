@@ -2,8 +2,10 @@
 
 It registers the `sgl_memory` radix-cache backend and applies the hook manifest
 (`patches/hooks.yaml`, shipped as `sgl_memory.patches`). In the server's main process it first checks
-that every target of the manifest exists in the installed SGLang and refuses to start otherwise: a
-silently missing hook would serve requests without the behaviour the user asked for.
+that every target of the manifest, and every other contact point with SGLang's code
+(`patches/contacts.yaml`: the methods our subclasses override, the internals the engine reads),
+exists in the installed SGLang and refuses to start otherwise: a silently missing hook or a renamed
+method would serve requests without the behaviour the user asked for.
 """
 
 from __future__ import annotations
@@ -30,13 +32,28 @@ class HookSpec:
     why: str
 
 
+@dataclass(frozen=True)
+class Contact:
+    target: str
+    kind: Literal["override", "wrap", "use", "api"]
+    by: str  # the module or class of ours that holds it
+    why: str
+
+
 class PatchSetError(RuntimeError):
     pass
 
 
+def _read(name: str) -> list[dict]:
+    return yaml.safe_load(importlib.resources.files("sgl_memory.patches").joinpath(name).read_text()) or []
+
+
 def manifest() -> list[HookSpec]:
-    text = importlib.resources.files("sgl_memory.patches").joinpath("hooks.yaml").read_text()
-    return [HookSpec(**entry) for entry in yaml.safe_load(text) or []]
+    return [HookSpec(**entry) for entry in _read("hooks.yaml")]
+
+
+def contacts() -> list[Contact]:
+    return [Contact(**entry) for entry in _read("contacts.yaml")]
 
 
 def _installed_sglang() -> str:
@@ -45,7 +62,7 @@ def _installed_sglang() -> str:
     return version("sglang")
 
 
-def missing_targets(specs: list[HookSpec]) -> list[HookSpec]:
+def missing_targets(specs: list) -> list:
     missing = []
     for spec in specs:
         try:
@@ -55,16 +72,16 @@ def missing_targets(specs: list[HookSpec]) -> list[HookSpec]:
     return missing
 
 
-def check_patch_set(specs: list[HookSpec] | None = None) -> None:
-    """Raise PatchSetError naming every hook target the installed SGLang lacks."""
+def check_patch_set(specs: list[HookSpec] | None = None, touched: list[Contact] | None = None) -> None:
+    """Raise PatchSetError naming every hook target and contact point the installed SGLang lacks."""
     specs = manifest() if specs is None else specs
-    missing = missing_targets(specs)
-    if missing:
-        installed = _installed_sglang()
-        lines = [f"  {s.target} (written for sglang {s.sglang}; {s.why})" for s in missing]
+    touched = contacts() if touched is None else touched
+    lines = [f"  {s.target} (a hook written for sglang {s.sglang}; {s.why})" for s in missing_targets(specs)]
+    lines += [f"  {c.target} (a {c.kind} by {c.by}; {c.why})" for c in missing_targets(touched)]
+    if lines:
         raise PatchSetError(
-            f"sgl-memory cannot run on the installed sglang {installed} (pinned: {SGLANG_VERSION}); "
-            "these hook targets no longer exist:\n" + "\n".join(lines)
+            f"sgl-memory cannot run on the installed sglang {_installed_sglang()} (pinned: {SGLANG_VERSION}); "
+            "these targets no longer exist:\n" + "\n".join(lines)
         )
 
 
@@ -87,8 +104,8 @@ def register_backends() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from sgl_memory import radix_cache
-    from sgl_memory.attention import cpu_backend
+    from sgl_memory.engine import radix_cache
+    from sgl_memory.engine.attention import cpu_backend
 
     if get_radix_cache_factory(radix_cache.BACKEND_NAME) is None:
         register_radix_cache_backend(radix_cache.BACKEND_NAME, radix_cache.build)

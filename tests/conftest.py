@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from sgl_memory import cpu_dtype, harness
+from sgl_memory import cpu_dtype
+from bench import harness
 
 TEST_MODEL = "smollm2-135m-instruct"
 # The dtype a server started without --dtype computes in: the launcher's choice for this CPU, or

@@ -16,7 +16,8 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 from bench.agent import bcp, bfcl, run
 from bench.agent.loop import prompt_token_ids
@@ -433,6 +434,7 @@ def test_bcps_qwen_agent_client_runs_against_sgl_memory_and_the_mcp_server(serve
     assert after["totals"]["compression_events"] > before["totals"]["compression_events"]
 
 
+@pytest.mark.server
 def test_the_shipped_pruner_head_prunes_a_bfcl_session_on_the_default_model(server):
     """IntentKV Phase 2 end to end: `scorer: learned` loads the head shipped for the default model
     and prunes a BFCL task's steps (ground truth replayed) at a history budget that bites; the

@@ -11,7 +11,7 @@ import sys
 
 SCRIPT = """
 import sys, torch
-from sgl_memory.allocator import fix_mmap_threshold
+from sgl_memory.core.allocator import fix_mmap_threshold
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 if sys.argv[1] == "fixed":

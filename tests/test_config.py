@@ -1,6 +1,6 @@
 import pytest
 
-from sgl_memory import config
+from sgl_memory.core import config
 from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.memart.settings import MemArtConfig
 from sgl_memory.persist.settings import PersistConfig
@@ -62,7 +62,7 @@ def test_missing_file_is_a_config_error(tmp_path):
 
 def test_every_combination_of_the_three_mechanisms_is_accepted(tmp_path):
     """intent, persist and memory compose: no pair and not all three is refused at start-up."""
-    from sgl_memory.radix_cache import check_config
+    from sgl_memory.engine.radix_cache import check_config
 
     names = ("intent", "persist", "memory")
     combos = [(a,) for a in names] + [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]] + [names]
@@ -76,8 +76,8 @@ def test_a_declared_conflict_is_refused_where_the_tree_is_built(tmp_path, monkey
     tree's constructor (a plain sglang.launch_server with the plugin gets it) and names the pair."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    from sgl_memory import mechanism
-    from sgl_memory.radix_cache import SglMemoryRadixCache, check_config
+    from sgl_memory.core import mechanism
+    from sgl_memory.engine.radix_cache import SglMemoryRadixCache, check_config
 
     check_config(config.MemoryConfig())  # imports (registers) every mechanism
     monkeypatch.setattr(mechanism.REGISTRY["memory"], "conflicts", {"intent": "a reason"})

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from sgl_memory.attention.cpu_backend import plan_requests, run_plans
-from sgl_memory.attention.kv_source import locate
-from sgl_memory.attention.merged import attend
+from sgl_memory.engine.attention.cpu_backend import plan_requests, run_plans
+from sgl_memory.engine.attention.kv_source import locate
+from sgl_memory.engine.attention.merged import attend
 
 
 def reference(q, k, v, scale=None):

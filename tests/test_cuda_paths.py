@@ -26,7 +26,7 @@ from sgl_memory.keep.select import REGISTRY, LayerView  # noqa: E402
 from sgl_memory.kernels.aabb_score import aabb_scores, aabb_scores_torch  # noqa: E402
 from sgl_memory.kernels.compact_kv_indices import drop_sentinel_, drop_sentinel_reference  # noqa: E402
 from sgl_memory.persist.quant import dequantize, quantize  # noqa: E402
-from sgl_memory.rope import Rope  # noqa: E402
+from sgl_memory.core.rope import Rope  # noqa: E402
 
 CUDA = torch.device("cuda")
 

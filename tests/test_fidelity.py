@@ -177,7 +177,7 @@ def test_every_methods_server_config_loads_and_a_persisted_method_restores_in_it
     import yaml
 
     from bench.fidelity.run import PERSISTED, SERVERS, methods
-    from sgl_memory import config
+    from sgl_memory.core import config
 
     loaded = {name: config.from_dict(yaml.safe_load(text)) for name, text in SERVERS.items()}
     ms = methods([32])

@@ -70,7 +70,7 @@ def test_json_nested_too_deeply_is_a_400(server, path):
 
 
 def test_a_body_over_the_cap_is_a_413(server):
-    from sgl_memory.http_api import MAX_BODY_BYTES
+    from sgl_memory.engine.http_api import MAX_BODY_BYTES
 
     r = server.post_raw("/generate", b'{"text": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}')
     assert r.status_code == 413, r.text

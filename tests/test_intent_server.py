@@ -16,7 +16,8 @@ import requests
 import torch
 
 from conftest import TEST_MODEL, start_server, stop_server
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 pytestmark = pytest.mark.server
 

@@ -12,12 +12,12 @@ import torch
 
 from sgl_memory.intent import scorers
 from sgl_memory.intent.layouts import apply_dead_slot, freeable
-from sgl_memory.request import SpecError, parse
+from sgl_memory.core.request import SpecError, parse
 from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
-from sgl_memory.sessions import SessionRegistry
-from sgl_memory.spans import RoleMarkers, find_spans
-from sgl_memory.rope import Rope
+from sgl_memory.core.sessions import SessionRegistry
+from sgl_memory.core.spans import RoleMarkers, find_spans
+from sgl_memory.core.rope import Rope
 
 # --- QueryMemory and sessions ------------------------------------------------------------------
 
@@ -357,7 +357,8 @@ def test_find_branches_walks_every_branch_of_the_session_on_the_path():
     from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
     from sgl_memory.intent.paths import branch_id, branch_ids
-    from sgl_memory.tree_fill import find_branches as find_with, with_branches
+    from sgl_memory.engine.radix_cache import find_branches as find_with
+    from sgl_memory.core.tree_fill import with_branches
 
     def find_branches(root, key, ns):
         return find_with(root, key, lambda ids: branch_ids(ns, ids))
@@ -384,7 +385,7 @@ def test_find_branches_walks_every_branch_of_the_session_on_the_path():
 
 @pytest.mark.parametrize("key", [None, "lora-a", "a\x00tenant:x", "\\0tenant:x", "\\", "\x00", "a\\\x00b"])
 def test_a_client_extra_key_never_contains_the_namespace_separator(key):
-    from sgl_memory.admission import client_namespace
+    from sgl_memory.engine.admission import client_namespace
 
     escaped = client_namespace(key)
     assert escaped is None if not key else "\x00" not in escaped
@@ -393,10 +394,10 @@ def test_a_client_extra_key_never_contains_the_namespace_separator(key):
 
 
 def test_a_mechanism_the_server_runs_without_is_refused_naming_its_key():
-    from sgl_memory.config import MemoryConfig
+    from sgl_memory.core.config import MemoryConfig
     from sgl_memory.intent.settings import IntentConfig
     from sgl_memory.memart.settings import MemArtConfig
-    from sgl_memory.request import check_served
+    from sgl_memory.core.request import check_served
 
     off = MemoryConfig()
     for raw, key in (({"budget": 9}, "intent.enabled"), ({"scorer": "h2o", "layout": "compact"}, "intent.enabled"),

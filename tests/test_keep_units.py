@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from sgl_memory import config, request
+from sgl_memory.core import config, request
 from sgl_memory.keep.loading import LOADINGS, LayerLoader
 from sgl_memory.keep.select import REGISTRY, KVDeviation, LayerView, MultiHop, ratio_at
 

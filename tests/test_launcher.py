@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from sgl_memory import config, cpu_dtype, launch_server, models
+from sgl_memory import cpu_dtype, launch_server, models
+from sgl_memory.core import config
 
 # /proc/cpuinfo flags lines of the three kinds of CPU the project's machines have been
 AMX_XEON = "fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8"

@@ -12,13 +12,13 @@ import torch
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply_rotary_pos_emb
 
-from sgl_memory.request import SpecError, parse
+from sgl_memory.core.request import SpecError, parse
 from sgl_memory.kernels.aabb_score import aabb_scores
-from sgl_memory.spans import RoleMarkers, find_spans
+from sgl_memory.core.spans import RoleMarkers, find_spans
 from sgl_memory.memart.blocks import BlockIndex, MemArtPool, pieces
 from sgl_memory.memart.manager import assemble, choose, probe_end, scoring_positions
 from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, score_blocks, top_blocks
-from sgl_memory.rope import Rope
+from sgl_memory.core.rope import Rope
 
 # --- the AABB bound ----------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import torch
 from sgl_memory.memart.blocks import MemArtPool
 from sgl_memory.memart.entries import EntryBook
 from sgl_memory.memart.writes import parse_forget, parse_write
-from sgl_memory.request import SpecError
+from sgl_memory.core.request import SpecError
 
 L, H, D = 2, 2, 4
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import EXACT_QUANT, TEST_MODEL, start_server, stop_server
-from sgl_memory import harness
+from bench import harness
 from sgl_memory.persist.store import CacheSpec, SessionFiles, _digest
 
 pytestmark = pytest.mark.server

@@ -264,10 +264,11 @@ def test_a_fine_tune_with_the_same_config_is_another_model(tmp_path):
     tuned[200_000:200_010] = bytes(10)  # one small change where no header lives
     hf_config = SimpleNamespace(to_dict=lambda: {"model_type": "llama", "hidden_size": 64})
     pool = SimpleNamespace(layer_num=2, get_key_buffer=lambda layer: torch.zeros(8, 2, 32, dtype=torch.bfloat16))
+    tree = SimpleNamespace(pool=pool, page_size=1, layers=lambda: range(2))  # the KV host's part it reads
 
     def spec(folder):
         args = SimpleNamespace(model_path=str(folder), served_model_name="m")
-        return cache_spec(SimpleNamespace(hf_config=hf_config), args, pool, 1, 0, 1)
+        return cache_spec(SimpleNamespace(hf_config=hf_config), args, tree, 0, 1)
 
     base = spec(checkpoint("base", weights))
     assert spec(checkpoint("copy", weights)) == base  # the same weights elsewhere: the same model

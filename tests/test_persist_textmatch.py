@@ -9,7 +9,7 @@ import pytest
 from conftest import TEST_MODEL
 from sgl_memory import models
 from sgl_memory.persist import textmatch
-from sgl_memory.tree_fill import common_prefix
+from sgl_memory.core.tree_fill import common_prefix
 
 
 @pytest.fixture(scope="module")

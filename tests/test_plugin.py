@@ -32,7 +32,7 @@ def test_missing_target_is_refused_naming_target_and_installed_version():
     bogus = plugin.HookSpec(
         target="sglang.srt.managers.scheduler.Scheduler.no_such_method_anymore",
         type="around",
-        hook="sgl_memory.http_api.mount",
+        hook="sgl_memory.engine.http_api.mount",
         process="all",
         sglang=SGLANG_VERSION,
         why="test",
@@ -49,7 +49,7 @@ def test_radix_backend_is_registered_by_sglang_plugin_loader():
     code = (
         "from sglang.srt.plugins import load_plugins; load_plugins();"
         "from sglang.srt.mem_cache.registry import get_radix_cache_factory;"
-        "from sgl_memory.radix_cache import build; print(get_radix_cache_factory('sgl_memory') is build)"
+        "from sgl_memory.engine.radix_cache import build; print(get_radix_cache_factory('sgl_memory') is build)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -62,7 +62,7 @@ def test_a_kv_pool_smaller_than_asked_stops_start_up():
     fewer than --max-total-tokens 100000000")."""
     from types import SimpleNamespace
 
-    from sgl_memory.radix_cache import PoolTooSmall, check_pool_size
+    from sgl_memory.engine.radix_cache import PoolTooSmall, check_pool_size
 
     shrunk = SimpleNamespace(size=663, page_size=1)
     with pytest.raises(PoolTooSmall, match="holds 663 tokens, fewer than --max-total-tokens 3000"):

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sgl_memory import config, harness, mechanism, prometheus, request
-from sgl_memory.request import SpecError
+from bench import harness
+from sgl_memory.core import config, mechanism, prometheus, request
+from sgl_memory.core.request import SpecError
 
 from conftest import TEST_MODEL
 

@@ -14,7 +14,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sgl_memory.radix_cache import SglMemoryRadixCache
+from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 
 
 class RecordingAllocator:
@@ -195,7 +195,7 @@ def real_allocator(page_size):
 
 
 def mode_config(mode, tmp_path):
-    from sgl_memory.config import MemoryConfig
+    from sgl_memory.core.config import MemoryConfig
     from sgl_memory.intent.settings import IntentConfig
     from sgl_memory.persist.settings import PersistConfig
     from sgl_memory.memart.settings import MemArtConfig
@@ -323,12 +323,10 @@ def test_every_mode_keeps_the_plain_radix_cache_contract(mode, page_size, tmp_pa
 
 
 def test_fresh_slots_come_from_eviction_inside_a_free_group(tmp_path):
-    """tree_fill.alloc on a full pool inside a deferred free group (intent's compression event runs
+    """The tree's alloc_slots on a full pool inside a deferred free group (intent's compression event runs
     in SGLang's result processing, which opens one): the slots eviction frees are handed out at
     once, the group still ends where its caller ends it, and every slot of the pool is accounted
     for (held by the caller, the tree, or free)."""
-    from sgl_memory import tree_fill
-
     allocator = real_allocator(1)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=1)
     tree = SglMemoryRadixCache(params, mode_config("intent", tmp_path), tree_context(tmp_path))
@@ -338,7 +336,7 @@ def test_fresh_slots_come_from_eviction_inside_a_free_group(tmp_path):
         tree.insert(InsertParams(key=RadixKey([first] + [9] * (n - 1)), value=allocator.alloc(n).to(torch.int64)))
     assert allocator.available_size() == 0
     allocator.free_group_begin()
-    slots = tree_fill.alloc(tree, 40)
+    slots = tree.alloc_slots(40)
     assert slots is not None and len(set(slots.tolist())) == 40
     assert allocator.free_group is not None  # still open: its caller ends it
     allocator.free_group_end()
@@ -351,7 +349,7 @@ def test_sentinel_safe_allocator_forwards_each_free_variant():
     and each remaining run of a segment at its own start position."""
     from types import SimpleNamespace
 
-    from sgl_memory.radix_cache import SentinelSafeAllocator
+    from sgl_memory.engine.radix_cache import SentinelSafeAllocator
 
     calls = []
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from sgl_memory.attention.cpu_backend import plan_requests, run_plans
+from sgl_memory.engine.attention.cpu_backend import plan_requests, run_plans
 
 SENTINEL = 1
 

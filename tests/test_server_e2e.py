@@ -7,7 +7,8 @@ import json
 import pytest
 
 from conftest import SERVER_DTYPE, TEST_MODEL, start_server, stop_server
-from sgl_memory import cpu_dtype, harness, models
+from sgl_memory import cpu_dtype, models
+from bench import harness
 
 pytestmark = pytest.mark.server
 

@@ -31,9 +31,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_memory import mechanism
-from sgl_memory.admission import ADMITTED
-from sgl_memory.config import MemoryConfig
+from sgl_memory.engine.admission import ADMITTED
+from sgl_memory.core.config import MemoryConfig
 from sgl_memory.intent.pruner import REQUESTS as INTENT
 from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.memart.manager import TURNS as MEMORY
@@ -43,10 +42,10 @@ from sgl_memory.persist.manager import TURNS as PERSIST
 from sgl_memory.persist.manager import SessionPersistence
 from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import CacheSpec
-from sgl_memory.request import of_request
-from sgl_memory.rope import Rope
-from sgl_memory.spans import RoleMarkers
-from sgl_memory.radix_cache import SglMemoryRadixCache
+from sgl_memory.core.request import of_request
+from sgl_memory.core.rope import Rope
+from sgl_memory.core.spans import RoleMarkers
+from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 
 POOL = 400
 ROWS = 6
@@ -371,7 +370,7 @@ def test_a_request_aborted_while_queued_leaves_no_state_behind(tmp_path):
     dropped hook); a request that holds a KV row is left to the tree's release."""
     from types import SimpleNamespace
 
-    from sgl_memory import admission
+    from sgl_memory.engine import admission
 
     sim = AllSim(0, tmp_path)
     scheduler = SimpleNamespace(tree_cache=sim.tree)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_memory import mechanism, metrics, prometheus
-from sgl_memory.config import require
-from sgl_memory.request import FIELD, RequestPart, SpecError, only
-from sgl_memory.slots import Slot
+from sgl_memory.core import mechanism, metrics, prometheus
+from sgl_memory.core.config import require
+from sgl_memory.core.request import FIELD, RequestPart, SpecError, only
+from sgl_memory.core.slots import Slot
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import requests
 
 from bench.common import kv_costs
-from sgl_memory.tree_fill import common_prefix
+from sgl_memory.core.tree_fill import common_prefix
 
 
 class Refused(RuntimeError):

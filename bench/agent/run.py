@@ -35,7 +35,8 @@ import requests
 from tqdm import tqdm
 
 from bench.common import RESULTS, commit, pruning_methods, read_rows, write_json
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 from . import bcp, bfcl
 from .loop import Endpoint, Refused, message_tokens

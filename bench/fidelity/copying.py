@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, bootstrap, read_rows, write_json
 from sgl_memory import models
-from sgl_memory.spans import RoleMarkers, find_spans
+from sgl_memory.core.spans import RoleMarkers, find_spans
 
 from . import points as P
 

@@ -56,7 +56,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, ok, read_rows, write_json
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 from . import points as P
 

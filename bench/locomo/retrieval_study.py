@@ -26,7 +26,7 @@ import torch
 
 from bench.common import write_json
 from sgl_memory import models
-from sgl_memory.spans import RoleMarkers, find_spans
+from sgl_memory.core.spans import RoleMarkers, find_spans
 from sgl_memory.memart.retrieval import AGGS, NORMS, aabb_logits, block_scores, top_blocks
 
 from . import data, prompts

@@ -38,7 +38,8 @@ import requests
 from tqdm import tqdm
 
 from bench.common import bootstrap, commit, ok, write_json
-from sgl_memory import harness, models
+from sgl_memory import models
+from bench import harness
 
 from . import data, metrics, prompts
 from .retrieval import TurnRetriever

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_memory.rope import Rope
+from sgl_memory.core.rope import Rope
 
 LAYOUTS = ("dead_slot", "compact")
 

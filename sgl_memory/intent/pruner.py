@@ -15,17 +15,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sgl_memory import capture, mechanism, metrics, prometheus, runtime, tree_fill
-from sgl_memory.capture import ExtendRows
+from sgl_memory.core import capture, mechanism, metrics, prometheus, tree_fill
+from sgl_memory.core.capture import ExtendRows
 from sgl_memory.intent import scorers
 from sgl_memory.intent.head import PrunerHead, backbone_spec, find_head
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
 from sgl_memory.intent.paths import branch_id, branch_ids, namespace
+from sgl_memory.core.kvhost import Branches
 from sgl_memory.intent.settings import OVERRIDES, IntentConfig, IntentRequest, parse_request
-from sgl_memory.request import FIELD, MemorySpec, SpecError
-from sgl_memory.slots import Slot
+from sgl_memory.core.request import FIELD, MemorySpec, SpecError
+from sgl_memory.core.rows import POSITION_SHIFTS
+from sgl_memory.core.slots import Slot
 from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
-from sgl_memory.spans import RoleMarkers, Spans, find_spans
+from sgl_memory.core.spans import RoleMarkers, Spans, find_spans
 
 logger = logging.getLogger(__name__)
 ADAPTIVE_SCORERS = ("memory", "memory_pool", "query", "learned")  # their scores, normalised, are a mass over the candidates
@@ -80,7 +82,7 @@ class RequestIntent:
     key_source: str | None
     budget_reason: str | None = None  # why the budget applied is not the one configured
     namespace: int = 0  # the branch ids of this session's pruned paths derive from it (intent/paths.py)
-    branches: tree_fill.Branches = ()  # where this request's path takes branch ids; (): a plain path
+    branches: Branches = ()  # where this request's path takes branch ids; (): a plain path
     capture_start: int = 0  # the first prompt position whose query rows the scorer and QueryMemory read
     decided: bool = False
     live_after: int | None = None  # live prompt tokens after the event (None: no event)
@@ -141,7 +143,6 @@ class IntentPruner(mechanism.Mechanism):
         self.markers: RoleMarkers | None = None
         self.rope = None
         self.captures: dict[str, QueryCapture] = {}
-        self.position_shifts: dict[str, int] = {}  # compact layout: model position = position + shift
 
     @classmethod
     def build(cls, config: IntentConfig, tree, ctx) -> IntentPruner:
@@ -198,7 +199,7 @@ class IntentPruner(mechanism.Mechanism):
             query_capture = self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
             state.capture_start = min(query_capture.span_start, query_capture.window_start)
             if state.layout == "compact" and self.rope is None:
-                from sgl_memory.rope import Rope
+                from sgl_memory.core.rope import Rope
 
                 try:
                     self.rope = Rope.from_hf_config(scheduler.model_config.hf_config)
@@ -314,7 +315,7 @@ class IntentPruner(mechanism.Mechanism):
         entered = getattr(getattr(req, "time_stats", None), "forward_entry_time", 0.0)
         state.prefill_ms = (t0 - entered) * 1000 if entered else None
         length = state.prompt_len
-        row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        row = tree.row(req)
         slots = row[:length].to(torch.int64)
         live = slots != tree.sentinel
         q_mean = query_capture.q_mean() if query_capture is not None else None
@@ -335,7 +336,7 @@ class IntentPruner(mechanism.Mechanism):
         keep = state.budget - int((live & forced).sum())
         if (scorer.needs_queries and q_mean is None) or (scorer.needs_window and not q_window.numel()):
             return None  # no query rows were captured (e.g. the prompt was a full cache hit)
-        pool = tree.token_to_kv_pool_allocator.get_kvcache()
+        pool = tree.pool
         cand_slots = slots[candidates]
 
         def keys_of(slots):
@@ -399,7 +400,7 @@ class IntentPruner(mechanism.Mechanism):
         if state.layout == "dead_slot":
             return self._apply_dead_slot(req, tree, row, kept, live, protected)
         edit = apply_compact(
-            row, kept, length, protected, tree.sentinel, tree._allocator.alloc, tree.free_real,
+            row, kept, length, protected, tree.sentinel, tree.alloc_slots, tree.free_real,
             [pool.get_key_buffer(i) for i in range(pool.layer_num)],
             [pool.get_value_buffer(i) for i in range(pool.layer_num)], self.rope,
         )  # fmt: skip
@@ -407,7 +408,7 @@ class IntentPruner(mechanism.Mechanism):
             logger.warning("intent pruning: no free KV slots to compact request %s; left unpruned", req.rid)
             return None
         req.kv.cache_protected_len = 0  # every slot of the re-packed row is the request's own now
-        self.position_shifts[req.rid] = edit.position_shift
+        POSITION_SHIFTS[req.rid] = edit.position_shift  # the engine runs its positions shifted
         return edit
 
     def _apply_dead_slot(self, req, tree, row, kept, live, protected) -> RowEdit | None:
@@ -426,7 +427,7 @@ class IntentPruner(mechanism.Mechanism):
         b = int(dropped[0])
         shared = kept[(kept >= b) & (kept < protected)]
         if shared.numel():
-            fresh = tree_fill.alloc(tree, shared.numel())  # may evict: the request's own path is locked
+            fresh = tree.alloc_slots(shared.numel())  # may evict: the request's own path is locked
             if fresh is None:
                 logger.warning("intent pruning: no free KV slots to copy %d kept positions of request %s; left unpruned",
                                shared.numel(), req.rid)  # fmt: skip
@@ -446,7 +447,7 @@ class IntentPruner(mechanism.Mechanism):
 
     def on_drop(self, req) -> None:
         self.captures.pop(req.rid, None)
-        self.position_shifts.pop(req.rid, None)
+        POSITION_SHIFTS.pop(req.rid, None)
 
     def on_release(self, req) -> None:
         self.on_drop(req)
@@ -480,22 +481,3 @@ def request_metrics(state: RequestIntent, output_len: int) -> dict:
         "freed_slots": state.freed,
         "copied_slots": state.copied,
     }
-
-
-def shift_positions_hook(forward_batch, *args, **kwargs):
-    """AFTER hook on ForwardBatch.init_new: requests re-packed by the `compact` layout run at
-    position + shift (their KV was moved to positions 0..K-1), whatever the attention backend."""
-    pruner = runtime.mechanism("intent")
-    if pruner is None or not pruner.position_shifts or not forward_batch.rids:
-        return None
-    if forward_batch.forward_mode.is_decode():
-        lens = [1] * len(forward_batch.rids)
-    else:
-        lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
-    start = 0
-    for rid, n in zip(forward_batch.rids, lens):
-        shift = pruner.position_shifts.get(rid)
-        if shift:
-            forward_batch.positions[start : start + n] += shift
-        start += n
-    return None

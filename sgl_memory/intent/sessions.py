@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_memory.sessions import SessionKey
+from sgl_memory.core.sessions import SessionKey
 
 # Where a session key came from, strongest first (IntentKV appendix A).
 KEY_SOURCES = ("session_id", "sglang_session", "session_span", "prefix_hash", "request")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from sgl_memory.config import MAX_BUDGET, choices, require
-from sgl_memory.request import FIELD, RequestPart, choice, integer
+from sgl_memory.core.config import MAX_BUDGET, choices, require
+from sgl_memory.core.request import FIELD, RequestPart, choice, integer
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ and v before the backend stores and attends them), the rows the layer does not r
 placed KV written over their fresh K and V, so the backend stores and attends the placed KV there;
 then the selector names the rows the next layer recomputes. What the request attends to is what a
 forward that computes only the selected rows would give. With `compact` on (the default) the rows
-no later layer recomputes are also dropped from the hidden states after each layer (compact.py, on
+no later layer recomputes are also dropped from the hidden states after each layer (rows.py, on
 the backends that attend a row layout): their KV at the later layers goes into the pool from the
 placed KV, layer by layer, and the layers run over fewer rows, which is where the time goes down.
 """
@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_memory import capture, compact, mechanism, metrics, prometheus, tree_fill
-from sgl_memory.capture import ExtendRows
+from sgl_memory.core import capture, mechanism, metrics, prometheus, tree_fill
+from sgl_memory.core.capture import ExtendRows
 from sgl_memory.keep.settings import KeepConfig, KeepRequest, parse_request
 from sgl_memory.keep.loading import LayerLoader
 from sgl_memory.keep.select import REGISTRY, LayerView, Selector, ratio_at
-from sgl_memory.reuse import REUSED, ReusedKV
+from sgl_memory.core.reuse import REUSED, ReusedKV
+from sgl_memory.core.rows import register_dropper
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Blend:
     bandwidth: float = 0.0
     loader: LayerLoader | None = None  # created at the first layer, on the layer's device
     select_ms: float = 0.0
-    dropped_rows: bool = False  # whether later layers ran without the rows not recomputed (compact.py)
+    dropped_rows: bool = False  # whether later layers ran without the rows not recomputed (rows.py)
     refused: str | None = None
 
     def __post_init__(self):
@@ -71,7 +72,7 @@ class Blend:
     def layer(self, layer_id: int, attn, q, k, v, rows: ExtendRows, tree, trace: bool) -> None:
         """One attention layer, before the backend stores and attends its KV: the placed KV goes
         where this layer does not recompute (over the fresh rows in place, or into the pool for rows
-        compact.py dropped), then the selector names the next layer's rows."""
+        rows.py dropped), then the selector names the next layer's rows."""
         if self.refused:
             return
         positions = rows.row_positions()
@@ -99,9 +100,9 @@ class Blend:
         absent = ~present
         if bool(absent.any()):  # rows no longer computed: their placed KV into their slots
             self.dropped_rows = True
-            slot_map = tree.req_to_token_pool.req_to_token
+            slot_map = tree.slot_map()
             slots = slot_map[rows.pool_row, (start + absent.nonzero().squeeze(1)).to(slot_map.device)].to(torch.int64)
-            pool = tree.token_to_kv_pool_allocator.get_kvcache()
+            pool = tree.pool
             pool.get_key_buffer(layer_id)[slots] = placed_k[absent.to(k.device)]
             pool.get_value_buffer(layer_id)[slots] = placed_v[absent.to(k.device)]
         self.per_layer.append(int(self.selected.sum()))
@@ -169,7 +170,7 @@ class KeepManager(mechanism.Mechanism):
 
     def __init__(self, config: KeepConfig, tree):
         self.config, self.tree = config, tree
-        self.layers = tree.token_to_kv_pool_allocator.get_kvcache().layer_num
+        self.layers = tree.pool.layer_num
         self.blends: dict[str, Blend] = {}  # rid -> the repair of a request admitted and not released
 
     @classmethod
@@ -177,7 +178,7 @@ class KeepManager(mechanism.Mechanism):
         manager = cls(config, tree)
         capture.subscribe(cls.name, manager)
         if config.compact:
-            compact.register(cls.name, manager)
+            register_dropper(cls.name, manager)
         return manager
 
     def admit(self, scheduler, req, spec) -> None:
@@ -203,7 +204,7 @@ class KeepManager(mechanism.Mechanism):
         for blend, rows in bound:
             blend.layer(layer.layer_id, layer, q, k, v, rows, self.tree, bool(self.config.trace_dir))
 
-    # --- dropping the rows no later layer recomputes (a compact.py compactor) --------------------
+    # --- dropping the rows no later layer recomputes (a rows.py dropper) ------------------------
 
     def dropped(self, rows: list[ExtendRows], layer_id: int) -> dict[str, torch.Tensor]:
         return {r.rid: self.blends[r.rid].dropped() for r in rows if r.rid in self.blends}

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from sgl_memory.config import require
-from sgl_memory.request import FIELD, RequestPart, SpecError, integer, number, only
+from sgl_memory.core.config import require
+from sgl_memory.core.request import FIELD, RequestPart, SpecError, integer, number, only
 
 MAX_HOPS = 64  # importance propagation rounds (it stops earlier once its set is stable)
 

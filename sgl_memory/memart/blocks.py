@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_memory.memart.entries import ALONE, EntryBook
-from sgl_memory.rope import Rope
+from sgl_memory.core.rope import Rope
 
 logger = logging.getLogger(__name__)
 

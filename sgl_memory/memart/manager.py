@@ -30,22 +30,20 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_memory import allocator, capture, mechanism, metrics, prometheus, tree_fill
-from sgl_memory.capture import ExtendRows
+from sgl_memory.core import allocator, capture, mechanism, metrics, prometheus, tree_fill
+from sgl_memory.core.capture import ExtendRows
 from sgl_memory.memart import writes
 from sgl_memory.memart.blocks import Block, MemArtPool
 from sgl_memory.memart.entries import ALONE, EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 from sgl_memory.memart.settings import MemArtConfig, MemArtRequest, check_config, check_request, parse_request
-from sgl_memory.request import MemorySpec
-from sgl_memory.reuse import REPAIRS, REUSED, ReusedKV
-from sgl_memory.rope import Rope
-from sgl_memory.slots import Slot
-from sgl_memory.spans import RoleMarkers, find_spans
-from sgl_memory.worker import Worker
+from sgl_memory.core.request import MemorySpec
+from sgl_memory.core.reuse import REPAIRS, REUSED, ReusedKV
+from sgl_memory.core.rope import Rope
+from sgl_memory.core.slots import Slot
+from sgl_memory.core.spans import RoleMarkers, find_spans
+from sgl_memory.core.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +177,7 @@ class MemArtManager(mechanism.Mechanism):
 
     def __init__(self, config: MemArtConfig, tree, rope: Rope):
         self.config, self.tree, self.rope = config, tree, rope
-        self.layer_num = tree.token_to_kv_pool_allocator.get_kvcache().layer_num
+        self.layer_num = tree.pool.layer_num
         self.layers = max(1, round(self.layer_num * config.score_layers))  # the scoring layers
         tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda pool: pool.busy())
         self.probes: OrderedDict[str, Probe] = OrderedDict()
@@ -362,8 +360,8 @@ class MemArtManager(mechanism.Mechanism):
             # (their tokens in this order); a repair's depends on the request's turn too
             extra_key += f":{state.recompute}" + (f":{query.probe}" if state.recompute in REPAIRS else "")
             placed = tokens[:system]
-        key = RadixKey(array("q", placed), extra_key, cache_salt=req.cache_salt)
-        match = self.tree.match_prefix(MatchPrefixParams(key=key))
+        key = self.tree.key(placed, extra_key, req.cache_salt)
+        match = self.tree.match(key)
         have = match.device_prefix_len
         if have < len(placed):
             if state.recompute != "none":
@@ -419,7 +417,7 @@ class MemArtManager(mechanism.Mechanism):
         if state is not None and state.mode == "probe":
             probe = self.probing.get(req.rid)
             if probe is not None and probe.system_end and req.finished():  # its release: the row holds every position
-                slots = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx][: probe.system_end].to(torch.int64)
+                slots = tree.row(req)[: probe.system_end].to(torch.int64)
                 probe.system_kv = tree_fill.copy_slots(tree, slots)
             return None
         if state is None or not state.store or state.prompt_kv is not None:
@@ -429,7 +427,7 @@ class MemArtManager(mechanism.Mechanism):
         prompt = list(req.origin_input_ids)
         start = self._turn_start(state, self.session(state.owner, create=True), prompt)
         # a prefix matched from a pruned path may hold dead positions: the live mask leaves them out
-        slots = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx][start : len(prompt)].to(torch.int64)
+        slots = tree.row(req)[start : len(prompt)].to(torch.int64)
         state.prompt_kv, state.prompt_kv_start = tree_fill.copy_slots(tree, slots), start
         return None
 

@@ -16,9 +16,9 @@ import uuid
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sgl_memory.config import from_env
+from sgl_memory.core.config import from_env
 from sgl_memory.memart.writes import INTERNAL
-from sgl_memory.request import FIELD, SpecError, check_served, decode, encode, parse
+from sgl_memory.core.request import FIELD, SpecError, check_served, decode, encode, parse
 
 
 def _raw_field(sampling_params) -> dict | None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from sgl_memory.config import MAX_BUDGET, ConfigError, choices, require
-from sgl_memory.request import FIELD, RequestPart, SpecError, choice, flag, integer, only
-from sgl_memory.reuse import REPAIRS
+from sgl_memory.core.config import MAX_BUDGET, ConfigError, choices, require
+from sgl_memory.core.request import FIELD, RequestPart, SpecError, choice, flag, integer, only
+from sgl_memory.core.reuse import REPAIRS
 
 
 @dataclass(frozen=True)

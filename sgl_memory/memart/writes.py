@@ -27,9 +27,9 @@ from fastapi import Request
 from fastapi.responses import ORJSONResponse
 from sglang.srt.managers.io_struct import GenerateReqInput
 
-from sgl_memory.config import MemoryConfig
+from sgl_memory.core.config import MemoryConfig
 from sgl_memory.memart.encoder import embed
-from sgl_memory.request import FIELD, MAX_ID_LEN, SpecError, check_id, encode
+from sgl_memory.core.request import FIELD, MAX_ID_LEN, SpecError, check_id, encode
 
 INTERNAL: ContextVar = ContextVar("sgl_memory_internal_pass", default=False)
 MAX_ENTRIES = 1024  # per call

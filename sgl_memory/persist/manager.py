@@ -29,16 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 
-from sgl_memory import mechanism, metrics, prometheus, tree_fill
-from sgl_memory.request import MemorySpec
-from sgl_memory.sessions import session_key
-from sgl_memory.slots import Slot
+from sgl_memory.core import mechanism, metrics, prometheus, tree_fill
+from sgl_memory.core.request import MemorySpec
+from sgl_memory.core.sessions import session_key
+from sgl_memory.core.slots import Slot
 from sgl_memory.persist import textmatch
 from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError
-from sgl_memory.worker import Worker
+from sgl_memory.core.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +132,16 @@ def weights_digest(model_path) -> str:
     return h.hexdigest() if files else ""
 
 
-def cache_spec(model_config, server_args, pool, page_size: int, tp_rank: int, tp_size: int) -> CacheSpec:
+def cache_spec(model_config, server_args, tree, tp_rank: int, tp_size: int) -> CacheSpec:
     """What a file must match to be loaded here: the model (name, and a hash of its config and its
     weights) and the layout of this rank's KV pool."""
     config = {k: v for k, v in model_config.hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
     config["sgl_memory_weights"] = weights_digest(server_args.model_path)
     config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:32]
     name = server_args.served_model_name or server_args.model_path
-    buffer = pool.get_key_buffer(tree_fill.pool_layers(pool)[0])
-    return CacheSpec(str(name).rstrip("/").rsplit("/", 1)[-1], config_hash, pool.layer_num, buffer.shape[-2],
-                     buffer.shape[-1], str(buffer.dtype).removeprefix("torch."), page_size, f"tp{tp_rank}/{tp_size}")  # fmt: skip
+    buffer = tree.pool.get_key_buffer(tree.layers()[0])
+    return CacheSpec(str(name).rstrip("/").rsplit("/", 1)[-1], config_hash, tree.pool.layer_num, buffer.shape[-2],
+                     buffer.shape[-1], str(buffer.dtype).removeprefix("torch."), tree.page_size, f"tp{tp_rank}/{tp_size}")  # fmt: skip
 
 
 RESTORES = prometheus.counter("restores", "Session KV restored into the tree", ["source"])
@@ -189,8 +188,7 @@ class SessionPersistence(mechanism.Mechanism):
     def build(cls, config: PersistConfig, tree, ctx) -> SessionPersistence:
         if ctx is None:
             raise ValueError("session persistence needs the scheduler's build context (model and pool layout)")
-        pool = tree.token_to_kv_pool_allocator.get_kvcache()
-        spec = cache_spec(ctx.model_config, ctx.server_args, pool, tree.page_size, ctx.tp_rank, ctx.tp_size)
+        spec = cache_spec(ctx.model_config, ctx.server_args, tree, ctx.tp_rank, ctx.tp_size)
         logger.info("session store: %s (%s, quant %s)", Path(config.dir).expanduser(), spec.model_id, config.quant)
         return cls(config, tree, spec)
 
@@ -203,10 +201,6 @@ class SessionPersistence(mechanism.Mechanism):
         except OSError as exc:
             logger.error("session store %s is not writable (%s): sessions are kept in memory only and every "
                          "write is retried and reported; the server keeps serving", self.files.root, exc)  # fmt: skip
-
-    @property
-    def pool(self):
-        return self.tree.token_to_kv_pool_allocator.get_kvcache()
 
     def _session(self, tenant: str | None, session_id: str, create: bool) -> Session | None:
         make = (lambda: Session(tenant, session_id)) if create else None
@@ -302,15 +296,15 @@ class SessionPersistence(mechanism.Mechanism):
             return
         with session.lock:
             branches, live = session.branches, session.live
-        key = tree_fill.path_key(req.origin_input_ids[:reuse], branches, req.extra_key, req.cache_salt)
-        match = tree.match_prefix(MatchPrefixParams(key=key))  # (re)takes the sentinel of a pruning tree
-        if getattr(tree, "sentinel", None) is None and (branches or live is not None):
+        key = tree.key(req.origin_input_ids[:reuse], req.extra_key, req.cache_salt, branches)
+        match = tree.match(key)  # (re)takes the sentinel of a pruning tree
+        if tree.sentinel is None and (branches or live is not None):
             # a pruned path past its first branch is only found by a pruning request, which this
             # server does not serve; before it the path is a plain one
             dead = torch.nonzero(~live).flatten() if live is not None else torch.zeros(0)
             reuse = min([reuse] + [pos for pos, _ in branches[:1]] + [int(d) for d in dead[:1]])
-            key = tree_fill.path_key(req.origin_input_ids[:reuse], (), req.extra_key, req.cache_salt)
-            match = tree.match_prefix(MatchPrefixParams(key=key))
+            key = tree.key(req.origin_input_ids[:reuse], req.extra_key, req.cache_salt)
+            match = tree.match(key)
         have = match.device_prefix_len
         if have >= reuse:
             return  # hot: the tree holds it
@@ -325,9 +319,8 @@ class SessionPersistence(mechanism.Mechanism):
                 source = "disk"
             if record is None or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse]) or record.branches != branches:
                 return
-            pool = self.pool
             t0 = time.perf_counter()
-            keys, values = self.files.decode(record, have, reuse, dtype=pool.get_key_buffer(tree_fill.pool_layers(pool)[0]).dtype)
+            keys, values = self.files.decode(record, have, reuse, dtype=tree.pool.get_key_buffer(tree.layers()[0]).dtype)
             state.parts_ms["dequantize"] = (time.perf_counter() - t0) * 1000
         t0 = time.perf_counter()
         placed = tree_fill.place(tree, key, match, keys, values, None if live is None else live[have:reuse])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from sgl_memory.config import require
+from sgl_memory.core.config import require
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sgl_memory.tree_fill import common_prefix
+from sgl_memory.core.tree_fill import common_prefix
 
 EXACT, EXTEND, DIVERGE, DISCARD = "exact", "extend", "diverge", "discard"
 

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sgl_memory import mechanism
+from sgl_memory.core import mechanism
 
 FIELD = "sgl_memory"
 MAX_ID_LEN = 256

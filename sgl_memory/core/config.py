@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from sgl_memory import mechanism
+from sgl_memory.core import mechanism
 
 CONFIG_ENV = "SGLMEMORY_CONFIG"  # how the launcher hands the file to SGLang's child processes
 MAX_BUDGET = (1 << 31) - 1  # beyond any context length; keeps every metric inside 64-bit JSON integers

@@ -19,10 +19,11 @@ import dataclasses
 import json
 from contextvars import ContextVar
 
-from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype, mechanism, prometheus
-from sgl_memory.config import MemoryConfig, from_env
-from sgl_memory.request import FIELD, SpecError, check_served, encode, parse
-from sgl_memory.metrics import STATS
+from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype
+from sgl_memory.core import mechanism, prometheus
+from sgl_memory.core.config import MemoryConfig, from_env
+from sgl_memory.core.request import FIELD, SpecError, check_served, encode, parse
+from sgl_memory.core.metrics import STATS
 
 NATIVE = "/generate"
 RESPONSES = "/v1/responses"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 
-from sgl_memory import mechanism, prometheus
-from sgl_memory.request import FIELD
+from sgl_memory.core import mechanism
+from sgl_memory.core.request import FIELD
 
 RECENT = 4096  # per-request metrics kept for the OpenAI response rewrite (by response id)
 
@@ -81,37 +81,3 @@ def attach(req, fields: dict) -> None:
     if req.customized_info is None:
         req.customized_info = {}
     req.customized_info.setdefault(FIELD, [{}])[0].update(fields)
-
-
-def meta_info_hook(original, manager, meta_info, state, customized_info, index, finish_reason):
-    """AROUND hook on TokenizerManager.update_request_meta_info: our metrics become one object
-    (SGLang would accumulate them as a list) and feed the aggregates."""
-    ours = customized_info.get(FIELD)
-    rest = {k: v for k, v in customized_info.items() if k != FIELD}
-    if rest:
-        original(manager, meta_info, state, rest, index, finish_reason)
-    if ours is not None and ours[index]:
-        metrics = ours[index][-1]
-        meta_info[FIELD] = metrics
-        STATS.record(meta_info.get("id"), metrics, meta_info)
-        prometheus.record_request(metrics, meta_info)
-
-
-def request_level_key_hook(original, streamer, key):
-    """AROUND hook on SchedulerOutputStreamer.is_request_level_customized_info_key: our metrics are
-    sent once, when the request finishes, not sliced per token."""
-    return key == FIELD or original(streamer, key)
-
-
-def stream_finish_hook(result, accumulator, *args, req, **kwargs):
-    """AFTER hook on the stream accumulator's accept: SGLang sends a streamed request's
-    request-level info with its first chunk only, before our metrics exist (they are attached when
-    the request finishes); so the finishing chunk of a streamed request carries them."""
-    ours = (req.customized_info or {}).get(FIELD)
-    if not ours or not req.stream or not req.finished() or not accumulator.rids or accumulator.rids[-1] != req.rid:
-        return None
-    column = accumulator.customized_info.setdefault(FIELD, [[] for _ in accumulator.output_ids[:-1]])
-    if len(column) < len(accumulator.output_ids):
-        column.append([])
-    column[-1] = ours
-    return None

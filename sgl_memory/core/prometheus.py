@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 
-from sgl_memory import mechanism
+from sgl_memory.core import mechanism
 
 PREFIX = "sgl_memory_"
 SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)

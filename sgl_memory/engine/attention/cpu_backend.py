@@ -3,8 +3,8 @@
 torch_native pads each request's query to the full KV length and runs a causal SDPA over all of it,
 so a 1-token extend over a 10k cached prefix costs a 10k x 10k attention per layer, and it gathers
 every request's KV and repeats it per query head in every layer. Here, once per forward, each
-request's slot map is turned into a plan (sgl_memory.attention.kv_source: pool views where slots are
-contiguous); each layer then attends only the new tokens (sgl_memory.attention.merged).
+request's slot map is turned into a plan (sgl_memory.engine.attention.kv_source: pool views where slots are
+contiguous); each layer then attends only the new tokens (sgl_memory.engine.attention.merged).
 
 KV writes, metadata and the paths we do not specialise (encoder / cross attention, sliding
 windows, non-causal layers, speculative modes) stay torch_native's.
@@ -12,7 +12,7 @@ windows, non-causal layers, speculative modes) stay torch_native's.
 With intent pruning on (sgl_memory.intent), `kv_slots` leaves the sentinel slot out of every index
 list, so attention reads only the kept entries of a pruned request.
 
-A layer may compute only some rows of a request (sgl_memory.compact: KEEP drops placed memory rows it
+A layer may compute only some rows of a request (sgl_memory/core/rows.py: KEEP drops placed memory rows it
 does not recompute); the backend then plans that layer from the forward's row layout, and such a
 request's rows attend by position over its whole slot list.
 """
@@ -25,9 +25,10 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from sgl_memory import compact, runtime
-from sgl_memory.attention.kv_source import KvSource, locate
-from sgl_memory.attention.merged import attend, attend_masked
+from sgl_memory.engine import runtime
+from sgl_memory.core.rows import layout as row_layout
+from sgl_memory.engine.attention.kv_source import KvSource, locate
+from sgl_memory.engine.attention.merged import attend, attend_masked
 
 BACKEND_NAME = "sgl_memory_cpu"
 
@@ -55,7 +56,7 @@ class SparsePlan:
 
 
 def plan_layout(req_to_token: torch.Tensor, rows, sentinel: int | None = None) -> list:
-    """Plans of one layer from the forward's row layout (compact.RowLayout.current())."""
+    """Plans of one layer from the forward's row layout (rows.py: RowLayout.current())."""
     plans = []
     for r in rows:
         if r.positions is None:
@@ -146,7 +147,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
                                  seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None,
                                  scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
                                  sliding_window_size=None):  # fmt: skip
-        layout = compact.layout(self.forward_batch) if self.plans is not None else None
+        layout = row_layout(self.forward_batch) if self.plans is not None else None
         if layout is not None and layout.version != self.layout_version:
             rows = layout.current()
             self.plans = plan_layout(self.req_to_token_pool.req_to_token, rows, runtime.sentinel())

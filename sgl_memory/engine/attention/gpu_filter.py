@@ -9,7 +9,7 @@ Translated ids (a unified pool's page ids) are not slot ids and are left alone.
 
 from __future__ import annotations
 
-from sgl_memory import runtime
+from sgl_memory.engine import runtime
 from sgl_memory.kernels.compact_kv_indices import drop_sentinel_
 
 

@@ -2,14 +2,14 @@
 
 Intent pruning reads the post-RoPE query rows of its requests' prompts (QueryMemory, SnapKV's
 window); KV memory reads a probe prompt's queries, keys and values. Both need them as every
-attention layer receives them, whatever the backend, so one BEFORE hook on
-`RadixAttention.forward` (patches/hooks.yaml) hands each extend forward to the subscribers that
-have a request in it.
+attention layer receives them, whatever the backend, so the engine's one hook on the attention
+layers (engine/hooks.py) hands each extend forward to `feed`, which passes it to the subscribers
+that have a request in it.
 
 The batch packs the new tokens of its requests one after another: request i's query, key and value
 rows start where request i-1's end, and its first new token sits at position prefix_len (what the
 radix tree already held); `extend_rows` says where each request's rows are. When a layer computes
-only some rows of a request (compact.py), its rows carry their positions.
+only some rows of a request (rows.py), its rows carry their positions.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from sgl_memory.slots import Slot
+from sgl_memory.core.slots import Slot
 
 
 class ExtendRows(NamedTuple):
@@ -29,7 +29,7 @@ class ExtendRows(NamedTuple):
     prefix: int  # position of that row (the request's first new token)
     count: int
     pool_row: int = -1  # the request's row of the slot map (req_to_token)
-    # the rows' positions when a layer computes only some of them (compact.py); None: prefix..prefix+count-1
+    # the rows' positions when a layer computes only some of them (rows.py); None: prefix..prefix+count-1
     positions: torch.Tensor | None = None
 
     def row_positions(self) -> torch.Tensor:
@@ -60,7 +60,7 @@ class Subscriber(Protocol):
 
 
 _SUBSCRIBERS: dict[str, Subscriber] = {}
-# per forward batch: the row layout compact.py made (the rows the layers compute, once rows are
+# per forward batch: the row layout rows.py made (the rows the layers compute, once rows are
 # dropped), and each subscriber's binding of the rows, made once per layout version
 ROW_LAYOUT: Slot = Slot("row layout")
 BOUND: Slot[tuple[int, list]] = Slot("capture bindings")
@@ -71,11 +71,11 @@ def subscribe(name: str, subscriber: Subscriber) -> None:
     _SUBSCRIBERS[name] = subscriber
 
 
-def forward_hook(layer, q, k, v, forward_batch, *args, **kwargs):
-    """BEFORE hook on RadixAttention.forward: each subscriber's rows of an extend forward."""
+def feed(layer, q, k, v, forward_batch) -> None:
+    """One attention layer's inputs of a forward: each subscriber's rows of an extend forward."""
     if not forward_batch.rids or forward_batch.forward_mode.is_decode():
         return None  # decode steps, every layer of every token: nothing to capture
-    layout = ROW_LAYOUT.get(forward_batch)  # compact.py: the rows this layer computes
+    layout = ROW_LAYOUT.get(forward_batch)  # rows.py: the rows this layer computes
     version = layout.version if layout is not None else 0
     held = BOUND.get(forward_batch)
     if held is None or held[0] != version:  # once per forward and row layout

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import functools
 
-from sgl_memory import prometheus
-from sgl_memory.config import MemoryConfig
-from sgl_memory.request import SpecError, check_served, of_request
-from sgl_memory.slots import Slot
+from sgl_memory.core import prometheus
+from sgl_memory.core.config import MemoryConfig
+from sgl_memory.core.request import SpecError, check_served, of_request
+from sgl_memory.core.slots import Slot
 
 ADMITTED: Slot[bool] = Slot("admitted")  # a request this hook saw (a retracted one comes back through it)
 

@@ -25,17 +25,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from array import array
+from collections.abc import Callable
 
+import numpy as np
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sgl_memory import mechanism, prometheus, runtime
-from sgl_memory.config import ConfigError, MemoryConfig, from_env
-from sgl_memory.mechanism import Mechanism
-from sgl_memory.sessions import SessionRegistry
-from sgl_memory.slots import Slot
-from sgl_memory.tree_fill import Branches, find_branches, with_branches
+from sgl_memory.core import mechanism, prometheus
+from sgl_memory.engine import runtime
+from sgl_memory.core.config import ConfigError, MemoryConfig, from_env
+from sgl_memory.core.mechanism import Mechanism
+from sgl_memory.core.sessions import SessionRegistry
+from sgl_memory.core.slots import Slot
+from sgl_memory.core.kvhost import Branches
+from sgl_memory.core.tree_fill import with_branches
 
 logger = logging.getLogger(__name__)
 
@@ -257,8 +262,52 @@ class SglMemoryRadixCache(RadixCache):
             if own:
                 m.import_session(key, own)
 
+    # --- the KV host (kvhost.py): what the mechanisms may ask of the tree -------------------------
+
+    @property
+    def pool(self):
+        return self.token_to_kv_pool_allocator.get_kvcache()
+
+    def layers(self) -> range:
+        pool = self.pool
+        start = getattr(pool, "start_layer", 0) or 0  # pipeline parallelism: this rank's layers
+        return range(start, start + pool.layer_num)
+
+    def row(self, req) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+
+    def slot_map(self) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token
+
+    def key(self, tokens, extra_key: str | None, cache_salt=None, branches: Branches = ()) -> RadixKey:
+        return RadixKey(with_branches(array("q", tokens), branches), extra_key, cache_salt=cache_salt)
+
+    def match(self, key: RadixKey):
+        return self.match_prefix(MatchPrefixParams(key=key))
+
+    def insert_path(self, key: RadixKey, slots: torch.Tensor) -> int:
+        return self.insert(InsertParams(key=key, value=slots)).prefix_len
+
+    def path_slots(self, node) -> torch.Tensor:
+        return self.path_device_indices(node)
+
+    def alloc_slots(self, n: int) -> torch.Tensor | None:
+        allocator = self.token_to_kv_pool_allocator
+        if n == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        if allocator.available_size() < n:
+            self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+            # SGLang holds the frees of a batch's result processing in a free group until it ends, and
+            # intent's compression event runs inside one: what eviction just freed would not count
+            # until then (on a full pool every event failed). Ending the group and opening a new one
+            # hands them back now; the group's caller still ends it.
+            if allocator.available_size() < n and getattr(allocator, "free_group", None) is not None:
+                allocator.free_group_end()
+                allocator.free_group_begin()
+        return allocator.alloc(n) if allocator.available_size() >= n else None
+
     def free_real(self, slots: torch.Tensor) -> None:
-        self._allocator.free(slots)
+        (self._allocator or self.token_to_kv_pool_allocator).free(slots)
 
     # --- accounting of sentinel entries in node values ------------------------------------------
 
@@ -331,6 +380,36 @@ class SglMemoryRadixCache(RadixCache):
             if result.num_tokens_evicted == 0:
                 break
         return EvictResult(num_tokens_evicted=view.real_freed - start)
+
+
+def find_branches(root, key: RadixKey, ids_of: Callable[[np.ndarray], np.ndarray]) -> Branches:
+    """The branches on `key`'s path in the tree below `root` (tree_fill.py): where the tree holds
+    the branch id (`ids_of`: token ids, int64, to the id each takes at a branch) of the key's
+    token. At a node boundary with both a plain child and a branch child the walk takes the
+    branch: it is the request's own continuation. Read-only (it reads TreeNode.children and each
+    child's key): no split, no access-time update."""
+    n = len(key)
+    ids = np.asarray(key.token_ids[:n], dtype=np.int64)
+    branched = ids_of(ids)
+    node, pos, found = root, 0, []
+    while pos < n:
+        probe = RadixKey(array("q", [int(branched[pos])]), key.extra_key, cache_salt=key.cache_salt).child_key()
+        child = node.children.get(probe)
+        if child is None:
+            child = node.children.get(key.child_key_at(pos))
+        if child is None:
+            break
+        held = np.asarray(child.key.token_ids[: len(child.key)], dtype=np.int64)
+        m = min(len(held), n - pos)
+        plain = held[:m] == ids[pos : pos + m]
+        branch = held[:m] == branched[pos : pos + m]
+        off = np.flatnonzero(~(plain | branch))
+        matched = int(off[0]) if off.size else m
+        found.extend((pos + int(i), int(branched[pos + i])) for i in np.flatnonzero(branch[:matched]))
+        if matched < len(held):
+            break
+        node, pos = child, pos + matched
+    return tuple(found)
 
 
 def check_config(config: MemoryConfig) -> None:

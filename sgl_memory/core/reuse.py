@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_memory.slots import Slot
+from sgl_memory.core.slots import Slot
 
 # The repairs of placed KV a request may ask for, and the mechanism that carries out each: the
 # placer checks that it runs (memart/settings.py), the repairer registers under that name.

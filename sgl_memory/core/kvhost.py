@@ -1,0 +1,82 @@
+"""The radix tree as a mechanism sees it: the KV host protocol.
+
+A mechanism gets the tree in `Mechanism.build` and reaches the KV cache only through what is listed
+here (the engine's tree, radix_cache.py, implements it; tree_fill.py builds placement and copying
+on top of it). Keys, match results and tree nodes are the engine's: a mechanism passes them back,
+it never looks inside. The KV pool is SGLang's, read through its buffer accessors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from sgl_memory.core.sessions import SessionRegistry
+
+Branches = tuple[tuple[int, int], ...]  # (position, key id), ascending positions; () for a plain path
+
+
+class Match(Protocol):
+    device_prefix_len: int  # how many of the key's first tokens the tree holds
+    last_device_node: Any  # where they end (a handle for `path_slots`, `inc_lock_ref`)
+
+
+class KVPool(Protocol):
+    layer_num: int
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        """[slots, kv heads, head dim] of one layer (post-RoPE keys)."""
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor: ...
+
+
+class KVHost(Protocol):
+    sessions: SessionRegistry  # every mechanism's per-session state, one slot each
+    disable: bool  # the server runs without a radix cache: nothing is ever held
+    page_size: int
+    sentinel: int | None  # the slot pruned positions point at (None: no pruning runs here)
+
+    @property
+    def pool(self) -> KVPool:
+        """The KV pool (this rank's layers: `layers()`)."""
+
+    def layers(self) -> range:
+        """The pool's layer ids on this rank."""
+
+    def row(self, req) -> torch.Tensor:
+        """The request's slot map row: position -> KV slot."""
+
+    def slot_map(self) -> torch.Tensor:
+        """Every request row's slot map [rows, context] (a forward's rows name their row index)."""
+
+    def key(self, tokens, extra_key: str | None, cache_salt=None, branches: Branches = ()) -> Any:
+        """The tree key of a path: its tokens under a namespace, branch ids at its branches."""
+
+    def match(self, key) -> Match:
+        """What the tree holds of `key` (it may split a node, as every match does)."""
+
+    def insert_path(self, key, slots: torch.Tensor) -> int:
+        """Insert `key` with these slots [len(key)]; returns how much of it the tree held already."""
+
+    def path_slots(self, node) -> torch.Tensor:
+        """The slots of the path from the root to `node`."""
+
+    def alloc_slots(self, n: int) -> torch.Tensor | None:
+        """n fresh slots, evicting unlocked paths for them; None when not enough can be freed."""
+
+    def free_real(self, slots: torch.Tensor) -> None:
+        """Give back slots that hold no sentinel entry."""
+
+    def inc_lock_ref(self, node) -> Any:
+        """Keep the path to `node` from eviction until `dec_lock_ref`."""
+
+    def dec_lock_ref(self, node) -> Any: ...
+
+    def branches(self, req) -> Branches:
+        """Where the request's key takes branch ids instead of its tokens."""
+
+    def export_session(self, key, skip=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Every mechanism's state of the session (but `skip`'s): tensors and which of them are KV."""
+
+    def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None: ...

@@ -1,0 +1,67 @@
+"""The forward-path and output-path hooks of the patch set (patches/hooks.yaml): each one hands
+SGLang's objects to the part of sgl-memory that owns the behaviour.
+"""
+
+from __future__ import annotations
+
+from sgl_memory.core import capture, metrics, prometheus
+from sgl_memory.core.request import FIELD
+from sgl_memory.core.rows import POSITION_SHIFTS
+
+
+def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
+    """BEFORE hook on RadixAttention.forward: the layer's inputs to the capture subscribers."""
+    capture.feed(layer, q, k, v, forward_batch)
+    return None
+
+
+def shift_positions_hook(forward_batch, *args, **kwargs):
+    """AFTER hook on ForwardBatch.init_new: requests whose KV a layout re-packed (rows.POSITION_SHIFTS)
+    run at position + shift, whatever the attention backend."""
+    if not POSITION_SHIFTS or not forward_batch.rids:
+        return None
+    if forward_batch.forward_mode.is_decode():
+        lens = [1] * len(forward_batch.rids)
+    else:
+        lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+    start = 0
+    for rid, n in zip(forward_batch.rids, lens):
+        shift = POSITION_SHIFTS.get(rid)
+        if shift:
+            forward_batch.positions[start : start + n] += shift
+        start += n
+    return None
+
+
+def meta_info_hook(original, manager, meta_info, state, customized_info, index, finish_reason):
+    """AROUND hook on TokenizerManager.update_request_meta_info: our metrics become one object
+    (SGLang would accumulate them as a list) and feed the aggregates."""
+    ours = customized_info.get(FIELD)
+    rest = {k: v for k, v in customized_info.items() if k != FIELD}
+    if rest:
+        original(manager, meta_info, state, rest, index, finish_reason)
+    if ours is not None and ours[index]:
+        reported = ours[index][-1]
+        meta_info[FIELD] = reported
+        metrics.STATS.record(meta_info.get("id"), reported, meta_info)
+        prometheus.record_request(reported, meta_info)
+
+
+def request_level_key_hook(original, streamer, key):
+    """AROUND hook on SchedulerOutputStreamer.is_request_level_customized_info_key: our metrics are
+    sent once, when the request finishes, not sliced per token."""
+    return key == FIELD or original(streamer, key)
+
+
+def stream_finish_hook(result, accumulator, *args, req, **kwargs):
+    """AFTER hook on the stream accumulator's accept: SGLang sends a streamed request's
+    request-level info with its first chunk only, before our metrics exist (they are attached when
+    the request finishes); so the finishing chunk of a streamed request carries them."""
+    ours = (req.customized_info or {}).get(FIELD)
+    if not ours or not req.stream or not req.finished() or not accumulator.rids or accumulator.rids[-1] != req.rid:
+        return None
+    column = accumulator.customized_info.setdefault(FIELD, [[] for _ in accumulator.output_ids[:-1]])
+    if len(column) < len(accumulator.output_ids):
+        column.append([])
+    column[-1] = ours
+    return None

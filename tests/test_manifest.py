@@ -1,0 +1,122 @@
+"""The manifest of contact points with SGLang (patches/hooks.yaml, patches/contacts.yaml) is the
+code's: every method our subclasses override, every allocator method the tree's view stands in
+for, and every private SGLang name the package uses is listed, each listed one exists in the
+installed SGLang (the start-up check), and nothing is listed that the code does not do."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+from sgl_memory import plugin
+
+PACKAGE = Path(__file__).resolve().parents[1] / "sgl_memory"
+OURS = ("sgl_memory.engine.radix_cache.SglMemoryRadixCache", "sgl_memory.engine.attention.cpu_backend.SglMemoryCpuAttnBackend",
+        "sgl_memory.frontend.MemoryEndpoint")  # fmt: skip
+# private names the package reads that are not SGLang's: namedtuple's copy, a torch op
+NOT_SGLANG = {"_replace", "_scaled_dot_product_flash_attention_for_cpu"}
+
+
+def listed(kind: str) -> set[tuple[str, str]]:
+    return {(c.by, c.target) for c in plugin.contacts() if c.kind == kind}
+
+
+def test_every_hook_and_contact_exists_in_the_installed_sglang():
+    plugin.check_patch_set()
+    for c in plugin.contacts():
+        assert pkgutil.resolve_name(c.by), c.by
+        assert c.kind in ("override", "wrap", "use", "api") and c.why
+
+
+def test_a_contact_that_is_gone_is_refused_at_start_up():
+    gone = plugin.Contact("sglang.srt.mem_cache.radix_cache.RadixCache._no_such_method", "override", "x", "test")
+    with pytest.raises(plugin.PatchSetError, match=r"RadixCache\._no_such_method \(a override by x; test\)"):
+        plugin.check_patch_set(touched=plugin.contacts() + [gone])
+
+
+def sglang_member(cls: type, name: str) -> str | None:
+    """`module.Class.name` of the SGLang class in `cls`'s bases that defines `name`, if any."""
+    for base in cls.__mro__[1:]:
+        if base.__module__.startswith("sglang") and name in vars(base):
+            return f"{base.__module__}.{base.__qualname__}.{name}"
+    return None
+
+
+def test_the_overrides_listed_are_exactly_the_overrides():
+    found = set()
+    for path in OURS:
+        cls = pkgutil.resolve_name(path)
+        for name, value in vars(cls).items():
+            if inspect.isfunction(value) and not name.startswith("__") and (target := sglang_member(cls, name)):
+                found.add((path, target))
+    assert found == listed("override")
+
+
+def test_the_allocator_view_wraps_what_is_listed():
+    from sgl_memory.engine.radix_cache import SentinelSafeAllocator
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+    base = f"{BaseTokenToKVPoolAllocator.__module__}.{BaseTokenToKVPoolAllocator.__qualname__}"
+    found = {("sgl_memory.engine.radix_cache.SentinelSafeAllocator", f"{base}.{name}") for name in vars(SentinelSafeAllocator)
+             if not name.startswith("_") and hasattr(BaseTokenToKVPoolAllocator, name)}  # fmt: skip
+    assert found == listed("wrap") and found
+
+
+def our_names() -> set[str]:
+    """Every name the package defines (functions, classes, attributes it assigns, arguments)."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                names.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                names.add(n.id)
+    return names
+
+
+def test_every_private_sglang_name_the_package_uses_is_listed():
+    """A private name (one underscore) the package reads, calls or imports and does not define
+    itself is SGLang's (or in NOT_SGLANG): it must be a listed contact. An override of a private
+    method is listed as an override (above)."""
+    ours, used = our_names(), {}
+    for path in PACKAGE.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
+                names = [n.attr]
+            elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("sglang"):
+                names = [a.name for a in n.names]
+            for name in names:
+                if name.startswith("_") and not name.startswith("__"):
+                    used.setdefault(name, set()).add(str(path.relative_to(PACKAGE)))
+    foreign = {name: where for name, where in used.items() if name not in ours and name not in NOT_SGLANG}
+    targets = {c.target.rsplit(".", 1)[-1] for c in plugin.contacts()} | {s.target.rsplit(".", 1)[-1] for s in plugin.manifest()}
+    assert not {name: where for name, where in foreign.items() if name not in targets}
+    # the overrides call the methods they replace through super(): those are listed overrides
+    for path in OURS:
+        cls = pkgutil.resolve_name(path)
+        for name, value in vars(cls).items():
+            if inspect.isfunction(value) and name.startswith("_") and not name.startswith("__") and sglang_member(cls, name):
+                assert (path, sglang_member(cls, name)) in listed("override")
+
+
+def test_hooks_live_in_the_engine_or_are_listed():
+    """Every hook function of hooks.yaml is the engine's, but KV memory's query pass (its HTTP side,
+    listed with its contacts)."""
+    for spec in plugin.manifest():
+        module = spec.hook.rsplit(".", 1)[0]
+        assert module.startswith("sgl_memory.engine.") or any(c.by == module for c in plugin.contacts()), spec.hook
+        importlib.import_module(module)
+
+
+def test_the_uses_listed_are_in_the_code():
+    """A listed use names code that is there: its module (`by`) mentions the member it uses."""
+    for by, target in listed("use") | listed("api"):
+        assert target.rsplit(".", 1)[-1] in inspect.getsource(importlib.import_module(by)), (by, target)
