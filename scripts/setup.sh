@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # Idempotent set-up: .venv with the pinned SGLang (CPU install path), sgl-memory, and the CPU
 # work-arounds. A second run checks a stamp and returns in seconds.
-#   scripts/setup.sh [MODEL ...]   also fetch these models (see `python -m sgl_memory.models list`)
+#   scripts/setup.sh [--dev] [MODEL ...]
+#     --dev   also what the tests and benchmarks need (scripts/requirements-dev.txt, BFCL's harness
+#             modules); serving needs none of it (scripts/serve.sh leaves it out)
+#     MODEL   also fetch these models (see `python -m sgl_memory.models list`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=$ROOT/.venv
 SGLANG_VERSION=0.5.23
+DEV=0
+if [ "${1:-}" = "--dev" ]; then
+  DEV=1
+  shift
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
@@ -24,7 +32,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing into $VENV (a few minutes on a fresh machine)"
   if command -v nvidia-smi >/dev/null 2>&1; then
     # A GPU machine takes SGLang with its CUDA dependencies as published.
-    "${PIP[@]}" install "sglang==$SGLANG_VERSION" -e ".[gpu,test,bench]"
+    "${PIP[@]}" install "sglang==$SGLANG_VERSION" -e ".[gpu]"
   else
     # CPU torch first: an unconstrained torch requirement would pull a multi-GB CUDA build.
     "${PIP[@]}" install "torch==2.13.0"
@@ -34,16 +42,28 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     "${PIP[@]}" install --no-deps "torchvision==0.28.0"
     "${PIP[@]}" install --no-deps -e .
   fi
-  # The agent harness (bench/agent) imports BFCL's tasks, back-ends and checker. bfcl-eval's own
-  # requirements pin numpy 1.x and a dozen API clients it does not need here, so it goes in without
-  # them, with the few packages the modules we import use.
-  "${PIP[@]}" install --no-deps "bfcl-eval==2026.3.23" "tenacity==9.2.1" "tree-sitter==0.21.3" \
-    "tree-sitter-java==0.21.0" "tree-sitter-javascript==0.21.4"
   "$PY" -m sgl_memory.cpu_compat >/dev/null
   "$PY" -c "import sglang, sgl_memory.plugin; assert sglang.__version__ == '$SGLANG_VERSION', sglang.__version__"
   echo "$want" > "$STAMP"
 else
   echo "[setup] $VENV is up to date"
+fi
+
+DEV_STAMP=$VENV/.sgl-memory-setup-dev
+dev_want=$( (echo "$want"; cat scripts/requirements-dev.txt) | sha256sum | cut -d' ' -f1)
+if [ "$DEV" = 1 ] && [ "$(cat "$DEV_STAMP" 2>/dev/null)" != "$dev_want" ]; then
+  echo "[setup] installing the test and benchmark dependencies"
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "${PIP[@]}" install -e ".[test,bench]"
+  else
+    "${PIP[@]}" install -r scripts/requirements-dev.txt -c scripts/constraints-cpu.txt
+  fi
+  # The agent harness (bench/agent) imports BFCL's tasks, back-ends and checker. bfcl-eval's own
+  # requirements pin numpy 1.x and a dozen API clients it does not need here, so it goes in without
+  # them, with the few packages the modules we import use.
+  "${PIP[@]}" install --no-deps "bfcl-eval==2026.3.23" "tenacity==9.2.1" "tree-sitter==0.21.3" \
+    "tree-sitter-java==0.21.0" "tree-sitter-javascript==0.21.4"
+  echo "$dev_want" > "$DEV_STAMP"
 fi
 
 for model in "$@"; do

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "locomo" / "locomo_dev7.json"
+# The one place the LoCoMo development conversations are read from: outside the repository, in the
+# workplace's shared folder next to the checkout, or wherever SGLMEMORY_LOCOMO names (README:
+# "Outside the repository" lists what needs them).
+DATA = Path(os.environ.get("SGLMEMORY_LOCOMO") or Path(__file__).resolve().parents[3] / "shared" / "data" / "locomo" / "locomo_dev7.json")
 ADVERSARIAL = 5  # category without a gold answer; the MemArt paper leaves it out as well
 
 
@@ -36,6 +40,9 @@ class Question:
 
 
 def load(path: Path = DATA) -> list[dict]:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"the LoCoMo development conversations are not at {path}: set SGLMEMORY_LOCOMO to their "
+                                "locomo_dev7.json (see the README, 'Outside the repository')")  # fmt: skip
     return json.loads(Path(path).read_text())
 
 

@@ -17,6 +17,14 @@ from sgl_memory.core.sessions import SessionRegistry
 Branches = tuple[tuple[int, int], ...]  # (position, key id), ascending positions; () for a plain path
 
 
+def namespace(extra_key: str | None, kind: str, *names: str) -> str:
+    """A request's extra key with one more namespace: `\x00kind[:name:...]`. Paths are matched only
+    under the same extra key (SGLang keeps LoRA adapters apart with it), so a tenant, a memory
+    assembly or a server's own pass gets KV of its own. The engine escapes a client's own extra key
+    first (engine/admission.py), so no client value spells one of these."""
+    return f"{extra_key or ''}\x00{kind}" + "".join(f":{n}" for n in names)
+
+
 class Match(Protocol):
     device_prefix_len: int  # how many of the key's first tokens the tree holds
     last_device_node: Any  # where they end (a handle for `path_slots`, `inc_lock_ref`)

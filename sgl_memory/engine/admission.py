@@ -1,7 +1,7 @@
 """The scheduler's admission hook: each memory mechanism sees a new request before it is queued.
 
 Namespaces in the radix tree live in SGLang's `extra_key` (which it already uses to keep LoRA
-adapters apart): a tenant, a memory assembly, a probe each append `\\x00<kind>:<name>` to it. A
+adapters apart): a tenant, a memory assembly, a probe each append one (kvhost.namespace). A
 client may send an `extra_key` of its own, so before anything is appended the client's part is
 escaped to a string without NUL (`client_namespace`): no client value can then spell one of ours,
 and the tenant namespace comes from `sgl_memory.tenant` alone. The field is parsed once, here (a
@@ -14,6 +14,7 @@ import functools
 
 from sgl_memory.core import prometheus
 from sgl_memory.core.config import MemoryConfig
+from sgl_memory.core.kvhost import namespace
 from sgl_memory.core.request import SpecError, check_served, of_request
 from sgl_memory.core.slots import Slot
 
@@ -49,7 +50,7 @@ def admit_hook(scheduler, req, *args, **kwargs):
         req.set_finish_with_abort(str(exc))
         return None
     if spec.tenant is not None:
-        req.extra_key = f"{req.extra_key or ''}\x00tenant:{spec.tenant}"
+        req.extra_key = namespace(req.extra_key, "tenant", spec.tenant)
     if getattr(tree, "mechanisms", None):
         tree.admit(scheduler, req, spec)
     return None

@@ -39,6 +39,7 @@ from sgl_memory.memart.entries import ALONE, EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 from sgl_memory.memart.settings import MemArtConfig, MemArtRequest, check_config, check_request, parse_request
 from sgl_memory.core.request import MemorySpec
+from sgl_memory.core.kvhost import namespace
 from sgl_memory.core.reuse import REPAIRS, REUSED, ReusedKV
 from sgl_memory.core.rope import Rope
 from sgl_memory.core.slots import Slot
@@ -86,7 +87,7 @@ class Probe:
 
 
 @dataclass
-class TurnState:
+class MemArtTurn:
     """What memory did for one request, kept in its `TURNS` slot."""
 
     owner: tuple[str, str]
@@ -123,7 +124,7 @@ class TurnState:
         return out
 
 
-TURNS: Slot[TurnState] = Slot("memory turn")  # per request
+TURNS: Slot[MemArtTurn] = Slot("memory turn")  # per request
 
 
 # Prometheus series (HTTP process: per request; scheduler process: the pools)
@@ -249,13 +250,13 @@ class MemArtManager(mechanism.Mechanism):
         if query is None and spec.readonly:
             return  # nothing to record, nothing to place
         if query is None:
-            TURNS.set(req, TurnState(owner, "record"))
+            TURNS.set(req, MemArtTurn(owner, "record"))
         elif query.mode == "probe":
             self._admit_probe(scheduler, req, owner, query.probe, query.placement)
         elif query.mode in ("write", "forget"):
             self._admit_edit(req, owner, query)
         else:
-            state = TURNS.set(req, TurnState(owner, "retrieve", store=query.store and not spec.readonly,
+            state = TURNS.set(req, MemArtTurn(owner, "retrieve", store=query.store and not spec.readonly,
                                              recompute=query.recompute or self.config.recompute))  # fmt: skip
             state.turn_start = self._spans(scheduler, list(req.origin_input_ids)).query_start
             t0 = time.perf_counter()
@@ -281,7 +282,7 @@ class MemArtManager(mechanism.Mechanism):
         scoring = scoring_positions(ids, spans, self.config.score_tokens, self.markers, tokenizer)
         after_system = (placement or self.config.placement) == "after_system"
         probe = Probe(owner, scoring, self.layers, len(ids), spans.system_end if after_system else 0)
-        TURNS.set(req, TurnState(owner, "probe"))
+        TURNS.set(req, MemArtTurn(owner, "probe"))
         # Under the request's own key, like any prompt: the probe reuses what the tree caches of it
         # (match_limit) and leaves its prompt there for the session's next probe. A readonly request's
         # probe too: its prompt is not session state, and its release copies the system message.
@@ -296,7 +297,7 @@ class MemArtManager(mechanism.Mechanism):
         """An entries API pass (memart/writes.py): the book changes now, in request order; a write's
         KV is its prompt, computed alone and recorded at release under its tag."""
         memory = self.session(owner, create=True)
-        state = TURNS.set(req, TurnState(owner, query.mode, store=query.mode == "write"))
+        state = TURNS.set(req, MemArtTurn(owner, query.mode, store=query.mode == "write"))
         with memory.lock:
             if query.mode == "forget":
                 for key in query.forget:
@@ -309,11 +310,11 @@ class MemArtManager(mechanism.Mechanism):
             else:
                 state.tag = ("joint", query.group, query.version)
         # its own key: an entry's KV is its text's alone and must not be matched by another path
-        req.extra_key = f"{req.extra_key or ''}\x00memory-{query.mode}"
+        req.extra_key = namespace(req.extra_key, f"memory-{query.mode}")
         if query.mode == "forget":
             req.skip_radix_cache_insert = True
 
-    def _retrieve(self, scheduler, req, state: TurnState, query) -> None:
+    def _retrieve(self, scheduler, req, state: MemArtTurn, query) -> None:
         with self._lock:
             probe = self.probes.get(query.probe) if query.probe else None
         memory = self.session(state.owner, create=False)
@@ -341,7 +342,7 @@ class MemArtManager(mechanism.Mechanism):
         if blocks:
             self._place(req, state, memory, blocks, probe, query)
 
-    def _place(self, req, state: TurnState, memory: MemArtPool, blocks: list[Block], probe: Probe, query) -> None:
+    def _place(self, req, state: MemArtTurn, memory: MemArtPool, blocks: list[Block], probe: Probe, query) -> None:
         """[system message] [blocks] [the rest of the prompt], a conversation's own order; or
         [blocks] [prompt] (MemArt's concatenation). Reused as placed (`recompute: none`), the
         blocks are a prefix hit; with a repair or a full recompute they are prefilled as part of
@@ -353,13 +354,14 @@ class MemArtManager(mechanism.Mechanism):
         memory_tokens = [t for b in blocks for t in b.tokens]
         tokens = prompt[:system] + memory_tokens
         digest = hashlib.blake2b(array("q", [b.id for b in blocks]).tobytes(), digest_size=12).hexdigest()
-        extra_key = f"{req.extra_key or ''}\x00memory:{state.owner[1]}:{digest}"
+        names = [state.owner[1], digest]
         placed = tokens
         if state.recompute != "none":
             # a full recompute of these blocks is the same KV for every request that places them
             # (their tokens in this order); a repair's depends on the request's turn too
-            extra_key += f":{state.recompute}" + (f":{query.probe}" if state.recompute in REPAIRS else "")
+            names += [state.recompute] + ([query.probe] if state.recompute in REPAIRS else [])
             placed = tokens[:system]
+        extra_key = namespace(req.extra_key, "memory", *names)
         key = self.tree.key(placed, extra_key, req.cache_salt)
         match = self.tree.match(key)
         have = match.device_prefix_len
@@ -400,7 +402,7 @@ class MemArtManager(mechanism.Mechanism):
 
     # --- recording: the turn's prompt at the end of its prefill, its answer at release -----------
 
-    def _turn_start(self, state: TurnState, memory: MemArtPool, tokens: list[int]) -> int:
+    def _turn_start(self, state: MemArtTurn, memory: MemArtPool, tokens: list[int]) -> int:
         if state.mode == "record":
             # a full-history request: what the session's last one did not hold already
             return tree_fill.common_prefix(memory.path, tokens)
@@ -413,7 +415,7 @@ class MemArtManager(mechanism.Mechanism):
     def on_checkpoint(self, req, tree):
         """Copy the turn's prompt part off the pool at the end of its prefill, before intent (later
         by rank) prunes the row: what pruning drops from the request stays recallable as KV."""
-        state: TurnState | None = TURNS.get(req)
+        state: MemArtTurn | None = TURNS.get(req)
         if state is not None and state.mode == "probe":
             probe = self.probing.get(req.rid)
             if probe is not None and probe.system_end and req.finished():  # its release: the row holds every position
@@ -435,7 +437,7 @@ class MemArtManager(mechanism.Mechanism):
         self.probing.pop(req.rid, None)
 
     def on_release(self, req) -> None:
-        state: TurnState | None = TURNS.get(req)
+        state: MemArtTurn | None = TURNS.get(req)
         if state is None:
             return
         if state.mode == "probe":
@@ -457,7 +459,7 @@ class MemArtManager(mechanism.Mechanism):
         if state.store and not self.tree.disable and self._record(req, state, memory):
             self._worker.submit(memory)
 
-    def _record(self, req, state: TurnState, memory: MemArtPool) -> bool:
+    def _record(self, req, state: MemArtTurn, memory: MemArtPool) -> bool:
         """Submit the turn's KV to the pool (its worker or the caller adds it); False if none."""
         # tokens whose KV exists (the last output token has none), under the request's own key
         path = tree_fill.held_path(self.tree, req)

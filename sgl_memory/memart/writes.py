@@ -86,7 +86,7 @@ def parse_forget(data) -> tuple[str, str | None, list[str]]:
 
 
 async def _pass(manager, owner: dict, memory: dict, input_ids: list[int]) -> dict:
-    """One internal prefill-only pass; the scheduler's answer (TurnState metrics: memory_book)."""
+    """One internal prefill-only pass; the scheduler's answer (MemArtTurn metrics: memory_book)."""
     raw = {**owner, "memory": memory}
     obj = GenerateReqInput(input_ids=input_ids, sampling_params={"max_new_tokens": 0, "custom_params": encode(None, raw)},
                            rid=f"sgl-memory-{memory['mode']}-{uuid.uuid4().hex}")  # fmt: skip

@@ -83,7 +83,7 @@ class Session:
 
 
 @dataclass
-class TurnState:
+class PersistTurn:
     """What persistence did for one request, kept in its `TURNS` slot."""
 
     tenant: str | None
@@ -107,7 +107,7 @@ class TurnState:
                 "persist_refused": self.refused, "persist_error": error}  # fmt: skip
 
 
-TURNS: Slot[TurnState] = Slot("persist turn")  # per request
+TURNS: Slot[PersistTurn] = Slot("persist turn")  # per request
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -218,14 +218,14 @@ class SessionPersistence(mechanism.Mechanism):
             return
         if self.tokenizer is None:
             self.tokenizer = scheduler.tokenizer
-        state = TURNS.set(req, TurnState(spec.tenant, spec.session_id, assembled=spec.assembled, reads_only=spec.reads_only))
+        state = TURNS.set(req, PersistTurn(spec.tenant, spec.session_id, assembled=spec.assembled, reads_only=spec.reads_only))
         t0 = time.perf_counter()
         if self._session(spec.tenant, spec.session_id, create=False) is None:
             state.loaded = self._load(state) is not None
         state.restore_ms = state.parts_ms["file"] = (time.perf_counter() - t0) * 1000
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
-        state: TurnState | None = TURNS.get(req)
+        state: PersistTurn | None = TURNS.get(req)
         if state is None or req.finished() or state.assembled:
             return  # an assembled prompt (recalled blocks before a new turn) is rebuilt by its mechanism
         t0 = time.perf_counter()
@@ -246,7 +246,7 @@ class SessionPersistence(mechanism.Mechanism):
         else:
             state.restore_ms = 0.0
 
-    def _load(self, state: TurnState) -> Session | None:
+    def _load(self, state: PersistTurn) -> Session | None:
         """A session seen by an earlier server (or dropped from memory): its file, checked."""
         session = self._session(state.tenant, state.session_id, create=True)
         with session.lock, session.io:
@@ -261,7 +261,7 @@ class SessionPersistence(mechanism.Mechanism):
         record.state = {}  # the mechanisms hold it now; the warm tier keeps the path only
         return session
 
-    def _read(self, state: TurnState) -> SessionRecord | None:
+    def _read(self, state: PersistTurn) -> SessionRecord | None:
         """The session's file, checked; a file that fails a check is refused (logged, reported)."""
         try:
             return self.files.read(state.tenant, state.session_id)
@@ -271,7 +271,7 @@ class SessionPersistence(mechanism.Mechanism):
             state.refused = str(exc)
             return None
 
-    def _match_text(self, scheduler, req, session: Session, state: TurnState) -> None:
+    def _match_text(self, scheduler, req, session: Session, state: PersistTurn) -> None:
         if self.tokenizer is None:
             return  # --skip-tokenizer-init: token-level reuse only
         stored = session.tokens
@@ -289,7 +289,7 @@ class SessionPersistence(mechanism.Mechanism):
         ids = list(req.origin_input_ids)
         state.reuse = result.reuse if ids[: result.reuse] == stored[: result.reuse] else tree_fill.common_prefix(stored, ids)
 
-    def _restore(self, req, session: Session, state: TurnState, source: str) -> None:
+    def _restore(self, req, session: Session, state: PersistTurn, source: str) -> None:
         tree = self.tree
         reuse = state.reuse - state.reuse % tree.page_size
         if reuse <= 0:
@@ -336,7 +336,7 @@ class SessionPersistence(mechanism.Mechanism):
     def on_release(self, req) -> None:
         """Capture the turn: the KV of the request's path that the stored record lacks, off the pool
         now (the slots are the tree's to evict), encoded and written by the worker."""
-        state: TurnState | None = TURNS.get(req)
+        state: PersistTurn | None = TURNS.get(req)
         if state is None:
             return
         session = self._session(state.tenant, state.session_id, create=True)
