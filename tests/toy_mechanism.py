@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sgl_memory.core import mechanism, metrics, prometheus
 from sgl_memory.core.config import require
-from sgl_memory.core.request import FIELD, RequestPart, SpecError, only
+from sgl_memory.core.request import FIELD, RequestPart, SpecError, object_at
 from sgl_memory.core.slots import Slot
 
 
@@ -50,15 +50,12 @@ class ToyMechanism(mechanism.Mechanism):
 
     @classmethod
     def parse_request(cls, raw: dict, internal: bool) -> ToyRequest | None:
-        body = raw.get("toy")
+        body, where = object_at(raw, "toy", ("note",))
         if body is None:
             return None
-        if not isinstance(body, dict):
-            raise SpecError(f"{FIELD}.toy must be an object")
-        only(body, ("note",), f"{FIELD}.toy")
         note = body.get("note", "")
         if not isinstance(note, str):
-            raise SpecError(f"{FIELD}.toy.note must be a string, got {note!r}")
+            raise SpecError(f"{where}.note must be a string, got {note!r}")
         return ToyRequest(note)
 
     @classmethod

@@ -145,6 +145,18 @@ def only(raw: dict, allowed: tuple[str, ...], where: str) -> None:
         raise SpecError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}")
 
 
+def object_at(raw: dict, key: str, allowed: tuple[str, ...]) -> tuple[dict | None, str]:
+    """A key of the field whose value is an object (a mechanism's own settings): the object (None
+    when the key is absent), its keys checked against `allowed`, and its path for messages."""
+    where = f"{FIELD}.{key}"
+    body = raw.get(key)
+    if body is not None:
+        if not isinstance(body, dict):
+            raise SpecError(f"{where} must be an object")
+        only(body, allowed, where)
+    return body, where
+
+
 def keys() -> tuple[str, ...]:
     """Every key a client may set in the field: the common ones and the registered mechanisms'."""
     return COMMON + tuple(f for cls in mechanism.ordered() for f in cls.fields)

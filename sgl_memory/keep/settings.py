@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sgl_memory.core.config import require
-from sgl_memory.core.request import FIELD, RequestPart, SpecError, integer, number, only
+from sgl_memory.core.request import RequestPart, integer, number, object_at
 
 MAX_HOPS = 64  # importance propagation rounds (it stops earlier once its set is stable)
 
@@ -51,11 +51,7 @@ class KeepRequest(RequestPart):
 
 
 def parse_request(raw: dict) -> KeepRequest | None:
-    body = raw.get("keep")
+    body, where = object_at(raw, "keep", ("ratio", "hops"))
     if body is None:
         return None
-    where = f"{FIELD}.keep"
-    if not isinstance(body, dict):
-        raise SpecError(f"{where} must be an object")
-    only(body, ("ratio", "hops"), where)
     return KeepRequest(number(body.get("ratio"), 0, 1, f"{where}.ratio"), integer(body.get("hops"), 1, MAX_HOPS, f"{where}.hops"))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sgl_memory.core.config import MAX_BUDGET, ConfigError, choices, require
-from sgl_memory.core.request import FIELD, RequestPart, SpecError, choice, flag, integer, only
+from sgl_memory.core.request import FIELD, RequestPart, SpecError, choice, flag, integer, object_at
 from sgl_memory.core.reuse import REPAIRS
 
 
@@ -114,13 +114,9 @@ class MemArtRequest(RequestPart):
 
 
 def parse_request(raw: dict, internal: bool) -> MemArtRequest | None:
-    body = raw.get("memory")
+    body, where = object_at(raw, "memory", CLIENT_KEYS + (INTERNAL_KEYS if internal else ()))
     if body is None:
         return None
-    where = f"{FIELD}.memory"
-    if not isinstance(body, dict):
-        raise SpecError(f"{where} must be an object")
-    only(body, CLIENT_KEYS + (INTERNAL_KEYS if internal else ()), where)
     mode = choice(body.get("mode", "retrieve"), MODES + (INTERNAL_MODES if internal else ()), f"{where}.mode")
     named = {k: choice(body.get(k), choices(MemArtConfig, k), f"{where}.{k}") for k in NAMED}
     probe = body.get("probe")
