@@ -8,6 +8,7 @@ import argparse
 import json
 import random
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from functools import cache
@@ -15,11 +16,16 @@ from pathlib import Path
 
 import torch
 
-from sgl_memory import models
-from bench import harness
+ROOT = Path(__file__).resolve().parents[1]
+# a benchmark run as a script (`python bench/intent_sessions.py`) has bench/ on its path, not the
+# repository: the harness is imported as the package module either way
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from sgl_memory import models  # noqa: E402
+from bench import harness  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @cache
