@@ -16,7 +16,8 @@ from sgl_memory.core.request import SpecError, parse
 from sgl_memory.kernels.aabb_score import aabb_scores
 from sgl_memory.core.spans import RoleMarkers, find_spans
 from sgl_memory.memart.blocks import BlockIndex, MemArtPool, pieces
-from sgl_memory.memart.manager import assemble, choose, probe_end, scoring_positions
+from sgl_memory.memart.placement import assemble, choose
+from sgl_memory.memart.queries import probe_end, scoring_positions
 from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, score_blocks, top_blocks
 from sgl_memory.core.rope import Rope
 

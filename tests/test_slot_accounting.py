@@ -36,7 +36,8 @@ from sgl_memory.core.config import MemoryConfig
 from sgl_memory.intent.pruner import REQUESTS as INTENT
 from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.memart.manager import TURNS as MEMORY
-from sgl_memory.memart.manager import MemArtManager, Probe
+from sgl_memory.memart.manager import MemArtManager
+from sgl_memory.memart.queries import Probe
 from sgl_memory.memart.settings import MemArtConfig
 from sgl_memory.persist.manager import TURNS as PERSIST
 from sgl_memory.persist.manager import SessionPersistence

@@ -37,6 +37,8 @@ from sgl_memory.memart import writes
 from sgl_memory.memart.blocks import Block, MemArtPool
 from sgl_memory.memart.entries import ALONE, EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
+from sgl_memory.memart.placement import assemble, choose
+from sgl_memory.memart.queries import Probe, probe_end, scoring_positions
 from sgl_memory.memart.settings import MemArtConfig, MemArtRequest, check_config, check_request, parse_request
 from sgl_memory.core.request import MemorySpec
 from sgl_memory.core.kvhost import namespace
@@ -51,39 +53,6 @@ logger = logging.getLogger(__name__)
 MAX_SESSIONS = 1024  # session pools kept; the least recently used beyond are dropped
 MAX_PROBES = 32  # recent probes kept for their request (a request with n > 1 samples uses its probe n times)
 
-
-
-@dataclass
-class Probe:
-    """What the probe pass of one prompt leaves for its request: the position-free queries of its
-    scoring tokens, filled layer by layer as its prefill computes them, and, for a request that
-    places its blocks after the system message, that message's KV (post-RoPE at its own
-    positions, which it keeps), copied off the probe's row at its release."""
-
-    owner: tuple[str, str]
-    scoring: list[int]  # the prompt positions whose queries score the blocks
-    layers: int  # the layers whose queries score the blocks (the first ones)
-    length: int
-    system_end: int  # [0, system_end) is the system message whose KV the request needs (0: none)
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [length - start, H, D]
-    system_kv: tree_fill.PathKV | None = None
-    prefilled: int = 0  # what the probe computed (its length less the tree's cached prefix), set at its release
-
-    @property
-    def start(self) -> int:
-        return self.scoring[0]
-
-    def add(self, layer: int, q, positions: torch.Tensor, rope: Rope) -> None:
-        keep = positions >= self.start
-        if layer < self.layers and bool(keep.any()):
-            rows = self.rows.get(layer)
-            if rows is None:
-                rows = self.rows[layer] = torch.zeros(self.length - self.start, *q.shape[1:])
-            rows[positions[keep] - self.start] = rope.rotate(q[keep].float(), -positions[keep]).float()
-
-    def queries(self) -> torch.Tensor:
-        picked = torch.tensor(self.scoring) - self.start
-        return torch.stack([self.rows[i][picked] for i in sorted(self.rows)])  # [L, T, H, D]
 
 
 @dataclass
@@ -538,84 +507,7 @@ class MemArtManager(mechanism.Mechanism):
         POOL_TOKENS.set(sum(m.tokens for m in pools))
 
 
-HEADER_SCOPES = {"none": (), "turn": ("turn",), "line": ("line",), "turn_line": ("turn", "line")}
-
-
-def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | None, unit: str = "block") -> list[int]:
-    """The block ids to place: each ranked block with the rest of its unit (an entry's or a static
-    group's other blocks, MemArtPool.unit; with `unit` "line", the rest of its line, MemArtPool.line)
-    and its header blocks (the first block of its turn and/or line, MemArtConfig.header: a block,
-    what a turn's or line's start says, not the whole line) unless chosen already. What would pass
-    `budget` (the tokens to place at most) is skipped, so a shorter one after it may still fit; a
-    line longer than the whole budget goes as its block alone (a tool output on one line of
-    thousands of tokens is still recalled by its best blocks)."""
-    chosen, used, units = {}, 0, memory.book.unit_turns()
-    for block_id in ranked:
-        members = memory.unit(block_id, units)
-        if unit == "line":
-            line = [b for m in members for b in memory.line(m)]
-            if budget is None or sum(len(memory.blocks[b].tokens) for b in line if b in memory.blocks) <= budget:
-                members = line
-        headers = [memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header]]
-        new = [b for b in dict.fromkeys([*members, *headers]) if b is not None and b not in chosen and b in memory.blocks]
-        n = sum(len(memory.blocks[b].tokens) for b in new)
-        if budget is not None and used + n > budget:
-            continue  # the request must still fit the context (and the placement budget)
-        chosen.update(dict.fromkeys(new))
-        used += n
-    return list(chosen)
-
-
 def line_ends(tokenizer) -> frozenset[int]:
     """The token ids whose text ends a line (memory.cut lines)."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     return frozenset(i for i, text in enumerate(texts) if text.endswith("\n"))
-
-
-def probe_end(ids: list[int], spans, mode: str, markers: RoleMarkers, tokenizer) -> int:
-    """How much of the prompt the probe computes: the question's turn and the header line of the
-    message that opens after it, where an ordinary prompt ends. A prompt that goes on (an assistant
-    turn continued, or one a readonly request teacher-forces) is cut there; with `all` scoring
-    every position scores, so nothing is cut."""
-    if mode == "all" or tokenizer is None:
-        return len(ids)
-    after = next((i for i in range(spans.query_start + 1, len(ids)) if ids[i] == markers.opener), None)
-    if after is None:
-        return len(ids)
-    return next((j + 1 for j in range(after + 1, len(ids)) if "\n" in tokenizer.decode([ids[j]])), len(ids))
-
-
-def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, tokenizer) -> list[int]:
-    """The prompt positions whose queries score the blocks: every one (`all`); the last user turn
-    (`query`); or its text (`text`): the turn without its chat markup (special tokens, the role
-    name on a message opener's line, whitespace), which would match every block that holds markup,
-    up to the next message (a prompt that continues an assistant turn, or a readonly request that
-    scores one, retrieves for the question, not for the answer it holds)."""
-    if mode == "all":
-        return list(range(len(ids)))
-    turn = list(range(spans.query_start, len(ids)))
-    if mode == "query" or tokenizer is None:
-        return turn or list(range(len(ids)))
-    special = set(getattr(tokenizer, "all_special_ids", ()))
-    text, header = [], False
-    for i in turn:
-        if ids[i] == markers.opener and i > spans.query_start:
-            break  # the turn ends where the next message opens: an assistant turn's text is not the query
-        piece = tokenizer.decode([ids[i]])
-        if ids[i] == markers.opener:
-            header = True  # the role name that follows runs to the end of its line
-        elif header:
-            header = "\n" not in piece
-        elif ids[i] not in special and piece.strip():
-            text.append(i)
-    return text or turn or list(range(len(ids)))
-
-
-def assemble(blocks: list[Block], rope: Rope, at: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks in the given order at contiguous positions at..at+M-1: keys rotated from where they
-    were computed to their new positions (float64 math, one rounding into the pool's dtype; a key
-    placed where it was computed is the cached key bit for bit), values as stored; [L, M, Hkv, D] each."""
-    keys = torch.cat([b.keys for b in blocks], dim=1)
-    values = torch.cat([b.values for b in blocks], dim=1)
-    moved = torch.arange(at, at + keys.shape[1]) - torch.cat([b.positions for b in blocks]).long()
-    return rope.rotate_layers(keys, moved), values
