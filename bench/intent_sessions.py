@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -77,7 +78,8 @@ def run_config(server, prompts: list[list[list[int]]], memory: dict | None, tag:
             body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": TOP,
                     "sampling_params": {"temperature": 0, "max_new_tokens": GEN_TOKENS, "ignore_eos": True}}  # fmt: skip
             if memory is not None:
-                body["sgl_memory"] = dict(memory, session_id=f"{tag}-{s}")
+                # a session id of the configuration's name in the characters ids may use
+                body["sgl_memory"] = dict(memory, session_id=re.sub(r"[^A-Za-z0-9._:@+=-]", "-", f"{tag}-{s}"))
             r = server.post("/generate", body)
             r.raise_for_status()
             out = r.json()
