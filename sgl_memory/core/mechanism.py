@@ -7,7 +7,7 @@ file: its config section (`settings`), where it runs among the others (`rank`), 
 `sgl_memory` request field it owns (`fields`, `parse_request`, `check_request`), its per-request
 metrics (`schema`, `observe`) and its HTTP routes (`mount`). The tree (radix_cache.py) builds the
 enabled ones by rank and calls them at the points of a request's life below. Per-request state
-lives in the mechanism or in a `slots.RequestSlot` beside SGLang's request, never on it; no
+lives in the mechanism or in a `slots.Slot` beside SGLang's request, never on it; no
 mechanism imports another.
 
 Mechanisms are found by importing their modules: `BUILTIN` lists the ones that ship with
@@ -124,12 +124,12 @@ class Mechanism(ABC):
         return None
 
     def on_match(self, req, branches) -> None:
-        """The branches (tree_fill.Branches) the tree matched on the request's path, for a request
+        """The branches (kvhost.Branches) the tree matched on the request's path, for a request
         whose `branch_ids` is not None."""
 
     def branches(self, req):
         """Where the request's key in the tree takes branch ids instead of its tokens
-        (tree_fill.Branches; () for a plain path): the tree inserts its row under that key."""
+        (kvhost.Branches; () for a plain path): the tree inserts its row under that key."""
         return ()
 
     def on_checkpoint(self, req, tree):

@@ -3,9 +3,9 @@
 SGLang runs prometheus_client in multiprocess mode: every process writes its values to files in
 PROMETHEUS_MULTIPROC_DIR, and the HTTP process's /metrics collects them all. So each value is
 recorded in the process that knows it:
-- per-request metrics in the HTTP process, as they arrive in meta_info (sgl_memory/metrics.py;
+- per-request metrics in the HTTP process, as they arrive in meta_info (engine/hooks.py;
   streamed requests included): the per-mechanism request counts here, each mechanism's own series
-  in its `Mechanism.observe`; and the requests our validation refused (http_api.py);
+  in its `Mechanism.observe`; and the requests our validation refused (engine/http_api.py, engine/admission.py);
 - sizes (memory pools, the session store) and write errors in the scheduler process.
 
 A mechanism declares its series at module level with `counter`, `histogram` and `gauge`; every name

@@ -13,7 +13,7 @@ it to that). With intent pruning on, the tree also owns the dead-slot substrate 
 - the compression event runs in `checkpoint` at the end of a request's prefill, before its row is
   inserted, so the tree stores the pruned row and the next turn reuses it.
 
-The memory mechanisms (sgl_memory/mechanism.py) are built by the tree from the config, by rank,
+The memory mechanisms (core/mechanism.py) are built by the tree from the config, by rank,
 and the tree is their only owner: it admits a request through each (admission.py calls `admit`),
 gives each its checkpoint and its release, and drains their workers before flush_cache empties
 it. It knows none of them by name: a mechanism whose paths must not be shared says so through

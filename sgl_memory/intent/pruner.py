@@ -22,7 +22,8 @@ from sgl_memory.intent.head import PrunerHead, backbone_spec, find_head
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
 from sgl_memory.intent.paths import branch_id, branch_ids, namespace
 from sgl_memory.core.kvhost import Branches
-from sgl_memory.intent.settings import OVERRIDES, IntentConfig, IntentRequest, parse_request
+from sgl_memory.intent import settings as section
+from sgl_memory.intent.settings import IntentConfig, IntentRequest
 from sgl_memory.core.request import FIELD, MemorySpec, SpecError
 from sgl_memory.core.rows import POSITION_SHIFTS
 from sgl_memory.core.slots import Slot
@@ -112,15 +113,12 @@ SCORING_SECONDS = prometheus.histogram("scoring_seconds", "IntentKV scoring time
 class IntentPruner(mechanism.Mechanism):
     rank = 40  # last: it finds its forced spans and session in the final tokens
     settings = IntentConfig
-    fields = OVERRIDES
+    fields = section.OVERRIDES
+    parse_request = staticmethod(section.parse_request)
     schema = mechanism.MetricsSchema(
         marker="compression_events", maxed=("peak_request_tokens",), counted=("session_key_source",),
         summed=("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms"))  # fmt: skip
     needs_sentinel = True
-
-    @classmethod
-    def parse_request(cls, raw: dict, internal: bool) -> IntentRequest | None:
-        return parse_request(raw)
 
     @classmethod
     def observe(cls, metrics: dict, meta_info: dict) -> None:

@@ -82,7 +82,7 @@ class IntentRequest(RequestPart):
         return replace(base, **{k: getattr(self, k) for k in OVERRIDES if getattr(self, k) is not None})
 
 
-def parse_request(raw: dict) -> IntentRequest | None:
+def parse_request(raw: dict, internal: bool = False) -> IntentRequest | None:
     if not any(k in raw for k in OVERRIDES):
         return None
     named = {k: choice(raw.get(k), choices(IntentConfig, k), f"{FIELD}.{k}") for k in OVERRIDES if k != "budget"}

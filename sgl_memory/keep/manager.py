@@ -23,7 +23,8 @@ import torch
 
 from sgl_memory.core import capture, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.core.capture import ExtendRows
-from sgl_memory.keep.settings import KeepConfig, KeepRequest, parse_request
+from sgl_memory.keep import settings as section
+from sgl_memory.keep.settings import KeepConfig, KeepRequest
 from sgl_memory.keep.loading import LayerLoader
 from sgl_memory.keep.select import REGISTRY, LayerView, Selector, ratio_at
 from sgl_memory.core.reuse import REUSED, ReusedKV
@@ -153,11 +154,8 @@ class KeepManager(mechanism.Mechanism):
     rank = 20
     settings = KeepConfig
     fields = ("keep",)
+    parse_request = staticmethod(section.parse_request)
     schema = mechanism.MetricsSchema(marker="recompute_method", summed=("recomputed_tokens", "recompute_ms"))
-
-    @classmethod
-    def parse_request(cls, raw: dict, internal: bool) -> KeepRequest | None:
-        return parse_request(raw)
 
     @classmethod
     def observe(cls, metrics: dict, meta_info: dict) -> None:

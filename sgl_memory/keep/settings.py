@@ -50,7 +50,7 @@ class KeepRequest(RequestPart):
     hops: int | None = None
 
 
-def parse_request(raw: dict) -> KeepRequest | None:
+def parse_request(raw: dict, internal: bool = False) -> KeepRequest | None:
     body, where = object_at(raw, "keep", ("ratio", "hops"))
     if body is None:
         return None

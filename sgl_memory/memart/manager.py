@@ -39,7 +39,8 @@ from sgl_memory.memart.entries import ALONE, EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 from sgl_memory.memart.placement import assemble, choose
 from sgl_memory.memart.queries import Probe, probe_end, scoring_positions
-from sgl_memory.memart.settings import MemArtConfig, MemArtRequest, check_config, check_request, parse_request
+from sgl_memory.memart import settings as section
+from sgl_memory.memart.settings import MemArtConfig, MemArtRequest
 from sgl_memory.core.request import MemorySpec
 from sgl_memory.core.kvhost import namespace
 from sgl_memory.core.reuse import REPAIRS, REUSED, ReusedKV
@@ -115,20 +116,12 @@ class MemArtManager(mechanism.Mechanism):
     rank = 10
     settings = MemArtConfig
     fields = ("memory",)
+    # its request object and config checks (settings.py)
+    parse_request = staticmethod(section.parse_request)
+    check_request = staticmethod(section.check_request)
+    check_config = staticmethod(section.check_config)
     schema = mechanism.MetricsSchema(marker="retrieved_blocks", summed=("retrieved_blocks", "retrieval_ms"))
     kv_state = {"keys": "k", "values": "v"}  # of the pool's export (MemArtPool.export)
-
-    @classmethod
-    def parse_request(cls, raw: dict, internal: bool) -> MemArtRequest | None:
-        return parse_request(raw, internal)
-
-    @classmethod
-    def check_request(cls, part: MemArtRequest, config) -> None:
-        check_request(part, config)
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        check_config(config)
 
     @classmethod
     def observe(cls, metrics: dict, meta_info: dict) -> None:

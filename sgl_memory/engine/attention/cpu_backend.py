@@ -112,7 +112,7 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
 class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
     plans: list | None = None
     planned_tokens = 0  # query rows the plans cover; a layer called with other rows is not ours
-    supports_row_layout = True  # sgl_memory.compact may drop rows between layers
+    supports_row_layout = True  # engine/layers.py may drop rows between layers
     forward_batch = None
     layout_version = 0  # of the row layout the plans follow
 
