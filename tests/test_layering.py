@@ -18,9 +18,6 @@ MECHANISMS = {"intent", "persist", "memart", "keep"}
 KERNELS = {"kernels"}  # compute kernels (Triton, kernels/ in the repository): no SGLang, usable from any floor
 ROOT = {"SGLANG_VERSION", "__version__"}  # the package's own __init__
 PLATFORM = {"cpu_compat", "cpu_dtype"}  # the CPU platform layer, imported at interpreter start (a .pth)
-# a mechanism's HTTP side that sends the server's own passes through SGLang's tokenizer manager:
-# the one SGLang contact left in a mechanism (the engine offers no internal-pass API yet)
-SGLANG_IN_MECHANISMS = {"memart/probe.py", "memart/writes.py"}
 
 
 def imports(path: Path) -> tuple[set[str], set[str]]:
@@ -66,7 +63,7 @@ def test_layers_do_not_import_upwards(path):
         assert ours <= allowed, f"{rel} (engine) imports {sorted(ours - allowed)}"
     else:
         assert not ours & MECHANISMS, f"{rel} imports {sorted(ours & MECHANISMS)}: only the registry knows the mechanisms"
-    if unit == "core" or (unit in MECHANISMS and rel not in SGLANG_IN_MECHANISMS):
+    if unit == "core" or unit in MECHANISMS:
         assert "sglang" not in foreign, f"{rel} imports SGLang: only the engine (and the server layer) may"
 
 
@@ -76,4 +73,3 @@ def test_the_rule_is_not_vacuous():
     assert "sglang" in imports(PACKAGE / "engine" / "radix_cache.py")[1]
     assert {"core", "memart"} <= imports(PACKAGE / "memart" / "manager.py")[0]
     assert MECHANISMS == {p.parent.name for p in PACKAGE.glob("*/__init__.py")} - {"core", "engine", "patches", "kernels"}
-    assert all((PACKAGE / m).is_file() for m in SGLANG_IN_MECHANISMS)

@@ -113,13 +113,21 @@ def test_the_server_serves_a_plugin_mechanism_beside_the_built_in_ones(toy_serve
                           ({"toy": {"note": "far too long"}}, "toy.max_note"), ({"toy": {"x": 1}}, "sgl_memory.toy: unknown field")):  # fmt: skip
         r = toy_server.post("/generate", {"input_ids": ids, "sgl_memory": field})
         assert r.status_code == 400 and needle in r.text, r.text
+    # its HTTP side: it saw the two requests with a toy field come in (not the refused ones: the
+    # field is checked before), and its own pass over a request's prompt reached the scheduler
+    # without coming back through before_generate (it would count itself, and send its own pass)
+    echo = generate(toy_server, ids, {"toy": {"note": "echo"}})
+    assert echo["output_ids"] == plain["output_ids"]
+    route = toy_server.get("/sgl_memory/toy").json()
+    assert route["incoming"] == 3 and route["max_note"] == 8
+    assert route["context_len"] == toy_server.get("/v1/models").json()["data"][0]["max_model_len"]
     # its route, its config section, its aggregates and its Prometheus series
-    assert toy_server.get("/sgl_memory/toy").json() == {"max_note": 8}
     info = toy_server.get("/sgl_memory/info").json()["config"]
     assert info["toy"] == {"enabled": True, "max_note": 8} and info["plugins"] == ["toy_mechanism"]
     stats, after = toy_server.get("/sgl_memory/stats").json(), toy_server.prometheus()
-    assert stats["totals"]["toy_prompt_tokens"] - stats_before["totals"]["toy_prompt_tokens"] == 2 * len(ids)
-    assert stats["counts"]["toy_note"]["hi"] - stats_before["counts"]["toy_note"].get("hi", 0) == 2
-    assert sample(after, "sgl_memory_toy_requests_total") - sample(before, "sgl_memory_toy_requests_total") == 2
+    assert stats["totals"]["toy_prompt_tokens"] - stats_before["totals"]["toy_prompt_tokens"] == 4 * len(ids)
+    counts, counted_before = stats["counts"]["toy_note"], stats_before["counts"].get("toy_note", {})
+    assert {note: counts[note] - counted_before.get(note, 0) for note in counts} == {"hi": 2, "echo": 1, "pass": 1}
+    assert sample(after, "sgl_memory_toy_requests_total") - sample(before, "sgl_memory_toy_requests_total") == 4
     grew = sample(after, "sgl_memory_requests_total", mechanism="toy") - sample(before, "sgl_memory_requests_total", mechanism="toy")
-    assert grew == 2
+    assert grew == 4

@@ -4,6 +4,9 @@ through its config (`plugins: [toy_mechanism]`), and nothing in sgl_memory names
 It counts what it is asked to: each request that sets `sgl_memory.toy` gets, in its metrics, the
 prompt's token count and first token id as the tree saw them at admission, and the note it sent.
 It owns its config section, its request key, its metrics schema, a Prometheus counter and a route.
+On the HTTP side it counts the requests with a toy field as they come in (before_generate), and a
+note "echo" makes it send a pass of its own (note "pass") over the same prompt first, through the
+engine API a mechanism gets (core/front.py).
 """
 
 from __future__ import annotations
@@ -68,11 +71,22 @@ class ToyMechanism(mechanism.Mechanism):
         if "toy_prompt_tokens" in metrics:
             REQUESTS.inc()
 
+    incoming = 0  # requests with a toy field seen on their way in (HTTP process)
+
     @classmethod
-    def mount(cls, app, config) -> None:
+    def mount(cls, app, config, engine) -> None:
         @app.get("/sgl_memory/toy")
         async def toy():
-            return {"max_note": config.toy.max_note}
+            return {"max_note": config.toy.max_note, "incoming": cls.incoming, "context_len": engine.context_len()}
+
+    @classmethod
+    async def before_generate(cls, request, engine) -> None:
+        field = request.fields()[0]
+        if request.batched() or not isinstance(field, dict) or "toy" not in field:
+            return
+        cls.incoming += 1
+        if field["toy"].get("note") == "echo":
+            await engine.prefill({"toy": {"note": "pass"}}, like=request)
 
     def admit(self, scheduler, req, spec) -> None:
         part = spec.part(self.name)

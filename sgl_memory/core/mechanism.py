@@ -5,7 +5,8 @@ package with one class that subclasses `Mechanism` and registers under its name.
 declares everything the server layers need from it, so that adding a mechanism edits no shared
 file: its config section (`settings`), where it runs among the others (`rank`), the keys of the
 `sgl_memory` request field it owns (`fields`, `parse_request`, `check_request`), its per-request
-metrics (`schema`, `observe`) and its HTTP routes (`mount`). The tree (radix_cache.py) builds the
+metrics (`schema`, `observe`), its HTTP routes (`mount`) and what it does to requests on their
+way in (`before_generate`, with the engine API of front.py). The tree (radix_cache.py) builds the
 enabled ones by rank and calls them at the points of a request's life below. Per-request state
 lives in the mechanism or in a `slots.Slot` beside SGLang's request, never on it; no
 mechanism imports another.
@@ -86,8 +87,15 @@ class Mechanism(ABC):
         """One finished request's metrics (HTTP process): record this mechanism's Prometheus series."""
 
     @classmethod
-    def mount(cls, app, config) -> None:
-        """Add this mechanism's HTTP routes to SGLang's FastAPI app (HTTP process)."""
+    def mount(cls, app, config, engine) -> None:
+        """Add this mechanism's HTTP routes to SGLang's FastAPI app (HTTP process); `engine`
+        (front.Engine) sends the mechanism's own passes."""
+
+    @classmethod
+    async def before_generate(cls, request, engine) -> None:
+        """A generate request (front.Incoming) on its way in, before tokenization (HTTP process):
+        may send passes of its own first (front.Engine) and rewrite the request's field. Raises
+        request.SpecError for a field this server cannot serve (a 400)."""
 
     # --- a request's life (scheduler process) ------------------------------------------------------
 

@@ -24,6 +24,7 @@ from sgl_memory.core import mechanism, prometheus
 from sgl_memory.core.config import MemoryConfig, from_env
 from sgl_memory.core.request import FIELD, SpecError, check_served, encode, parse
 from sgl_memory.core.metrics import STATS
+from sgl_memory.engine.front import TokenizerEngine
 
 NATIVE = "/generate"
 RESPONSES = "/v1/responses"
@@ -63,8 +64,9 @@ def mount(server_args, *args, **kwargs):
     async def sgl_memory_stats():
         return STATS.snapshot()
 
+    engine = TokenizerEngine()
     for cls in mechanism.ordered():
-        cls.mount(app, config)
+        cls.mount(app, config, engine)
     app.add_middleware(MemoryFieldMiddleware, config=config)
     return None
 
@@ -209,7 +211,7 @@ MALFORMED = (TypeError, IndexError, KeyError, AttributeError)
 
 
 async def malformed_is_a_400(original, manager, obj, request=None):
-    """AROUND hook on TokenizerManager.generate_request (outside the memory probe's). Until the
+    """AROUND hook on TokenizerManager.generate_request (outside engine/front.py's). Until the
     first output comes back, the request is being normalised, tokenised and validated: a shape of
     input SGLang's code does not expect (an empty list of sampling params, a list where an object
     goes) then surfaces as a TypeError, IndexError, KeyError or AttributeError, which SGLang answers

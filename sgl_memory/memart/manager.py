@@ -34,6 +34,7 @@ import torch
 from sgl_memory.core import allocator, capture, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.core.capture import ExtendRows
 from sgl_memory.memart import writes
+from sgl_memory.memart.probe import send_probe
 from sgl_memory.memart.blocks import Block, MemArtPool
 from sgl_memory.memart.entries import ALONE, EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
@@ -135,8 +136,12 @@ class MemArtManager(mechanism.Mechanism):
             prometheus.REFUSALS.labels(cls.name, reason).inc()
 
     @classmethod
-    def mount(cls, app, config) -> None:
-        writes.mount(app, config)
+    def mount(cls, app, config, engine) -> None:
+        writes.mount(app, config, engine)
+
+    @classmethod
+    async def before_generate(cls, request, engine) -> None:
+        await send_probe(request, engine)
 
     def __init__(self, config: MemArtConfig, tree, rope: Rope):
         self.config, self.tree, self.rope = config, tree, rope

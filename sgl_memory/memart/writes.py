@@ -12,26 +12,21 @@ the call returns. Entries are grouped by MiniLM embeddings computed here (encode
 scheduler reports a group that became static, this side sends the pass that computes its joint KV.
 Every answer carries the session's book: its entries, groups and which groups are static.
 
-The passes carry their own `sgl_memory.memory` modes, which a client cannot send: they reach the
-engine through TokenizerManager.generate_request with INTERNAL set, which the memory hook
-(probe.py) lets through unchecked.
+The passes carry their own `sgl_memory.memory` modes, which a client cannot send: they go out as
+the engine's own passes (core/front.py), which no mechanism's before_generate sees.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
-from contextvars import ContextVar
 
 from fastapi import Request
 from fastapi.responses import ORJSONResponse
-from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sgl_memory.core.config import MemoryConfig
+from sgl_memory.core.request import FIELD, MAX_ID_LEN, SpecError, check_id
 from sgl_memory.memart.encoder import embed
-from sgl_memory.core.request import FIELD, MAX_ID_LEN, SpecError, check_id, encode
 
-INTERNAL: ContextVar = ContextVar("sgl_memory_internal_pass", default=False)
 MAX_ENTRIES = 1024  # per call
 MAX_TEXT_CHARS = 1 << 16
 MAX_JOINT_PASSES = 64  # per call: a joint pass reports groups that became static meanwhile
@@ -85,19 +80,9 @@ def parse_forget(data) -> tuple[str, str | None, list[str]]:
     return session_id, tenant, [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
 
 
-async def _pass(manager, owner: dict, memory: dict, input_ids: list[int]) -> dict:
+async def _pass(engine, owner: dict, memory: dict, input_ids: list[int]) -> dict:
     """One internal prefill-only pass; the scheduler's answer (MemArtTurn metrics: memory_book)."""
-    raw = {**owner, "memory": memory}
-    obj = GenerateReqInput(input_ids=input_ids, sampling_params={"max_new_tokens": 0, "custom_params": encode(None, raw)},
-                           rid=f"sgl-memory-{memory['mode']}-{uuid.uuid4().hex}")  # fmt: skip
-    token = INTERNAL.set(True)
-    try:
-        out = None
-        async for out in manager.generate_request(obj, None):
-            pass
-    finally:
-        INTERNAL.reset(token)
-    meta = (out or {}).get("meta_info", {})
+    meta = await engine.prefill({**owner, "memory": memory}, input_ids=input_ids)
     finish = meta.get("finish_reason") or {}
     if finish.get("type") == "abort":
         raise SpecError(f"the engine refused the memory pass: {finish.get('message')}")
@@ -107,7 +92,7 @@ async def _pass(manager, owner: dict, memory: dict, input_ids: list[int]) -> dic
     return book
 
 
-async def _joint(manager, owner: dict, book: dict, joint: list[dict]) -> dict:
+async def _joint(engine, owner: dict, book: dict, joint: list[dict]) -> dict:
     """Send the joint-KV pass of every group the book reports static (and of those the passes
     themselves report), so the call returns with its groups' KV computed."""
     due = list(book.pop("due"))
@@ -115,15 +100,13 @@ async def _joint(manager, owner: dict, book: dict, joint: list[dict]) -> dict:
         if not due:
             break
         group = due.pop(0)
-        book = await _pass(manager, owner, {"mode": "write", "group": group["group"], "version": group["version"]}, group["tokens"])
+        book = await _pass(engine, owner, {"mode": "write", "group": group["group"], "version": group["version"]}, group["tokens"])
         joint.append({"group": group["group"], "tokens": len(group["tokens"])})
         due += book.pop("due")
     return book
 
 
-def mount(app, config: MemoryConfig) -> None:
-    from sglang.srt.entrypoints.http_server import get_global_state  # the app's module: imported at mount
-
+def mount(app, config: MemoryConfig, engine) -> None:
     def refuse(message: str, status: int = 400):
         return ORJSONResponse(status_code=status, content={"error": {"message": message}})
 
@@ -143,9 +126,8 @@ def mount(app, config: MemoryConfig) -> None:
     async def memory_write(request: Request):
         try:
             session_id, tenant, entries = await parsed(request, parse_write)
-            manager = get_global_state().tokenizer_manager
-            tokenized = [manager.tokenizer.encode(text, add_special_tokens=False) for _, text in entries]
-            limit = manager.context_len - 1
+            tokenized = [engine.tokenize(text) for _, text in entries]
+            limit = engine.context_len() - 1
             for (key, _), ids in zip(entries, tokenized):
                 if len(ids) > limit:
                     raise SpecError(f"entry {key!r} is {len(ids)} tokens; the context holds {limit}")
@@ -154,9 +136,9 @@ def mount(app, config: MemoryConfig) -> None:
             written, joint, book = [], [], None
             for (key, _), ids, embedding in zip(entries, tokenized, embeddings):
                 pass_ = {"mode": "write", "entry": key, **({"embedding": embedding} if embedding is not None else {})}
-                book = await _pass(manager, owner, pass_, ids)
+                book = await _pass(engine, owner, pass_, ids)
                 written.append({"key": key, "tokens": len(ids)})
-                book = await _joint(manager, owner, book, joint)
+                book = await _joint(engine, owner, book, joint)
         except SpecError as exc:
             return refuse(str(exc))
         groups = {key: g["id"] for g in book["groups"] for key in g["members"]}
@@ -185,7 +167,6 @@ def mount(app, config: MemoryConfig) -> None:
 
     async def _forget(owner: dict, keys: list[str]) -> dict:
         """A forget pass (no keys: the book as it stands). Its prompt is one token, never stored."""
-        manager = get_global_state().tokenizer_manager
-        token = manager.tokenizer.encode("\n", add_special_tokens=False)[:1]
-        book = await _pass(manager, owner, {"mode": "forget", "forget": keys}, token)
-        return await _joint(manager, owner, book, [])
+        token = engine.tokenize("\n")[:1]
+        book = await _pass(engine, owner, {"mode": "forget", "forget": keys}, token)
+        return await _joint(engine, owner, book, [])

@@ -1,0 +1,45 @@
+"""What a mechanism's HTTP side may ask of the engine (HTTP process), without touching SGLang.
+
+Two things, implemented by engine/front.py over SGLang's tokenizer manager:
+- `Incoming`: a generate request on its way in (native or OpenAI, before tokenization), which a
+  mechanism's `Mechanism.before_generate` sees and may rewrite (KV memory sends a query pass of the
+  same prompt first and points the request at it);
+- `Engine`: the server's own passes. A mechanism sends prefill-only passes that carry its internal
+  `sgl_memory` keys (a client cannot send those: the field parser refuses them on client requests);
+  they reach the scheduler like any request and skip every `before_generate`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Incoming(Protocol):
+    """One generate request as the HTTP process receives it."""
+
+    def fields(self) -> list:
+        """The raw `sgl_memory` field of each of its prompts' sampling params (None where a prompt
+        has none); one item for a request that is not a batch. Raises request.SpecError for a
+        field that is not JSON."""
+
+    def batched(self) -> bool:
+        """Whether it carries several prompts (a list of texts or of token-id lists)."""
+
+    def set_field(self, raw: dict) -> None:
+        """Replace the `sgl_memory` field of its one prompt (not a batch) by `raw`."""
+
+
+class Engine(Protocol):
+    """The engine as a mechanism's HTTP side uses it. The tokenizer is there once the server runs
+    (a route uses it, `mount` does not)."""
+
+    def tokenize(self, text: str) -> list[int]:
+        """The text's token ids, without special tokens."""
+
+    def context_len(self) -> int:
+        """The longest prompt plus output the model takes, in tokens."""
+
+    async def prefill(self, raw: dict, input_ids: list[int] | None = None, like: Incoming | None = None) -> dict:
+        """Send one prefill-only pass whose `sgl_memory` field is `raw`: over `input_ids`, or over
+        the prompt of `like` (its text or ids, adapter and cache key). Returns its meta_info (the
+        scheduler's metrics of the pass under request.FIELD; an abort in its finish_reason)."""
