@@ -25,6 +25,7 @@ from sgl_memory.keep.loading import LOADINGS, LayerLoader  # noqa: E402
 from sgl_memory.keep.select import REGISTRY, LayerView  # noqa: E402
 from sgl_memory.kernels.aabb_score import aabb_scores, aabb_scores_torch  # noqa: E402
 from sgl_memory.kernels.compact_kv_indices import drop_sentinel_, drop_sentinel_reference  # noqa: E402
+from sgl_memory.kernels.step_kv_indices import step_kv_indices, step_kv_indices_reference  # noqa: E402
 from sgl_memory.persist.quant import dequantize, quantize  # noqa: E402
 from sgl_memory.core.rope import Rope  # noqa: E402
 
@@ -59,6 +60,21 @@ def test_the_compiled_sentinel_compaction_equals_the_per_request_reference(index
     drop_sentinel_(d_indptr, d_indices, sentinel)
     assert torch.equal(d_indptr.cpu(), want_indptr)
     assert torch.equal(d_indices[: int(want_indptr[-1])].cpu(), want)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_the_compiled_step_read_lists_equal_the_per_request_reference(index_dtype):
+    g = torch.Generator().manual_seed(5)
+    req_to_token = torch.randint(1, 10_000, (8, 5000), generator=g).to(index_dtype)
+    req_to_token[torch.rand(8, 5000, generator=g) < 0.2] = 0  # the sentinel
+    rows = torch.tensor([7, 0, 3, 1], dtype=torch.int32)
+    seq_lens = torch.tensor([5000, 1, 1025, 0], dtype=torch.int32)
+    reads = torch.rand(4, 5000, generator=g) < 0.1
+    want_indptr, want = step_kv_indices_reference(req_to_token, rows, seq_lens, reads, 0)
+    out = torch.empty(4 * 5000, dtype=index_dtype, device=CUDA)
+    indptr = step_kv_indices(req_to_token.to(CUDA), rows.to(CUDA), seq_lens.to(CUDA), reads.to(CUDA), 0, out)
+    assert torch.equal(indptr.cpu(), want_indptr)
+    assert torch.equal(out[: int(want_indptr[-1])].cpu(), want)
 
 
 @pytest.mark.parametrize("mode", LOADINGS)

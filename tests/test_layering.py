@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_memory"
-MECHANISMS = {"intent", "persist", "memart", "keep"}
+MECHANISMS = {"intent", "persist", "memart", "keep", "sentencekv"}
 KERNELS = {"kernels"}  # compute kernels (Triton, kernels/ in the repository): no SGLang, usable from any floor
 ROOT = {"SGLANG_VERSION", "__version__"}  # the package's own __init__
 PLATFORM = {"cpu_compat", "cpu_dtype"}  # the CPU platform layer, imported at interpreter start (a .pth)
