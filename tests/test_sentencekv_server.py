@@ -47,29 +47,33 @@ def full_reads(meta: dict) -> float:
     return sum(length + j for j in range(1, steps + 1)) / steps
 
 
-def test_with_every_sentence_retrieved_it_is_the_full_cache(server):
+@pytest.mark.parametrize("selection", ["sentence", "page"])
+def test_with_every_sentence_retrieved_it_is_the_full_cache(server, selection):
     full = generate(server, {"sentencekv": {"enabled": False}})
-    every = generate(server, {"sentencekv": {"budget": 1 << 20, "keep_factor": 1}})
+    every = generate(server, {"sentencekv": {"budget": 1 << 20, "keep_factor": 1, "selection": selection}})
     assert every["output_ids"] == full["output_ids"]
     m, meta = every["meta_info"]["sgl_memory"], every["meta_info"]
     assert "sentences" not in (full["meta_info"].get("sgl_memory") or {})
     assert m["decode_steps"] == meta["completion_tokens"] - 1 == NEW_TOKENS - 1
     assert m["kv_read_per_step"] == pytest.approx(full_reads(meta))
-    assert m["kept_tokens"] == meta["prompt_tokens"] and m["sentences"] >= len(FACTS)
+    assert m["kept_tokens"] == meta["prompt_tokens"]
+    assert m["sentences"] >= (len(FACTS) if selection == "sentence" else (meta["prompt_tokens"] - SINKS - RECENT) // 16)
 
 
-def test_a_small_budget_reads_the_always_read_the_retrieved_and_the_generated(server):
+@pytest.mark.parametrize("selection", ["sentence", "page"])
+def test_a_small_budget_reads_the_always_read_the_retrieved_and_the_generated(server, selection):
     budget, factor = 48, 2
-    out = generate(server, {"sentencekv": {"budget": budget, "keep_factor": factor}})
+    out = generate(server, {"sentencekv": {"budget": budget, "keep_factor": factor, "selection": selection}})
     m, meta = out["meta_info"]["sgl_memory"], out["meta_info"]
     always = SINKS + max(RECENT, WINDOW)
-    assert m["kept_tokens"] == always + budget * factor
+    # the page baseline keeps every prompt token readable; sentences, the pool of keep_factor x budget
+    assert m["kept_tokens"] == (always + budget * factor if selection == "sentence" else meta["prompt_tokens"])
     steps = meta["completion_tokens"] - 1
     generated = sum(range(1, steps + 1)) / steps
     assert always + generated < m["kv_read_per_step"] <= always + budget + generated
     assert m["kv_read_per_step"] < full_reads(meta) / 3
     assert 1 <= m["retrieved_sentences"] <= budget
-    again = generate(server, {"sentencekv": {"budget": budget, "keep_factor": factor}})
+    again = generate(server, {"sentencekv": {"budget": budget, "keep_factor": factor, "selection": selection}})
     assert again["output_ids"] == out["output_ids"]
     assert again["meta_info"]["sgl_memory"]["kv_read_per_step"] == m["kv_read_per_step"]
 

@@ -14,7 +14,7 @@ from sgl_memory.core import config, request
 from sgl_memory.core.request import SpecError
 from sgl_memory.engine.attention.cpu_backend import plan_requests, run_plans, with_step_reads
 from sgl_memory.sentencekv.segment import sentence_ids
-from sgl_memory.sentencekv.select import SentenceReads, retrieve, sentence_table, top_tokens
+from sgl_memory.sentencekv.select import SentenceReads, page_table, retrieve, sentence_table, top_tokens
 
 
 def reference_sentences(tokens, ends, max_sentence):
@@ -84,6 +84,32 @@ def test_retrieval_takes_the_best_sentences_while_they_fit(budget):
     got, n = retrieve(table, q, budget)
     assert n == len(taken)
     assert got.tolist() == [p for p in positions.tolist() if int(sentence_of[p]) in taken]
+
+
+@pytest.mark.parametrize("budget", [0, 16, 40, 1000])
+def test_page_retrieval_ranks_pages_by_the_bound_of_the_steps_query(budget):
+    """Quest: a page's score is sum over heads and channels of max(q * min key, q * max key)."""
+    g = torch.Generator().manual_seed(budget)
+    positions = torch.arange(3, 120)
+    keys = torch.randn(positions.numel(), 2, 8, generator=g)
+    pages = torch.arange(200) // 16
+    table = page_table(positions, pages, keys)
+    q = torch.randn(4, 8, generator=g)
+    ids = sorted(set(pages[positions].tolist()))
+    score, size = {}, {}
+    for p in ids:
+        mine = keys[pages[positions] == p]
+        lo, hi = mine.min(0).values, mine.max(0).values
+        score[p] = sum(float(torch.maximum(q[h] * lo[h // 2], q[h] * hi[h // 2]).sum()) for h in range(4))
+        size[p] = mine.shape[0]
+    taken, used = [], 0
+    for p in sorted(ids, key=lambda p: (-score[p], p)):
+        if used + size[p] > budget:
+            break
+        taken.append(p)
+        used += size[p]
+    got, n = retrieve(table, q, budget)
+    assert n == len(taken) and got.tolist() == [x for x in positions.tolist() if int(pages[x]) in taken]
 
 
 def masked_attention(q, k_pool, v_pool, slots, scale):
@@ -182,6 +208,7 @@ def test_the_sentence_query_is_the_mean_since_the_last_boundary_and_interval_hol
     ({"interval": "2"}, "sgl_memory.sentencekv.interval"),
     ({"enabled": 1}, "sgl_memory.sentencekv.enabled must be true or false"),
     ({"boundaries": "."}, "sgl_memory.sentencekv: unknown field(s) boundaries"),
+    ({"selection": "chunks"}, "sgl_memory.sentencekv.selection 'chunks' is unknown; allowed: sentence, page"),
 ])  # fmt: skip
 def test_bad_request_values_name_the_field(field, needle):
     with pytest.raises(SpecError) as exc:

@@ -25,7 +25,8 @@ from typing import Any, ClassVar
 import torch
 
 # The mechanisms that ship with sgl-memory: importing a module registers its mechanism.
-BUILTIN = ("sgl_memory.memart.manager", "sgl_memory.keep.manager", "sgl_memory.persist.manager", "sgl_memory.intent.pruner")
+BUILTIN = ("sgl_memory.memart.manager", "sgl_memory.keep.manager", "sgl_memory.persist.manager", "sgl_memory.intent.pruner",
+           "sgl_memory.sentencekv.manager")
 
 REGISTRY: dict[str, type[Mechanism]] = {}
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sgl_memory.core import capture, mechanism, metrics, prometheus, tree_fill
-from sgl_memory.core.capture import ExtendRows
+from sgl_memory.core.capture import ExtendRows, QueryCapture
 from sgl_memory.intent import scorers
 from sgl_memory.intent.head import PrunerHead, backbone_spec, find_head
 from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
@@ -32,42 +32,6 @@ from sgl_memory.core.spans import RoleMarkers, Spans, find_spans
 
 logger = logging.getLogger(__name__)
 ADAPTIVE_SCORERS = ("memory", "memory_pool", "query", "learned")  # their scores, normalised, are a mass over the candidates
-
-class QueryCapture:
-    """Post-RoPE query rows of one request's prompt, as the attention layers receive them:
-    the sum over the actionable span (for its mean) and the last `window` rows, per layer."""
-
-    def __init__(self, span_start: int, length: int, window: int):
-        self.span_start, self.length = span_start, length
-        self.window_start = max(0, length - window) if window else length
-        self.sums: dict[int, torch.Tensor] = {}
-        self.counts: dict[int, int] = {}
-        self.windows: dict[int, torch.Tensor] = {}
-
-    def add(self, layer: int, q: torch.Tensor, first_pos: int) -> None:
-        """q: [n, heads, head_dim] for positions first_pos .. first_pos + n - 1 of this request."""
-        n = q.shape[0]
-        lo = max(self.span_start, first_pos) - first_pos
-        if lo < n:
-            rows = q[lo:].float().sum(0)
-            self.sums[layer] = self.sums[layer] + rows if layer in self.sums else rows
-            self.counts[layer] = self.counts.get(layer, 0) + (n - lo)
-        w_lo = max(self.window_start, first_pos) - first_pos
-        if w_lo < n and self.window_start < self.length:
-            buf = self.windows.get(layer)
-            if buf is None:
-                buf = self.windows[layer] = torch.zeros(self.length - self.window_start, *q.shape[1:])
-            start = first_pos + w_lo - self.window_start
-            buf[start : start + n - w_lo] = q[w_lo:].float()
-
-    def q_mean(self) -> torch.Tensor | None:
-        if not self.sums:
-            return None
-        return torch.stack([self.sums[i] / self.counts[i] for i in sorted(self.sums)])
-
-    def q_window(self) -> torch.Tensor:
-        return torch.stack([self.windows[i] for i in sorted(self.windows)]) if self.windows else torch.zeros(0)
-
 
 @dataclass
 class RequestIntent:

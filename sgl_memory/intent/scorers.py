@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sgl_memory.core.attention import attention_probs
 from sgl_memory.intent.head import PrunerHead, layer_head_mean
 from sgl_memory.intent.sessions import unit_rows
 
@@ -57,17 +58,6 @@ def get(name: str) -> Scorer:
     if name not in SCORERS:
         raise KeyError(f"unknown scorer {name!r}; allowed: {', '.join(sorted(SCORERS))}")
     return SCORERS[name]()
-
-
-def attention_probs(keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Softmax over the candidates of each query row: keys [n, KVH, D], rows [R, H, D] -> [R, H, n].
-    KV heads are expanded to the query heads (GQA) by grouping the query heads instead of copying keys.
-    Computed where the keys are (the pool's device); the query states may sit on the host."""
-    n, kv_heads, dim = keys.shape
-    r, heads, _ = rows.shape
-    grouped = rows.float().to(keys.device).view(r, kv_heads, heads // kv_heads, dim)
-    logits = torch.einsum("rkgd,nkd->rkgn", grouped, keys.float()) / math.sqrt(dim)
-    return torch.softmax(logits, dim=-1).reshape(r, heads, n)
 
 
 def rule_score(x: ScoringInputs, rows: torch.Tensor, each_layer: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:

@@ -15,6 +15,9 @@ list, so attention reads only the kept entries of a pruned request.
 A layer may compute only some rows of a request (sgl_memory/core/rows.py: KEEP drops placed memory rows it
 does not recompute); the backend then plans that layer from the forward's row layout, and such a
 request's rows attend by position over its whole slot list.
+
+A decode step of a request with reads (core/decode.py: SentenceKV) attends, at each layer, the
+positions its reads give for that layer's query, not its whole slot list.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from sgl_memory.engine import runtime
+from sgl_memory.core.decode import READS
 from sgl_memory.core.rows import layout as row_layout
+from sgl_memory.engine import runtime
 from sgl_memory.engine.attention.kv_source import KvSource, locate
 from sgl_memory.engine.attention.merged import attend, attend_masked
 
@@ -95,6 +99,21 @@ def kv_slots(req_to_token: torch.Tensor, row: int, start: int, stop: int, sentin
     return slots if sentinel is None else slots[slots != sentinel]
 
 
+def with_step_reads(plans: list, step_reads: dict, layer: int, query: torch.Tensor, req_to_token: torch.Tensor,
+                    sentinel: int | None = None) -> list:  # fmt: skip
+    """A decode step's plans at one layer: a request with reads attends only the positions they
+    give for its query at this layer (core/decode.py), the sentinel's left out."""
+    plans = list(plans)
+    for i, (reads, row, length, token) in step_reads.items():
+        p = plans[i]
+        positions = reads.positions(layer, query[p.q_start], token, length)
+        slots = req_to_token[row, positions.to(req_to_token.device)]
+        if sentinel is not None:
+            slots = slots[slots != sentinel]
+        plans[i] = RequestPlan(p.q_start, 1, locate(slots), None)
+    return plans
+
+
 def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
     for p in plans:
         if isinstance(p, SparsePlan):
@@ -115,6 +134,8 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
     supports_row_layout = True  # engine/layers.py may drop rows between layers
     forward_batch = None
     layout_version = 0  # of the row layout the plans follow
+    step_reads: dict | None = None  # decode: batch index -> (reads, slot-map row, length, input token)
+    layer_id = 0  # of the layer whose decode attention runs (forward_decode)
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
@@ -132,6 +153,10 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
         sentinel = runtime.sentinel()
         self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens), sentinel)
         self.planned_tokens = sum(new_lens)
+        self.step_reads = None
+        if mode == ForwardMode.DECODE and READS:
+            tokens = forward_batch.input_ids.tolist()
+            self.step_reads = {i: (READS[rid], rows[i], seq_lens[i], tokens[i]) for i, rid in enumerate(forward_batch.rids) if rid in READS}
 
     def _planned(self, query, encoder_lens, is_cross_attn, sliding_window_size) -> bool:
         windowed = sliding_window_size is not None and sliding_window_size > -1
@@ -159,11 +184,18 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
         )  # fmt: skip
 
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        self.layer_id = layer.layer_id  # the step reads are per layer; _run_sdpa_forward_decode is not told which
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+
     def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
                                  seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
                                  is_cross_attn=False, sliding_window_size=None):  # fmt: skip
         if self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
-            return run_plans(self.plans, query, output, k_cache, v_cache, scaling)
+            plans = self.plans
+            if self.step_reads:
+                plans = with_step_reads(plans, self.step_reads, self.layer_id, query, req_to_token, runtime.sentinel())
+            return run_plans(plans, query, output, k_cache, v_cache, scaling)
         return super()._run_sdpa_forward_decode(
             query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens,
             scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,

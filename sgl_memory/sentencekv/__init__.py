@@ -1,0 +1,1 @@
+"""SentenceKV: sentence-level KV with decode-time retrieval (see README.md)."""

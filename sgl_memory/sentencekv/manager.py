@@ -1,0 +1,182 @@
+"""SentenceKV in the server: one mechanism that captures each request's observation window during its
+prefill, builds its sentence tables when the prefill ends, and hands the attention backend its
+per-step reads (core/decode.py) until the request is released. It rewrites no token, no row and no
+tree path: the prompt's KV stays in the pool, and a decode step reads only part of it.
+
+Runs on the CPU attention backend (`sgl_memory_cpu`), whose decode path reads the positions a
+request's StepReads gives per layer. SGLang's GPU backends build one index list per forward for
+every layer; start-up refuses them (the index-list kernel, kernels/sentence_kv_indices.py, is
+tested under TRITON_INTERPRET, not wired into them).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from sgl_memory.core import capture, mechanism, metrics, prometheus
+from sgl_memory.core.attention import attention_probs
+from sgl_memory.core.capture import ExtendRows, QueryCapture
+from sgl_memory.core.decode import READS
+from sgl_memory.core.request import MemorySpec
+from sgl_memory.core.rows import POSITION_SHIFTS
+from sgl_memory.core.slots import Slot
+from sgl_memory.sentencekv import settings as section
+from sgl_memory.sentencekv.segment import boundary_tokens, sentence_ids
+from sgl_memory.sentencekv.select import SentenceReads, page_table, sentence_table, top_tokens
+from sgl_memory.sentencekv.settings import SentenceKVConfig
+
+CPU_BACKEND = "sgl_memory_cpu"
+PLANS: Slot[SentenceKVConfig] = Slot("sentencekv config")  # the request's settings, from admission to its prefill's end
+DONE: Slot[dict] = Slot("sentencekv metrics")  # its prefill's metrics, from then to release
+
+DECODE_STEPS = prometheus.counter("sentencekv_decode_steps", "Decode steps served with SentenceKV reads")
+KV_READ = prometheus.counter("sentencekv_kv_read_tokens", "KV positions read per layer by SentenceKV decode steps, summed over steps")
+RETRIEVED = prometheus.counter("sentencekv_retrieved_sentences", "Sentences retrieved per layer by SentenceKV, summed over retrievals")
+KEPT = prometheus.counter("sentencekv_kept_tokens", "Prompt tokens SentenceKV kept readable (always-read plus the semantic pool)")
+SELECT_SECONDS = prometheus.histogram("sentencekv_select_seconds", "SentenceKV's work at the end of a prefill (scores, pool, sentence tables)")
+
+
+@mechanism.register("sentencekv")
+class SentenceKV(mechanism.Mechanism):
+    # after intent pruning: a row it pruned is read through the sentinel-free slots, and its
+    # compact layout (positions moved) is served with the full cache instead
+    rank = 45
+    settings = SentenceKVConfig
+    fields = ("sentencekv",)
+    parse_request = staticmethod(section.parse_request)
+    schema = mechanism.MetricsSchema(
+        marker="sentences", summed=("sentences", "kept_tokens", "retrieved_sentences", "kv_read_per_step", "decode_steps", "sentencekv_ms"),
+        counted=("sentencekv_skipped",))  # fmt: skip
+
+    @classmethod
+    def observe(cls, m: dict, meta_info: dict) -> None:
+        if "sentences" not in m:
+            return
+        KEPT.inc(m["kept_tokens"])
+        DECODE_STEPS.inc(m["decode_steps"])
+        KV_READ.inc(m["kv_read_per_step"] * m["decode_steps"])
+        RETRIEVED.inc(m["retrieved_sentences"])
+        SELECT_SECONDS.observe(m["sentencekv_ms"] / 1000)
+
+    def __init__(self, config: SentenceKVConfig, tree):
+        self.config, self.tree = config, tree
+        self.ends: np.ndarray | None = None  # per token id: ends a sentence (from the tokenizer, at first use)
+        self.captures: dict[str, QueryCapture] = {}
+
+    @classmethod
+    def build(cls, config: SentenceKVConfig, tree, ctx) -> SentenceKV:
+        backend = getattr(getattr(ctx, "server_args", None), "attention_backend", CPU_BACKEND)
+        if backend != CPU_BACKEND:
+            raise ValueError(f"sentencekv reads a per-layer position list at each decode step, which only the {CPU_BACKEND} "
+                             f"attention backend takes; this server runs {backend}")  # fmt: skip
+        mech = cls(config, tree)
+        capture.subscribe(cls.name, mech)
+        return mech
+
+    # --- admission --------------------------------------------------------------------------------
+
+    def admit(self, scheduler, req, spec: MemorySpec) -> None:
+        asked = spec.part(self.name)
+        cfg = asked.apply(self.config) if asked is not None else self.config
+        if not cfg.enabled or req.finished() or PLANS.get(req) is not None:
+            return
+        if self.ends is None:
+            tokenizer = getattr(scheduler, "tokenizer", None)
+            # without a tokenizer (--skip-tokenizer-init) sentences are cut at max_sentence only
+            self.ends = boundary_tokens(tokenizer, self.config.boundaries) if tokenizer is not None else np.zeros(0, dtype=bool)
+        length = len(req.origin_input_ids)
+        PLANS.set(req, cfg)
+        self.captures[req.rid] = QueryCapture(length, length, cfg.window)
+
+    def match_limit(self, req) -> int | None:
+        # the window's query rows are computed by the request's own prefill, never taken from the cache
+        cfg = PLANS.get(req)
+        return self.captures[req.rid].window_start if cfg is not None and req.rid in self.captures else None
+
+    # --- the observation window's queries (a capture.py subscriber) --------------------------------
+
+    def capturing(self) -> bool:
+        return bool(self.captures)
+
+    def bind(self, rows: list[ExtendRows]) -> list[tuple[QueryCapture, ExtendRows]]:
+        return [(c, r) for r in rows if (c := self.captures.get(r.rid)) is not None and r.prefix + r.count > c.window_start]
+
+    def take(self, bound, layer, q, k, v) -> None:
+        for query_capture, r in bound:
+            query_capture.add(layer.layer_id, q[r.start : r.start + r.count].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim), r.prefix)
+
+    # --- the end of the prefill: the pool, the sentences, the reads ----------------------------------
+
+    def on_checkpoint(self, req, tree):
+        cfg = PLANS.get(req)
+        if cfg is None or req.finished() or not req.output_ids:
+            return None
+        PLANS.pop(req)
+        query_capture = self.captures.pop(req.rid, None)
+        if req.rid in POSITION_SHIFTS:
+            DONE.set(req, {"sentencekv_skipped": "compact layout"})  # its row no longer holds the prompt by position
+            return None
+        window = query_capture.q_window() if query_capture is not None else torch.zeros(0)
+        if not window.numel() or window.shape[0] != tree.pool.layer_num:
+            DONE.set(req, {"sentencekv_skipped": "no window"})  # its prompt's last rows were not computed here
+            return None
+        t0 = time.perf_counter()
+        reads, kept, sentences = self._reads(req, tree, cfg, window)
+        ms = (time.perf_counter() - t0) * 1000
+        DONE.set(req, {"sentences": sentences, "kept_tokens": kept, "sentencekv_ms": ms})
+        if reads is not None:
+            READS[req.rid] = reads
+        return None
+
+    def _reads(self, req, tree, cfg: SentenceKVConfig, window: torch.Tensor) -> tuple[SentenceReads | None, int, int]:
+        """The request's reads (None when every prompt token is read anyway), the prompt tokens a
+        step may read, and the sentences of its pool (mean over layers)."""
+        tokens = np.asarray(req.origin_input_ids, dtype=np.int64)
+        length = len(tokens)
+        slots = tree.row(req)[:length].to(torch.int64)
+        live = (slots != tree.sentinel).cpu() if tree.sentinel is not None else torch.ones(length, dtype=torch.bool)
+        positions = torch.arange(length)
+        scored_end = length - cfg.window  # the window's rows score the tokens before it
+        always = live & ((positions < cfg.sinks) | (positions >= min(scored_end, length - cfg.recent)))
+        candidates = positions[live & ~always]
+        if not candidates.numel():
+            return None, int(live.sum()), 0
+        pool = tree.pool
+        tables = []
+        if cfg.selection == "page":  # the Quest-style baseline: every token, fixed pages, no prefill scores
+            pages = positions // cfg.page_size
+            for layer in range(pool.layer_num):
+                tables.append(page_table(candidates, pages, pool.get_key_buffer(layer)[slots[candidates]]))
+        else:
+            sentence_of = sentence_ids(tokens, self.ends, cfg.max_sentence)
+            for layer in range(pool.layer_num):
+                keys = pool.get_key_buffer(layer)[slots[candidates]]
+                scores = attention_probs(keys, window[layer]).sum(dim=(0, 1)).cpu()
+                chosen = top_tokens(scores, candidates, cfg.pool)
+                picked = keys if chosen is candidates else pool.get_key_buffer(layer)[slots[chosen]]
+                tables.append(sentence_table(chosen, sentence_of, picked))
+        kept = int(always.sum()) + min(cfg.pool, candidates.numel())
+        sentences = round(sum(t.sizes.numel() for t in tables) / len(tables))
+        return SentenceReads(positions[always], tables, length, cfg.budget, cfg.interval, self.ends), kept, sentences
+
+    # --- release --------------------------------------------------------------------------------------
+
+    def on_drop(self, req) -> None:
+        PLANS.pop(req)
+        self.captures.pop(req.rid, None)
+        READS.pop(req.rid, None)
+
+    def on_release(self, req) -> None:
+        reads = READS.pop(req.rid, None)
+        self.on_drop(req)
+        done = DONE.pop(req)
+        if done is None:
+            return
+        if reads is not None:
+            done.update(reads.metrics())
+        elif "sentences" in done:
+            done.update({"decode_steps": 0, "kv_read_per_step": 0.0, "retrieved_sentences": 0.0})
+        metrics.attach(req, done)
