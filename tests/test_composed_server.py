@@ -1,6 +1,6 @@
 """Intent pruning, session persistence and KV memory together in one real server (SmolLM2-135M,
 the pool in the dtype the launcher picks for this CPU, the session store in that same dtype): all
-three, and each pair on its own server.
+three with SentenceKV's decode-time reads on too, and each pair on its own server.
 
 All three: one agent session of 40 turns: each turn brings a tool observation and a question, and the client
 resends its whole history (full-history turns), which intent prunes to a small budget (the
@@ -33,6 +33,7 @@ from sgl_memory import models
 pytestmark = pytest.mark.server
 
 BUDGET = 96
+SKV_BUDGET, SKV_ALWAYS = 32, 4 + 32  # SentenceKV's budget; its sinks and recent rows (the defaults)
 FACT = "My locker code is 4812."
 SYSTEM = {"role": "system", "content": "You are a brief assistant."}
 TOPICS = ["rivers", "owls", "copper", "tea", "glaciers", "violins", "bees", "comets", "salt", "maple trees",
@@ -58,7 +59,7 @@ class Case:
 
 
 CASES = {
-    "all": Case(("intent", "persist", "memory"), 39, 20),
+    "all": Case(("intent", "persist", "memory", "sentencekv"), 39, 20),
     "intent+persist": Case(("intent", "persist"), 12, 6),
     "memory+persist": Case(("persist", "memory"), 12, 6),
     "intent+memory": Case(("intent", "memory"), 12, None),
@@ -67,6 +68,8 @@ SECTIONS = {
     "intent": f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n",
     "persist": "persist:\n  enabled: true\n  dir: {store}\n  quant: " + EXACT_QUANT + "\n",
     "memory": "memory:\n  enabled: true\n  block_size: 16\n  top_k: 8\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n",
+    # a decode step reads the sinks and recent rows, and sentences of at most 32 tokens of the rest
+    "sentencekv": f"sentencekv:\n  enabled: true\n  budget: {SKV_BUDGET}\n",
 }
 
 
@@ -224,6 +227,26 @@ def test_a_fact_from_turn_1_is_recalled_as_kv_at_the_last_turn(session):
     assert metrics["retrieved_blocks"] > 0 and usage["prompt_tokens_details"]["cached_tokens"] >= metrics["memory_kv_tokens"]
     assert (metrics.get("budget") == BUDGET) == session.case.has("intent")
     assert ("persist_error" in metrics) == session.case.has("persist")
+
+
+def test_sentencekv_reads_part_of_each_pruned_turn_and_the_recall(session):
+    """On the pruned path (its live positions: the sentinel's are never read) and on the memory-mode
+    request (its assembled prompt), a decode step reads the always-read rows, at most the budget of
+    retrieved sentences, and what it generated."""
+    needs(session, "sentencekv")
+    for _, usage, m in session.first:
+        live = m["live_kv_tokens"] - usage["completion_tokens"]
+        # the pool holds 2 x budget of the live tokens besides the always-read rows, some of which
+        # intent may have pruned
+        assert min(live, 2 * SKV_BUDGET) <= m["kept_tokens"] <= min(live, SKV_ALWAYS + 2 * SKV_BUDGET), (m, usage)
+        steps = usage["completion_tokens"] - 1
+        generated = sum(range(1, steps + 1)) / steps
+        assert m["kv_read_per_step"] <= SKV_ALWAYS + SKV_BUDGET + generated + 1e-9
+        if live > SKV_ALWAYS + SKV_BUDGET:
+            assert m["retrieved_sentences"] >= 1 and m["kv_read_per_step"] < live + generated
+    _, usage, recall = chat(session.server, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={})
+    assert recall["retrieved_blocks"] > 0 and recall["decode_steps"] == usage["completion_tokens"] - 1
+    assert min(usage["prompt_tokens"], 2 * SKV_BUDGET) <= recall["kept_tokens"] <= min(usage["prompt_tokens"], SKV_ALWAYS + 2 * SKV_BUDGET)
 
 
 @pytest.mark.parametrize("who", [{"tenant": "other"}, {"session_id": "agent-2"}])

@@ -31,6 +31,7 @@ from sgl_memory.sentencekv.settings import SentenceKVConfig
 CPU_BACKEND = "sgl_memory_cpu"
 PLANS: Slot[SentenceKVConfig] = Slot("sentencekv config")  # the request's settings, from admission to its prefill's end
 DONE: Slot[dict] = Slot("sentencekv metrics")  # its prefill's metrics, from then to release
+OWN_WINDOW: Slot[bool] = Slot("sentencekv window")  # the request prefills its own window (its prompt is not assembled)
 
 DECODE_STEPS = prometheus.counter("sentencekv_decode_steps", "Decode steps served with SentenceKV reads")
 KV_READ = prometheus.counter("sentencekv_kv_read_tokens", "KV positions read per layer by SentenceKV decode steps, summed over steps")
@@ -90,11 +91,17 @@ class SentenceKV(mechanism.Mechanism):
         length = len(req.origin_input_ids)
         PLANS.set(req, cfg)
         self.captures[req.rid] = QueryCapture(length, length, cfg.window)
+        if not spec.assembled:
+            OWN_WINDOW.set(req, True)
 
     def match_limit(self, req) -> int | None:
-        # the window's query rows are computed by the request's own prefill, never taken from the cache
-        cfg = PLANS.get(req)
-        return self.captures[req.rid].window_start if cfg is not None and req.rid in self.captures else None
+        # the window's query rows are computed by the request's own prefill, never taken from the
+        # cache; but not where another mechanism assembled the prompt from KV it placed (memory
+        # blocks), which the window must not recompute: there the window is the rows the prefill
+        # computes (the new turn), the cached rows of it left at zero, which add the same share of
+        # attention to every token and so leave the scores' order as it is
+        query_capture = self.captures.get(req.rid)
+        return query_capture.window_start if query_capture is not None and OWN_WINDOW.get(req) else None
 
     # --- the observation window's queries (a capture.py subscriber) --------------------------------
 
@@ -166,6 +173,7 @@ class SentenceKV(mechanism.Mechanism):
 
     def on_drop(self, req) -> None:
         PLANS.pop(req)
+        OWN_WINDOW.pop(req)
         self.captures.pop(req.rid, None)
         READS.pop(req.rid, None)
 
