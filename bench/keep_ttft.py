@@ -60,10 +60,10 @@ def config(directory: Path, name: str, keep: dict) -> Path:
 
 
 def ask(server, ids, sid: str, method: str, top_k: int, ratio: float) -> dict:
-    memory = {"mode": "retrieve", "top_k": top_k, "store": False, "recompute": method}
+    field = {"session_id": sid, "memory": {"mode": "retrieve", "top_k": top_k, "store": False, "recompute": method}}
     if method in ("keep", "cacheblend"):
-        memory["recompute_ratio"] = ratio
-    _, meta, _ = generate(server, ids, 8, {"session_id": sid, "memory": memory})
+        field["keep"] = {"ratio": ratio}
+    _, meta, _ = generate(server, ids, 8, field)
     m = meta.get("sgl_memory") or {}
     return {"ttft_s": meta["ttft_s"], "prefill_tokens": m.get("prefill_tokens"), "memory_kv_tokens": m.get("memory_kv_tokens"),
             "recomputed_tokens": m.get("recomputed_tokens"), "recompute_share": m.get("recompute_share"),
