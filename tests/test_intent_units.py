@@ -289,9 +289,9 @@ def test_request_field_overrides_the_config():
     from sgl_memory.intent.settings import IntentConfig
 
     spec = parse({"session_id": "a", "budget": 7, "scorer": "h2o"})
-    cfg = spec.part("intent").apply(IntentConfig(budget=100, layout="compact"))
+    cfg = spec.part("intent").over(IntentConfig(budget=100, layout="compact"))
     assert (cfg.budget, cfg.scorer, cfg.layout, cfg.budget_mode) == (7, "h2o", "compact", "total")
-    assert parse({"budget_mode": "history"}).part("intent").apply(IntentConfig()).budget_mode == "history"
+    assert parse({"budget_mode": "history"}).part("intent").over(IntentConfig()).budget_mode == "history"
     assert parse({"session_id": "a"}).part("intent") is None  # no pruning key: no part
 
 

@@ -219,7 +219,7 @@ def test_bad_request_values_name_the_field(field, needle):
 def test_the_request_overrides_the_section():
     cfg = config.from_dict({"sentencekv": {"enabled": True, "budget": 100}})
     part = request.parse({"sentencekv": {"budget": 7, "keep_factor": 3}}).part("sentencekv")
-    applied = part.apply(cfg.sentencekv)
+    applied = part.over(cfg.sentencekv)
     assert (applied.budget, applied.keep_factor, applied.window, applied.pool) == (7, 3.0, 32, 21)
     with pytest.raises(config.ConfigError, match=r"sentencekv\.keep_factor"):
         config.from_dict({"sentencekv": {"keep_factor": 0.5}})

@@ -189,7 +189,7 @@ class IntentPruner(mechanism.Mechanism):
 
     def _plan(self, req, spec: MemorySpec) -> RequestIntent:
         asked: IntentRequest = spec.part(self.name) or IntentRequest()
-        cfg = asked.apply(self.config)
+        cfg = asked.over(self.config)
         tokens = req.origin_input_ids
         spans = find_spans(tokens, self.markers, cfg.query_tail)
         if cfg.system_prompt == "compressible":

@@ -3,7 +3,7 @@ pruning keys of the `sgl_memory` field: budget, budget_mode, system_prompt, scor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from sgl_memory.core.config import MAX_BUDGET, choices, require
@@ -77,9 +77,6 @@ class IntentRequest(RequestPart):
     layout: str | None = None
     ablation: str | None = None
 
-    def apply(self, base: IntentConfig) -> IntentConfig:
-        """The server's intent config with this request's overrides."""
-        return replace(base, **{k: getattr(self, k) for k in OVERRIDES if getattr(self, k) is not None})
 
 
 def parse_request(raw: dict, internal: bool = False) -> IntentRequest | None:

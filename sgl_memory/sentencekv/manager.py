@@ -81,7 +81,7 @@ class SentenceKV(mechanism.Mechanism):
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
         asked = spec.part(self.name)
-        cfg = asked.apply(self.config) if asked is not None else self.config
+        cfg = asked.over(self.config) if asked is not None else self.config
         if not cfg.enabled or req.finished() or PLANS.get(req) is not None:
             return
         if self.ends is None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from sgl_memory.core.config import MAX_BUDGET, choices, require
@@ -80,8 +80,6 @@ class SentenceKVRequest(RequestPart):
     selection: str | None = None
     page_size: int | None = None
 
-    def apply(self, base: SentenceKVConfig) -> SentenceKVConfig:
-        return replace(base, **{k: getattr(self, k) for k in OVERRIDES if getattr(self, k) is not None})
 
 
 def parse_request(raw: dict, internal: bool = False) -> SentenceKVRequest | None:
