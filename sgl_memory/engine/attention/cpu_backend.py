@@ -139,7 +139,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
-        self.plans, self.forward_batch, self.layout_version = None, forward_batch, 0
+        self.plans, self.forward_batch, self.layout_version, self.step_reads = None, forward_batch, 0, None
         mode = forward_batch.forward_mode
         if mode not in _PLANNED_MODES or forward_batch.encoder_lens is not None:
             return
@@ -153,7 +153,6 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
         sentinel = runtime.sentinel()
         self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens), sentinel)
         self.planned_tokens = sum(new_lens)
-        self.step_reads = None
         if mode == ForwardMode.DECODE and READS:
             tokens = forward_batch.input_ids.tolist()
             self.step_reads = {i: (READS[rid], rows[i], seq_lens[i], tokens[i]) for i, rid in enumerate(forward_batch.rids) if rid in READS}
