@@ -9,7 +9,7 @@ reads per layer, and the prompt KV that must stay readable (live_kv).
 
 Methods, at the same KV read per step where they have a budget: `full` (our server, every
 position); `snapkv` (prefill-time only: intent pruning with the SnapKV scorer keeps sinks + recent +
-budget positions); `quest` (decode-time pages of 16 tokens by key bounds, every token kept);
+budget positions in all, its forced spans, the system prompt and the question, among them); `quest` (decode-time pages of 16 tokens by key bounds, every token kept);
 `sentencekv` (the paper's method: a pool of keep_factor x budget, sentences by mean keys, the mean
 query of the sentence being generated); `plain sglang` (a second server, SGLang's torch_native
 backend, full cache). SGLang's own decode-time sparsity (`--enable-hisparse`, srt/mem_cache/sparsity,

@@ -24,8 +24,8 @@ BLOCK = 256
 
 @triton.jit
 def _gather_reads(req_to_token, rows, seq_lens, reads, indptr, out, sentinel, row_stride, reads_stride, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    row = tl.load(rows + i)
+    i = tl.program_id(0).to(tl.int64)  # offsets in int64: a large slot map overflows int32
+    row = tl.load(rows + i).to(tl.int64)
     length = tl.load(seq_lens + i)
     at = tl.load(indptr + i)
     offs = tl.arange(0, BLOCK)

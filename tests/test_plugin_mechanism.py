@@ -96,6 +96,7 @@ def sample(samples: dict, name: str, **labels) -> float:
 @pytest.mark.server
 def test_the_server_serves_a_plugin_mechanism_beside_the_built_in_ones(toy_server):
     before, stats_before = toy_server.prometheus(), toy_server.get("/sgl_memory/stats").json()
+    route_before = toy_server.get("/sgl_memory/toy").json()
     ids = list(range(1000, 1120))  # 120 tokens: intent prunes them to its budget of 64
     plain = generate(toy_server, ids)
     toy = generate(toy_server, ids, {"toy": {"note": "hi"}})
@@ -119,7 +120,7 @@ def test_the_server_serves_a_plugin_mechanism_beside_the_built_in_ones(toy_serve
     echo = generate(toy_server, ids, {"toy": {"note": "echo"}})
     assert echo["output_ids"] == plain["output_ids"]
     route = toy_server.get("/sgl_memory/toy").json()
-    assert route["incoming"] == 3 and route["max_note"] == 8
+    assert route["incoming"] - route_before["incoming"] == 3 and route["max_note"] == 8
     assert route["context_len"] == toy_server.get("/v1/models").json()["data"][0]["max_model_len"]
     # its route, its config section, its aggregates and its Prometheus series
     info = toy_server.get("/sgl_memory/info").json()["config"]

@@ -41,10 +41,9 @@ def test_tokens_outside_the_boundary_table_end_nothing():
 
 def test_the_pool_is_the_highest_scores_earlier_first_on_ties():
     scores = torch.tensor([0.5, 0.9, 0.5, 0.1, 0.9, 0.5])
-    candidates = torch.tensor([3, 8, 10, 11, 20, 30])
     ranked = sorted(range(6), key=lambda i: (-float(scores[i]), i))
     for size in range(8):
-        assert top_tokens(scores, candidates, size).tolist() == sorted(candidates[ranked[:size]].tolist())
+        assert top_tokens(scores, size).tolist() == sorted(ranked[:size])
 
 
 def make_table(seed=0, pool=40, kv_heads=2, dim=8):
@@ -64,26 +63,32 @@ def test_each_sentence_vector_is_the_mean_of_its_pool_keys():
         torch.testing.assert_close(table.vectors[j], keys[mine].mean(0))
 
 
+def brute_retrieve(positions, sentence_of, keys, q, budget):
+    """Sentences by q . mean key summed over heads (GQA), best first, while they fit; a sentence
+    longer than the budget is passed over."""
+    heads, kv_heads = q.shape[0], keys.shape[1]
+    ids = sorted(set(sentence_of[positions].tolist()))
+    score, size = {}, {}
+    for s in ids:
+        mine = keys[sentence_of[positions] == s]
+        mean = mine.mean(0)
+        score[s] = sum(float(q[h] @ mean[h // (heads // kv_heads)]) for h in range(heads))
+        size[s] = mine.shape[0]
+    taken, used = [], 0
+    for s in sorted((s for s in ids if size[s] <= budget), key=lambda s: (-score[s], s)):
+        if used + size[s] > budget:
+            break
+        taken.append(s)
+        used += size[s]
+    return [p for p in positions.tolist() if int(sentence_of[p]) in taken], len(taken)
+
+
 @pytest.mark.parametrize("budget", [0, 5, 12, 25, 1000])
 def test_retrieval_takes_the_best_sentences_while_they_fit(budget):
     positions, sentence_of, keys, table = make_table(seed=budget)
-    heads, kv_heads = 4, 2
-    q = torch.randn(heads, keys.shape[2], generator=torch.Generator().manual_seed(7))
-    ids = sorted(set(sentence_of[positions].tolist()))
-    score = {}
-    for s in ids:
-        mean = keys[sentence_of[positions] == s].mean(0)
-        score[s] = sum(float(q[h] @ mean[h // (heads // kv_heads)]) for h in range(heads))
-    taken, used = [], 0
-    for s in sorted(ids, key=lambda s: (-score[s], s)):
-        size = int((sentence_of[positions] == s).sum())
-        if used + size > budget:
-            break
-        taken.append(s)
-        used += size
+    q = torch.randn(4, keys.shape[2], generator=torch.Generator().manual_seed(7))
     got, n = retrieve(table, q, budget)
-    assert n == len(taken)
-    assert got.tolist() == [p for p in positions.tolist() if int(sentence_of[p]) in taken]
+    assert (got.tolist(), n) == brute_retrieve(positions, sentence_of, keys, q, budget)
 
 
 @pytest.mark.parametrize("budget", [0, 16, 40, 1000])
@@ -166,19 +171,19 @@ def test_reading_every_position_is_the_full_attention_bit_for_bit():
     assert torch.equal(full, every)
 
 
-def reads_over(tables, ends, interval=1, prompt_len=200):
-    return SentenceReads(torch.tensor([0, 1, 198, 199]), tables, prompt_len, budget=10, interval=interval, ends=ends)
-
-
 def test_a_step_reads_the_always_read_the_retrieved_and_the_generated_positions():
-    positions, sentence_of, keys, table = make_table()
-    ends = np.zeros(100, dtype=bool)
-    reads = reads_over([table, table], ends)
-    q = torch.randn(4, 8)
-    for layer in (0, 1):
-        got = reads.positions(layer, q, 3, 203)
-        retrieved, _ = retrieve(table, q, 10)
-        assert got.tolist() == sorted({0, 1, 198, 199, *retrieved.tolist()}) + [200, 201, 202]
+    """Two layers with their own tables and queries: each layer's step reads its own retrieval
+    (brute force over its table and the mean of its queries), the always-read and the generated."""
+    made = [make_table(seed=s) for s in (1, 2)]
+    reads = SentenceReads(torch.tensor([0, 1, 198, 199]), [t for *_, t in made], 200, budget=10, interval=1, ends=np.zeros(100, dtype=bool))
+    g = torch.Generator().manual_seed(9)
+    queries = torch.randn(3, 2, 4, 8, generator=g)  # steps x layers
+    for step in range(3):
+        for layer, (positions, sentence_of, keys, _) in enumerate(made):
+            got = reads.positions(layer, queries[step, layer], 3, 201 + step)
+            want, _ = brute_retrieve(positions, sentence_of, keys, queries[: step + 1, layer].mean(0), 10)
+            assert got.tolist() == sorted({0, 1, 198, 199, *want}) + list(range(200, 201 + step))
+    assert reads.metrics()["decode_steps"] == 3
 
 
 def test_the_sentence_query_is_the_mean_since_the_last_boundary_and_interval_holds_a_retrieval():

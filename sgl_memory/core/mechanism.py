@@ -96,7 +96,8 @@ class Mechanism(ABC):
     async def before_generate(cls, request, engine) -> None:
         """A generate request (front.Incoming) on its way in, before tokenization (HTTP process):
         may send passes of its own first (front.Engine) and rewrite the request's field. Raises
-        request.SpecError for a field this server cannot serve (a 400)."""
+        request.SpecError for a field this server cannot serve (a 400). Called for every registered
+        mechanism, enabled or not: a mechanism that is off refuses a request asking for it here."""
 
     # --- a request's life (scheduler process) ------------------------------------------------------
 

@@ -10,7 +10,6 @@ reads the one parsed `MemorySpec`.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import re
 from collections.abc import Mapping

@@ -78,7 +78,6 @@ class IntentRequest(RequestPart):
     ablation: str | None = None
 
 
-
 def parse_request(raw: dict, internal: bool = False) -> IntentRequest | None:
     if not any(k in raw for k in OVERRIDES):
         return None

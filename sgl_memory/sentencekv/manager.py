@@ -5,7 +5,7 @@ tree path: the prompt's KV stays in the pool, and a decode step reads only part 
 
 Runs on the CPU attention backend (`sgl_memory_cpu`), whose decode path reads the positions a
 request's StepReads gives per layer. SGLang's GPU backends build one index list per forward for
-every layer; start-up refuses them (the index-list kernel, kernels/sentence_kv_indices.py, is
+every layer; start-up refuses them (the index-list kernel, kernels/step_kv_indices.py, is
 tested under TRITON_INTERPRET, not wired into them).
 """
 
@@ -35,7 +35,7 @@ OWN_WINDOW: Slot[bool] = Slot("sentencekv window")  # the request prefills its o
 
 DECODE_STEPS = prometheus.counter("sentencekv_decode_steps", "Decode steps served with SentenceKV reads")
 KV_READ = prometheus.counter("sentencekv_kv_read_tokens", "KV positions read per layer by SentenceKV decode steps, summed over steps")
-RETRIEVED = prometheus.counter("sentencekv_retrieved_sentences", "Sentences retrieved per layer by SentenceKV, summed over retrievals")
+RETRIEVED = prometheus.counter("sentencekv_retrieved_sentences", "Sentences a SentenceKV retrieval reads (mean per retrieval and layer of each request), summed over requests")
 KEPT = prometheus.counter("sentencekv_kept_tokens", "Prompt tokens SentenceKV kept readable (always-read plus the semantic pool)")
 SELECT_SECONDS = prometheus.histogram("sentencekv_select_seconds", "SentenceKV's work at the end of a prefill (scores, pool, sentence tables)")
 
@@ -62,18 +62,23 @@ class SentenceKV(mechanism.Mechanism):
         RETRIEVED.inc(m["retrieved_sentences"])
         SELECT_SECONDS.observe(m["sentencekv_ms"] / 1000)
 
-    def __init__(self, config: SentenceKVConfig, tree):
-        self.config, self.tree = config, tree
+    def __init__(self, config: SentenceKVConfig):
+        self.config = config
         self.ends: np.ndarray | None = None  # per token id: ends a sentence (from the tokenizer, at first use)
         self.captures: dict[str, QueryCapture] = {}
 
     @classmethod
     def build(cls, config: SentenceKVConfig, tree, ctx) -> SentenceKV:
-        backend = getattr(getattr(ctx, "server_args", None), "attention_backend", CPU_BACKEND)
-        if backend != CPU_BACKEND:
-            raise ValueError(f"sentencekv reads a per-layer position list at each decode step, which only the {CPU_BACKEND} "
-                             f"attention backend takes; this server runs {backend}")  # fmt: skip
-        mech = cls(config, tree)
+        args = getattr(ctx, "server_args", None)
+        for flag in ("attention_backend", "decode_attention_backend"):
+            backend = getattr(args, flag, None)
+            if backend not in (None, CPU_BACKEND):
+                raise ValueError(f"sentencekv reads a per-layer position list at each decode step, which only the {CPU_BACKEND} "
+                                 f"attention backend takes; this server's {flag} is {backend}")  # fmt: skip
+        if getattr(args, "enable_mixed_chunk", False):
+            # a mixed batch's decode rows are planned as an extend: they would read every position
+            raise ValueError("sentencekv reads its positions in decode batches only; --enable-mixed-chunk puts decode steps in mixed ones")
+        mech = cls(config)
         capture.subscribe(cls.name, mech)
         return mech
 
@@ -132,10 +137,11 @@ class SentenceKV(mechanism.Mechanism):
             return None
         t0 = time.perf_counter()
         reads, kept, sentences = self._reads(req, tree, cfg, window)
-        ms = (time.perf_counter() - t0) * 1000
-        DONE.set(req, {"sentences": sentences, "kept_tokens": kept, "sentencekv_ms": ms})
-        if reads is not None:
-            READS[req.rid] = reads
+        if reads is None:
+            DONE.set(req, {"sentencekv_skipped": "short prompt"})  # every live token is read anyway
+            return None
+        DONE.set(req, {"sentences": sentences, "kept_tokens": kept, "sentencekv_ms": (time.perf_counter() - t0) * 1000})
+        READS[req.rid] = reads
         return None
 
     def _reads(self, req, tree, cfg: SentenceKVConfig, window: torch.Tensor) -> tuple[SentenceReads | None, int, int]:
@@ -159,12 +165,15 @@ class SentenceKV(mechanism.Mechanism):
                 tables.append(page_table(candidates, pages, pool.get_key_buffer(layer)[slots[candidates]]))
         else:
             sentence_of = sentence_ids(tokens, self.ends, cfg.max_sentence)
+            # the window attends every live token before it (the sinks too: the paper's positions
+            # 1..L-N); the candidates' share of that attention scores them
+            scored = positions[live & (positions < scored_end)]
+            is_candidate = ~always[scored]
             for layer in range(pool.layer_num):
-                keys = pool.get_key_buffer(layer)[slots[candidates]]
-                scores = attention_probs(keys, window[layer]).sum(dim=(0, 1)).cpu()
-                chosen = top_tokens(scores, candidates, cfg.pool)
-                picked = keys if chosen is candidates else pool.get_key_buffer(layer)[slots[chosen]]
-                tables.append(sentence_table(chosen, sentence_of, picked))
+                keys = pool.get_key_buffer(layer)[slots[scored]]
+                scores = attention_probs(keys, window[layer]).sum(dim=(0, 1)).cpu()[is_candidate]
+                chosen = top_tokens(scores, cfg.pool)
+                tables.append(sentence_table(candidates[chosen], sentence_of, keys[is_candidate.to(keys.device)][chosen.to(keys.device)]))
         kept = int(always.sum()) + min(cfg.pool, candidates.numel())
         sentences = round(sum(t.sizes.numel() for t in tables) / len(tables))
         return SentenceReads(positions[always], tables, length, cfg.budget, cfg.interval, self.ends), kept, sentences
@@ -185,6 +194,4 @@ class SentenceKV(mechanism.Mechanism):
             return
         if reads is not None:
             done.update(reads.metrics())
-        elif "sentences" in done:
-            done.update({"decode_steps": 0, "kv_read_per_step": 0.0, "retrieved_sentences": 0.0})
         metrics.attach(req, done)

@@ -41,12 +41,11 @@ class SentenceTable:
     hi: torch.Tensor | None = None
 
 
-def top_tokens(scores: torch.Tensor, candidates: torch.Tensor, size: int) -> torch.Tensor:
-    """The `size` candidates with the highest scores (ties to the earlier position), ascending."""
-    if size >= candidates.numel():
-        return candidates
-    order = torch.argsort(scores, descending=True, stable=True)
-    return candidates[order[:size]].sort().values
+def top_tokens(scores: torch.Tensor, size: int) -> torch.Tensor:
+    """Indices of the `size` highest scores (ties to the earlier index), ascending."""
+    if size >= scores.numel():
+        return torch.arange(scores.numel())
+    return torch.argsort(scores, descending=True, stable=True)[:size].sort().values
 
 
 def _grouped(positions: torch.Tensor, sentence_of: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,10 +84,12 @@ def sentence_scores(table: SentenceTable, q: torch.Tensor) -> torch.Tensor:
 
 def retrieve(table: SentenceTable, q: torch.Tensor, budget: int) -> tuple[torch.Tensor, int]:
     """The positions of the best sentences for the query q, in order of score, while their tokens
-    fit in `budget` (ascending), and how many sentences that is."""
+    fit in `budget` (ascending), and how many sentences that is. Sentences longer than the budget
+    are left out (they could never fit)."""
     if not table.sizes.numel():
         return table.positions, 0
     order = torch.argsort(sentence_scores(table, q), descending=True, stable=True)
+    order = order[table.sizes[order] <= budget]  # a sentence longer than the budget never fits: it blocks no other
     fits = int((torch.cumsum(table.sizes[order], 0) <= budget).sum())
     chosen = torch.zeros(table.sizes.numel(), dtype=torch.bool)
     chosen[order[:fits]] = True
@@ -107,21 +108,24 @@ class SentenceReads:
         self.count = 0  # queries in it
         self.retrieved: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * layers
         self.steps = 0
+        self.last_layer: int | None = None
         self.reads = 0  # positions read, summed over steps and layers
         self.sentences = 0  # sentences retrieved, summed over steps and layers
 
     def positions(self, layer: int, q: torch.Tensor, token: int, length: int) -> torch.Tensor:
-        if layer == 0:
+        if self.last_layer is None or layer <= self.last_layer:  # the step's first layer asking
             self.steps += 1
             # a step whose input token ends a sentence starts the next one: its query belongs there
             if 0 <= token < len(self.ends) and self.ends[token]:
                 self.sums, self.count = [None] * len(self.tables), 0
             self.count += 1
+        self.last_layer = layer
         q = q.float().cpu()
-        self.sums[layer] = q if self.sums[layer] is None else self.sums[layer] + q
+        by_sentence = self.tables[layer].vectors is not None  # pages (Quest) score with the step's own query
+        if by_sentence:
+            self.sums[layer] = q if self.sums[layer] is None else self.sums[layer] + q
         if (self.steps - 1) % self.interval == 0:
-            # sentences: the mean query of the sentence being generated; pages (Quest): the step's own
-            query = self.sums[layer] / self.count if self.tables[layer].vectors is not None else q
+            query = self.sums[layer] / self.count if by_sentence else q
             self.retrieved[layer], n = retrieve(self.tables[layer], query, self.budget)
             self.sentences += n
         generated = torch.arange(self.prompt_len, length)

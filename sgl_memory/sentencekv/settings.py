@@ -81,7 +81,6 @@ class SentenceKVRequest(RequestPart):
     page_size: int | None = None
 
 
-
 def parse_request(raw: dict, internal: bool = False) -> SentenceKVRequest | None:
     body, where = object_at(raw, "sentencekv", OVERRIDES)
     if body is None:

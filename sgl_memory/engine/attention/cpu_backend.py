@@ -155,7 +155,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
         self.planned_tokens = sum(new_lens)
         if mode == ForwardMode.DECODE and READS:
             tokens = forward_batch.input_ids.tolist()
-            self.step_reads = {i: (READS[rid], rows[i], seq_lens[i], tokens[i]) for i, rid in enumerate(forward_batch.rids) if rid in READS}
+            self.step_reads = {i: (READS[rid], rows[i], seq_lens[i], tokens[i]) for i, rid in enumerate(forward_batch.rids or ()) if rid in READS}
 
     def _planned(self, query, encoder_lens, is_cross_attn, sliding_window_size) -> bool:
         windowed = sliding_window_size is not None and sliding_window_size > -1
@@ -183,9 +183,9 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
         )  # fmt: skip
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         self.layer_id = layer.layer_id  # the step reads are per layer; _run_sdpa_forward_decode is not told which
-        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
                                  seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
