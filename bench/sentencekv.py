@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -203,8 +204,8 @@ def main() -> None:
     cases = {(ctx, depth, seed): haystack(tokenizer, ctx, depth, seed)
              for ctx in args.contexts for depth in args.depths for seed in range(args.needles)}  # fmt: skip
     total = str(max(len(ids) for ids, _ in cases.values()) + 2 * NEW_TOKENS + 64)
-    log_dir = RESULTS / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="sentencekv-bench-"))  # the servers' logs and config, not results
+    print(f"server logs: {log_dir}", flush=True)
     config = log_dir / "sentencekv.memory.yaml"
     config.write_text("sentencekv:\n  enabled: true\nintent:\n  enabled: true\n  budget: 1073741824\n")
     named = methods(args.budget, args.keep_factor)
