@@ -100,8 +100,31 @@ def _die_with_parent() -> None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def start(command: list[str], log_path: Path, env: dict | None = None) -> Server:
-    """Run `command` plus host/port flags; return once /health answers 200."""
+def start(command: list[str], log_path: Path, env: dict | None = None, attempts: int = 3) -> Server:
+    """Run `command` plus host/port flags; return once /health answers 200 from this server.
+
+    The port is free when picked, but another process may take it before the server binds it (a
+    server started by another test, or one that was stopping): the server then cannot bind, and
+    /health would reach the other one. Such a start is retried on a new port."""
+    for _ in range(attempts):
+        server = _start_once(command, log_path, env)
+        if server is not None:
+            return server
+    raise RuntimeError(f"server could not bind a free port in {attempts} attempts:\n{log_path.read_text(errors='replace')[-2000:]}")
+
+
+def _listens(proc: subprocess.Popen, port: int) -> bool:
+    """Whether the server's process tree holds the listening socket on `port`."""
+    try:
+        root = psutil.Process(proc.pid)
+        family = [root, *root.children(recursive=True)]
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for p in family for c in p.net_connections("tcp"))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _start_once(command: list[str], log_path: Path, env: dict | None) -> Server | None:
+    """One start on a fresh port: the server, or None when the port was taken before it bound it."""
     port = free_port()
     log = open(log_path, "w")
     t0 = time.monotonic()
@@ -119,12 +142,15 @@ def start(command: list[str], log_path: Path, env: dict | None = None) -> Server
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{server.log()[-4000:]}")
+        if "address already in use" in server.log():
+            stop(server)
+            return None
         try:
-            if requests.get(server.url + "/health", timeout=5).status_code == 200:
+            if requests.get(server.url + "/health", timeout=5).status_code == 200 and _listens(proc, port):
                 server.start_seconds = time.monotonic() - t0
                 _check_pool(server, command)
                 return server
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):
             pass
         time.sleep(0.5)
     stop(server)
