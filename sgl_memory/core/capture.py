@@ -86,6 +86,10 @@ class QueryCapture:
             start = first_pos + w_lo - self.window_start
             buf[start : start + n - w_lo] = q[w_lo:].float()
 
+    def add_rows(self, layer, q: torch.Tensor, r: ExtendRows) -> None:
+        """A subscriber's `take`: this request's rows `r` of an attention layer's packed query `q`."""
+        self.add(layer.layer_id, q[r.start : r.start + r.count].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim), r.prefix)
+
     def q_mean(self) -> torch.Tensor | None:
         if not self.sums:
             return None

@@ -257,8 +257,7 @@ class IntentPruner(mechanism.Mechanism):
 
     def take(self, bound, layer, q, k, v) -> None:
         for query_capture, r in bound:
-            rows = q[r.start : r.start + r.count].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim)
-            query_capture.add(layer.layer_id, rows, r.prefix)
+            query_capture.add_rows(layer, q, r)
 
     # --- the compression event (radix tree, after the last prefill chunk) -----------------------
 

@@ -118,7 +118,7 @@ class SentenceKV(mechanism.Mechanism):
 
     def take(self, bound, layer, q, k, v) -> None:
         for query_capture, r in bound:
-            query_capture.add(layer.layer_id, q[r.start : r.start + r.count].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim), r.prefix)
+            query_capture.add_rows(layer, q, r)
 
     # --- the end of the prefill: the pool, the sentences, the reads ----------------------------------
 
