@@ -2,7 +2,11 @@
 then plain SGLang on the same prompts.
 
 Workload: generated haystacks (varied filler sentences, one needle sentence holding a code, placed
-at several depths) at several context lengths, with a question at the end; greedy, 16 new tokens.
+at several depths, and `--distractors` sentences of the same form naming other vaults, at random
+places) at several context lengths, with a question at the end; greedy, 16 new tokens. Per
+haystack the prompt is prefilled once (cache flushed, one token generated), then every method runs
+over that cached prompt: each recomputes only what it must (SentenceKV and SnapKV their
+observation window), so all of them read the same prompt KV and a method's prefill is not timed.
 Per request: whether the answer holds the needle's code, the agreement of the generated tokens with
 the full cache's, the decode speed (streamed: first to last token), the KV positions a decode step
 reads per layer, and the prompt KV that must stay readable (live_kv).
@@ -15,7 +19,7 @@ query of the sentence being generated); `plain sglang` (a second server, SGLang'
 backend, full cache). SGLang's own decode-time sparsity (`--enable-hisparse`, srt/mem_cache/sparsity,
 a Quest algorithm) needs the fa3 attention backend (Hopper GPUs): it does not run on this CPU.
 
-    .venv/bin/python bench/sentencekv.py --contexts 4096 8192 --needles 2
+    .venv/bin/python -m bench.sentencekv --contexts 2048 4096 8192 --needles 2 --distractors 7
 
 Writes bench/results/sentencekv.{json,md,png}.
 """
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import requests
 
-from common import RESULTS, bootstrap, ok, write_json
+from bench.common import RESULTS, bootstrap, ok, write_json
 
 from bench import harness
 from sgl_memory import models
@@ -40,27 +44,33 @@ FILLER_NAMES = "Ava Ben Chloe Dev Elena Farid Greta Hugo Iris Jonas Kiri Liam Mo
 FILLER_THINGS = "lamp ledger kettle map violin crate rope lantern compass basket mirror anchor".split()
 FILLER_PLACES = "the attic,the harbour,the library,the garden,the workshop,the cellar,the station,the bakery".split(",")
 FILLER_VERBS = "moved,painted,repaired,sold,borrowed,hid,cleaned,weighed".split(",")
-VAULTS = "otter falcon lynx heron bison gecko walrus marten".split()
+VAULTS = "otter falcon lynx heron bison gecko walrus marten ibex puffin tapir koala".split()
 ALWAYS = 4 + 32  # SentenceKV's sinks and recent rows (the section's defaults): read at every step
 NEW_TOKENS = 16
 
 
-def haystack(tokenizer, context: int, depth: float, seed: int) -> tuple[list[int], str]:
-    """A chat prompt of about `context` tokens: filler sentences, the needle at `depth` of them, then
-    the question as the next user message (an agent's turn: SnapKV's pruning keeps the latest message
-    whole). Returns (token ids, the answer's code)."""
+def haystack(tokenizer, context: int, depth: float, seed: int, distractors: int = 0) -> tuple[list[int], str]:
+    """A chat prompt of about `context` tokens: filler sentences, the needle at `depth` of them and
+    `distractors` needles of other vaults (other codes) at random places, then the question as the
+    next user message (an agent's turn: SnapKV's pruning keeps the latest message whole). Returns
+    (token ids, the answer's code)."""
+    if distractors >= len(VAULTS):
+        raise ValueError(f"at most {len(VAULTS) - 1} distractors (one per other vault)")
     rng = random.Random(seed)
-    vault, code = rng.choice(VAULTS), str(rng.randrange(10_000, 100_000))
-    needle = f"The secret code of the {vault} vault is {code}."
+    vaults = rng.sample(VAULTS, distractors + 1)
+    codes = rng.sample(range(10_000, 100_000), distractors + 1)
+    vault, code = vaults[0], str(codes[0])
     question = f"What is the secret code of the {vault} vault? Answer with the code only."
     sentences, tokens = [], 0
-    budget = context - 100  # the chat template, the reply and the question
+    budget = context - 100 - 14 * (distractors + 1)  # the chat template, the reply, the question, the needles
     while tokens < budget:
         s = (f"On day {rng.randrange(1, 400)}, {rng.choice(FILLER_NAMES)} {rng.choice(FILLER_VERBS)} the "
              f"{rng.choice(FILLER_THINGS)} in {rng.choice(FILLER_PLACES)}.")  # fmt: skip
         sentences.append(s)
         tokens += len(tokenizer.encode(" " + s, add_special_tokens=False))
-    sentences.insert(int(depth * len(sentences)), needle)
+    for other, other_code in zip(vaults[1:], codes[1:]):
+        sentences.insert(rng.randrange(len(sentences) + 1), f"The secret code of the {other} vault is {other_code}.")
+    sentences.insert(int(depth * len(sentences)), f"The secret code of the {vault} vault is {code}.")
     messages = [{"role": "user", "content": "Notes:\n" + " ".join(sentences)}, {"role": "assistant", "content": "I have read the notes."},
                 {"role": "user", "content": question}]  # fmt: skip
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -103,6 +113,8 @@ def reads_and_live(name: str, out: dict) -> tuple[float, int]:
     if "kv_read_per_step" in m:
         return m["kv_read_per_step"], m["kept_tokens"]
     live = m["live_kv_tokens"] - meta["completion_tokens"] if name == "snapkv" else prompt
+    if name == "snapkv" and live >= prompt:
+        raise RuntimeError(f"snapkv left a {prompt}-token prompt unpruned (see the server log)")
     return live + generated, live
 
 
@@ -110,12 +122,14 @@ def agreement(a: list[int], b: list[int]) -> float:
     return sum(x == y for x, y in zip(a, b)) / max(len(b), 1)
 
 
-def run_server(server, cases, named_fields, flush: bool) -> dict:
+def run_server(server, cases, named_fields) -> dict:
+    """Per haystack: the cache flushed, the prompt prefilled once, then every method over it."""
     out = {}
-    for name, field in named_fields:
-        for key, (ids, code) in cases.items():
-            if flush:  # every method prefills the whole prompt (a split prefill rounds differently)
-                ok(server.post("/flush_cache?timeout=600", {}), "/flush_cache")
+    for key, (ids, code) in cases.items():
+        ok(server.post("/flush_cache?timeout=600", {}), "/flush_cache")
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+        ok(requests.post(server.url + "/generate", json=body, timeout=3600), "/generate (prefill)")
+        for name, field in named_fields:
             r = streamed(server, ids, field)
             read, live = reads_and_live(name, r)
             out[(name, *key)] = {"correct": code in r["text"], "output_ids": r["output_ids"], "decode_tok_s": r["decode_tok_s"],
@@ -126,17 +140,22 @@ def run_server(server, cases, named_fields, flush: bool) -> dict:
 
 
 def summarise(per: dict, contexts: list[int], names: list[str]) -> list[dict]:
+    """Per method and context, and over every context ("all"): accuracy, its difference from the full
+    cache's on the same haystacks (paired), agreement with the full cache's tokens, speed, reads."""
     rows = []
     for name in names:
-        for ctx in contexts:
-            cells = [(k, v) for k, v in per.items() if k[0] == name and k[1] == ctx]
+        for ctx in [*contexts, "all"]:
+            cells = [(k, v) for k, v in per.items() if k[0] == name and ctx in (k[1], "all")]
             if not cells:
                 continue
+            full = [per[("full", *k[1:])] for k, _ in cells]
             acc = bootstrap([[float(v["correct"])] for _, v in cells])
-            agree = bootstrap([[agreement(v["output_ids"], per[("full", *k[1:])]["output_ids"])] for k, v in cells])
+            diff = bootstrap([[float(v["correct"]) - float(f["correct"])] for (_, v), f in zip(cells, full)])
+            agree = bootstrap([[agreement(v["output_ids"], f["output_ids"])] for (_, v), f in zip(cells, full)])
             speed = bootstrap([[v["decode_tok_s"]] for _, v in cells])
             rows.append({"method": name, "context": ctx, "n": len(cells),
                          "accuracy": acc[0], "accuracy_ci": [acc[1], acc[2]],
+                         "accuracy_minus_full": diff[0], "accuracy_minus_full_ci": [diff[1], diff[2]],
                          "agreement_with_full": agree[0], "agreement_ci": [agree[1], agree[2]],
                          "decode_tok_s": speed[0], "decode_tok_s_ci": [speed[1], speed[2]],
                          "kv_read_per_step": sum(v["kv_read_per_step"] for _, v in cells) / len(cells),
@@ -147,12 +166,15 @@ def summarise(per: dict, contexts: list[int], names: list[str]) -> list[dict]:
 
 def markdown(rows: list[dict], args) -> str:
     lines = [f"# SentenceKV vs full cache, SnapKV, Quest-style pages, plain SGLang ({args.model})", "",
-             f"budget {args.budget} (SentenceKV keep_factor {args.keep_factor}), {NEW_TOKENS} greedy tokens; "
-             "intervals: 95% bootstrap; agreement: generated tokens equal to the full cache's, by position.", "",
-             "| method | context | N | accuracy | agreement with full | decode tok/s | KV read / step | live KV |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"budget {args.budget} (SentenceKV keep_factor {args.keep_factor}), {args.distractors} distractor needles, "
+             f"{NEW_TOKENS} greedy tokens; intervals: 95% bootstrap; accuracy - full: paired on the same haystacks; "
+             "agreement: generated tokens equal to the full cache's, by position; decode speed is not comparable across "
+             "contexts' 'all' rows.", "",
+             "| method | context | N | accuracy | accuracy - full | agreement with full | decode tok/s | KV read / step | live KV |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['method']} | {r['context']} | {r['n']} | {r['accuracy']:.2f} [{r['accuracy_ci'][0]:.2f}, {r['accuracy_ci'][1]:.2f}] "
+                     f"| {r['accuracy_minus_full']:+.2f} [{r['accuracy_minus_full_ci'][0]:+.2f}, {r['accuracy_minus_full_ci'][1]:+.2f}] "
                      f"| {r['agreement_with_full']:.2f} [{r['agreement_ci'][0]:.2f}, {r['agreement_ci'][1]:.2f}] "
                      f"| {r['decode_tok_s']:.2f} [{r['decode_tok_s_ci'][0]:.2f}, {r['decode_tok_s_ci'][1]:.2f}] "
                      f"| {r['kv_read_per_step']:.0f} | {r['live_kv']:.0f} |")  # fmt: skip
@@ -165,6 +187,7 @@ def plot(rows: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r["context"] != "all"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == name]
@@ -186,13 +209,14 @@ def plot(rows: list[dict], path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=models.DEFAULT_MODEL)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     ap.add_argument("--needles", type=int, default=2, help="haystacks per context and depth")
+    ap.add_argument("--distractors", type=int, default=7, help="needles of other vaults per haystack")
     ap.add_argument("--budget", type=int, default=256, help="tau: prompt tokens a step reads besides the always-read ones")
     ap.add_argument("--keep-factor", type=float, default=2.0)
     ap.add_argument("--skip-plain", action="store_true", help="leave out the plain-SGLang server")
-    ap.add_argument("--plain-max-context", type=int, default=8192,
+    ap.add_argument("--plain-max-context", type=int, default=4096,
                     help="plain SGLang (torch_native pads every prefill to a full causal attention) only up to this context")
     ap.add_argument("--out", default=str(RESULTS / "sentencekv.json"))
     args = ap.parse_args()
@@ -201,9 +225,11 @@ def main() -> None:
 
     path = models.fetch(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    cases = {(ctx, depth, seed): haystack(tokenizer, ctx, depth, seed)
+    cases = {(ctx, depth, seed): haystack(tokenizer, ctx, depth, seed, args.distractors)
              for ctx in args.contexts for depth in args.depths for seed in range(args.needles)}  # fmt: skip
-    total = str(max(len(ids) for ids, _ in cases.values()) + 2 * NEW_TOKENS + 64)
+    # twice the longest prompt: the prefilled prompt stays cached while SnapKV's pruning copies what it
+    # keeps into slots of its own (on a pool of one prompt it found none and left the prompt unpruned)
+    total = str(2 * max(len(ids) for ids, _ in cases.values()) + 2 * NEW_TOKENS + 64)
     log_dir = Path(tempfile.mkdtemp(prefix="sentencekv-bench-"))  # the servers' logs and config, not results
     print(f"server logs: {log_dir}", flush=True)
     config = log_dir / "sentencekv.memory.yaml"
@@ -212,7 +238,7 @@ def main() -> None:
     server = harness.start(harness.our_command(args.model, "--memory-config", str(config), "--max-total-tokens", total),
                            log_dir / "sentencekv.ours.log")  # fmt: skip
     try:
-        per = run_server(server, cases, named, flush=True)
+        per = run_server(server, cases, named)
     finally:
         harness.stop(server)
     names = [n for n, _ in named]
@@ -222,13 +248,14 @@ def main() -> None:
         plain = harness.start(command, log_dir / "sentencekv.plain.log", env)
         try:
             short = {k: v for k, v in cases.items() if k[0] <= args.plain_max_context}
-            per.update(run_server(plain, short, [("plain sglang", None)], flush=True))
+            per.update(run_server(plain, short, [("plain sglang", None)]))
         finally:
             harness.stop(plain)
         names.append("plain sglang")
     rows = summarise(per, args.contexts, names)
     out = Path(args.out)
     write_json(out, {"model": args.model, "budget": args.budget, "keep_factor": args.keep_factor, "new_tokens": NEW_TOKENS,
+                     "distractors": args.distractors,
                      "depths": args.depths, "needles": args.needles, "rows": rows,
                      "requests": [{"method": k[0], "context": k[1], "depth": k[2], "seed": k[3],
                                    **{f: v[f] for f in ("correct", "decode_tok_s", "kv_read_per_step", "live_kv", "prompt_tokens")}}
