@@ -73,11 +73,13 @@ def our_command(model: str, *extra: str) -> list[str]:
 
 
 def cpu_flags(model_path, attention_backend: str) -> list[str]:
-    """The CPU flags our launcher defaults to, spelled out for a plain SGLang server."""
-    from sgl_memory import launch_server
+    """The CPU flags our launcher defaults to, spelled out for a plain SGLang server: the compute
+    dtype it would choose here included (plain SGLang takes the model's bf16 otherwise, which an
+    AVX2-only CPU converts through float32: its speeds were not comparable with ours)."""
+    from sgl_memory import cpu_dtype, launch_server
 
-    return ["--device", "cpu", "--attention-backend", attention_backend, "--disable-overlap-schedule",
-            "--skip-server-warmup", "--max-total-tokens", str(launch_server.default_max_total_tokens(model_path))]  # fmt: skip
+    return ["--device", "cpu", "--attention-backend", attention_backend, "--disable-overlap-schedule", "--skip-server-warmup",
+            "--dtype", cpu_dtype.choose().dtype, "--max-total-tokens", str(launch_server.default_max_total_tokens(model_path))]  # fmt: skip
 
 
 def plain_sglang(model_path, *flags: str) -> tuple[list[str], dict]:
