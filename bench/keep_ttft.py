@@ -10,7 +10,8 @@
 
 Workload: the first `--transcript-tokens` of LoCoMo conversation 0 ingested as one session turn;
 `--questions` of its questions (categories 1-4, stratified, seed 0) in memory mode with
-`store: false`, greedy, 8 new tokens, streamed (TTFT is the first chunk, the probe included). One
+`store: false`, greedy, 8 new tokens, streamed (TTFT is the first chunk, the probe included), each
+in a radix namespace of its own (cold: nothing reused from the requests before it). One
 warm-up question per server first (the pool's index is built on the first retrieval).
 
     .venv/bin/python -m bench.keep_ttft [--segments 8 16 32 64 128] [--questions 8] [--bandwidth 2e7]
@@ -60,12 +61,16 @@ def config(directory: Path, name: str, keep: dict) -> Path:
 
 
 def ask(server, ids, sid: str, method: str, top_k: int, ratio: float) -> dict:
+    """One measured request, cold: a radix namespace of its own, so no method reuses the KV an earlier
+    request of the same question left in the tree (a full recompute of the 8 best blocks would
+    otherwise be the cached prefix of the 16 best's)."""
     field = {"session_id": sid, "memory": {"mode": "retrieve", "top_k": top_k, "store": False, "recompute": method}}
     if method in ("keep", "cacheblend"):
         field["keep"] = {"ratio": ratio}
-    _, meta, _ = generate(server, ids, 8, field)
+    _, meta, _ = generate(server, ids, 8, field, extra_key=f"keep-ttft-{uuid.uuid4().hex}")
     m = meta.get("sgl_memory") or {}
-    return {"ttft_s": meta["ttft_s"], "prefill_tokens": m.get("prefill_tokens"), "memory_kv_tokens": m.get("memory_kv_tokens"),
+    return {"ttft_s": meta["ttft_s"], "cached_tokens": meta.get("cached_tokens"), "prefill_tokens": m.get("prefill_tokens"),
+            "memory_kv_tokens": m.get("memory_kv_tokens"),
             "recomputed_tokens": m.get("recomputed_tokens"), "recompute_share": m.get("recompute_share"),
             **{k: m.get(k) for k in ("load_ms", "load_wait_ms", "load_overlap", "load_bytes", "recompute_ms")}}  # fmt: skip
 
@@ -96,8 +101,8 @@ def summarize(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in keys), []).append(r)
-    names = ("ttft_s", "prefill_tokens", "memory_kv_tokens", "recomputed_tokens", "recompute_share", "load_ms", "load_wait_ms",
-             "load_overlap", "recompute_ms")  # fmt: skip
+    names = ("ttft_s", "cached_tokens", "prefill_tokens", "memory_kv_tokens", "recomputed_tokens", "recompute_share", "load_ms",
+             "load_wait_ms", "load_overlap", "recompute_ms")  # fmt: skip
     return [{**dict(zip(keys, k)), "tasks": len(g), **{n: median(g, n) for n in names}} for k, g in groups.items()]
 
 
@@ -155,9 +160,10 @@ def main(argv=None) -> None:
               "loading": summarize(load_rows, ("loading",)), "requests": seg_rows + load_rows}  # fmt: skip
     write_json(args.out, result)
     plot(result, args.out.with_suffix(".png"))
-    print(f"{'method':>10} {'segments':>8} {'TTFT s':>7} {'prefill':>8} {'recomp share':>12}")
+    print(f"{'method':>10} {'segments':>8} {'TTFT s':>7} {'prefill':>8} {'cached':>7} {'recomp share':>12}")
     for r in result["segments"]:
-        print(f"{r['method']:>10} {r['segments']:>8} {r['ttft_s']:7.3f} {r['prefill_tokens']:8.0f} {r['recompute_share'] or 0:12.3f}")
+        print(f"{r['method']:>10} {r['segments']:>8} {r['ttft_s']:7.3f} {r['prefill_tokens']:8.0f} {r['cached_tokens'] or 0:7.0f} "
+              f"{r['recompute_share'] or 0:12.3f}")
     for r in result["loading"]:
         print(f"{r['loading']:>10} TTFT {r['ttft_s']:.3f} s, loader {r['load_ms']:.0f} ms, waited {r['load_wait_ms']:.0f} ms, hidden {r['load_overlap']}")
 

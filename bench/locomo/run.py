@@ -205,10 +205,14 @@ class Results:
         write_json(self.path, self.data)
 
 
-def generate(server, input_ids: list[int], max_new_tokens: int, memory: dict | None = None) -> tuple[str, dict, float]:
+def generate(server, input_ids: list[int], max_new_tokens: int, memory: dict | None = None,
+             extra_key: str | None = None) -> tuple[str, dict, float]:  # fmt: skip
     """The answer, its meta_info with `ttft_s` added (the first streamed chunk, measured here: the
-    probe of a memory-mode request included), and the wall time."""
+    probe of a memory-mode request included), and the wall time. `extra_key`: SGLang's radix-cache
+    namespace; a fresh one keeps the request from reusing what earlier requests left in the tree."""
     body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, "stream": True}
+    if extra_key is not None:
+        body["extra_key"] = extra_key
     if memory is not None:
         body["sgl_memory"] = memory
     t0 = time.perf_counter()
