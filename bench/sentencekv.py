@@ -128,7 +128,7 @@ def run_server(server, cases, named_fields) -> dict:
     for key, (ids, code) in cases.items():
         ok(server.post("/flush_cache?timeout=600", {}), "/flush_cache")
         body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
-        ok(requests.post(server.url + "/generate", json=body, timeout=3600), "/generate (prefill)")
+        ok(server.post("/generate", body, timeout=3600), "/generate (prefill)")
         for name, field in named_fields:
             r = streamed(server, ids, field)
             read, live = reads_and_live(name, r)
