@@ -20,7 +20,15 @@ EXACT_QUANT = {"bfloat16": "bf16", "float32": "fp32"}[SERVER_DTYPE]
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]
 
 
+# A test server's KV pool unless the test asks for another size. The launcher's default sizes it
+# from free RAM (about 55k tokens, 2.4 GB for the test model in float32): zero-filling that takes
+# seconds of every start and RAM the suite's second server may need; no test prompt comes near this.
+TEST_POOL_TOKENS = "16384"
+
+
 def start_server(model, log_path, *extra):
+    if not any(str(a).split("=")[0] == "--max-total-tokens" for a in extra):
+        extra = (*extra, "--max-total-tokens", TEST_POOL_TOKENS)
     return harness.start(harness.our_command(model, *extra), log_path)
 
 

@@ -21,6 +21,12 @@ from bench import harness
 
 from bench.agent import bcp, bfcl, run
 from bench.agent.loop import prompt_token_ids
+from conftest import TEST_POOL_TOKENS
+
+
+# Search hits of 48 words instead of BCP's 384: every search then adds ~400 prompt tokens, not
+# ~2,000, and each later prefill of the 0.5B model on a CPU without bf16 hardware is that much shorter.
+SNIPPET = 48
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +34,8 @@ def server(tmp_path_factory):
     """The default model (the test model's chat template renders no tools), intent and KV memory on."""
     d = tmp_path_factory.mktemp("agent")
     (d / "memory.yaml").write_text(run.INTENT_CONFIG + run.MEMORY_CONFIG)
-    srv = harness.start(harness.our_command(models.DEFAULT_MODEL, "--memory-config", str(d / "memory.yaml")), d / "server.log")
+    srv = harness.start(harness.our_command(models.DEFAULT_MODEL, "--memory-config", str(d / "memory.yaml"), "--max-total-tokens", TEST_POOL_TOKENS),
+                        d / "server.log")  # fmt: skip
     yield srv
     harness.stop(srv)
 
@@ -234,7 +241,7 @@ def test_the_bcp_cli_answers_a_question_on_a_real_server(server, tmp_path):
     cache's decision points."""
     argv = ["--url", server.url, "--workload", "bcp", "--methods", "full cache", "intentkv-memory/*", "kv memory",
             "--budgets", "32", "--memory-window", "1", "--tasks", "locomo-c0-*", "--limit", "1", "--max-steps", "3",
-            "--max-tokens", "64", "--agreement", "--out", str(tmp_path)]  # fmt: skip
+            "--max-tokens", "64", "--snippet-words", str(SNIPPET), "--agreement", "--out", str(tmp_path)]  # fmt: skip
     run.main(argv)
     traces = {t["method"]: t for t in map(json.loads, (tmp_path / "agent_bcp.traces.jsonl").read_text().splitlines())}
     assert set(traces) == {"full cache", "intentkv-memory/dead_slot@32", "kv memory"}
@@ -246,7 +253,7 @@ def test_the_bcp_cli_answers_a_question_on_a_real_server(server, tmp_path):
             for (name, arguments), result in zip([c for c in step["calls"] if c[0] != "answer"], step.get("results", [])):
                 if name == "search":
                     searched += 1
-                    assert result == bcp.render([corpus[i] for i in cache[arguments["query"]]])
+                    assert result == bcp.render([corpus[i] for i in cache[arguments["query"]]], SNIPPET)
         assert searched, "the agent never searched"
         assert trace["reason"] in (None, "turn_cap", "empty")
         if trace["reason"] is None:
@@ -280,7 +287,7 @@ def test_the_frontend_research_agent_runs_a_question_in_its_session(server):
 
     example = load_example("research_agent")
     sgl.set_default_backend(MemoryEndpoint(server.url))
-    workload = bcp.Workload(bcp.Corpus(bcp.locomo_corpus()), [])
+    workload = bcp.Workload(bcp.Corpus(bcp.locomo_corpus()), [], snippet_words=SNIPPET)
     state = example.research.run(question="When did Melanie paint a sunrise?", workload=workload, session_id="frontend-1",
                                  budget=32, budget_mode="history", max_steps=3)  # fmt: skip
     steps = [i for i in range(3) if f"action_{i}" in state]
@@ -342,17 +349,20 @@ def test_an_mcp_client_agent_completes_a_query_on_sgl_memory(server):
     from mcp import StdioServerParameters
 
     example = load_example("mcp_search_agent")
-    params = StdioServerParameters(command=sys.executable, args=["-m", "bench.agent.mcp_server", "--transport", "stdio"],
+    params = StdioServerParameters(command=sys.executable, args=["-m", "bench.agent.mcp_server", "--transport", "stdio", "--snippet-words", str(SNIPPET)],
                                    cwd=str(Path(__file__).resolve().parents[1]))  # fmt: skip
-    # the example's own history budget (512); at 32 the default model's forced answer can run on
-    # past its token cap under the default scorer (seen 2026-11-25) and the agent returns nothing
-    result = asyncio.run(example.research("When did Melanie paint a sunrise?", server.url, params, "mcp-agent-test", max_steps=4))
+    # a quarter of the example's history budget (512), as the hits are an eighth of BCP's length; at
+    # 32 the default model's forced answer can run on past its token cap under the default scorer
+    # (seen 2026-11-25) and the agent returns nothing
+    budget = 128
+    result = asyncio.run(example.research("When did Melanie paint a sunrise?", server.url, params, "mcp-agent-test",
+                                          budget=budget, max_steps=4))  # fmt: skip
     assert result["answer"], result["steps"]
     assert any(step["sgl_memory"]["compression_events"] for step in result["steps"])  # the history outgrew the budget
     corpus = bcp.Corpus(bcp.locomo_corpus())
     searched = 0
     for step in result["steps"]:
-        assert step["sgl_memory"]["session_key_source"] == "session_id" and step["sgl_memory"]["budget"] > 512
+        assert step["sgl_memory"]["session_key_source"] == "session_id" and step["sgl_memory"]["budget"] > budget
         for (name, arguments), output in zip(step["calls"], step["outputs"]):
             if name == "search":
                 searched += 1
@@ -371,7 +381,7 @@ def mcp_sse(tmp_path):
 
     port = harness.free_port()
     log = (tmp_path / "mcp.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.agent.mcp_server", "--transport", "sse", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "bench.agent.mcp_server", "--transport", "sse", "--port", str(port), "--snippet-words", str(SNIPPET)],
                             cwd=Path(__file__).resolve().parents[1], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         deadline = time.monotonic() + 60

@@ -167,21 +167,22 @@ def llm_judge(url: str, question: str, response: str, gold: str, max_tokens: int
     return {**verdict, "valid": verdict.get("correct") is True}
 
 
-def snippet(doc: Document) -> str:
-    return " ".join(doc.text.split()[:SNIPPET_WORDS])
+def snippet(doc: Document, words: int = SNIPPET_WORDS) -> str:
+    return " ".join(doc.text.split()[:words])
 
 
-def render(docs: list[Document]) -> str:
+def render(docs: list[Document], words: int = SNIPPET_WORDS) -> str:
     if not docs:
         return "No documents found."
-    return "\n\n".join(f"[{d.docid}] {d.title}\n{snippet(d)}" for d in docs)
+    return "\n\n".join(f"[{d.docid}] {d.title}\n{snippet(d, words)}" for d in docs)
 
 
 class Workload:
-    """What run.py drives: tasks and how one runs; built from the CLI's data options."""
+    """What run.py drives: tasks and how one runs; built from the CLI's data options. Shorter
+    snippets than BCP's make every search result, and so every prefill after one, cheaper (tests)."""
 
-    def __init__(self, corpus: Corpus, tasks: list[Task], llm_judge: bool = False):
-        self.corpus, self.todo, self.llm_judge = corpus, tasks, llm_judge
+    def __init__(self, corpus: Corpus, tasks: list[Task], llm_judge: bool = False, snippet_words: int = SNIPPET_WORDS):
+        self.corpus, self.todo, self.llm_judge, self.snippet_words = corpus, tasks, llm_judge, snippet_words
 
     def tasks(self, categories=None, limit: int | None = None) -> list[Task]:
         return [t for t in self.todo if categories is None or t.category in categories]
@@ -191,7 +192,7 @@ class Workload:
 
     def tool(self, name: str, arguments: dict) -> str:
         if name == "search" and isinstance(arguments.get("query"), str):
-            return render(self.corpus.search(arguments["query"]))
+            return render(self.corpus.search(arguments["query"]), self.snippet_words)
         if name == "get_document" and isinstance(arguments.get("docid"), str):
             doc = self.corpus.by_id.get(arguments["docid"].strip().strip("[]"))
             return f"{doc.title}\n{doc.text}" if doc else f"No document with docid {arguments['docid']!r}."

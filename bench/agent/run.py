@@ -214,7 +214,8 @@ def workload(args):
         raise SystemExit("--bcp-corpus and --bcp-queries go together")
     docs = bcp.bcp_corpus(args.bcp_corpus) if args.bcp_corpus else bcp.locomo_corpus()
     todo = bcp.bcp_tasks(args.bcp_queries, args.limit) if args.bcp_queries else bcp.locomo_tasks(args.limit)
-    return bcp.Workload(bcp.Corpus(docs, args.out / "agent_bcp.search_cache.json"), todo, llm_judge=args.judge == "llm")
+    return bcp.Workload(bcp.Corpus(docs, args.out / "agent_bcp.search_cache.json"), todo, llm_judge=args.judge == "llm",
+                        snippet_words=args.snippet_words)  # fmt: skip
 
 
 def start(kind: str, model: str, work: Path):
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bcp-queries", type=Path, help="BCP's decrypted queries jsonl (query_id, query, answer)")
     ap.add_argument("--judge", choices=("match", "llm"), default="match",
                     help="bcp: the normalised-match judge, or BCP's LLM judge on the run's own server")
+    ap.add_argument("--snippet-words", type=int, default=bcp.SNIPPET_WORDS, help="words of each search hit's text (bcp)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--agreement", action="store_true",
