@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         # Read by SGLang at import time, so it must be set before anything imports sglang.
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
-        sglang_argv, _ = build_argv(argv)
+        sglang_argv, cfg = build_argv(argv)
     except (memory_config.ConfigError, models.FetchError, cpu_dtype.DtypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -147,12 +147,19 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
+    from sgl_memory.engine import radix_cache
+
     load_plugins()
     choice = cpu_dtype.announced()
     if choice is not None:
         print(choice.log_line(), file=sys.stderr, flush=True)
     print("sgl-memory: sglang " + " ".join(sglang_argv), file=sys.stderr, flush=True)
     server_args = prepare_server_args(sglang_argv)
+    try:  # SGLang has resolved the page size (a backend may raise it): refuse before anything starts
+        radix_cache.check_scale(cfg, server_args.tp_size, server_args.page_size or 1)
+    except memory_config.ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         run_server(server_args)
     finally:

@@ -90,6 +90,45 @@ def test_a_declared_conflict_is_refused_where_the_tree_is_built(tmp_path, monkey
     check_config(config.load(write(tmp_path, "intent:\n  enabled: true\npersist:\n  enabled: true\n")))
 
 
+def scale_matrix() -> dict[str, tuple[bool, bool]]:
+    """The README's table of what each mechanism refuses: name -> (page size > 1, TP > 1)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### Tensor parallelism and page size", 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| `")]
+    return {name.strip(" `"): (page.strip().startswith("refused"), tp.strip().startswith("refused")) for name, page, tp in rows}
+
+
+@pytest.mark.parametrize("tp_size, page_size", [(2, 1), (1, 16), (2, 16)])
+def test_a_mechanism_not_correct_at_a_tp_or_page_size_stops_start_up_with_its_reason(tmp_path, tp_size, page_size):
+    """Each mechanism alone: start-up refuses TP 2 or page size 16 exactly where the README's
+    table says it does, naming the mechanism; the tree's constructor refuses it too."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from sgl_memory.core import mechanism
+    from sgl_memory.engine.radix_cache import SglMemoryRadixCache, check_config, check_scale
+
+    check_config(config.MemoryConfig())  # imports (registers) every mechanism
+    matrix = scale_matrix()
+    assert set(matrix) == set(mechanism.REGISTRY)
+    for name, (page_refused, tp_refused) in matrix.items():
+        cfg = config.load(write(tmp_path, f"{name}:\n  enabled: true\n"))
+        refused = (page_size > 1 and page_refused) + (tp_size > 1 and tp_refused)
+        if not refused:
+            check_scale(cfg, tp_size, page_size)
+            continue
+        with pytest.raises(config.ConfigError) as exc:
+            check_scale(cfg, tp_size, page_size)
+        assert str(exc.value).count(f"{name} ") == refused, str(exc.value)
+        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=page_size)
+        with pytest.raises(config.ConfigError, match=f"^{name} "):
+            SglMemoryRadixCache(params, cfg, SimpleNamespace(tp_size=tp_size))  # the TP size of SGLang's build context
+    check_scale(config.MemoryConfig(), 8, 64)  # every mechanism off: nothing to refuse
+
+
 def test_named_options_are_the_registries(tmp_path):
     """The config's option lists (which the request field's validation reads) are the registries'
     key sets: a scorer or a norm added to its registry and not to the config would be unreachable."""

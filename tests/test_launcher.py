@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from conftest import TEST_MODEL
 from sgl_memory import cpu_dtype, launch_server, models
 from sgl_memory.core import config
 
@@ -174,3 +175,18 @@ def test_cpu_flags_are_read_from_cpuinfo():
     assert cpu_dtype.cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512_bf16"}
     assert cpu_dtype.cpu_flags("processor\t: 0\nFeatures\t: fp asimd bf16\n") == {"fp", "asimd", "bf16"}  # Arm
     assert cpu_dtype.cpu_flags("") == set()
+
+
+def test_a_page_size_an_enabled_mechanism_cannot_serve_stops_the_launcher_before_start_up(tmp_path):
+    """The launcher checks the page size SGLang resolved against the enabled mechanisms before it
+    starts any process: exit status 2 and the mechanism's reason, no server."""
+    import subprocess
+    import sys
+
+    (tmp_path / "intent.yaml").write_text("intent:\n  enabled: true\n")
+    cmd = [sys.executable, "-m", "sgl_memory.launch_server", "--model", TEST_MODEL, "--memory-config",
+           str(tmp_path / "intent.yaml"), "--page-size", "16", "--port", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error: intent needs page size 1 (got 16): it points single pruned positions" in done.stderr
+    assert "Load weight" not in done.stderr  # nothing started

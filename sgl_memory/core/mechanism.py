@@ -56,6 +56,10 @@ class Mechanism(ABC):
     # other mechanism -> why the two cannot run in one server (yet); checked at start-up (radix_cache.check_config)
     conflicts: ClassVar[dict[str, str]] = {}
     needs_sentinel: ClassVar[bool] = False  # points positions of rows at the tree's sentinel slot (page size 1)
+    # why it is not correct under tensor parallelism yet (None: it is), and why it needs page size 1
+    # (None: any page size); start-up refuses such a server with the reason (scale_problems)
+    tp_refusal: ClassVar[str | None] = None
+    page_refusal: ClassVar[str | None] = None
     # the server's own passes for another mechanism (request.RequestPart.internal) are not admitted
     # here, unless this is set: persistence keeps what such a pass changed in the session's file
     follows_internal: ClassVar[bool] = False
@@ -204,6 +208,20 @@ def ordered() -> list[type[Mechanism]]:
 def enabled(config) -> list[str]:
     """The mechanisms a config switches on, by rank."""
     return [cls.name for cls in ordered() if config.section(cls.name).enabled]
+
+
+def scale_problems(config, tp_size: int, page_size: int) -> list[str]:
+    """Why the enabled mechanisms cannot serve a server of this tensor-parallel size and page size,
+    one line each (empty: they can)."""
+    found = []
+    for name in enabled(config):
+        cls = REGISTRY[name]
+        if tp_size > 1 and cls.tp_refusal:
+            found.append(f"{name} is not correct under tensor parallelism yet (TP size {tp_size}): {cls.tp_refusal}")
+        page = cls.page_refusal or ("it points single positions at the tree's sentinel slot" if cls.needs_sentinel else None)
+        if page_size > 1 and page:
+            found.append(f"{name} needs page size 1 (got {page_size}): {page}")
+    return found
 
 
 def conflicts(config) -> list[str]:

@@ -124,11 +124,10 @@ class SglMemoryRadixCache(RadixCache):
         if self.disable:
             return
         check_config(self.memory_config)
+        check_scale(self.memory_config, ctx.tp_size if ctx is not None else 1, self.page_size)
         for name in mechanism.enabled(self.memory_config):
             cls = mechanism.REGISTRY[name]
             if cls.needs_sentinel and self._allocator is None:
-                if self.page_size != 1:
-                    raise ValueError(f"{name} needs page size 1 (got {self.page_size}): it points single positions at the sentinel slot")
                 self._allocator = self.token_to_kv_pool_allocator
                 self.token_to_kv_pool_allocator = SentinelSafeAllocator(self._allocator, self)
                 self._take_sentinel()
@@ -417,6 +416,15 @@ def check_config(config: MemoryConfig) -> None:
     together. Called where the tree is built (so a plain `sglang.launch_server` with the plugin gets
     it) and by our launcher before anything starts."""
     problems = mechanism.conflicts(config)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def check_scale(config: MemoryConfig, tp_size: int, page_size: int) -> None:
+    """A ConfigError naming every enabled mechanism that is not correct at this tensor-parallel
+    size or page size (mechanism.scale_problems). Called where the tree is built, with the values
+    SGLang resolved, and by our launcher once it has resolved them too."""
+    problems = mechanism.scale_problems(config, tp_size, page_size)
     if problems:
         raise ConfigError("; ".join(problems))
 

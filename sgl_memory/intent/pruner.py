@@ -83,6 +83,8 @@ class IntentPruner(mechanism.Mechanism):
         marker="compression_events", maxed=("peak_request_tokens",), counted=("session_key_source",),
         summed=("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms"))  # fmt: skip
     needs_sentinel = True
+    tp_refusal = "its position scores come from the rank's own KV heads and are not all-reduced: ranks would keep other positions"
+    page_refusal = "it points single pruned positions at the sentinel slot (dead_slot) or moves single rows (compact)"
 
     @classmethod
     def observe(cls, metrics: dict, meta_info: dict) -> None:

@@ -156,6 +156,8 @@ class KeepManager(mechanism.Mechanism):
     fields = ("keep",)
     parse_request = staticmethod(section.parse_request)
     schema = mechanism.MetricsSchema(marker="recompute_method", summed=("recomputed_tokens", "recompute_ms"))
+    tp_refusal = "its deviation scores come from the rank's own KV heads and are not all-reduced: ranks would recompute other rows"
+    page_refusal = "it recomputes, and may drop, single rows of the placed blocks"
 
     @classmethod
     def observe(cls, metrics: dict, meta_info: dict) -> None:

@@ -123,6 +123,8 @@ class MemArtManager(mechanism.Mechanism):
     check_config = staticmethod(section.check_config)
     schema = mechanism.MetricsSchema(marker="retrieved_blocks", summed=("retrieved_blocks", "retrieval_ms"))
     kv_state = {"keys": "k", "values": "v"}  # of the pool's export (MemArtPool.export)
+    tp_refusal = "every rank would score blocks with its own KV heads and place other blocks"
+    page_refusal = "its assemblies are token-exact prefixes: blocks start at any position"
 
     @classmethod
     def observe(cls, metrics: dict, meta_info: dict) -> None:
@@ -157,10 +159,6 @@ class MemArtManager(mechanism.Mechanism):
 
     @classmethod
     def build(cls, config: MemArtConfig, tree, ctx) -> MemArtManager:
-        tp_size = ctx.tp_size if ctx is not None else 1
-        if tree.page_size != 1 or tp_size != 1:
-            # assemblies are token-exact prefixes, and every TP rank would score its own heads
-            raise ValueError(f"KV memory needs page size 1 and one TP rank (got {tree.page_size}, {tp_size})")
         if ctx is None:
             raise ValueError("KV memory needs the scheduler's build context (the model's RoPE)")
         manager = cls(config, tree, Rope.from_hf_config(ctx.model_config.hf_config))

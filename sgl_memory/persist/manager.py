@@ -160,6 +160,7 @@ class SessionPersistence(mechanism.Mechanism):
     rank = 30
     settings = PersistConfig
     follows_internal = True  # an entry write or forget changes the session: its file keeps that
+    tp_refusal = "a restore is not checked to succeed on every rank or on none: ranks could hold different prefixes"
     schema = mechanism.MetricsSchema(marker="text_match", summed=("restored_tokens", "restore_ms"), counted=("text_match",),
                                      flagged=("persist_error", "persist_refused"))  # fmt: skip
 

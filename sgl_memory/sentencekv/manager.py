@@ -47,6 +47,7 @@ class SentenceKV(mechanism.Mechanism):
     rank = 45
     settings = SentenceKVConfig
     fields = ("sentencekv",)
+    tp_refusal = "each rank would choose the sentences from its own KV heads' scores"
     parse_request = staticmethod(section.parse_request)
     schema = mechanism.MetricsSchema(
         marker="sentences", summed=("sentences", "kept_tokens", "retrieved_sentences", "kv_read_per_step", "decode_steps", "sentencekv_ms"),
