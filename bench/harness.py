@@ -125,8 +125,27 @@ def _listens(proc: subprocess.Popen, port: int) -> bool:
         return False
 
 
-def _start_once(command: list[str], log_path: Path, env: dict | None) -> Server | None:
-    """One start on a fresh port: the server, or None when the port was taken before it bound it."""
+def start_all(specs: list[tuple[list[str], Path, dict | None]]) -> list[Server]:
+    """Several servers (command, log path, env) started at once; returns them in order once each
+    answers /health. Most of a start is imports in one process at a time, so on two cores two
+    starts together take little longer than one. The processes are started from this thread (a
+    parent-death signal follows the thread that forked, so no worker thread may start them); a
+    server whose port was taken is started again alone. On failure every one is stopped."""
+    spawned = [(*_spawn(command, log_path, env), command, log_path, env) for command, log_path, env in specs]
+    servers = []
+    try:
+        for server, port, t0, command, log_path, env in spawned:
+            ready = _wait_ready(server, port, t0, command)
+            servers.append(ready if ready is not None else start(command, log_path, env))
+    except BaseException:
+        for server, *_ in spawned:
+            stop(server, timeout=30)
+        raise
+    return servers
+
+
+def _spawn(command: list[str], log_path: Path, env: dict | None) -> tuple[Server, int, float]:
+    """The server's processes, started on a fresh port: (server, port, start time)."""
     port = free_port()
     log = open(log_path, "w")
     t0 = time.monotonic()
@@ -140,6 +159,17 @@ def _start_once(command: list[str], log_path: Path, env: dict | None) -> Server 
     )
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
     _RUNNING.append(server)
+    return server, port, t0
+
+
+def _start_once(command: list[str], log_path: Path, env: dict | None) -> Server | None:
+    """One start on a fresh port: the server, or None when the port was taken before it bound it."""
+    return _wait_ready(*_spawn(command, log_path, env), command)
+
+
+def _wait_ready(server: Server, port: int, t0: float, command: list[str]) -> Server | None:
+    """The server once /health answers from it; None (stopped) when its port was taken first."""
+    proc = server.proc
     deadline = t0 + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

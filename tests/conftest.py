@@ -26,10 +26,20 @@ collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpre
 TEST_POOL_TOKENS = "16384"
 
 
-def start_server(model, log_path, *extra):
+def command(model, *extra) -> list[str]:
+    """Our launcher's command for a test server: the test's flags, a small pool unless it sets one."""
     if not any(str(a).split("=")[0] == "--max-total-tokens" for a in extra):
         extra = (*extra, "--max-total-tokens", TEST_POOL_TOKENS)
-    return harness.start(harness.our_command(model, *extra), log_path)
+    return harness.our_command(model, *extra)
+
+
+def start_server(model, log_path, *extra):
+    return harness.start(command(model, *extra), log_path)
+
+
+def start_servers(*specs):
+    """Several test servers, each (model, log path, *flags), started at once (harness.start_all)."""
+    return harness.start_all([(command(model, *extra), log_path, None) for model, log_path, *extra in specs])
 
 
 stop_server = harness.stop

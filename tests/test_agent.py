@@ -204,7 +204,7 @@ def test_bcps_llm_judge_answers_with_its_graders_fields_on_the_server(server):
     the run's own server as a constrained call, `correct` a boolean, and the verdict is it. Whether
     the verdicts are right is the model's business: this 0.5B model says correct to most answers,
     right or wrong (the note on issue 15), hence the normalised match by default."""
-    for prediction, gold, _ in JUDGED[:5]:
+    for prediction, gold, _ in JUDGED[:2]:  # up to 256 tokens each: a verdict is a minute of decoding on a slow CPU
         verdict = bcp.llm_judge(server.url, "When did Melanie paint a sunrise?", prediction, gold)
         assert isinstance(verdict.get("correct"), bool), verdict
         assert isinstance(verdict["extracted_final_answer"], str) and isinstance(verdict["reasoning"], str)

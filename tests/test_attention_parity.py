@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TEST_MODEL, start_server, stop_server
+from conftest import TEST_MODEL, start_servers, stop_server
 
 pytestmark = pytest.mark.server
 
@@ -24,17 +24,13 @@ FP32 = ("--dtype", "float32")  # in bf16 a logit moves in steps of 0.125: ties f
 
 
 @pytest.fixture(scope="module")
-def our_server(tmp_path_factory):
-    srv = start_server(TEST_MODEL, tmp_path_factory.mktemp("ours") / "server.log", *FP32)
-    yield srv
-    stop_server(srv)
-
-
-@pytest.fixture(scope="module")
-def reference_server(tmp_path_factory):
-    srv = start_server(TEST_MODEL, tmp_path_factory.mktemp("ref") / "server.log", "--attention-backend", "torch_native", *FP32)
-    yield srv
-    stop_server(srv)
+def servers(tmp_path_factory):
+    """Ours and the reference (SGLang's torch_native backend in our launcher), started together."""
+    started = start_servers((TEST_MODEL, tmp_path_factory.mktemp("ours") / "server.log", *FP32),
+                            (TEST_MODEL, tmp_path_factory.mktemp("ref") / "server.log", "--attention-backend", "torch_native", *FP32))  # fmt: skip
+    yield started
+    for srv in started:
+        stop_server(srv)
 
 
 def greedy(server, text):
@@ -52,11 +48,11 @@ LOGPROB_TOL = 2e-3
 TIE = 2e-3  # a top-2 margin this small may flip either way
 
 
-def test_greedy_outputs_equal_torch_native(our_server, reference_server):
+def test_greedy_outputs_equal_torch_native(servers):
     """Greedy continuations agree token for token and in log-probability; where they part, it
     must be a tie to rounding on both servers (the chosen tokens' log-probabilities agree up to
     the first difference, and at it both rank the two tokens within TIE)."""
-    server = our_server
+    server, reference_server = servers
     assert "sgl_memory_cpu" in server.get("/sgl_memory/info").json()["attention_backend"]
     cached = flips = 0
     for text in PROMPTS:

@@ -17,7 +17,7 @@ import concurrent.futures
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TEST_MODEL, start_server, stop_server
+from conftest import TEST_MODEL, start_servers, stop_server
 from sgl_memory import models
 
 pytestmark = pytest.mark.server
@@ -43,7 +43,7 @@ def tok():
 def servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("determinism")
     (d / "config.yaml").write_text(CONFIG)
-    started = [start_server(TEST_MODEL, d / f"server{i}.log", "--memory-config", str(d / "config.yaml")) for i in (0, 1)]
+    started = start_servers(*[(TEST_MODEL, d / f"server{i}.log", "--memory-config", str(d / "config.yaml")) for i in (0, 1)])
     yield started
     for s in started:
         stop_server(s)

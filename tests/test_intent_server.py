@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from conftest import TEST_MODEL, start_server, stop_server
+from conftest import TEST_MODEL, command, stop_server
 from sgl_memory import models
 from bench import harness
 
@@ -36,7 +36,8 @@ FP32 = ("--dtype", "float32")
 
 
 @pytest.fixture(scope="module")
-def intent_server(tmp_path_factory):
+def servers(tmp_path_factory):
+    """Ours with intent on, and plain SGLang (the first test's reference), started together."""
     from transformers import AutoConfig
 
     from sgl_memory.intent.head import HeadShape, PrunerHead, backbone_spec
@@ -45,9 +46,18 @@ def intent_server(tmp_path_factory):
     spec = backbone_spec(AutoConfig.from_pretrained(models.model_dir(TEST_MODEL)))
     PrunerHead(HeadShape(spec["head_dim"])).save(d / "zero_head.safetensors", spec)  # as initialised: no training
     (d / "memory.yaml").write_text(CONFIG + f"  head: {d / 'zero_head.safetensors'}\n  trace_dir: {d / 'traces'}\n")
-    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"), "--enable-metrics", *FP32)
-    yield srv
-    stop_server(srv)
+    path = models.model_dir(TEST_MODEL)
+    plain, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"), *FP32)
+    started = harness.start_all([(command(TEST_MODEL, "--memory-config", str(d / "memory.yaml"), "--enable-metrics", *FP32), d / "server.log", None),
+                                 (plain, d / "plain.log", env)])  # fmt: skip
+    yield started
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def intent_server(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -70,20 +80,15 @@ def generate(server, ids, max_new_tokens, memory=None, **extra):
     return r.json()
 
 
-def test_budget_at_or_above_the_length_is_identical_to_plain_sglang(intent_server, tokenizer, tmp_path):
-    path = models.model_dir(TEST_MODEL)
-    cmd, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"), *FP32)
-    plain = harness.start(cmd, tmp_path / "plain.log", env)
-    try:
-        for steps in (5, 40):
-            ids = tokenizer(history(steps) + " The most common file is")["input_ids"]
-            want = generate(plain, ids, 24)["output_ids"]
-            for budget in (len(ids), len(ids) + 100):
-                out = generate(intent_server, ids, 24, {"session_id": f"same-{steps}", "budget": budget})
-                assert out["output_ids"] == want
-                assert out["meta_info"]["sgl_memory"]["compression_events"] == 0
-    finally:
-        harness.stop(plain)
+def test_budget_at_or_above_the_length_is_identical_to_plain_sglang(servers, tokenizer):
+    intent_server, plain = servers
+    for steps in (5, 40):
+        ids = tokenizer(history(steps) + " The most common file is")["input_ids"]
+        want = generate(plain, ids, 24)["output_ids"]
+        for budget in (len(ids), len(ids) + 100):
+            out = generate(intent_server, ids, 24, {"session_id": f"same-{steps}", "budget": budget})
+            assert out["output_ids"] == want
+            assert out["meta_info"]["sgl_memory"]["compression_events"] == 0
 
 
 def streaming_kept(n, budget, sinks=4):

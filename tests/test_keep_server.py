@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import TEST_MODEL, start_server, stop_server
+from conftest import TEST_MODEL, start_servers, stop_server
 from sgl_memory import models
 from sgl_memory.keep.select import ratio_at
 from test_memart_server import QUESTION, SYSTEM, generate, render, state_facts
@@ -34,20 +34,30 @@ def tok():
     return AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
 
 
-def start(d, compact: bool):
+def spec(d, compact: bool) -> tuple:
     config = d / "memory.yaml"
     config.write_text(f"memory:\n  enabled: true\n  block_size: {BLOCK}\n  top_k: {TOP_K}\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n  placement: after_system\n"
                       f"keep:\n  enabled: true\n  compact: {str(compact).lower()}\n  trace_dir: {d / 'trace'}\n")  # fmt: skip
-    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(config), "--dtype", DTYPE)
-    srv.trace_dir = d / "trace"
-    return srv
+    return TEST_MODEL, d / "server.log", "--memory-config", str(config), "--dtype", DTYPE
 
 
 @pytest.fixture(scope="module")
-def keep_server(tmp_path_factory):
-    srv = start(tmp_path_factory.mktemp("keep"), compact=True)
-    yield srv
-    stop_server(srv)
+def servers(tmp_path_factory):
+    """keep.compact on, and off (started together): off, every layer computes every row and the
+    placed KV is written over the rows not recomputed; the same attention as dropping them, at
+    full cost."""
+    dirs = [tmp_path_factory.mktemp("keep"), tmp_path_factory.mktemp("keep-overwrite")]
+    started = start_servers(spec(dirs[0], compact=True), spec(dirs[1], compact=False))
+    for srv, d in zip(started, dirs):
+        srv.trace_dir = d / "trace"
+    yield started
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def keep_server(servers):
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +66,9 @@ def stated(keep_server, tok):
 
 
 @pytest.fixture(scope="module")
-def overwrite_server(tmp_path_factory, tok):
-    """keep.compact off: every layer computes every row and the placed KV is written over the rows
-    not recomputed; the same attention as dropping them, at full cost."""
-    srv = start(tmp_path_factory.mktemp("keep-overwrite"), compact=False)
-    state_facts(srv, tok, "a")
-    yield srv
-    stop_server(srv)
+def overwrite_server(servers, tok):
+    state_facts(servers[1], tok, "a")
+    return servers[1]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXACT_QUANT, TEST_MODEL, start_server, stop_server
+from conftest import EXACT_QUANT, TEST_MODEL, start_server, start_servers, stop_server
 from bench import harness
 from sgl_memory.persist.store import CacheSpec, SessionFiles, _digest
 
@@ -83,14 +83,27 @@ def session_file(store: Path, session_id: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def restarted(tmp_path_factory):
+def first_servers(tmp_path_factory):
+    """Server A of the restart and the fault server (below), started together; each on its own store."""
+    d, e = tmp_path_factory.mktemp("persist-restart"), tmp_path_factory.mktemp("persist-faults")
+    # the fault server: exact store, no warm tier (every restore reads the file), a small KV pool (eviction)
+    a, faults = start_servers((TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, d / "store", quant=EXACT_QUANT))),
+                              (TEST_MODEL, e / "e.log", "--memory-config", str(write_config(e, e / "store", quant=EXACT_QUANT, warm_bytes=0)),
+                               "--max-total-tokens", "3000"))  # fmt: skip
+    yield (a, d), (faults, e)
+    for srv in (a, faults):  # `restarted` stops A; the last fault test kills the fault server
+        if srv.proc.poll() is None:
+            stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def restarted(first_servers):
     """Server A (exact store) runs every conversation to its end (the reference) and a copy of each
     to its second turn, and stops; server B starts on the store. Each copy is its own tenant, so no copy reuses
     another's KV through the tree and every copy computes the same tokens the same way.
     Returns (B, store, reference answers, {copy tenant: per conversation [(answer, usage)]})."""
-    d = tmp_path_factory.mktemp("persist-restart")
+    (a, d), _ = first_servers
     store = d / "store"
-    a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, store, quant=EXACT_QUANT)))
     try:
         reference = [[t[0] for t in run_turns(a, conv, f"s{i}", tenant="ref")] for i, conv in enumerate(CONVERSATIONS)]
         copies = {"rs": [run_turns(a, conv[:2], f"s{i}", tenant="rs") for i, conv in enumerate(CONVERSATIONS)]}
@@ -171,14 +184,9 @@ def test_ids_crafted_to_escape_the_store_are_refused(restarted, memory):
 
 
 @pytest.fixture(scope="module")
-def fault_server(tmp_path_factory):
-    """Exact store, no warm tier (every restore reads the file), a small KV pool (eviction)."""
-    d = tmp_path_factory.mktemp("persist-faults")
-    store = d / "store"
-    config = write_config(d, store, quant=EXACT_QUANT, warm_bytes=0)
-    server = start_server(TEST_MODEL, d / "e.log", "--memory-config", str(config), "--max-total-tokens", "3000")
-    yield server, d, store
-    stop_server(server)  # the last test kills it; stopping twice is harmless
+def fault_server(first_servers):
+    _, (server, d) = first_servers
+    return server, d, d / "store"
 
 
 def long_text(tag: str, n: int) -> str:
