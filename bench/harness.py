@@ -75,11 +75,14 @@ def our_command(model: str, *extra: str) -> list[str]:
 def cpu_flags(model_path, attention_backend: str) -> list[str]:
     """The CPU flags our launcher defaults to, spelled out for a plain SGLang server: the compute
     dtype it would choose here included (plain SGLang takes the model's bf16 otherwise, which an
-    AVX2-only CPU converts through float32: its speeds were not comparable with ours)."""
+    AVX2-only CPU converts through float32: its speeds were not comparable with ours), and
+    --sleep-on-idle (an idle plain server otherwise busy-polls a core, which on two cores halved the
+    speed of the server beside it: 10 min for test_intent_server's module instead of 6)."""
     from sgl_memory import cpu_dtype, launch_server
 
     return ["--device", "cpu", "--attention-backend", attention_backend, "--disable-overlap-schedule", "--skip-server-warmup",
-            "--dtype", cpu_dtype.choose().dtype, "--max-total-tokens", str(launch_server.default_max_total_tokens(model_path))]  # fmt: skip
+            "--sleep-on-idle", "--dtype", cpu_dtype.choose().dtype,
+            "--max-total-tokens", str(launch_server.default_max_total_tokens(model_path))]  # fmt: skip
 
 
 def plain_sglang(model_path, *flags: str) -> tuple[list[str], dict]:
