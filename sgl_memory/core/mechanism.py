@@ -110,7 +110,8 @@ class Mechanism(ABC):
     def build(cls, config, tree, ctx) -> Mechanism:
         """The mechanism for this tree, from its config section and SGLang's TreeCacheBuildContext
         (model config, server args, TP rank; None in unit tests that build a bare tree). Raises
-        ValueError for a server it cannot serve (page size, TP size, model)."""
+        ValueError for a server it cannot serve (its model, its attention backend); the TP and page
+        sizes it cannot serve it declares instead (tp_refusal, page_refusal)."""
 
     def open(self, scheduler, req, spec) -> None:
         """Before any mechanism admits the request (scheduler thread): bring its session into this
