@@ -21,7 +21,7 @@ from bench import harness
 
 from bench.agent import bcp, bfcl, run
 from bench.agent.loop import prompt_token_ids
-from conftest import TEST_POOL_TOKENS
+from conftest import start_server, stop_server
 
 
 # Search hits of 48 words instead of BCP's 384: every search then adds ~400 prompt tokens, not
@@ -34,10 +34,9 @@ def server(tmp_path_factory):
     """The default model (the test model's chat template renders no tools), intent and KV memory on."""
     d = tmp_path_factory.mktemp("agent")
     (d / "memory.yaml").write_text(run.INTENT_CONFIG + run.MEMORY_CONFIG)
-    srv = harness.start(harness.our_command(models.DEFAULT_MODEL, "--memory-config", str(d / "memory.yaml"), "--max-total-tokens", TEST_POOL_TOKENS),
-                        d / "server.log")  # fmt: skip
+    srv = start_server(models.DEFAULT_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"))
     yield srv
-    harness.stop(srv)
+    stop_server(srv)
 
 
 def replay(task, drop_last_of_turn: int | None = None) -> dict:

@@ -14,7 +14,7 @@ from bench import harness
 from sgl_memory.core import config, mechanism, prometheus, request
 from sgl_memory.core.request import SpecError
 
-from conftest import TEST_MODEL, TEST_POOL_TOKENS
+from conftest import TEST_MODEL, command
 
 HERE = Path(__file__).resolve().parent
 PACKAGE = HERE.parent / "sgl_memory"
@@ -75,8 +75,7 @@ def toy_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("toy")
     (d / "memory.yaml").write_text("plugins: [toy_mechanism]\ntoy:\n  enabled: true\n  max_note: 8\nintent:\n  enabled: true\n  budget: 64\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    srv = harness.start(harness.our_command(TEST_MODEL, "--memory-config", str(d / "memory.yaml"), "--enable-metrics",
-                                            "--max-total-tokens", TEST_POOL_TOKENS), d / "server.log", env)  # fmt: skip
+    srv = harness.start(command(TEST_MODEL, "--memory-config", str(d / "memory.yaml"), "--enable-metrics"), d / "server.log", env)
     yield srv
     harness.stop(srv)
 

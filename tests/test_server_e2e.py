@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import SERVER_DTYPE, TEST_MODEL, TEST_POOL_TOKENS, start_server, stop_server
+from conftest import SERVER_DTYPE, TEST_MODEL, command, start_server, stop_server
 from sgl_memory import cpu_dtype, models
 from bench import harness
 
@@ -153,7 +153,7 @@ def test_a_cpu_without_bf16_hardware_serves_in_float32_by_itself_and_stops_with_
     prompt = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL)).encode("The capital of France is")
     env = {k: v for k, v in os.environ.items() if k != cpu_dtype.ENV}
     env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
-    srv = harness.start(harness.our_command(TEST_MODEL, "--max-total-tokens", TEST_POOL_TOKENS), tmp_path / "server.log", env=env)
+    srv = harness.start(command(TEST_MODEL), tmp_path / "server.log", env=env)
     try:
         info = srv.get("/sgl_memory/info").json()["dtype"]
         assert (info["dtype"], info["kv_cache_dtype"], info["source"], info["cpu_capability"]) == ("float32", "float32", "auto", "AVX2")
