@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sgl_memory.persist.quant import error_bound, quantize
-from sgl_memory.persist.store import CacheSpec, SessionFiles, StoreError
+from sgl_memory.persist.store import CacheSpec, SessionFiles, StoreError, WriteConflict
 
 SPEC = CacheSpec("toy-model", "cfg123", layers=3, kv_heads=2, head_dim=64, dtype="bfloat16", page_size=1)
 
@@ -278,3 +278,116 @@ def test_a_fine_tune_with_the_same_config_is_another_model(tmp_path):
     keys, values = kv(tokens=8)
     files.write(None, "s", files.record(range(8), "x", keys, values))
     assert SessionFiles(tmp_path / "store", spec(tmp_path / "tuned"), quant="bf16").read(None, "s") is None
+
+
+def test_a_write_that_continues_an_older_generation_is_refused(tmp_path):
+    """Two servers sharing the store (replicas) see one linear history per session: a writer says
+    which generation its record continues, and a file that moved on since is not replaced."""
+    a, b = SessionFiles(tmp_path, SPEC, quant="bf16"), SessionFiles(tmp_path, SPEC, quant="bf16")
+    assert a.generation(None, "s") == 0
+    first = session(a, tokens=10, seed=1)
+    a.write(None, "s", first, base=0)
+    assert first.generation == 1 == b.generation(None, "s")
+    seen_by_b = b.read(None, "s")
+    assert seen_by_b.generation == 1
+    a.write(None, "s", session(a, tokens=20, seed=2), base=1)  # a continues generation 1: stored as 2
+    with pytest.raises(WriteConflict, match="generation 2"):
+        b.write(None, "s", session(b, tokens=30, seed=3), base=seen_by_b.generation)  # b continues 1 too: refused
+    assert len(b.read(None, "s").token_ids) == 20 and b.generation(None, "s") == 2
+    assert not list(tmp_path.glob("*/*/*.tmp"))  # the refused write left nothing behind
+    with pytest.raises(WriteConflict):
+        b.write(None, "s", session(b, tokens=30, seed=3), base=0)  # a new session of b's meets a's file
+    # a file removed for the quota, or one that cannot be read, blocks no write
+    a.path(None, "s").unlink()
+    b.write(None, "s", session(b, tokens=30, seed=3), base=2)
+    a.path(None, "s").write_bytes(b"not a safetensors file")
+    assert a.generation(None, "s") == -1
+    a.write(None, "s", session(a, tokens=40, seed=4), base=2)
+    assert len(b.read(None, "s").token_ids) == 40
+
+
+SHARER = """
+import os, sys, random, torch
+from sgl_memory.persist.store import CacheSpec, SessionFiles, WriteConflict
+root, name, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+files = SessionFiles(root, CacheSpec("toy-model", "cfg123", 3, 2, 64, "bfloat16", 1), quant="bf16")
+
+def content(tenant, sid, generation):
+    # what generation g of a session holds: its tokens and a KV value name the tenant, session and g
+    code = 8 * "ab".index(tenant) + int(sid[1:]) + 16 * (generation % 8)
+    n = 100 + 97 * generation % 400
+    return [code, generation] + list(range(n)), float(code)
+
+log = open(os.path.join(root, f"acks-{name}"), "a")
+rng = random.Random(seed)
+print("ready", flush=True)
+while True:
+    tenant, sid = rng.choice("ab"), f"s{rng.randrange(4)}"
+    record = files.read(tenant, sid)  # StoreError (a torn or foreign file) ends the process: the test sees it
+    base = 0 if record is None else record.generation
+    if record is not None:
+        tokens, code = content(tenant, sid, base)
+        assert record.token_ids == tokens, (tenant, sid, base)
+        keys, _ = files.decode(record)
+        assert bool((keys == code).all()), (tenant, sid, base)
+    tokens, code = content(tenant, sid, base + 1)
+    kv = torch.full((3, len(tokens), 2, 64), code, dtype=torch.bfloat16)
+    try:
+        files.write(tenant, sid, files.record(tokens, sid, kv, kv.clone()), base=base)
+    except WriteConflict:
+        continue
+    log.write(f"{tenant} {sid} {base + 1}\\n")
+    log.flush()
+    os.fsync(log.fileno())
+"""
+
+
+def test_servers_sharing_the_store_and_killed_at_random_lose_tear_or_mix_no_session(tmp_path):
+    """Two processes read and write the same sessions of two tenants as fast as they can, each one
+    killed (SIGKILL) at random points and restarted. Every write a process acknowledged is in the
+    store or was superseded by a later generation, no generation of a session was stored twice (one
+    history), every file read back whole holds its own tenant's and session's content, and a store
+    opened afterwards removes what the dead writers left."""
+    import random
+
+    rng = random.Random(0)
+
+    def start(name, seed):
+        proc = subprocess.Popen([sys.executable, "-c", SHARER, str(tmp_path), name, str(seed)], stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"ready"
+        return proc
+
+    procs = {"p0": start("p0", 0), "p1": start("p1", 1)}
+    kills = 0
+    for round in range(6):
+        time.sleep(rng.uniform(0.2, 0.8))
+        for name, proc in procs.items():
+            assert proc.poll() is None, f"{name} stopped by itself: a read failed its checks"
+        victim = rng.choice(sorted(procs))
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        procs[victim].wait()
+        kills += 1
+        procs[victim] = start(victim, 100 + round)
+    time.sleep(0.5)
+    for proc in procs.values():
+        assert proc.poll() is None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    acks = [line.split() for name in procs for line in (tmp_path / f"acks-{name}").read_text().splitlines()]
+    assert len(acks) > 50, "the writers must get through many writes"
+    stored = [(t, s, int(g)) for t, s, g in acks]
+    assert len(stored) == len(set(stored)), "two writers stored the same generation of a session"
+    files = SessionFiles(tmp_path, SPEC, quant="bf16")
+    assert not list(tmp_path.glob("*/*/*.tmp"))
+    for tenant in "ab":
+        for sid in (f"s{i}" for i in range(4)):
+            acked = [g for t, s, g in stored if (t, s) == (tenant, sid)]
+            record = files.read(tenant, sid)
+            if not acked:
+                continue
+            assert record is not None and record.generation >= max(acked), (tenant, sid)
+            code = 8 * "ab".index(tenant) + int(sid[1:]) + 16 * (record.generation % 8)
+            assert record.token_ids[:2] == [code, record.generation]
+            assert bool((files.decode(record)[0] == code).all())
+    assert kills == 6

@@ -169,7 +169,8 @@ class Mechanism(ABC):
 
     def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
         """Take back what `export_session` gave, on a server that loads the session from its file;
-        state this server already holds for the session is newer and is kept."""
+        state this server already holds for the session is newer and is kept (when the file is
+        newer, another server sharing the store wrote it, the session is dropped first)."""
 
     def drain(self, timeout: float | None = None) -> bool:
         """Return when the work queued so far is done (flush_cache, a clean shutdown, tests); False

@@ -56,6 +56,12 @@ class SessionRegistry:
         with self._lock:
             return self._pop(key, name)
 
+    def drop(self, key: SessionKey) -> None:
+        """Forget the session: every mechanism's slot of it."""
+        with self._lock:
+            for name in list(self._sessions.get(key, ())):
+                self._pop(key, name)
+
     def slots(self, name: str) -> list[tuple[SessionKey, object]]:
         """Every session's slot of this name, least recently used first (a snapshot)."""
         with self._lock:

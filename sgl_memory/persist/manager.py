@@ -15,6 +15,13 @@ inserted into the tree, so the scheduler's own prefix match finds it and prefill
 
 Each session has two locks: `lock` guards its in-memory state (capture, encode, restore),
 `io` serialises its file writes and loads; different sessions proceed in parallel.
+
+Servers may share the store (replicas behind a router; one taking over a killed one's sessions).
+Each server remembers the generation of a session's file it last read or wrote (store.py). A turn of
+a session whose file has moved on since (another server served and stored it) first forgets what
+this server holds of the session, every mechanism's state included, and loads the file: the
+session continues from its newest stored turn wherever it lands. A write that finds the file moved
+on (two servers serving one session at once) is refused and counted, never stored over the other.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from sgl_memory.core.sessions import session_key
 from sgl_memory.core.slots import Slot
 from sgl_memory.persist import textmatch
 from sgl_memory.persist.settings import PersistConfig
-from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError
+from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError, WriteConflict
 from sgl_memory.core.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -70,6 +77,7 @@ class Session:
     pending: list[Captured] = field(default_factory=list)
     state_changed: bool = False  # another mechanism's state of the session changed since the last write
     on_disk: bool = False
+    generation: int = 0  # of the session's file as this server last read or wrote it (store.py)
     error: str | None = None  # the last write's failure, reported at the session's next turn
     lock: threading.Lock = field(default_factory=threading.Lock)
     io: threading.Lock = field(default_factory=threading.Lock)
@@ -77,6 +85,7 @@ class Session:
     def adopt(self, record: SessionRecord) -> None:
         self.tokens, self.text, self.record = record.token_ids, record.text, record
         self.live, self.branches, self.extra_key = record.live, record.branches, record.extra_key
+        self.generation = record.generation
 
     def key(self):
         return session_key(self.tenant, self.session_id)
@@ -148,6 +157,8 @@ RESTORES = prometheus.counter("restores", "Session KV restored into the tree", [
 RESTORED_TOKENS = prometheus.counter("restored_tokens", "Tokens restored from the session store")
 RESTORE_SECONDS = prometheus.histogram("restore_seconds", "Session restore time")
 WRITE_ERRORS = prometheus.counter("write_errors", "Session file writes that failed")
+WRITE_CONFLICTS = prometheus.counter("write_conflicts", "Session turns not stored: another server stored the session meanwhile")
+SUPERSEDED = prometheus.counter("sessions_superseded", "Sessions reloaded from their file: another server stored them since")
 STORE_BYTES = prometheus.gauge("store_bytes", "Session files on disk")
 WARM_BYTES = prometheus.gauge("store_warm_bytes", "Stored-form session KV in host memory")
 
@@ -221,9 +232,27 @@ class SessionPersistence(mechanism.Mechanism):
             self.tokenizer = scheduler.tokenizer
         state = TURNS.set(req, PersistTurn(spec.tenant, spec.session_id, assembled=spec.assembled, reads_only=spec.reads_only))
         t0 = time.perf_counter()
-        if self._session(spec.tenant, spec.session_id, create=False) is None:
+        session = self._session(spec.tenant, spec.session_id, create=False)
+        if session is not None and self._superseded(session):
+            logger.info("session store: session %r (tenant %r) was stored by another server since this one last "
+                        "did: reloading it", spec.session_id, spec.tenant)  # fmt: skip
+            SUPERSEDED.inc()
+            self.tree.sessions.drop(session.key())  # every mechanism's state of it is older than the file
+            session = None
+        if session is None:
             state.loaded = self._load(state) is not None
         state.restore_ms = state.parts_ms["file"] = (time.perf_counter() - t0) * 1000
+
+    def _superseded(self, session: Session) -> bool:
+        """Whether the session's file holds a generation this server neither read nor wrote."""
+        with session.lock:
+            if session.pending or session.state_changed or not session.io.acquire(blocking=False):
+                return False  # a turn of its own is being stored: that write checks the file instead
+            try:
+                current = self.files.generation(session.tenant, session.session_id)
+            finally:
+                session.io.release()
+            return current > 0 and current != session.generation  # 0: no file (never written, or removed for the quota)
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
         state: PersistTurn | None = TURNS.get(req)
@@ -418,7 +447,13 @@ class SessionPersistence(mechanism.Mechanism):
                 session.text = record.text
         with session.io:
             try:
-                self.files.write(session.tenant, session.session_id, record)
+                self.files.write(session.tenant, session.session_id, record, base=session.generation)
+                session.generation = record.generation
+            except WriteConflict as exc:
+                WRITE_CONFLICTS.inc()
+                logger.warning("session store: %s: this turn of session %r (tenant %r) is not stored; its next turn "
+                               "continues from the stored one", exc, session.session_id, session.tenant)  # fmt: skip
+                return
             except OSError as exc:
                 WRITE_ERRORS.inc()
                 session.error = f"writing the session file failed: {exc}"

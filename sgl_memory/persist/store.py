@@ -5,13 +5,22 @@ the unit the later KV-memory retrieval shares; each block holds its layers stack
 (quant.py) or as bf16 / fp32 values. One file per session keeps a turn's write a single atomic rename and a restore
 a single read; the file's metadata carries what a loader must check before trusting it: format
 version, model id and config hash, the cache spec, session and tenant, token ids, the rendered
-prompt text, quantization, and a sha256 over every tensor and the metadata itself.
+prompt text, quantization, its generation, and a sha256 over every tensor and the metadata itself.
 
 File names are hashes of the ids, so no id can name a path outside the store directory.
+
+Several servers may share one store (replicas behind a router, one taking over another's sessions).
+A reader needs no lock: a file is written under a temporary name and renamed over the old one, so
+it sees the old file or the new one. Writers of one session are ordered by its generation: a
+writer says which generation its record continues, and the rename happens under an exclusive lock
+on the session's directory only if the file is still at that generation (compare-and-swap). So a
+session's file is one linear history: two servers that both continue generation 5 cannot both
+store a generation 6; the second is refused (WriteConflict) and must re-read the session.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -30,6 +39,10 @@ FORMAT_VERSION = 1
 
 class StoreError(RuntimeError):
     """A file that must not be loaded; the message says why."""
+
+
+class WriteConflict(StoreError):
+    """The session's file moved on since the generation a write continues: another server wrote it."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,7 @@ class SessionRecord:
     # name -> "k" or "v": the state tensors that hold KV ([layers, tokens, heads, dim]) and are
     # stored in the record's quantization like its blocks; the rest are stored exactly
     state_kv: dict[str, str] = field(default_factory=dict)
+    generation: int = 0  # of the file it was read from or last written to; 0: never stored
 
     def nbytes(self) -> int:
         tensors = [t for block in self.blocks for t in block.values()] + list(self.state.values())
@@ -115,12 +129,18 @@ class SessionFiles:
 
     def enforce_quota(self, quota_bytes: int) -> list[Path]:
         """Delete least recently used session files until the store fits in quota_bytes."""
-        files = sorted(self.root.glob("*/*/*.safetensors"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
+        files = []
+        for path in self.root.glob("*/*/*.safetensors"):
+            try:
+                files.append((path.stat(), path))
+            except FileNotFoundError:  # another server sharing the store removed it meanwhile
+                pass
+        files.sort(key=lambda f: f[0].st_mtime)
+        total = sum(stat.st_size for stat, _ in files)
         removed = []
         while files and total > quota_bytes:
-            oldest = files.pop(0)
-            total -= oldest.stat().st_size
+            stat, oldest = files.pop(0)
+            total -= stat.st_size
             oldest.unlink(missing_ok=True)
             removed.append(oldest)
         self.disk_bytes = total
@@ -178,9 +198,21 @@ class SessionFiles:
                       shape, BITS[quant], axis, GROUP)  # fmt: skip
         return dequantize(q, dtype, out)
 
+    def generation(self, tenant: str | None, session_id: str) -> int:
+        """The generation of the session's file: 0 when it has none, -1 when it cannot be read.
+        Reads the file's header only."""
+        return _generation(self.path(tenant, session_id))
+
     # --- write -----------------------------------------------------------------------------------
 
-    def write(self, tenant: str | None, session_id: str, record: SessionRecord) -> Path:
+    def write(self, tenant: str | None, session_id: str, record: SessionRecord, base: int | None = None) -> Path:
+        """Store the record as the session's file. `base`: the generation the record continues (0:
+        the session had no file); if another writer stored a different one since, nothing is
+        written and WriteConflict says so. None: replace whatever is there. A file that is missing
+        (removed for the quota) or unreadable never blocks a write. The record's `generation`
+        becomes the new file's."""
+        path = self.path(tenant, session_id)
+        generation = (base if base is not None else max(0, _generation(path))) + 1
         tensors = {"token_ids": torch.tensor(record.token_ids, dtype=torch.int64)}
         for b, block in enumerate(record.blocks):
             tensors.update({f"b{b}.{name}": t for name, t in block.items()})
@@ -201,9 +233,9 @@ class SessionFiles:
             "spec": json.dumps(asdict(self.spec)), "quant": record.quant, "kivi": str(record.kivi),
             "block_size": str(record.block_size), "tokens": str(len(record.token_ids)), "text": record.text,
             "extra_key": json.dumps(record.extra_key), "branches": json.dumps(record.branches), "state_kv": json.dumps(layout),
+            "generation": str(generation),
         }  # fmt: skip
         meta["checksum"] = _checksum(tensors, meta)
-        path = self.path(tenant, session_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"w{os.getpid()}-", suffix=".tmp")
         os.close(fd)
@@ -214,15 +246,24 @@ class SessionFiles:
                 raise OSError(str(exc)) from exc
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, path)  # readers see the old file or the new one, never a torn one
+            # the lock covers the check and the rename only (the slow part, writing, is done); it
+            # is the directory's, so there is no lock file to leave behind, and the kernel drops it
+            # with a writer that dies holding it
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX)
+                current = _generation(path)
+                if base is not None and current > 0 and current != base:
+                    raise WriteConflict(f"{path.name}: another server stored generation {current} of the session; "
+                                        f"this write continues generation {base}")  # fmt: skip
+                os.replace(tmp, path)  # readers see the old file or the new one, never a torn one
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        record.generation = generation
         return path
 
     # --- read ------------------------------------------------------------------------------------
@@ -263,7 +304,7 @@ class SessionFiles:
         return SessionRecord(tensors["token_ids"].tolist(), meta["text"], [blocks[b] for b in sorted(blocks)],
                              meta["quant"], meta["kivi"] == "True", int(meta["block_size"]),
                              json.loads(meta["extra_key"]) if "extra_key" in meta else ANY_NAMESPACE,
-                             branches, live, state)  # fmt: skip
+                             branches, live, state, generation=int(meta.get("generation", "0")))  # fmt: skip
 
     def _check(self, path, meta, tensors, tenant, session_id) -> None:
         if meta.get("format_version") != str(FORMAT_VERSION):
@@ -279,6 +320,16 @@ class SessionFiles:
             raise StoreError(f"{path.name}: written for another model or cache layout ({meta['spec']})")
         if meta["session_id"] != session_id or meta["tenant"] != (tenant or ""):
             raise StoreError(f"{path.name}: belongs to another session")
+
+
+def _generation(path: Path) -> int:
+    try:
+        with safe_open(str(path), "pt") as f:
+            return int((f.metadata() or {}).get("generation", "0"))  # a file from before generations: 0
+    except FileNotFoundError:
+        return 0
+    except Exception:  # truncated, foreign or not a safetensors file: read() refuses it with the reason
+        return -1 if path.exists() else 0
 
 
 def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
