@@ -73,3 +73,14 @@ def test_the_rule_is_not_vacuous():
     assert "sglang" in imports(PACKAGE / "engine" / "radix_cache.py")[1]
     assert {"core", "memart"} <= imports(PACKAGE / "memart" / "manager.py")[0]
     assert MECHANISMS == {p.parent.name for p in PACKAGE.glob("*/__init__.py")} - {"core", "engine", "patches", "kernels"}
+
+
+def test_every_package_ships():
+    """pyproject lists the packages a (non-editable) install ships: a package left out of the list
+    installs without it, and the server then fails at start-up."""
+    import tomllib
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")}
+    listed = set(config["packages"]) - set(config["package-dir"])  # patches/, kernels/ live outside sgl_memory/
+    assert on_disk == listed
