@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
 
+import requests
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +97,26 @@ def generate(server, input_ids: list[int], max_new_tokens: int) -> dict:
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
     }
     return ok(server.post("/generate", body), "/generate").json()["meta_info"]
+
+
+def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple[str, float, dict]:
+    """Greedy streamed /generate: (text, TTFT in s, the final meta_info); the server's headers sent (a router's routing key)."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
+    if field is not None:
+        body["sgl_memory"] = field
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with requests.post(server.url + "/generate", json=body, headers=server.headers, stream=True, timeout=1800) as r:
+        ok(r, "/generate")
+        for raw in r.iter_lines():
+            if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(raw[5:])
+    if last is None or "text" not in last:
+        raise RuntimeError(f"the stream ended without a result: {last}")
+    return last["text"], ttft, last["meta_info"]
 
 
 def ours(model: str, *flags: str) -> tuple[list[str], None]:

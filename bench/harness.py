@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -30,12 +30,13 @@ class Server:
     proc: subprocess.Popen
     log_path: Path
     start_seconds: float = 0.0
+    headers: dict = field(default_factory=dict)  # sent with every post (a session's routing key)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def post(self, path: str, body: dict, timeout: float = 600) -> requests.Response:
-        return requests.post(self.url + path, json=body, timeout=timeout)
+        return requests.post(self.url + path, json=body, headers=self.headers, timeout=timeout)
 
     def post_raw(self, path: str, data: bytes, timeout: float = 600) -> requests.Response:
         """A body sent as given (not serialised by us): malformed, huge or deeply nested JSON."""
@@ -70,6 +71,27 @@ def free_port() -> int:
 
 def our_command(model: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "sgl_memory.launch_server", "--model", model, *extra]
+
+
+def start_router(workers: list[Server], log_path: Path, *flags: str, timeout: float = 120) -> Server:
+    """SGLang's router (smg, the gateway sglang-router became) in front of `workers`, once it has
+    registered every one of them (its /health answers before it has any). Consistent hashing of the
+    routing-key header (sgl_memory.core.sessions.ROUTING_HEADER) keeps each session on one replica;
+    a request to a replica that is gone is retried on another. Its metrics listen on a port of their
+    own (29000 unless told: two routers would collide)."""
+    command = [sys.executable, "-m", "smg.launch_router", "--worker-urls", *(w.url for w in workers),
+               "--policy", "consistent_hashing", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--log-level", "warn", *flags]  # fmt: skip
+    router = start(command, log_path)
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = {w["url"] for w in router.get("/workers").json().get("workers", []) if w.get("is_healthy")}
+        if ready >= {w.url for w in workers}:
+            return router
+        if time.monotonic() > deadline:
+            stop(router)
+            raise RuntimeError(f"the router registered {sorted(ready)} of {[w.url for w in workers]} in {timeout} s:\n{router.log()[-2000:]}")
+        time.sleep(0.2)
 
 
 def cpu_flags(model_path, attention_backend: str) -> list[str]:

@@ -41,10 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
 from tqdm import tqdm
 
-from common import RESULTS, ok, write_json
+from common import RESULTS, stream, write_json
 from locomo import data
 from locomo.metrics import token_f1
 from sgl_memory import models
@@ -103,26 +102,6 @@ def start(method: str, model: str, work: Path, budget: int, capacity: int):
     cfg = work / f"{method.replace('+', '-')}.yaml"
     cfg.write_text(config(method, budget, work / f"store-{method}", capacity))
     return harness.start(harness.our_command(model, "--memory-config", str(cfg), "--enable-metrics"), log)
-
-
-def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple[str, float, dict]:
-    """Greedy streamed /generate: (text, TTFT in s, the final meta_info)."""
-    body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
-    if field is not None:
-        body["sgl_memory"] = field
-    t0 = time.perf_counter()
-    ttft, last = None, None
-    with requests.post(server.url + "/generate", json=body, stream=True, timeout=1800) as r:
-        ok(r, "/generate")
-        for raw in r.iter_lines():
-            if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(raw[5:])
-    if last is None or "text" not in last:
-        raise RuntimeError(f"the stream ended without a result: {last}")
-    return last["text"], ttft, last["meta_info"]
 
 
 def pool_gauge(server, name: str) -> float:

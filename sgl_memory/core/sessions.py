@@ -16,12 +16,23 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from urllib.parse import quote
 
 SessionKey = tuple[str, str]  # (tenant or "", session id)
+
+# The header SGLang's router (smg) hashes under `--policy consistent_hashing`: a request that carries
+# its session's routing key reaches the replica that holds the session's tree path and state.
+ROUTING_HEADER = "X-SMG-Routing-Key"
 
 
 def session_key(tenant: str | None, session_id: str) -> SessionKey:
     return (tenant or "", session_id)
+
+
+def routing_key(tenant: str | None, session_id: str) -> str:
+    """The session's routing key for a router in front of replicas: one per session, tenant included
+    (a header value must be printable ASCII, hence the quoting)."""
+    return f"{quote(tenant or '', safe='')}/{quote(session_id, safe='')}"
 
 
 class SessionRegistry:
