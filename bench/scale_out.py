@@ -13,7 +13,8 @@ Side by side, in one run, on the same servers (persistence on, one store both re
 The load: SESSIONS agent sessions at once, each a client looping over TURNS turns; a turn's prompt
 is the previous prompt, its answer and a new message of NEW_TOKENS tokens (tokens, not text: every
 configuration computes the same lengths). Each configuration has sessions of its own (other ids,
-other tokens), so none reuses another's KV. Per configuration: turns per second over the whole load,
+other tokens), so none reuses another's KV; both replicas serve a warm-up session first (the first
+requests a server serves pay one-time costs). Per configuration: turns per second over the whole load,
 TTFT per turn (streamed: the first chunk), prefix hit (cached / prompt tokens of turns 2..TURNS),
 the tokens restored from the store, and the turns that were restored (landed where the session's
 path was not in the tree).
@@ -230,6 +231,8 @@ def main() -> None:
                               (harness.our_command(args.model, *flags), work / "b.log", None)])  # fmt: skip
     router = harness.start_router([a, b], work / "router.log")
     try:
+        for replica in (a, b):  # a replica's first requests pay one-time costs (--skip-server-warmup): not in a configuration's numbers
+            run_session(replica, "warmup", tokenizer, 0, 2, tenant="warmup")
         configs = [
             load("one replica", lambda session: a, (a, b), tokenizer, args.sessions, args.turns),
             load("router, routing key", lambda session: keyed(router, session), (a, b), tokenizer, args.sessions, args.turns),
