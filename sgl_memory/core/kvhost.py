@@ -52,6 +52,13 @@ class KVHost(Protocol):
     def layers(self) -> range:
         """The pool's layer ids on this rank."""
 
+    def reduce_heads(self, x: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """`x`, an aggregate over this rank's attention heads (a mean or a sum per position),
+        combined over the tensor-parallel group, so that every rank holds what all the heads give
+        and chooses the same positions: `mean` averages over the ranks (each holds an equal share of
+        the heads, or the same replicated KV head), `sum` adds. `x` itself without tensor
+        parallelism. A collective: every rank calls it at the same point of the same request."""
+
     def row(self, req) -> torch.Tensor:
         """The request's slot map row: position -> KV slot."""
 

@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from sglang.srt.distributed import get_tp_group
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
@@ -119,12 +121,13 @@ class SglMemoryRadixCache(RadixCache):
         self._dead_evictable = self._dead_protected = 0
         self.mechanisms: list[Mechanism] = []
         self.sessions = SessionRegistry()  # every mechanism's per-session state, one slot each
+        self.tp_size = ctx.tp_size if ctx is not None else 1
         super().__init__(params)
         self.memory_config = config or MemoryConfig()
         if self.disable:
             return
         check_config(self.memory_config)
-        check_scale(self.memory_config, ctx.tp_size if ctx is not None else 1, self.page_size)
+        check_scale(self.memory_config, self.tp_size, self.page_size)
         for name in mechanism.enabled(self.memory_config):
             cls = mechanism.REGISTRY[name]
             if cls.needs_sentinel and self._allocator is None:
@@ -271,6 +274,14 @@ class SglMemoryRadixCache(RadixCache):
         pool = self.pool
         start = getattr(pool, "start_layer", 0) or 0  # pipeline parallelism: this rank's layers
         return range(start, start + pool.layer_num)
+
+    def reduce_heads(self, x: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        # scores are small host tensors: the group's gloo side, not the accelerator's
+        out = x.detach().cpu().contiguous()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=get_tp_group().cpu_group)
+        return out / self.tp_size if op == "mean" else out
 
     def row(self, req) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]

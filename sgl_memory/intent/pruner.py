@@ -83,7 +83,9 @@ class IntentPruner(mechanism.Mechanism):
         marker="compression_events", maxed=("peak_request_tokens",), counted=("session_key_source",),
         summed=("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms"))  # fmt: skip
     needs_sentinel = True
-    tp_refusal = "its position scores come from the rank's own KV heads and are not all-reduced: ranks would keep other positions"
+    # scores are combined over the TP group (scorers.py; tests/test_tp_scores.py, two gloo ranks),
+    # but no TP server has run a compression event yet
+    tp_refusal = "its scores are all-reduced over the TP group but it has not run in a TP server yet"
     page_refusal = "it points single pruned positions at the sentinel slot (dead_slot) or moves single rows (compact)"
 
     @classmethod
@@ -310,7 +312,7 @@ class IntentPruner(mechanism.Mechanism):
             layer_keys=keys_of(cand_slots), positions=candidates, q_mean=q_mean, q_window=q_window,
             memory=memory, keep=keep, seed=self._seed(state, length), sinks=self.config.sinks,
             kernel=self.config.kernel, query_keys=keys_of(query_slots), head=self.head, ablation=state.ablation,
-            features={} if self.config.trace_dir and state.scorer == "learned" else None,
+            features={} if self.config.trace_dir and state.scorer == "learned" else None, reduce=tree.reduce_heads,
         )  # fmt: skip
         scores = scorer.score(inputs)
         picked = scorers.select(scores, keep)

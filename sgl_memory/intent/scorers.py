@@ -3,6 +3,11 @@
 A scorer maps a request's candidates (live positions outside the forced set) to one score each;
 the pruner keeps the `keep` highest. One set is chosen for all layers and heads, because the slot
 map that realises it is per request, not per layer.
+
+Under tensor parallelism a rank holds a share of the heads, so what a scorer averages or sums over
+heads it combines over the ranks (`ScoringInputs.reduce`, the tree's reduce_heads) before anything
+that is not linear in it (max-pooling, the learned head): every rank then holds the scores one rank
+with all the heads would compute, and keeps the same positions.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class ScoringInputs:
     head: PrunerHead | None = None
     ablation: str = "none"
     features: dict | None = None  # learned: filled with the head's inputs when given (intent.trace_dir)
+    # a per-rank aggregate over heads -> the one over every rank's heads ("mean" or "sum"); KVHost.reduce_heads
+    reduce: Callable[[torch.Tensor, str], torch.Tensor] = lambda x, op: x
 
 
 class Scorer:
@@ -72,7 +79,7 @@ def rule_score(x: ScoringInputs, rows: torch.Tensor, each_layer: Callable[[torch
         if each_layer is not None:
             each_layer(keys)
         layers += 1
-    return total / max(layers, 1)
+    return x.reduce(total / max(layers, 1), "mean")
 
 
 @register
@@ -130,7 +137,10 @@ class LearnedScorer(Scorer):
         rule = rule_score(x, memory, lambda keys: key_means.append(keys.float().mean(dim=1).cpu()))
         # the head runs on the host, beside the rule's shares: its inputs come off the pool's device
         context = layer_head_mean(x.query_keys()).cpu() if x.query_keys is not None else None
-        keys, memory_mean = torch.stack(key_means).mean(0), memory.float().mean(dim=(0, 1)).cpu()
+        keys = x.reduce(torch.stack(key_means).mean(0), "mean")
+        memory_mean = x.reduce(memory.float().mean(dim=(0, 1)).cpu(), "mean")
+        if context is not None:
+            context = x.reduce(context, "mean")
         if x.features is not None:
             x.features.update(rule=rule, keys=keys, memory=memory_mean, context=keys[:0] if context is None else context)
         with torch.no_grad():
@@ -157,12 +167,12 @@ class SnapKVScorer(Scorer):
     needs_window = True
 
     def score(self, x):
-        total = torch.zeros(x.positions.numel())
-        layers = 0
-        for layer, keys in enumerate(x.layer_keys()):
-            total += pooled(attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1)).cpu(), x.kernel)
-            layers += 1
-        return total / max(layers, 1)
+        # each layer's head mean is pooled on its own: the layers' means are combined over the ranks first
+        per_layer = [attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1)).cpu() for layer, keys in enumerate(x.layer_keys())]
+        if not per_layer:
+            return torch.zeros(x.positions.numel())
+        per_layer = x.reduce(torch.stack(per_layer), "mean")
+        return sum(pooled(layer, x.kernel) for layer in per_layer) / len(per_layer)
 
 
 @register
@@ -178,6 +188,7 @@ class H2OScorer(Scorer):
         total = torch.zeros(x.positions.numel(), dtype=torch.float64)
         for layer, keys in enumerate(x.layer_keys()):
             total += attention_probs(keys, x.q_window[layer]).sum(dim=(0, 1)).double().cpu()
+        total = x.reduce(total, "sum")
         recent = x.keep // 2
         if recent:
             total[-recent:] = math.inf

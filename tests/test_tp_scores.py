@@ -1,0 +1,101 @@
+"""IntentKV's scores under tensor parallelism: two real processes in a gloo group, each holding half
+of the attention heads (as a TP = 2 server's ranks do), score the same candidates with every scorer,
+combining over the group through the engine's own `reduce_heads`. The reference is one process with
+all the heads: every rank must hold its scores (to float rounding) and keep exactly its positions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_memory.intent import scorers
+from sgl_memory.intent.head import HeadShape, PrunerHead
+
+LAYERS, HEADS, KV_HEADS, DIM, N, WINDOW, QUERY, KEEP = 3, 8, 4, 16, 48, 5, 6, 12
+RANKS = 2
+
+
+def head() -> PrunerHead:
+    """A head whose residual is not zero (a fresh head's output layer is zero-initialised)."""
+    torch.manual_seed(7)
+    h = PrunerHead(HeadShape(head_dim=DIM, hidden=32, width=16, heads=2))
+    torch.nn.init.normal_(h.out.weight, std=0.5)
+    return h.eval()
+
+
+def inputs(scorer: str, rank: int | None = None, reduce=None) -> scorers.ScoringInputs:
+    """The same request for every process; `rank` keeps that rank's contiguous share of the query
+    heads and of the KV heads (SGLang's TP split), None all of them."""
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(N, KV_HEADS, DIM, generator=g) for _ in range(LAYERS)]
+    query_keys = [torch.randn(QUERY, KV_HEADS, DIM, generator=g) for _ in range(LAYERS)]
+    q_mean = torch.randn(LAYERS, HEADS, DIM, generator=g)
+    q_window = torch.randn(LAYERS, WINDOW, HEADS, DIM, generator=g)
+    memory = torch.nn.functional.normalize(torch.randn(LAYERS, HEADS, DIM, generator=g), dim=-1)
+    if rank is not None:
+        kv, q = KV_HEADS // RANKS, HEADS // RANKS
+        keys = [k[:, rank * kv : (rank + 1) * kv] for k in keys]
+        query_keys = [k[:, rank * kv : (rank + 1) * kv] for k in query_keys]
+        q_mean, memory = q_mean[:, rank * q : (rank + 1) * q], memory[:, rank * q : (rank + 1) * q]
+        q_window = q_window[:, :, rank * q : (rank + 1) * q]
+    extra = {"reduce": reduce} if reduce is not None else {}
+    return scorers.ScoringInputs(
+        layer_keys=lambda: iter(keys), positions=torch.arange(N) * 2 + 3, q_mean=q_mean, q_window=q_window,
+        memory=memory, keep=KEEP, seed=3, sinks=2, kernel=5, query_keys=lambda: iter(query_keys),
+        head=head() if scorer == "learned" else None, **extra,
+    )  # fmt: skip
+
+
+def rank_main(rank: int, rendezvous: str, out: str) -> None:
+    """One rank: join the gloo group, score with every scorer, save the scores."""
+    import torch.distributed as dist
+
+    from sgl_memory.engine import radix_cache
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=RANKS)
+
+    class Group:  # SGLang's TP group coordinator, as reduce_heads reads it: its gloo side
+        cpu_group = dist.group.WORLD
+
+    radix_cache.get_tp_group = lambda: Group
+    tree = type("Rank", (), {"tp_size": RANKS})()
+    reduce = lambda x, op: radix_cache.SglMemoryRadixCache.reduce_heads(tree, x, op)  # noqa: E731
+    with torch.no_grad():
+        scores = {name: scorers.get(name).score(inputs(name, rank, reduce)) for name in sorted(scorers.SCORERS)}
+    torch.save(scores, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp")
+    here = Path(__file__).resolve().parent
+    script = f"import sys; sys.path.insert(0, {str(here)!r}); import test_tp_scores as t; t.rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])"
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(d / "rendezvous"), str(d / f"rank{r}.pt")]) for r in range(RANKS)]
+    for p in procs:
+        assert p.wait(timeout=300) == 0
+    return [torch.load(d / f"rank{r}.pt") for r in range(RANKS)]
+
+
+@pytest.mark.parametrize("name", sorted(scorers.SCORERS))
+def test_every_rank_scores_and_keeps_what_one_rank_with_every_head_does(ranks, name):
+    with torch.no_grad():
+        reference = scorers.get(name).score(inputs(name))
+    for rank in ranks:
+        got = rank[name]
+        assert torch.equal(got, ranks[0][name])  # the ranks agree bit for bit: they keep the same positions
+        finite = torch.isfinite(reference)
+        assert torch.equal(finite, torch.isfinite(got))
+        torch.testing.assert_close(got[finite].double(), reference[finite].double(), rtol=1e-5, atol=1e-7)
+        assert torch.equal(scorers.select(got, KEEP), scorers.select(reference, KEEP))
+
+
+def test_a_rank_alone_would_keep_other_positions(ranks):
+    """Without the reduction each rank's own heads choose: the test above would fail without it."""
+    with torch.no_grad():
+        alone = [scorers.get("memory").score(inputs("memory", rank)) for rank in range(RANKS)]
+    assert not torch.equal(scorers.select(alone[0], KEEP), scorers.select(alone[1], KEEP))
