@@ -1,7 +1,8 @@
-"""IntentKV's scores under tensor parallelism: two real processes in a gloo group, each holding half
-of the attention heads (as a TP = 2 server's ranks do), score the same candidates with every scorer,
-combining over the group through the engine's own `reduce_heads`. The reference is one process with
-all the heads: every rank must hold its scores (to float rounding) and keep exactly its positions."""
+"""Scores under tensor parallelism: two real processes in a gloo group, each holding half of the
+attention heads (as a TP = 2 server's ranks do), score the same candidates, combining over the group
+through the engine's own `reduce_heads`: IntentKV's positions with every scorer, KV memory's blocks
+with every scoring, normalisation and aggregation. The reference is one process with all the heads:
+every rank must hold its scores (to float rounding) and choose exactly its positions or blocks."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ import torch
 
 from sgl_memory.intent import scorers
 from sgl_memory.intent.head import HeadShape, PrunerHead
+from sgl_memory.memart.blocks import BlockIndex
+from sgl_memory.memart.retrieval import score_blocks, top_blocks
 
 LAYERS, HEADS, KV_HEADS, DIM, N, WINDOW, QUERY, KEEP = 3, 8, 4, 16, 48, 5, 6, 12
+BLOCKS, BLOCK, PROMPT, TOP_K = 20, 4, 7, 5  # KV memory: blocks of BLOCK tokens, a prompt of PROMPT query rows
 RANKS = 2
+BLOCK_SCORING = [(scoring, norm, agg) for scoring in ("exact", "aabb") for norm in ("softmax", "rr") for agg in ("sum", "max")]
 
 
 def head() -> PrunerHead:
@@ -50,6 +55,17 @@ def inputs(scorer: str, rank: int | None = None, reduce=None) -> scorers.Scoring
     )  # fmt: skip
 
 
+def blocks(rank: int | None = None) -> tuple[torch.Tensor, BlockIndex]:
+    """A prompt's queries [L, T, H, D] and a pool of blocks; `rank`: that rank's heads."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(LAYERS, PROMPT, HEADS, DIM, generator=g)
+    keys = torch.randn(LAYERS, BLOCKS * BLOCK, KV_HEADS, DIM, generator=g)
+    if rank is not None:
+        kv, h = KV_HEADS // RANKS, HEADS // RANKS
+        q, keys = q[:, :, rank * h : (rank + 1) * h], keys[:, :, rank * kv : (rank + 1) * kv]
+    return q, BlockIndex(list(range(BLOCKS)), keys, torch.arange(BLOCKS * BLOCK).view(BLOCKS, BLOCK))
+
+
 def rank_main(rank: int, rendezvous: str, out: str) -> None:
     """One rank: join the gloo group, score with every scorer, save the scores."""
     import torch.distributed as dist
@@ -66,6 +82,8 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
     reduce = lambda x, op: radix_cache.SglMemoryRadixCache.reduce_heads(tree, x, op)  # noqa: E731
     with torch.no_grad():
         scores = {name: scorers.get(name).score(inputs(name, rank, reduce)) for name in sorted(scorers.SCORERS)}
+        q, index = blocks(rank)
+        scores.update({how: score_blocks(q, index, *how, reduce=reduce) for how in BLOCK_SCORING})
     torch.save(scores, out)
     dist.destroy_process_group()
 
@@ -99,3 +117,12 @@ def test_a_rank_alone_would_keep_other_positions(ranks):
     with torch.no_grad():
         alone = [scorers.get("memory").score(inputs("memory", rank)) for rank in range(RANKS)]
     assert not torch.equal(scorers.select(alone[0], KEEP), scorers.select(alone[1], KEEP))
+
+
+@pytest.mark.parametrize("how", BLOCK_SCORING, ids="-".join)
+def test_every_rank_ranks_memory_blocks_as_one_rank_with_every_head_does(ranks, how):
+    reference = score_blocks(*blocks(), *how)
+    for rank in ranks:
+        assert torch.equal(rank[how], ranks[0][how])
+        torch.testing.assert_close(rank[how], reference, rtol=1e-5, atol=1e-7)
+        assert top_blocks(rank[how], TOP_K) == top_blocks(reference, TOP_K)

@@ -123,7 +123,9 @@ class MemArtManager(mechanism.Mechanism):
     check_config = staticmethod(section.check_config)
     schema = mechanism.MetricsSchema(marker="retrieved_blocks", summed=("retrieved_blocks", "retrieval_ms"))
     kv_state = {"keys": "k", "values": "v"}  # of the pool's export (MemArtPool.export)
-    tp_refusal = "every rank would score blocks with its own KV heads and place other blocks"
+    # retrieval's block scores are all-reduced (retrieval.py; tests/test_tp_scores.py), but its
+    # other per-head choices (eviction merges, the probe's capture) are not checked across ranks
+    tp_refusal = "its block scores are all-reduced over the TP group, but it has not run in a TP server yet"
     page_refusal = "its assemblies are token-exact prefixes: blocks start at any position"
 
     @classmethod
@@ -295,8 +297,8 @@ class MemArtManager(mechanism.Mechanism):
         if not ids:
             return
         q = probe.queries()
-        scores = score_blocks(q, index, query.scoring or self.config.scoring,
-                              query.norm or self.config.norm, query.agg or self.config.agg, self.config.rr_constant)  # fmt: skip
+        scores = score_blocks(q, index, query.scoring or self.config.scoring, query.norm or self.config.norm,
+                              query.agg or self.config.agg, self.config.rr_constant, reduce=self.tree.reduce_heads)  # fmt: skip
         limit = getattr(scheduler, "max_req_input_len", None)
         budgets = [limit - len(req.origin_input_ids)] if limit else []
         placed = query.placed_tokens if query.placed_tokens is not None else self.config.placed_tokens

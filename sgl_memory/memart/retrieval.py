@@ -16,11 +16,14 @@ over the tokens (sum or max). Layers and heads are then averaged: one block set 
 and head, because the blocks become a single token prefix in the radix tree, which a per-layer or
 per-head choice could not be. The mean gives every (layer, head) pair one equal vote after
 normalisation; a max over them would let the single most peaked head decide for all of them.
+Under tensor parallelism a rank holds a share of the heads: that mean is combined over the ranks
+(`reduce`, the tree's reduce_heads), so every rank ranks the blocks as one rank with every head.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -71,12 +74,12 @@ def block_scores(logits: torch.Tensor, norm: str, agg: str, rr_constant: float =
 
 
 def score_blocks(q: torch.Tensor, index: BlockIndex, scoring: str, norm: str, agg: str, rr_constant: float = 60.0,
-                 cap_bytes: int = SCAN_BYTES) -> torch.Tensor:
+                 cap_bytes: int = SCAN_BYTES, reduce: Callable[[torch.Tensor, str], torch.Tensor] = lambda x, op: x) -> torch.Tensor:
     """`block_scores` of the `scoring` logits of q [L, T, H, D] over the index's blocks, computed
     over slices of the prompt tokens so that the logits and the exact scan's products stay under
     `cap_bytes`. Normalisation is per (layer, head, token) row, so the rows of one slice are final;
     the aggregation over tokens is a running sum or max, and the mean over layers and heads comes
-    last."""
+    last (then over the TP ranks' heads: `reduce`)."""
     L, T, H, _ = q.shape
     N = len(index.ids)
     per_token = 3 * L * H * N * 4  # the slice's logits, their normalisation, one intermediate of either
@@ -97,7 +100,7 @@ def score_blocks(q: torch.Tensor, index: BlockIndex, scoring: str, norm: str, ag
             total += rows
         else:
             torch.maximum(total, rows, out=total)
-    return total.mean(dim=(0, 1))
+    return reduce(total.mean(dim=(0, 1)), "mean")
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> list[int]:
