@@ -1,8 +1,9 @@
 """Scores under tensor parallelism: two real processes in a gloo group, each holding half of the
 attention heads (as a TP = 2 server's ranks do), score the same candidates, combining over the group
 through the engine's own `reduce_heads`: IntentKV's positions with every scorer, KV memory's blocks
-with every scoring, normalisation and aggregation. The reference is one process with all the heads:
-every rank must hold its scores (to float rounding) and choose exactly its positions or blocks."""
+with every scoring, normalisation and aggregation, and the rows KEEP's and CacheBlend's selectors
+recompute. The reference is one process with all the heads: every rank must hold its scores (to
+float rounding) and choose exactly its positions, blocks or rows."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import torch
 
 from sgl_memory.intent import scorers
 from sgl_memory.intent.head import HeadShape, PrunerHead
+from sgl_memory.keep import select as keep_select
 from sgl_memory.memart.blocks import BlockIndex
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 
 LAYERS, HEADS, KV_HEADS, DIM, N, WINDOW, QUERY, KEEP = 3, 8, 4, 16, 48, 5, 6, 12
 BLOCKS, BLOCK, PROMPT, TOP_K = 20, 4, 7, 5  # KV memory: blocks of BLOCK tokens, a prompt of PROMPT query rows
+PLACED, SEGMENTS, TURN = 24, 4, 5  # KEEP: placed rows in segments, the new turn's rows
 RANKS = 2
 BLOCK_SCORING = [(scoring, norm, agg) for scoring in ("exact", "aabb") for norm in ("softmax", "rr") for agg in ("sum", "max")]
 
@@ -66,6 +69,26 @@ def blocks(rank: int | None = None) -> tuple[torch.Tensor, BlockIndex]:
     return q, BlockIndex(list(range(BLOCKS)), keys, torch.arange(BLOCKS * BLOCK).view(BLOCKS, BLOCK))
 
 
+def layer_view(rank: int | None = None, reduce=None) -> keep_select.LayerView:
+    """One layer of a request with placed segments; `rank`: that rank's heads."""
+    g = torch.Generator().manual_seed(2)
+    q_mem, q_turn = torch.randn(PLACED, HEADS, DIM, generator=g), torch.randn(TURN, HEADS, DIM, generator=g)
+    kv = [torch.randn(n, KV_HEADS, DIM, generator=g) for n in (PLACED, PLACED, TURN, PLACED, PLACED)]
+    if rank is not None:
+        h, k = HEADS // RANKS, KV_HEADS // RANKS
+        q_mem, q_turn = q_mem[:, rank * h : (rank + 1) * h], q_turn[:, rank * h : (rank + 1) * h]
+        kv = [t[:, rank * k : (rank + 1) * k] for t in kv]
+    k_mem, v_mem, k_turn, placed_k, placed_v = kv
+    candidates = torch.ones(PLACED, dtype=torch.bool)
+    candidates[3] = False  # a row an earlier layer dropped
+    segment = torch.arange(PLACED) // (PLACED // SEGMENTS)
+    extra = {"reduce": reduce} if reduce is not None else {}
+    return keep_select.LayerView(q_mem, k_mem, v_mem, q_turn, k_turn, placed_k, placed_v, candidates, segment, **extra)
+
+
+KEEP_SELECTIONS = {"keep": 2, "cacheblend": 9}  # selector -> units recomputed next (segments, tokens)
+
+
 def rank_main(rank: int, rendezvous: str, out: str) -> None:
     """One rank: join the gloo group, score with every scorer, save the scores."""
     import torch.distributed as dist
@@ -84,6 +107,8 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
         scores = {name: scorers.get(name).score(inputs(name, rank, reduce)) for name in sorted(scorers.SCORERS)}
         q, index = blocks(rank)
         scores.update({how: score_blocks(q, index, *how, reduce=reduce) for how in BLOCK_SCORING})
+        scores["turn_attention"] = keep_select.turn_attention(layer_view(rank, reduce))
+        scores.update({name: keep_select.REGISTRY[name]().select(layer_view(rank, reduce), n) for name, n in KEEP_SELECTIONS.items()})
     torch.save(scores, out)
     dist.destroy_process_group()
 
@@ -126,3 +151,12 @@ def test_every_rank_ranks_memory_blocks_as_one_rank_with_every_head_does(ranks, 
         assert torch.equal(rank[how], ranks[0][how])
         torch.testing.assert_close(rank[how], reference, rtol=1e-5, atol=1e-7)
         assert top_blocks(rank[how], TOP_K) == top_blocks(reference, TOP_K)
+
+
+@pytest.mark.parametrize("name", sorted(KEEP_SELECTIONS))
+def test_every_rank_recomputes_the_rows_one_rank_with_every_head_would(ranks, name):
+    reference = keep_select.REGISTRY[name]().select(layer_view(), KEEP_SELECTIONS[name])
+    assert 0 < int(reference.sum()) < PLACED  # a choice, not all or nothing
+    for rank in ranks:
+        assert torch.equal(rank[name], reference)
+    torch.testing.assert_close(ranks[0]["turn_attention"], keep_select.turn_attention(layer_view()), rtol=1e-5, atol=1e-7)

@@ -119,7 +119,7 @@ class Blend:
         k_mem[idx], v_mem[idx], q_mem[idx] = keys[mem_rows.to(k.device)], values[mem_rows.to(k.device)], queries[mem_rows.to(k.device)]
         turn = turn_rows.to(k.device)
         view = LayerView(q_mem, k_mem, v_mem, queries[turn], keys[turn], placed_k, placed_v, self.selected.to(k.device),
-                         self.segment.to(k.device))  # fmt: skip
+                         self.segment.to(k.device), tree.reduce_heads)  # fmt: skip
         n = math.ceil(ratio_at(layer_id + 1, self.layers, self.ratio, self.decay) * self.units())
         self.selected = self.selector.select(view, n).cpu()
         self.loader.want(layer_id + 1, self.needed(self.selected), ~self.selected)
@@ -156,7 +156,8 @@ class KeepManager(mechanism.Mechanism):
     fields = ("keep",)
     parse_request = staticmethod(section.parse_request)
     schema = mechanism.MetricsSchema(marker="recompute_method", summed=("recomputed_tokens", "recompute_ms"))
-    tp_refusal = "its deviation scores come from the rank's own KV heads and are not all-reduced: ranks would recompute other rows"
+    # the selectors' head aggregates are all-reduced (select.py; tests/test_tp_scores.py)
+    tp_refusal = "its selection scores are all-reduced over the TP group, but it has not run in a TP server yet"
     page_refusal = "it recomputes, and may drop, single rows of the placed blocks"
 
     @classmethod

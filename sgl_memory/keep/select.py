@@ -4,12 +4,17 @@ tokens by KV deviation. One class per method, registered under its `recompute` n
 A selector sees one layer of one request after the placed KV was written over the rows this layer
 does not recompute (`LayerView`), and names the rows the next layer recomputes, among this layer's
 (a row dropped at a layer has no hidden state after it, so the sets are nested).
+
+Under tensor parallelism a rank holds a share of the heads: what a selector averages or sums over
+heads it combines over the ranks (`LayerView.reduce`, the tree's reduce_heads) before ranking, so
+every rank recomputes the same rows.
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,6 +32,8 @@ class LayerView:
     placed_v: torch.Tensor
     candidates: torch.Tensor  # [M] bool: the rows this layer recomputed
     segment: torch.Tensor  # [M] the segment index of each row
+    # a per-rank aggregate over heads -> the one over every rank's heads ("mean" or "sum"); KVHost.reduce_heads
+    reduce: Callable[[torch.Tensor, str], torch.Tensor] = lambda x, op: x
 
 
 REGISTRY: dict[str, type[Selector]] = {}
@@ -79,7 +86,7 @@ def turn_attention(view: LayerView) -> torch.Tensor:
     logits = _logits(view.q_turn, torch.cat([view.k_mem, view.k_turn]))
     later = torch.ones(t, t, dtype=torch.bool, device=logits.device).triu(1)
     logits[:, :, m:] = logits[:, :, m:].masked_fill(later, -math.inf)
-    return logits.softmax(-1)[:, :, :m].mean((0, 1))
+    return view.reduce(logits.softmax(-1)[:, :, :m].mean((0, 1)), "mean")
 
 
 def segment_attention(view: LayerView, segments: int, which: torch.Tensor) -> torch.Tensor:
@@ -101,7 +108,7 @@ def segment_attention(view: LayerView, segments: int, which: torch.Tensor) -> to
     last = torch.zeros(segments, dtype=torch.long, device=seg.device).scatter_reduce_(0, seg[index], index, "amax", include_self=False)
     logits = _logits(pooled, view.k_mem)
     later = torch.arange(m, device=seg.device)[None, :] > last[picked][:, None]
-    weights = logits.masked_fill(later, -math.inf).softmax(-1).mean(0)  # [P, M]
+    weights = view.reduce(logits.masked_fill(later, -math.inf).softmax(-1).mean(0), "mean").to(seg.device)  # [P, M]
     cross = torch.zeros(segments, segments, device=seg.device)
     cross[picked] = torch.zeros(len(picked), segments, device=seg.device).index_add_(1, seg, weights)
     return cross.fill_diagonal_(0.0)
@@ -154,7 +161,7 @@ class KVDeviation(Selector):
     def select(self, view: LayerView, n: int) -> torch.Tensor:
         dk = (view.k_mem.float() - view.placed_k.float()).pow(2).sum((1, 2))
         dv = (view.v_mem.float() - view.placed_v.float()).pow(2).sum((1, 2))
-        return top(dk + dv, view.candidates, n)
+        return top(view.reduce(dk + dv, "sum").to(dk.device), view.candidates, n)
 
 
 def ratio_at(layer: int, layers: int, ratio: float, decay: float) -> float:
