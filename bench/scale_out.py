@@ -48,12 +48,11 @@ import time
 import zlib
 from pathlib import Path
 
-from safetensors import safe_open
-
 from bench import harness
 from bench.common import RESULTS, bootstrap, provenance, stream, write_json
 from sgl_memory import cpu_dtype, models
 from sgl_memory.core.sessions import ROUTING_HEADER, routing_key
+from sgl_memory.persist.store import read_metadata
 
 SESSIONS, TURNS, FAILOVER = 6, 5, 3
 FIRST_TOKENS, NEW_TOKENS, ANSWER_TOKENS = 512, 96, 16
@@ -136,14 +135,9 @@ def load(name: str, client_of, replicas, tokenizer, sessions: int, turns: int) -
     }  # fmt: skip
 
 
-def stored_generation(store: Path, tenant_dir_glob: str = "*/*/*.safetensors") -> dict[str, int]:
+def stored_generation(store: Path) -> dict[str, int]:
     """Session id -> the generation of its file."""
-    out = {}
-    for path in store.glob(tenant_dir_glob):
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-        out[meta["session_id"]] = int(meta["generation"])
-    return out
+    return {meta["session_id"]: int(meta["generation"]) for meta in map(read_metadata, store.glob("*/*/*.safetensors"))}
 
 
 def failover(a, b, router, store: Path, tokenizer, count: int, turns: int) -> dict:

@@ -183,16 +183,13 @@ def run_sessions(args, config: str, workdir: Path) -> dict:
 
 def check_store(store: Path) -> dict:
     """Every session file on disk loads through the store's own read path (checksum, spec, owner)."""
-    from safetensors import safe_open
-
-    from sgl_memory.persist.store import CacheSpec, SessionFiles
+    from sgl_memory.persist.store import CacheSpec, SessionFiles, read_metadata
 
     files = sorted(store.glob("*/*/*.safetensors"))
     bad = []
     for path in files:
         try:
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata()
+            meta = read_metadata(path)
             reader = SessionFiles(store, CacheSpec(**json.loads(meta["spec"])))
             if reader.path(meta["tenant"] or None, meta["session_id"]) != path:
                 raise ValueError("not where its owner's file goes")

@@ -20,11 +20,11 @@ import signal
 import time
 
 import pytest
-from safetensors import safe_open
 
 from bench import harness
 from conftest import EXACT_QUANT, TEST_MODEL, start_servers, stop_server
 from sgl_memory.core.sessions import ROUTING_HEADER, routing_key
+from sgl_memory.persist.store import read_metadata
 from test_persist_server import CONVERSATIONS, SYSTEM, chat, run_turns, session_file, write_config
 
 pytestmark = pytest.mark.server
@@ -66,10 +66,7 @@ def routed(router, session_id, tenant=None):
 
 def generation(store, session_id) -> int:
     path = session_file(store, session_id)
-    if not path.exists():
-        return 0
-    with safe_open(str(path), "pt") as f:
-        return int(f.metadata()["generation"])
+    return int(read_metadata(path)["generation"]) if path.exists() else 0
 
 
 def wait_for_generation(store, session_id, at_least: int, timeout: float = 30) -> None:

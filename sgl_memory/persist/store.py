@@ -10,8 +10,10 @@ prompt text, quantization, its generation, and a sha256 over every tensor and th
 File names are hashes of the ids, so no id can name a path outside the store directory.
 
 Several servers may share one store (replicas behind a router, one taking over another's sessions).
-A reader needs no lock: a file is written under a temporary name and renamed over the old one, so
-it sees the old file or the new one. Writers of one session are ordered by its generation: a
+A reader needs no lock: a file is written under a temporary name and renamed over the old one, and
+a reader takes the whole file in one read of one open file, so it sees the old file or the new one
+(safetensors' own reader opens the path a second time to map its data: a rename between the two
+opens gave it one file's header and the other's bytes). Writers of one session are ordered by its generation: a
 writer says which generation its record continues, and the rename happens under an exclusive lock
 on the session's directory only if the file is still at that generation (compare-and-swap). So a
 session's file is one linear history: two servers that both continue generation 5 cannot both
@@ -29,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
 from sgl_memory.persist.quant import BITS, GROUP, RAW, Quantized, dequantize, quantize
@@ -274,9 +277,10 @@ class SessionFiles:
         if not path.exists():
             return None
         try:
-            with safe_open(str(path), "pt") as f:
-                meta = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
+            data = path.read_bytes()
+            meta, tensors = _metadata(data), load_tensors(data)
+        except FileNotFoundError:
+            return None  # removed since (the quota of a server sharing the store)
         except Exception as exc:  # truncated or not a safetensors file at all
             raise StoreError(f"{path.name}: unreadable ({exc})") from None
         self._check(path, meta, tensors, tenant, session_id)
@@ -322,14 +326,31 @@ class SessionFiles:
             raise StoreError(f"{path.name}: belongs to another session")
 
 
+MAX_HEADER = 100 << 20  # a header longer than this is a damaged length field, not a header
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The metadata of a safetensors file's bytes (or of its first bytes, if they hold the header)."""
+    n = int.from_bytes(data[:8], "little")
+    if n > MAX_HEADER or len(data) < 8 + n:
+        raise ValueError(f"a header of {n} bytes in {len(data)} bytes")
+    return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """A session file's metadata, from its header alone, in one open (see the module's docstring)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        return _metadata(head + f.read(min(int.from_bytes(head, "little"), MAX_HEADER + 1)))
+
+
 def _generation(path: Path) -> int:
     try:
-        with safe_open(str(path), "pt") as f:
-            return int((f.metadata() or {}).get("generation", "0"))  # a file from before generations: 0
+        return int(read_metadata(path).get("generation", "0"))  # a file from before generations: 0
     except FileNotFoundError:
         return 0
     except Exception:  # truncated, foreign or not a safetensors file: read() refuses it with the reason
-        return -1 if path.exists() else 0
+        return -1
 
 
 def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
