@@ -355,22 +355,24 @@ def test_servers_sharing_the_store_and_killed_at_random_lose_tear_or_mix_no_sess
         assert proc.stdout.readline().strip() == b"ready"
         return proc
 
-    procs = {"p0": start("p0", 0), "p1": start("p1", 1)}
-    kills = 0
-    for round in range(6):
-        time.sleep(rng.uniform(0.2, 0.8))
-        for name, proc in procs.items():
-            assert proc.poll() is None, f"{name} stopped by itself: a read failed its checks"
-        victim = rng.choice(sorted(procs))
-        os.kill(procs[victim].pid, signal.SIGKILL)
-        procs[victim].wait()
-        kills += 1
-        procs[victim] = start(victim, 100 + round)
-    time.sleep(0.5)
-    for proc in procs.values():
-        assert proc.poll() is None
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    procs, kills = {}, 0
+    try:
+        procs["p0"], procs["p1"] = start("p0", 0), start("p1", 1)
+        for round in range(6):
+            time.sleep(rng.uniform(0.2, 0.8))
+            for name, proc in procs.items():
+                assert proc.poll() is None, f"{name} stopped by itself: a read failed its checks"
+            victim = rng.choice(sorted(procs))
+            os.kill(procs[victim].pid, signal.SIGKILL)
+            procs[victim].wait()
+            kills += 1
+            procs[victim] = start(victim, 100 + round)
+        time.sleep(0.5)
+        assert all(proc.poll() is None for proc in procs.values())
+    finally:  # a failed check must not leave the other writer running
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
 
     acks = [line.split() for name in procs for line in (tmp_path / f"acks-{name}").read_text().splitlines()]
     assert len(acks) > 50, "the writers must get through many writes"
