@@ -119,8 +119,13 @@ def ranks(tmp_path_factory):
     here = Path(__file__).resolve().parent
     script = f"import sys; sys.path.insert(0, {str(here)!r}); import test_tp_scores as t; t.rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])"
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(d / "rendezvous"), str(d / f"rank{r}.pt")]) for r in range(RANKS)]
-    for p in procs:
-        assert p.wait(timeout=300) == 0
+    try:
+        for p in procs:
+            assert p.wait(timeout=300) == 0
+    finally:  # a rank that failed leaves the other waiting in a collective
+        for p in procs:
+            p.kill()
+            p.wait()
     return [torch.load(d / f"rank{r}.pt") for r in range(RANKS)]
 
 
