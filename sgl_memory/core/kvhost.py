@@ -8,6 +8,7 @@ it never looks inside. The KV pool is SGLang's, read through its buffer accessor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -15,6 +16,13 @@ import torch
 from sgl_memory.core.sessions import SessionRegistry
 
 Branches = tuple[tuple[int, int], ...]  # (position, key id), ascending positions; () for a plain path
+# KVHost.reduce_heads: (a per-rank aggregate over heads, "mean" or "sum") -> the one over every rank's heads
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def one_rank(x: torch.Tensor, op: str) -> torch.Tensor:
+    """reduce_heads without tensor parallelism (and where no tree is at hand: unit tests, tools)."""
+    return x
 
 
 def namespace(extra_key: str | None, kind: str, *names: str) -> str:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_memory.core.attention import attention_probs
+from sgl_memory.core.kvhost import Reduce, one_rank
 from sgl_memory.intent.head import PrunerHead, layer_head_mean
 from sgl_memory.intent.sessions import unit_rows
 
@@ -40,8 +41,7 @@ class ScoringInputs:
     head: PrunerHead | None = None
     ablation: str = "none"
     features: dict | None = None  # learned: filled with the head's inputs when given (intent.trace_dir)
-    # a per-rank aggregate over heads -> the one over every rank's heads ("mean" or "sum"); KVHost.reduce_heads
-    reduce: Callable[[torch.Tensor, str], torch.Tensor] = lambda x, op: x
+    reduce: Reduce = one_rank  # the tree's reduce_heads
 
 
 class Scorer:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
+from sgl_memory.core.kvhost import Reduce, one_rank
 
 
 @dataclass
@@ -32,8 +33,7 @@ class LayerView:
     placed_v: torch.Tensor
     candidates: torch.Tensor  # [M] bool: the rows this layer recomputed
     segment: torch.Tensor  # [M] the segment index of each row
-    # a per-rank aggregate over heads -> the one over every rank's heads ("mean" or "sum"); KVHost.reduce_heads
-    reduce: Callable[[torch.Tensor, str], torch.Tensor] = lambda x, op: x
+    reduce: Reduce = one_rank  # the tree's reduce_heads
 
 
 REGISTRY: dict[str, type[Selector]] = {}

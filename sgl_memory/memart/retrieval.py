@@ -23,10 +23,10 @@ Under tensor parallelism a rank holds a share of the heads: that mean is combine
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
+from sgl_memory.core.kvhost import Reduce, one_rank
 from sgl_memory.kernels.aabb_score import aabb_scores
 from sgl_memory.memart.blocks import BlockIndex
 
@@ -74,7 +74,7 @@ def block_scores(logits: torch.Tensor, norm: str, agg: str, rr_constant: float =
 
 
 def score_blocks(q: torch.Tensor, index: BlockIndex, scoring: str, norm: str, agg: str, rr_constant: float = 60.0,
-                 cap_bytes: int = SCAN_BYTES, reduce: Callable[[torch.Tensor, str], torch.Tensor] = lambda x, op: x) -> torch.Tensor:
+                 cap_bytes: int = SCAN_BYTES, reduce: Reduce = one_rank) -> torch.Tensor:
     """`block_scores` of the `scoring` logits of q [L, T, H, D] over the index's blocks, computed
     over slices of the prompt tokens so that the logits and the exact scan's products stay under
     `cap_bytes`. Normalisation is per (layer, head, token) row, so the rows of one slice are final;
