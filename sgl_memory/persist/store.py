@@ -274,13 +274,11 @@ class SessionFiles:
     def read(self, tenant: str | None, session_id: str) -> SessionRecord | None:
         """The session's record, or None when it has no file; StoreError when the file must not be used."""
         path = self.path(tenant, session_id)
-        if not path.exists():
-            return None
         try:
             data = path.read_bytes()
             meta, tensors = _metadata(data), load_tensors(data)
         except FileNotFoundError:
-            return None  # removed since (the quota of a server sharing the store)
+            return None  # never written, or removed (the quota, also another server's sharing the store)
         except Exception as exc:  # truncated or not a safetensors file at all
             raise StoreError(f"{path.name}: unreadable ({exc})") from None
         self._check(path, meta, tensors, tenant, session_id)
