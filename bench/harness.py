@@ -45,6 +45,10 @@ class Server:
     def get(self, path: str, timeout: float = 30) -> requests.Response:
         return requests.get(self.url + path, timeout=timeout)
 
+    def requests_served(self) -> int:
+        """Generate requests our server has finished (/sgl_memory/stats): which replica served one."""
+        return self.get("/sgl_memory/stats").json()["requests"]
+
     def prometheus(self, prefix: str = "sgl_memory_") -> dict[tuple[str, tuple], float]:
         """Samples of GET /metrics (a server started with --enable-metrics) whose names start with
         prefix, keyed by (name, sorted label items)."""

@@ -109,7 +109,7 @@ def load(name: str, client_of, replicas, tokenizer, sessions: int, turns: int) -
         except BaseException as exc:  # reported after the others finish
             errors.append(exc)
 
-    before = [r.get("/sgl_memory/stats").json()["requests"] for r in replicas]
+    before = [r.requests_served() for r in replicas]
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
     for t in threads:
@@ -117,7 +117,7 @@ def load(name: str, client_of, replicas, tokenizer, sessions: int, turns: int) -
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    served = [r.get("/sgl_memory/stats").json()["requests"] - n for r, n in zip(replicas, before)]
+    served = [r.requests_served() - n for r, n in zip(replicas, before)]
     if errors:
         raise errors[0]
     later = [[t for t in session if t.turn > 0] for session in results.values()]
@@ -146,27 +146,26 @@ def failover(a, b, router, store: Path, tokenizer, count: int, turns: int) -> di
     i = 0
     while max(len(v) for v in homes.values()) < count:  # find session ids the router hashes to one replica
         session = f"failover-{i}"
-        before = {s.url: s.get("/sgl_memory/stats").json()["requests"] for s in (a, b)}
-        first = run_session(keyed(router, session), session, tokenizer, 1000 + i, 1)
-        after = {s.url: s.get("/sgl_memory/stats").json()["requests"] for s in (a, b)}
-        home = next(url for url in homes if after[url] != before[url])
-        homes[home].append((session, 1000 + i, first))
+        before = {s.url: s.requests_served() for s in (a, b)}
+        run_session(keyed(router, session), session, tokenizer, 1000 + i, 1)
+        home = next(s.url for s in (a, b) if s.requests_served() != before[s.url])
+        homes[home].append((session, 1000 + i))
         i += 1
     home_url = max(homes, key=lambda url: len(homes[url]))
     home, survivor = (a, b) if home_url == a.url else (b, a)
     chosen = homes[home_url][:count]
     prompts = {}
-    for session, seed, _ in chosen:
+    for session, seed in chosen:
         _, prompts[session] = run_session(keyed(router, session), session, tokenizer, seed, turns)
     deadline = time.monotonic() + 60
-    while any(stored_generation(store).get(s, 0) < turns for s, _, _ in chosen):  # stored off the request's path
+    while any(stored_generation(store).get(s, 0) < turns for s, _ in chosen):  # stored off the request's path
         assert time.monotonic() < deadline, "sessions not stored in 60 s"
         time.sleep(0.1)
     os.killpg(home.proc.pid, signal.SIGKILL)
     killed_at = time.perf_counter()
     home.proc.wait()
     rows = []
-    for n, (session, _, _) in enumerate(chosen):
+    for n, (session, _) in enumerate(chosen):
         sent = time.perf_counter()
         _, ttft, meta = stream(keyed(router, session), prompts[session], ANSWER_TOKENS, {"session_id": session})
         restored = (meta.get("sgl_memory") or {}).get("restored_tokens") or 0

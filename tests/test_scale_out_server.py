@@ -51,9 +51,9 @@ def replicas(tmp_path_factory):
 
 def served(replicas_, turn):
     """Run `turn()`; returns (its result, the replica that served it), told by their request counts."""
-    before = [r.get("/sgl_memory/stats").json()["requests"] for r in replicas_]
+    before = [r.requests_served() for r in replicas_]
     result = turn()
-    after = [r.get("/sgl_memory/stats").json()["requests"] for r in replicas_]
+    after = [r.requests_served() for r in replicas_]
     changed = [r for r, x, y in zip(replicas_, before, after) if y != x]
     assert len(changed) == 1, (before, after)
     return result, changed[0]
