@@ -76,6 +76,30 @@ def _flag_value(argv: list[str], name: str) -> str | None:
     return value
 
 
+# SGLang's CPU engine places each tensor-parallel rank's threads by this ("0-3|4-7": rank 0 on
+# cores 0-3, rank 1 on 4-7); unset, it asks for one NUMA node per rank, which most hosts lack
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+class LaunchError(ValueError):
+    """A server this machine cannot run as asked."""
+
+
+def cpu_thread_binding(tp_size: int, cores: list[int]) -> str:
+    """THREADS_BIND_ENV for `tp_size` ranks: `cores` (sorted, this process's) in equal shares, one
+    per rank, each written as ranges ("0-3,8-11")."""
+    share = len(cores) // tp_size
+    if share == 0:
+        raise LaunchError(f"--tp-size {tp_size} needs a CPU core per rank; this process may use {len(cores)}")
+
+    def ranges(run: list[int]) -> str:
+        starts = [c for i, c in enumerate(run) if i == 0 or run[i - 1] != c - 1]
+        ends = [c for i, c in enumerate(run) if i == len(run) - 1 or run[i + 1] != c + 1]
+        return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in zip(starts, ends))
+
+    return "|".join(ranges(cores[r * share : (r + 1) * share]) for r in range(tp_size))
+
+
 def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
     """Our flags out, SGLang's defaults for this machine in; returns SGLang's argv and our config.
     On CPU the dtype choice is exported (CHOICE_ENV) for /sgl_memory/info and the start-up log."""
@@ -121,6 +145,9 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
         default("--skip-server-warmup")
         # an idle scheduler otherwise busy-polls a whole core: half of a 2-core machine
         default("--sleep-on-idle")
+        tp_size = int(_flag_value(out, "--tp-size") or _flag_value(out, "--tensor-parallel-size") or 1)
+        if tp_size > 1 and not os.environ.get(THREADS_BIND_ENV):
+            os.environ[THREADS_BIND_ENV] = cpu_thread_binding(tp_size, sorted(os.sched_getaffinity(0)))
     else:
         os.environ.pop(cpu_dtype.CHOICE_ENV, None)  # SGLang chooses on a GPU; no stale choice inherited
     return out, cfg
@@ -138,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
         sglang_argv, cfg = build_argv(argv)
-    except (memory_config.ConfigError, models.FetchError, cpu_dtype.DtypeError) as exc:
+    except (memory_config.ConfigError, models.FetchError, cpu_dtype.DtypeError, LaunchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 

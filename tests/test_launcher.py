@@ -190,3 +190,23 @@ def test_a_page_size_an_enabled_mechanism_cannot_serve_stops_the_launcher_before
     assert done.returncode == 2, done.stderr[-2000:]
     assert "error: intent needs page size 1 (got 16): it points single pruned positions" in done.stderr
     assert "Load weight" not in done.stderr  # nothing started
+
+
+@pytest.mark.parametrize("tp, cores, want", [(2, [0, 1], "0|1"), (2, list(range(8)), "0-3|4-7"),
+                                             (2, [0, 1, 2, 5, 6, 7], "0-2|5-7"), (2, [0, 2, 4, 6, 7], "0,2|4,6")])  # fmt: skip
+def test_tensor_parallel_ranks_get_an_equal_share_of_the_cores(fake_model, monkeypatch, tp, cores, want):
+    """SGLang's CPU engine asks for one NUMA node per rank unless told which cores each rank takes."""
+    monkeypatch.setenv(launch_server.THREADS_BIND_ENV, "")
+    monkeypatch.setattr(launch_server.os, "sched_getaffinity", lambda pid: set(cores))
+    launch_server.build_argv(["--tp-size", str(tp)])
+    assert launch_server.os.environ[launch_server.THREADS_BIND_ENV] == want
+    monkeypatch.setenv(launch_server.THREADS_BIND_ENV, "0-1|2-3")  # the user's own wins
+    launch_server.build_argv(["--tp-size", str(tp)])
+    assert launch_server.os.environ[launch_server.THREADS_BIND_ENV] == "0-1|2-3"
+
+
+def test_more_ranks_than_cores_is_refused(fake_model, monkeypatch):
+    monkeypatch.setenv(launch_server.THREADS_BIND_ENV, "")
+    monkeypatch.setattr(launch_server.os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(launch_server.LaunchError, match="a CPU core per rank"):
+        launch_server.build_argv(["--tp-size", "4"])

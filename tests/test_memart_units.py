@@ -410,6 +410,13 @@ def test_a_merge_keeps_the_rarest_tokens_of_the_two_blocks_with_their_keys():
     strength = keys.to(torch.bfloat16).float().norm(dim=-1).mean(dim=(0, 2))
     want = sorted(sorted(range(2 * size), key=lambda i: -strength[i])[:size])
     assert next(iter(norm_pool.blocks.values())).tokens == want
+    # under tensor parallelism (norm_ties off) each rank holds other heads' keys: every rank keeps
+    # the same tokens, the earlier ones among equals, whatever its keys
+    for rank_keys in (keys, torch.randn(2, 2 * size, 1, 8, generator=g)):
+        rank = MemArtPool(capacity=1, eviction="merge", block_size=size, norm_ties=False)
+        rank.add_turn(list(range(2 * size)), rank_keys, rank_keys.to(torch.bfloat16), size)
+        assert next(iter(rank.blocks.values())).tokens == list(range(size))
+    assert want != list(range(size))  # the keys above break those ties otherwise
     # one block left over capacity (trim by bytes): merging cannot shrink it, it is dropped
     single = MemArtPool(capacity=4, eviction="merge", block_size=size)
     single.add_turn(tokens[:size], keys[:, :size], keys[:, :size].to(torch.bfloat16), size)

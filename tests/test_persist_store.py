@@ -84,6 +84,29 @@ def test_a_pruned_path_round_trips_with_its_key_live_mask_and_session_state(tmp_
     assert plain.extra_key is None and plain.branches == () and plain.live is None and plain.state == {}
 
 
+def test_two_ranks_files_of_one_turn_share_a_history_digest_and_other_turns_do_not(tmp_path):
+    """Tensor-parallel ranks hold other heads (floating KV and state differ) of the same history:
+    the same digest. A turn behind (tokens), another live mask, branch, namespace, state tensor or
+    an integer state value is another history."""
+    g = torch.Generator().manual_seed(2)
+    files = SessionFiles(tmp_path, SPEC, quant="fp32")
+    live = torch.rand(300, generator=g) > 0.3
+
+    def rank(seed=0, **changes):
+        record = dataclasses.replace(session(files, tokens=300, seed=seed), live=live, branches=((41, -7),), extra_key="\x00t",
+                                     state={"intent.query_memory": torch.randn(3, 1, 64, generator=g), "memory.tokens": torch.arange(7)})  # fmt: skip
+        return dataclasses.replace(record, **changes)
+
+    rank_0, rank_1 = rank(0), rank(1)
+    assert not torch.equal(rank_0.state["intent.query_memory"], rank_1.state["intent.query_memory"])
+    assert rank_0.history_digest() == rank_1.history_digest()
+    others = [rank(token_ids=rank_0.token_ids[:280]), rank(live=~live), rank(branches=((41, -8),)), rank(extra_key=None),
+              rank(state={**rank_0.state, "memory.tokens": torch.arange(1, 8)}),
+              rank(state={**rank_0.state, "memory.keys": torch.zeros(1)})]  # fmt: skip
+    assert all(other.history_digest() != rank_0.history_digest() for other in others)
+    assert all(0 <= r.history_digest() < 2**63 for r in [rank_0, *others])
+
+
 @pytest.mark.parametrize("quant, kivi", [("bf16", False), ("fp32", False), ("q8", False), ("q4", True)])
 def test_state_that_holds_kv_is_stored_in_the_files_quantization_and_the_rest_exactly(tmp_path, quant, kivi):
     """The memory pool's keys and values are KV ([layers, tokens, heads, dim]): stored like the

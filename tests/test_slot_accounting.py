@@ -72,7 +72,7 @@ class FakeKvPool:
 class FakeReq:
     def __init__(self, rid, tokens, budget, **field):
         self.rid = rid
-        self.origin_input_ids = array("q", tokens)  # as SGLang's Req holds them
+        self.origin_input_ids = self.origin_input_ids_unpadded = array("q", tokens)  # as SGLang's Req holds them
         self.seq = array("q", tokens)  # tokens with KV written
         self.output_ids: list[int] = []
         self.kv = ReqKvInfo()

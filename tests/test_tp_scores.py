@@ -3,7 +3,8 @@ attention heads (as a TP = 2 server's ranks do), score the same candidates, comb
 through the engine's own `reduce_heads`: IntentKV's positions with every scorer, KV memory's blocks
 with every scoring, normalisation and aggregation, and the rows KEEP's and CacheBlend's selectors
 recompute. The reference is one process with all the heads: every rank must hold its scores (to
-float rounding) and choose exactly its positions, blocks or rows."""
+float rounding) and choose exactly its positions, blocks or rows. And `rank_range`, with which
+ranks agree on what they read from their own files: every rank gets the least and the greatest."""
 
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
         scores.update({how: score_blocks(q, index, *how, reduce=reduce) for how in BLOCK_SCORING})
         scores["turn_attention"] = keep_select.turn_attention(layer_view(rank, reduce))
         scores.update({name: keep_select.REGISTRY[name]().select(layer_view(rank, reduce), n) for name, n in KEEP_SELECTIONS.items()})
+        # what persistence agrees on: each rank's own counts and digests
+        scores["rank_range"] = radix_cache.SglMemoryRadixCache.rank_range(tree, [rank, 5, -3 * rank, 2**62 + rank])
     torch.save(scores, out)
     dist.destroy_process_group()
 
@@ -165,3 +168,8 @@ def test_every_rank_recomputes_the_rows_one_rank_with_every_head_would(ranks, na
     for rank in ranks:
         assert torch.equal(rank[name], reference)
     torch.testing.assert_close(ranks[0]["turn_attention"], keep_select.turn_attention(layer_view()), rtol=1e-5, atol=1e-7)
+
+
+def test_every_rank_gets_the_least_and_the_greatest_of_each_value(ranks):
+    for rank in ranks:
+        assert rank["rank_range"] == ([0, 5, -3, 2**62], [1, 5, 0, 2**62 + 1])

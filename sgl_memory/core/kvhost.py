@@ -8,7 +8,7 @@ it never looks inside. The KV pool is SGLang's, read through its buffer accessor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -51,6 +51,7 @@ class KVHost(Protocol):
     sessions: SessionRegistry  # every mechanism's per-session state, one slot each
     disable: bool  # the server runs without a radix cache: nothing is ever held
     page_size: int
+    tp_size: int  # the tensor-parallel group's size (1: none); a rank's pool holds its share of the KV heads
     sentinel: int | None  # the slot pruned positions point at (None: no pruning runs here)
 
     @property
@@ -66,6 +67,13 @@ class KVHost(Protocol):
         and chooses the same positions: `mean` averages over the ranks (each holds an equal share of
         the heads, or the same replicated KV head), `sum` adds. `x` itself without tensor
         parallelism. A collective: every rank calls it at the same point of the same request."""
+
+    def rank_range(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The least and the greatest of each of `values` over the tensor-parallel group's ranks:
+        how a mechanism whose decision rests on a rank's own files or threads (a session file read,
+        a write in flight) makes every rank take the same one (equal ranges: the ranks agree; the
+        least of a count: what every rank can do). `(values, values)` without tensor parallelism.
+        A collective: every rank calls it at the same point of the same request."""
 
     def row(self, req) -> torch.Tensor:
         """The request's slot map row: position -> KV slot."""

@@ -283,6 +283,16 @@ class SglMemoryRadixCache(RadixCache):
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=get_tp_group().cpu_group)
         return out / self.tp_size if op == "mean" else out
 
+    def rank_range(self, values):
+        values = [int(v) for v in values]
+        if self.tp_size == 1:
+            return values, values
+        # one collective for both ends: the least of -v is minus the greatest of v
+        both = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+        n = len(values)
+        return both[:n].tolist(), (-both[n:]).tolist()
+
     def row(self, req) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
 

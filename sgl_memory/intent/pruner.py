@@ -83,9 +83,8 @@ class IntentPruner(mechanism.Mechanism):
         marker="compression_events", maxed=("peak_request_tokens",), counted=("session_key_source",),
         summed=("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms"))  # fmt: skip
     needs_sentinel = True
-    # scores are combined over the TP group (scorers.py; tests/test_tp_scores.py, two gloo ranks),
-    # but no TP server has run a compression event yet
-    tp_refusal = "its scores are all-reduced over the TP group but it has not run in a TP server yet"
+    # at TP > 1 its scores are combined over the ranks (scorers.py): every rank prunes the same
+    # positions (tests/test_tp_scores.py, tests/test_tp_server.py)
     page_refusal = "it points single pruned positions at the sentinel slot (dead_slot) or moves single rows (compact)"
 
     @classmethod

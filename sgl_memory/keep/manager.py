@@ -156,8 +156,8 @@ class KeepManager(mechanism.Mechanism):
     fields = ("keep",)
     parse_request = staticmethod(section.parse_request)
     schema = mechanism.MetricsSchema(marker="recompute_method", summed=("recomputed_tokens", "recompute_ms"))
-    # the selectors' head aggregates are all-reduced (select.py; tests/test_tp_scores.py)
-    tp_refusal = "its selection scores are all-reduced over the TP group, but it has not run in a TP server yet"
+    # at TP > 1 the selectors' head aggregates are combined over the ranks (select.py): every rank
+    # recomputes the same rows (tests/test_tp_scores.py, tests/test_tp_server.py)
     page_refusal = "it recomputes, and may drop, single rows of the placed blocks"
 
     @classmethod

@@ -176,6 +176,7 @@ class MemArtPool:
     merged: int = 0  # blocks folded into a neighbour (eviction `merge`)
     rope: Rope | None = None  # the model's; None: keys come position-free (at position 0)
     score_layers: int | None = None  # the index's layers: the first ones (None: all)
+    norm_ties: bool = True  # a merge breaks ties by key norm (off under tensor parallelism)
     score: ScoreKeys = field(default_factory=ScoreKeys)
     held: int = 0  # host memory of its blocks (the index's is score.nbytes())
     tokens: int = 0  # tokens its blocks hold
@@ -396,7 +397,9 @@ class MemArtPool:
         free = torch.cat([self.score.rows(first), self.score.rows(second)], 1)
         tokens, origin = first.tokens + second.tokens, first.origin + second.origin
         if len(tokens) > self.block_size:
-            strength = keys.float().norm(dim=-1).mean(dim=(0, 2)).tolist()  # a rotation keeps the norm
+            # a rotation keeps the norm; a tensor-parallel rank holds its own heads' keys, whose
+            # norms would make each rank keep other tokens: there the earlier token wins a tie
+            strength = keys.float().norm(dim=-1).mean(dim=(0, 2)).tolist() if self.norm_ties else [0.0] * len(tokens)
             ranked = sorted(range(len(tokens)), key=lambda t: (self.counts[tokens[t]], -strength[t]))
             keep = sorted(ranked[: self.block_size])
             keys, values, positions, free = keys[:, keep], values[:, keep], positions[keep], free[:, keep]

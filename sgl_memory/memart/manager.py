@@ -123,9 +123,9 @@ class MemArtManager(mechanism.Mechanism):
     check_config = staticmethod(section.check_config)
     schema = mechanism.MetricsSchema(marker="retrieved_blocks", summed=("retrieved_blocks", "retrieval_ms"))
     kv_state = {"keys": "k", "values": "v"}  # of the pool's export (MemArtPool.export)
-    # retrieval's block scores are all-reduced (retrieval.py; tests/test_tp_scores.py), but its
-    # other per-head choices (eviction merges, the probe's capture) are not checked across ranks
-    tp_refusal = "its block scores are all-reduced over the TP group, but it has not run in a TP server yet"
+    # at TP > 1 its block scores are combined over the ranks (retrieval.py) and a merge breaks ties
+    # without the rank's own key norms (blocks.py): every rank places the same blocks
+    # (tests/test_tp_scores.py, tests/test_tp_server.py)
     page_refusal = "its assemblies are token-exact prefixes: blocks start at any position"
 
     @classmethod
@@ -195,7 +195,7 @@ class MemArtManager(mechanism.Mechanism):
         # grouping off: no entry reaches the threshold, so each is a group of its own and never static
         book = lambda: EntryBook(self.config.group_threshold if self.config.groups else ALONE, self.config.static_after)  # noqa: E731
         make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size, rope=self.rope,
-                                   score_layers=self.layers, book=book())) if create else None  # fmt: skip
+                                   score_layers=self.layers, book=book(), norm_ties=self.tree.tp_size == 1)) if create else None  # fmt: skip
         pool = self.tree.sessions.get(owner, self.name, make)
         if pool is not None:
             pool.line_ends = self.line_ends

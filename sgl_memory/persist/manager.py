@@ -117,6 +117,36 @@ class PersistTurn:
 
 
 TURNS: Slot[PersistTurn] = Slot("persist turn")  # per request
+# why a turn loaded or restored nothing at TP > 1: the ranks' files (or the paths they matched) differ
+RANKS_DIFFER = "the tensor-parallel ranks' copies of the session differ"
+
+
+@dataclass
+class Restore:
+    """A restore decided, not done: the request's first `reuse` tokens, of which the tree holds
+    what `match` found; keys/values [layers, reuse - have, heads, dim] for the rest."""
+
+    req: object
+    key: object
+    match: object
+    reuse: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    live: torch.Tensor | None  # of the first `reuse` positions
+    branches: tuple[tuple[int, int], ...]
+    source: str
+
+    def cut(self, tree, reuse: int) -> Restore:
+        """The same restore of the first `reuse` tokens only (reuse > what the tree holds)."""
+        n = reuse - self.match.device_prefix_len
+        branches = tuple(b for b in self.branches if b[0] < reuse)
+        key = tree.key(self.req.origin_input_ids[:reuse], self.req.extra_key, self.req.cache_salt, branches)
+        live = None if self.live is None else self.live[:reuse]
+        return Restore(self.req, key, self.match, reuse, self.keys[:, :n], self.values[:, :n], live, branches, self.source)
+
+
+def _ids_digest(ids) -> int:
+    return int.from_bytes(hashlib.blake2b(array("q", ids).tobytes(), digest_size=8).digest(), "little") >> 1
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -171,7 +201,8 @@ class SessionPersistence(mechanism.Mechanism):
     rank = 30
     settings = PersistConfig
     follows_internal = True  # an entry write or forget changes the session: its file keeps that
-    tp_refusal = "a restore is not checked to succeed on every rank or on none: ranks could hold different prefixes"
+    # at TP > 1 each rank writes its own file; the ranks load and restore a session together or
+    # not at all (rank_range in open, _load, _agree; tests/test_tp_server.py)
     schema = mechanism.MetricsSchema(marker="text_match", summed=("restored_tokens", "restore_ms"), counted=("text_match",),
                                      flagged=("persist_error", "persist_refused"))  # fmt: skip
 
@@ -182,7 +213,7 @@ class SessionPersistence(mechanism.Mechanism):
             RESTORED_TOKENS.inc(metrics["restored_tokens"])
             RESTORE_SECONDS.observe(metrics["restore_ms"] / 1000)
         if metrics.get("persist_refused"):
-            prometheus.REFUSALS.labels(cls.name, "file").inc()
+            prometheus.REFUSALS.labels(cls.name, "ranks" if metrics["persist_refused"] == RANKS_DIFFER else "file").inc()
 
     def __init__(self, config: PersistConfig, tree, spec: CacheSpec):
         self.config, self.tree, self.spec = config, tree, spec
@@ -233,10 +264,13 @@ class SessionPersistence(mechanism.Mechanism):
         state = TURNS.set(req, PersistTurn(spec.tenant, spec.session_id, assembled=spec.assembled, reads_only=spec.reads_only))
         t0 = time.perf_counter()
         session = self._session(spec.tenant, spec.session_id, create=False)
-        if session is not None and self._superseded(session):
-            logger.info("session store: session %r (tenant %r) was stored by another server since this one last "
-                        "did: reloading it", spec.session_id, spec.tenant)  # fmt: skip
-            SUPERSEDED.inc()
+        # each tensor-parallel rank reads its own file: every rank reloads where one must, or none
+        _, (superseded, missing) = self.tree.rank_range([session is not None and self._superseded(session), session is None])
+        if session is not None and (superseded or missing):
+            if superseded:
+                logger.info("session store: session %r (tenant %r) was stored by another server since this one last "
+                            "did: reloading it", spec.session_id, spec.tenant)  # fmt: skip
+                SUPERSEDED.inc()
             self.tree.sessions.drop(session.key())  # every mechanism's state of it is older than the file
             session = None
         if session is None:
@@ -260,17 +294,20 @@ class SessionPersistence(mechanism.Mechanism):
             return  # an assembled prompt (recalled blocks before a new turn) is rebuilt by its mechanism
         t0 = time.perf_counter()
         session = self._session(spec.tenant, spec.session_id, create=False)
-        if session is None or not session.tokens:
-            return  # a new session
-        if session.extra_key not in (ANY_NAMESPACE, req.extra_key):
-            # stored under another namespace (another KV-memory assembly, another client key): its
-            # KV was computed in another context and must not be found from this one
-            state.text_match = textmatch.DISCARD
-            return
-        self._match_text(scheduler, req, session, state)
-        state.parts_ms["match"] = (time.perf_counter() - t0) * 1000
-        if state.text_match != textmatch.DISCARD:
-            self._restore(req, session, state, "disk" if state.loaded else "memory")
+        prompt, plan = (req.origin_input_ids, req.origin_input_ids_unpadded), None
+        if session is not None and session.tokens:  # else a new session
+            if session.extra_key not in (ANY_NAMESPACE, req.extra_key):
+                # stored under another namespace (another KV-memory assembly, another client key):
+                # its KV was computed in another context and must not be found from this one
+                state.text_match = textmatch.DISCARD
+            else:
+                self._match_text(scheduler, req, session, state)
+                state.parts_ms["match"] = (time.perf_counter() - t0) * 1000
+                if state.text_match != textmatch.DISCARD:
+                    plan = self._plan(req, session, state, "disk" if state.loaded else "memory")
+        plan = self._agree(req, prompt, plan, state)
+        if plan is not None:
+            self._place(plan, state)
         if state.restored_tokens:
             state.restore_ms += (time.perf_counter() - t0) * 1000
         else:
@@ -283,6 +320,10 @@ class SessionPersistence(mechanism.Mechanism):
             if session.tokens:  # another request of the session got here first
                 return session
             record = self._read(state)
+            if not self._every_rank_read_it(record, state):
+                if record is not None:
+                    session.generation = record.generation  # the next write replaces this file, not conflicts with it
+                return None
             if record is None:
                 return None
             session.adopt(record)
@@ -290,6 +331,19 @@ class SessionPersistence(mechanism.Mechanism):
         self.tree.import_session(session.key(), record.state)
         record.state = {}  # the mechanisms hold it now; the warm tier keeps the path only
         return session
+
+    def _every_rank_read_it(self, record: SessionRecord | None, state: PersistTurn) -> bool:
+        """Whether every tensor-parallel rank read the same stored history (each its own file of
+        it). A rank whose file lags (its write failed, or has not landed) or failed its checks
+        makes every rank load none: ranks that held different paths or states would compute
+        different batches."""
+        low, high = self.tree.rank_range([record.history_digest() if record is not None else 0])
+        if low == high:
+            return True
+        logger.error("session store: the tensor-parallel ranks' files of session %r (tenant %r) hold different "
+                     "turns; loading none, the turn is served by normal prefill", state.session_id, state.tenant)  # fmt: skip
+        state.refused = RANKS_DIFFER
+        return False
 
     def _read(self, state: PersistTurn) -> SessionRecord | None:
         """The session's file, checked; a file that fails a check is refused (logged, reported)."""
@@ -319,13 +373,16 @@ class SessionPersistence(mechanism.Mechanism):
         ids = list(req.origin_input_ids)
         state.reuse = result.reuse if ids[: result.reuse] == stored[: result.reuse] else tree_fill.common_prefix(stored, ids)
 
-    def _restore(self, req, session: Session, state: PersistTurn, source: str) -> None:
+    def _plan(self, req, session: Session, state: PersistTurn, source: str) -> Restore | None:
+        """What of the session's path this server can put back into the tree for the request (its
+        KV decoded), or None: nothing (the tree holds it, or the stored path does not match)."""
         tree = self.tree
         reuse = state.reuse - state.reuse % tree.page_size
         if reuse <= 0:
-            return
+            return None
         with session.lock:
-            branches, live = session.branches, session.live
+            stored, live = session.branches, session.live
+        branches = stored
         key = tree.key(req.origin_input_ids[:reuse], req.extra_key, req.cache_salt, branches)
         match = tree.match(key)  # (re)takes the sentinel of a pruning tree
         if tree.sentinel is None and (branches or live is not None):
@@ -333,11 +390,12 @@ class SessionPersistence(mechanism.Mechanism):
             # server does not serve; before it the path is a plain one
             dead = torch.nonzero(~live).flatten() if live is not None else torch.zeros(0)
             reuse = min([reuse] + [pos for pos, _ in branches[:1]] + [int(d) for d in dead[:1]])
+            branches, live = (), None
             key = tree.key(req.origin_input_ids[:reuse], req.extra_key, req.cache_salt)
             match = tree.match(key)
         have = match.device_prefix_len
         if have >= reuse:
-            return  # hot: the tree holds it
+            return None  # hot: the tree holds it
         with session.lock:
             self._encode_pending(session)
             record = session.record
@@ -347,19 +405,40 @@ class SessionPersistence(mechanism.Mechanism):
                     record = session.record = self._read(state)
                 state.parts_ms["file"] = state.parts_ms.get("file", 0.0) + (time.perf_counter() - t0) * 1000
                 source = "disk"
-            if record is None or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse]) or record.branches != branches:
-                return
+            if record is None or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse]) or record.branches != stored:
+                return None
             t0 = time.perf_counter()
             keys, values = self.files.decode(record, have, reuse, dtype=tree.pool.get_key_buffer(tree.layers()[0]).dtype)
             state.parts_ms["dequantize"] = (time.perf_counter() - t0) * 1000
+        return Restore(req, key, match, reuse, keys, values, None if live is None else live[:reuse], branches, source)
+
+    def _agree(self, req, prompt, plan: Restore | None, state: PersistTurn) -> Restore | None:
+        """The restore every tensor-parallel rank does (each decided from its own copy of the
+        session): of the same prompt (a text match that rewrote it on some ranks only is undone),
+        as many tokens as the rank that can restore the fewest. `plan` itself without tensor
+        parallelism."""
+        (ids, reuse), (ids_high, _) = self.tree.rank_range([_ids_digest(req.origin_input_ids), plan.reuse if plan else 0])
+        if ids != ids_high:
+            logger.error("session store: the tensor-parallel ranks matched the prompt to different stored paths; "
+                         "restoring none, the turn is served by normal prefill")  # fmt: skip
+            req.origin_input_ids, req.origin_input_ids_unpadded = prompt
+            state.refused = RANKS_DIFFER
+            return None
+        if plan is None or reuse <= plan.match.device_prefix_len:
+            return None
+        return plan.cut(self.tree, reuse) if reuse < plan.reuse else plan
+
+    def _place(self, plan: Restore, state: PersistTurn) -> None:
         t0 = time.perf_counter()
-        placed = tree_fill.place(tree, key, match, keys, values, None if live is None else live[have:reuse])
+        have = plan.match.device_prefix_len
+        live = None if plan.live is None else plan.live[have:]
+        placed = tree_fill.place(self.tree, plan.key, plan.match, plan.keys, plan.values, live)
         state.parts_ms["pool_write"] = (time.perf_counter() - t0) * 1000
         if not placed:
             logger.warning("session store: no free KV slots to restore %d tokens of session %r; prefilling instead",
-                           reuse - have, state.session_id)  # fmt: skip
+                           plan.reuse - have, state.session_id)  # fmt: skip
             return
-        state.restored_tokens, state.restored_from = reuse - have, source
+        state.restored_tokens, state.restored_from = plan.reuse - have, plan.source
 
     # --- release: capture the turn, write it off the request's path ------------------------------
 

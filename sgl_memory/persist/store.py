@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import tempfile
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -95,6 +96,23 @@ class SessionRecord:
     def nbytes(self) -> int:
         tensors = [t for block in self.blocks for t in block.values()] + list(self.state.values())
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def history_digest(self) -> int:
+        """What every tensor-parallel rank's file of one stored turn shares (each holds its own
+        heads' KV): the path's tokens, namespace, branches and live mask, and the state's names,
+        shapes and integer tensors (counters, token ids; the floating ones are the rank's heads).
+        63 bits, so a rank_range can compare it."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(array("q", self.token_ids).tobytes())
+        h.update(json.dumps([self.extra_key, self.branches]).encode())
+        if self.live is not None:
+            h.update(self.live.to(torch.uint8).numpy().tobytes())
+        for name in sorted(self.state):
+            t = self.state[name]
+            h.update(f"{name}{list(t.shape)}".encode())
+            if not t.is_floating_point():
+                h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return int.from_bytes(h.digest(), "little") >> 1
 
 
 def _alive(tmp_name: str) -> bool:

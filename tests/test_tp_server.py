@@ -1,0 +1,217 @@
+"""Every mechanism at tensor-parallel size 2 in the real server: SGLang's CPU engine, one core per
+rank, the default 0.5B model (SmolLM2-135M's 9 attention heads do not split in two).
+
+Each rank holds half the heads. Intent, KV memory and KEEP combine their per-head scores over the
+ranks, so every rank prunes the same positions, places the same blocks and recomputes the same
+rows, the ones a server with every head on one rank chooses. The reference is that server: the
+same session (full-history turns that intent prunes to its budget, persistence and KV memory
+recording them, then memory-mode questions repaired by KEEP and by CacheBlend) on a TP 1 server
+must report the same live KV, freed slots, retrieved spans and recompute shares, and answer the
+same greedy tokens. (With the scores left per rank, turns answer differently and other blocks are
+placed: measured when this test was written.)
+
+Persistence writes one file per rank; a restart loads a session from every rank's file or from
+none. The restarted server must restore an intact session and answer its next turn as the server
+that never restarted did; a session whose rank-1 file is a turn behind rank 0's (a write that had
+not landed) must be served by normal prefill, counted, with the server still serving: ranks that
+restored different paths would compute different batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from bench import harness
+from conftest import command
+from sgl_memory import models
+from sgl_memory.persist.manager import RANKS_DIFFER
+from sgl_memory.persist.store import read_metadata
+
+pytestmark = pytest.mark.server
+
+MODEL = models.DEFAULT_MODEL
+BUDGET = 128
+SYSTEM = [{"role": "system", "content": "You are a brief, helpful assistant."}]
+FACTS = ["Remember this: my cat is called Pepper.", "I went hiking on Saturday.", "The weather was sunny and warm.",
+         "I made soup for dinner.", "Tomorrow I will read a book.", "My sister lives in Oslo."]  # fmt: skip
+TURNS = 5  # of FACTS before the questions; the sixth comes after the restart
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(models.model_dir(MODEL))
+
+
+def start(d: Path, store: Path, tp: int, name: str, *extra: str):
+    config = d / f"memory-{name}.yaml"
+    config.write_text(f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n"
+                      f"persist:\n  enabled: true\n  dir: {store}\n  quant: fp32\n"
+                      "memory:\n  enabled: true\n  block_size: 16\n  top_k: 4\n  cut: tokens\n  unit: block\n"
+                      "  placed_tokens: 0\n  placement: after_system\n"
+                      "keep:\n  enabled: true\n")  # fmt: skip
+    # float32: the exact store restores bit for bit; one core per rank (the launcher's default split)
+    flags = ["--memory-config", str(config), "--dtype", "float32", "--max-total-tokens", "4096", "--tp-size", str(tp), *extra]
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_CPU_OMP_THREADS_BIND"}
+    return harness.start(command(MODEL, *flags), d / f"{name}.log", env=env)
+
+
+def generate(server, ids, memory, n=16):
+    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return {"out": out["output_ids"], "cached": out["meta_info"]["cached_tokens"], **out["meta_info"]["sgl_memory"]}
+
+
+def observation(i: int) -> str:
+    return f"Tool output {i}: " + ", ".join(f"sensor {j} read {(i * 37 + j * 11) % 100}" for j in range(8)) + "."
+
+
+def next_ids(tok, ids, out, i):
+    """The full-history prompt of turn i + 1 after turn i answered `out`."""
+    return ids + out + tok.encode(f"\n<|im_start|>user\n{observation(i)} {FACTS[i + 1]}<|im_end|>\n<|im_start|>assistant\n",
+                                  add_special_tokens=False)  # fmt: skip
+
+
+def first_prompt(tok):
+    return tok.apply_chat_template(SYSTEM + [{"role": "user", "content": FACTS[0]}], add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def converse(server, tok, session: dict, turns: int) -> tuple[list[dict], list[int]]:
+    """Full-history turns of one session; returns their results and the next turn's prompt."""
+    ids, results = first_prompt(tok), []
+    for i in range(turns):
+        result = generate(server, ids, session)
+        result["path"] = len(ids) + len(result["out"]) - 1  # what the turn leaves in the tree (the last token has no KV)
+        results.append(result)
+        ids = next_ids(tok, ids, result["out"], i)
+    return results, ids
+
+
+def ask(server, tok, session: dict, recompute: str) -> dict:
+    q = tok.apply_chat_template(SYSTEM + [{"role": "user", "content": "What is my cat called?"}], add_generation_prompt=True,
+                                tokenize=True, return_dict=False)  # fmt: skip
+    return generate(server, q, {**session, "memory": {"top_k": 4, "store": False, "recompute": recompute}})
+
+
+def rank_files(store: Path, session_id: str) -> dict[str, Path]:
+    """The session's file of each rank, by shard ("tp0/2")."""
+    found = {}
+    for path in store.glob("*/*/*.safetensors"):
+        meta = read_metadata(path)
+        if meta["session_id"] == session_id:
+            found[json.loads(meta["spec"])["shard"]] = path
+    return found
+
+
+def wait_written(store: Path, session_id: str, tokens: int, timeout: float = 120) -> dict[str, Path]:
+    """Every rank's file of the session, once each holds a path of at least `tokens` tokens."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        files = rank_files(store, session_id)
+        try:
+            if len(files) == 2 and all(int(read_metadata(p)["tokens"]) >= tokens for p in files.values()):
+                return files
+        except FileNotFoundError:  # replaced while we read it
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the ranks' files of {session_id!r} did not reach {tokens} tokens")
+
+
+def settle(store: Path, quiet: float = 1.5, timeout: float = 60) -> None:
+    """Once no file of the store has changed for `quiet` seconds: no write is in flight."""
+    deadline, last, since = time.time() + timeout, None, time.time()
+    while time.time() < deadline:
+        now = sorted((str(p), p.stat().st_mtime_ns) for p in store.glob("*/*/*.safetensors"))
+        if now != last:
+            last, since = now, time.time()
+        elif time.time() - since >= quiet:
+            return
+        time.sleep(0.25)
+    raise AssertionError("the store's files kept changing")
+
+
+S = {"session_id": "s", "tenant": "a"}  # the session compared with TP 1 and restored
+T = {"session_id": "t", "tenant": "a"}  # the session whose rank-1 file is left a turn behind
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tok):
+    d = tmp_path_factory.mktemp("tp1")
+    server = start(d, d / "store", 1, "tp1")
+    try:
+        turns, _ = converse(server, tok, S, TURNS)
+        return turns, {how: ask(server, tok, S, how) for how in ("keep", "cacheblend")}
+    finally:
+        harness.stop(server)
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory, tok):
+    """Server A (TP 2) runs S and T, its store is copied once both are written (T's rank-1 file
+    then replaced by its copy of a turn before), A answers S's next turn; B starts on the copy."""
+    d = tmp_path_factory.mktemp("tp2")
+    store, snapshot = d / "store", d / "snapshot"
+    a = start(d, store, 2, "a")
+    try:
+        turns, next_prompt = converse(a, tok, S, TURNS)
+        questions = {how: ask(a, tok, S, how) for how in ("keep", "cacheblend")}
+        (t_first,), t_ids = converse(a, tok, T, 1)
+        behind = wait_written(store, "t", t_first["path"])["tp1/2"].read_bytes()  # T's turn 1, as rank 1 wrote it
+        t_second = generate(a, t_ids, T)
+        t_next = next_ids(tok, t_ids, t_second["out"], 1)
+        wait_written(store, "t", len(t_ids) + len(t_second["out"]) - 1)
+        wait_written(store, "s", turns[-1]["path"])
+        settle(store)
+        shutil.copytree(store, snapshot)
+        rank_files(snapshot, "t")["tp1/2"].write_bytes(behind)
+        after_restart = generate(a, next_prompt, S)  # on the server that never restarted
+    finally:
+        harness.stop(a)
+    b = start(d, snapshot, 2, "b", "--enable-metrics")
+    yield {"turns": turns, "questions": questions, "t_next": t_next, "next": (next_prompt, after_restart), "b": b}
+    harness.stop(b)
+
+
+def test_every_turn_prunes_and_answers_as_one_rank_with_every_head(reference, tp2):
+    ref_turns, _ = reference
+    assert any(r["freed_slots"] for r in ref_turns), "the history must outgrow the budget"
+    for ref, got in zip(ref_turns, tp2["turns"], strict=True):
+        assert (got["out"], got["live_kv_tokens"], got["freed_slots"], got["cached"]) == \
+            (ref["out"], ref["live_kv_tokens"], ref["freed_slots"], ref["cached"])  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["keep", "cacheblend"])
+def test_memory_recall_places_and_repairs_as_one_rank_with_every_head(reference, tp2, how):
+    _, ref_questions = reference
+    ref, got = ref_questions[how], tp2["questions"][how]
+    assert ref["retrieved_blocks"] > 0 and 0 < ref["recompute_share"] < 1
+    assert (got["out"], got["retrieved_spans"], got["recompute_share"], got["recomputed_tokens"]) == \
+        (ref["out"], ref["retrieved_spans"], ref["recompute_share"], ref["recomputed_tokens"])  # fmt: skip
+
+
+def test_a_restart_restores_a_session_from_every_ranks_file(tp2):
+    prompt, reference = tp2["next"]
+    got = generate(tp2["b"], prompt, S)
+    assert got["restored_from"] == "disk" and got["restored_tokens"] > 0, got
+    assert (got["out"], got["cached"], got["live_kv_tokens"], got["freed_slots"]) == \
+        (reference["out"], reference["cached"], reference["live_kv_tokens"], reference["freed_slots"])  # fmt: skip
+
+
+def test_a_session_whose_ranks_files_differ_is_restored_by_no_rank(tp2, tok):
+    b = tp2["b"]
+    refusals = ("sgl_memory_refusals_total", (("mechanism", "persist"), ("reason", "ranks")))
+    before = b.prometheus().get(refusals, 0.0)
+    prompt = tp2["t_next"]
+    got = generate(b, prompt, T)
+    assert got["restored_tokens"] == 0 and got["persist_refused"] == RANKS_DIFFER, got
+    assert b.prometheus()[refusals] == before + 1
+    # the server serves on: the session's next turn, and a session it never saw
+    generate(b, next_ids(tok, prompt, got["out"], 2), T)
+    assert len(generate(b, first_prompt(tok), {"session_id": "u"})["out"]) > 0
