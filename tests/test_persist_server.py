@@ -6,7 +6,8 @@ with unquantized storage in the pool's own dtype (bf16 or fp32) the restored KV 
 so greedy answers must be equal (the quantized formats: tests/test_persist_restore_answers.py).
 Faults are produced for real: files damaged on disk, a
 server SIGKILLed while its writer has a temporary file open, a file-size limit (the write fails
-as on a full disk), a directory that cannot be created."""
+as on a full disk), a directory that cannot be created. The fault server runs at page size 16 (the
+GPU default): what it restores is cut to whole pages."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ CONVERSATIONS = [
     ["Suggest a name for a grey cat.", "Why that name?", "Suggest one more."],
 ]
 SYSTEM = {"role": "system", "content": "You are a brief, helpful assistant."}
+PAGE = 16  # the fault server's page size
 
 
 def write_config(d: Path, store: Path, **persist) -> Path:
@@ -86,10 +88,11 @@ def session_file(store: Path, session_id: str) -> Path:
 def first_servers(tmp_path_factory):
     """Server A of the restart and the fault server (below), started together; each on its own store."""
     d, e = tmp_path_factory.mktemp("persist-restart"), tmp_path_factory.mktemp("persist-faults")
-    # the fault server: exact store, no warm tier (every restore reads the file), a small KV pool (eviction)
+    # the fault server: exact store, no warm tier (every restore reads the file), a small KV pool
+    # (eviction), pages of PAGE tokens
     a, faults = start_servers((TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, d / "store", quant=EXACT_QUANT))),
                               (TEST_MODEL, e / "e.log", "--memory-config", str(write_config(e, e / "store", quant=EXACT_QUANT, warm_bytes=0)),
-                               "--max-total-tokens", "3000"))  # fmt: skip
+                               "--max-total-tokens", "3008", "--page-size", str(PAGE)))  # fmt: skip
     yield (a, d), (faults, e)
     for srv in (a, faults):  # `restarted` stops A; the last fault test kills the fault server
         if srv.proc.poll() is None:
@@ -222,16 +225,23 @@ def test_damaged_or_foreign_files_are_refused_and_the_turn_is_prefilled(fault_se
     assert log.count("refused the file of session") >= 3 and "served by normal prefill" in log
 
 
-def test_a_session_evicted_from_the_tree_is_restored_from_disk(fault_server):
+def test_a_session_evicted_from_the_tree_is_restored_from_disk_in_whole_pages(fault_server):
+    """The reference is the same turn while the tree still held the first (under another tenant: its
+    own path): the tree reuses whole pages of it, the restore puts back whole pages, so both prefill
+    the same rows from the same KV and answer alike."""
     server, _, _ = fault_server
     turns = [long_text("ev", 40) + " Summarise the log in one line."]
-    answer, usage, _ = run_turns(server, turns, "ev")[0]
-    for i in range(4):  # other work fills the 3000-token pool: ev's nodes are evicted
-        chat(server, [SYSTEM, {"role": "user", "content": long_text(f"filler{i}", 60)}], max_tokens=4)
+    (answer, usage, _), = run_turns(server, turns, "ev")
     messages = history(turns, [answer]) + [{"role": "user", "content": "And the first entry?"}]
-    _, usage2, metrics = chat(server, messages, "ev")
+    run_turns(server, turns, "ev", tenant="hot")
+    hot, hot_usage, _ = chat(server, messages, "ev", tenant="hot")
+    for i in range(4):  # other work fills the 3008-token pool: ev's nodes are evicted
+        chat(server, [SYSTEM, {"role": "user", "content": long_text(f"filler{i}", 60)}], max_tokens=4)
+    restored, usage2, metrics = chat(server, messages, "ev")
     assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0
-    assert usage2["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"]
+    cached = usage2["prompt_tokens_details"]["cached_tokens"]
+    assert cached % PAGE == 0 and cached >= usage["prompt_tokens"] // PAGE * PAGE
+    assert cached == hot_usage["prompt_tokens_details"]["cached_tokens"] and restored == hot
 
 
 def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, tmp_path):
@@ -245,6 +255,7 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, t
     assert tmp, "the writer never opened a temporary file"
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(timeout=30)
+    stop_server(server)  # reaps what the kill left and forgets the server (the suite's end would report it)
     assert list(store.glob("*/*/*.tmp"))  # killed mid-write: the partial file is there ...
     assert not session_file(store, "big").exists()  # ... and nothing under the session's name
     # a new server on the store: it removes the partial file and serves the session by prefill;
