@@ -35,7 +35,7 @@ def test_example_config_is_valid_and_equals_defaults():
 @pytest.mark.parametrize(
     "text, needle",
     [
-        ("intnet:\n  budget: 3\n", "intnet: unknown key; allowed keys: plugins, intent, keep, memory, persist"),
+        ("intnet:\n  budget: 3\n", "intnet: unknown key; allowed keys: plugins, sessions, intent, keep, memory, persist"),
         ("intent:\n  budgett: 3\n", "intent.budgett: unknown key"),
         ("intent:\n  scorer: magic\n", "intent.scorer: 'magic' is not allowed; allowed values: memory, memory_pool, query"),
         ("persist:\n  quant: q2\n", "persist.quant: 'q2' is not allowed; allowed values: q4, q8, bf16, fp32"),

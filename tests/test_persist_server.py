@@ -12,6 +12,7 @@ GPU default): what it restores is cut to whole pages."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -167,6 +168,36 @@ def test_prometheus_counts_restores_and_the_store_size(restarted):
     assert after[("sgl_memory_store_bytes", ())] == sum(p.stat().st_size for p in store.glob("*/*/*.safetensors"))
     persisted = ("sgl_memory_requests_total", (("mechanism", "persist"),))
     assert after[persisted] == before.get(persisted, 0) + 1
+
+
+def test_an_openai_client_names_its_session_by_header_alone(restarted):
+    """The `openai` SDK as an agent framework drives it: no `sgl_memory` field, the session in the
+    `x-session-id` header. The session's turn is stored under that id; the field's own id wins
+    over the header's; a bad id and a tenant header (off by default) are 400s naming the header."""
+    from openai import BadRequestError, OpenAI
+
+    b, store, _, _ = restarted
+    client = OpenAI(base_url=b.url + "/v1", api_key="none", default_headers={"x-session-id": "hdr-1"})
+
+    def ask(text, history=(), **extra):
+        messages = [SYSTEM, *history, {"role": "user", "content": text}]
+        return client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0, **extra)
+
+    def persisted(response) -> dict:
+        return (response.model_extra or {}).get("sgl_memory") or {}
+
+    first = ask("Name one planet.")
+    assert "text_match" in persisted(first) and persisted(first)["text_match"] is None  # a new session
+    said = [{"role": "user", "content": "Name one planet."}, {"role": "assistant", "content": first.choices[0].message.content}]
+    assert persisted(ask("And one moon?", said))["text_match"] in ("extend", "exact")  # its next turn
+    ask("Name one moon.", extra_body={"sgl_memory": {"session_id": "hdr-2"}})
+    flush(b)
+    assert session_file(store, "hdr-1").exists() and session_file(store, "hdr-2").exists()
+    for headers, needle in (({"x-session-id": "../up"}, "header x-session-id '../up' is refused"),
+                            ({"x-tenant-id": "acme"}, "sessions.tenant_header: false")):  # fmt: skip
+        with pytest.raises(BadRequestError, match=re.escape(needle)):
+            ask("Hello?", extra_headers=headers)
+    assert ask("Still there?").choices[0].message.content
 
 
 @pytest.mark.parametrize("memory", [{"session_id": "../../etc/passwd"}, {"session_id": "a/b"},

@@ -3,7 +3,8 @@
 Each mechanism declares its section (`Mechanism.settings`, a frozen dataclass in its own package)
 and this module builds the config from the registry. Loading is strict: an unknown key or a value
 of the wrong type or outside its allowed set stops start-up with a message naming the key path and
-what is allowed. `plugins:` names modules that register more mechanisms (mechanism.discover).
+what is allowed. `plugins:` names modules that register more mechanisms (mechanism.discover);
+`sessions:` says where a request's session id and tenant may come from (SessionSources).
 """
 
 from __future__ import annotations
@@ -27,14 +28,26 @@ class ConfigError(ValueError):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionSources:
+    """Where a request's session id and tenant may come from besides its `sgl_memory` field (for
+    clients that cannot add body fields: agent frameworks, unmodified OpenAI SDKs)."""
+
+    session_header: bool = True  # the x-session-id header
+    # the x-tenant-id header: only behind a gateway that sets it itself, or any client could name
+    # another's tenant
+    tenant_header: bool = False
+
+
 class MemoryConfig:
     """The whole config: one section per registered mechanism (its `settings` dataclass, defaults
-    for a section the file leaves out), and the plugin modules that registered more mechanisms.
-    Sections are read as attributes (`config.intent`) or by name (`config.section("intent")`)."""
+    for a section the file leaves out), the plugin modules that registered more mechanisms, and
+    where sessions may be named (`sessions`). Sections are read as attributes (`config.intent`) or
+    by name (`config.section("intent")`)."""
 
-    __slots__ = ("sections", "plugins")
+    __slots__ = ("sections", "plugins", "sessions")
 
-    def __init__(self, plugins: tuple[str, ...] = (), **sections):
+    def __init__(self, plugins: tuple[str, ...] = (), sessions: SessionSources | None = None, **sections):
         mechanism.discover(plugins)
         unknown = sorted(set(sections) - set(mechanism.REGISTRY))
         if unknown:
@@ -42,6 +55,7 @@ class MemoryConfig:
         full = {name: sections.get(name) or cls.settings() for name, cls in mechanism.REGISTRY.items()}
         object.__setattr__(self, "sections", full)
         object.__setattr__(self, "plugins", tuple(plugins))
+        object.__setattr__(self, "sessions", sessions or SessionSources())
 
     def __setattr__(self, name, value):
         raise AttributeError("MemoryConfig is immutable")
@@ -53,20 +67,22 @@ class MemoryConfig:
             raise AttributeError(f"no mechanism registers config section {name!r}") from None
 
     def __eq__(self, other):
-        return isinstance(other, MemoryConfig) and (self.sections, self.plugins) == (other.sections, other.plugins)
+        return isinstance(other, MemoryConfig) and (self.sections, self.plugins, self.sessions) == (other.sections, other.plugins, other.sessions)
 
     def __hash__(self):
-        return hash((tuple(sorted(self.sections.items())), self.plugins))
+        return hash((tuple(sorted(self.sections.items())), self.plugins, self.sessions))
 
     def __repr__(self):
-        return f"MemoryConfig(plugins={self.plugins!r}, {', '.join(f'{k}={v!r}' for k, v in self.sections.items())})"
+        return (f"MemoryConfig(plugins={self.plugins!r}, sessions={self.sessions!r}, "
+                f"{', '.join(f'{k}={v!r}' for k, v in self.sections.items())})")  # fmt: skip
 
     def section(self, name: str):
         return self.sections[name]
 
     def as_dict(self) -> dict:
         """The config as YAML would spell it (GET /sgl_memory/info)."""
-        return {"plugins": list(self.plugins), **{name: dataclasses.asdict(s) for name, s in self.sections.items()}}
+        return {"plugins": list(self.plugins), "sessions": dataclasses.asdict(self.sessions),
+                **{name: dataclasses.asdict(s) for name, s in self.sections.items()}}  # fmt: skip
 
 
 def choices(section: type, name: str) -> tuple[str, ...]:
@@ -127,6 +143,9 @@ def _build(cls: type, data: Any, path: str):
     return obj
 
 
+TOP_LEVEL = mechanism.RESERVED_NAMES
+
+
 def from_dict(data: dict | None) -> MemoryConfig:
     if data is None:
         data = {}
@@ -141,10 +160,10 @@ def from_dict(data: dict | None) -> MemoryConfig:
         raise ConfigError(f"plugins: cannot import {exc.name or exc}: {exc}") from None
     names = sorted(mechanism.REGISTRY)
     for key in data:
-        if key != "plugins" and key not in mechanism.REGISTRY:
-            raise ConfigError(f"{key}: unknown key; allowed keys: plugins, {', '.join(names)}")
+        if key not in TOP_LEVEL and key not in mechanism.REGISTRY:
+            raise ConfigError(f"{key}: unknown key; allowed keys: {', '.join(TOP_LEVEL)}, {', '.join(names)}")
     sections = {name: _build(cls.settings, data.get(name), name) for name, cls in mechanism.REGISTRY.items()}
-    config = MemoryConfig(tuple(plugins), **sections)
+    config = MemoryConfig(tuple(plugins), _build(SessionSources, data.get("sessions"), "sessions"), **sections)
     for cls in mechanism.ordered():
         cls.check_config(config)
     return config

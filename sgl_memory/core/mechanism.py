@@ -178,10 +178,16 @@ class Mechanism(ABC):
         return True
 
 
+# the config's top-level keys that are not a mechanism's section (config.py): no mechanism takes them
+RESERVED_NAMES = ("plugins", "sessions")
+
+
 def register(name: str):
     """Class decorator: the mechanism configured by section `name` of the config."""
 
     def wrap(cls: type[Mechanism]) -> type[Mechanism]:
+        if name in RESERVED_NAMES:
+            raise ValueError(f"mechanism {name!r}: the name is a config key of its own ({', '.join(RESERVED_NAMES)})")
         for attr in ("rank", "settings"):
             if not hasattr(cls, attr):
                 raise TypeError(f"mechanism {name!r} declares no {attr}")

@@ -103,14 +103,17 @@ class MemorySpec:
         return owner is None or mechanism.name == owner or (mechanism.follows_internal and not self.transient)
 
 
-def check_id(value, name: str) -> str | None:
+def check_id(value, name: str, where: str | None = None) -> str | None:
+    """A session id or tenant (`name`), from the field's key of that name unless `where` names
+    another source (a header) for the message."""
+    where = where or f"{FIELD}.{name}"
     if value is None:
         return None
     if not isinstance(value, str) or not value or len(value) > MAX_ID_LEN:
-        raise SpecError(f"{FIELD}.{name} must be a non-empty string of at most {MAX_ID_LEN} characters")
+        raise SpecError(f"{where} must be a non-empty string of at most {MAX_ID_LEN} characters")
     if not ID_PATTERN.fullmatch(value) or ".." in value:
         raise SpecError(
-            f"{FIELD}.{name} {value!r} is refused: use letters, digits and . _ : @ + = - "
+            f"{where} {value!r} is refused: use letters, digits and . _ : @ + = - "
             "(starting with a letter or digit, no '..')"
         )
     return value

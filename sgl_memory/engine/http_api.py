@@ -3,7 +3,8 @@
 - `GET /sgl_memory/info` and `GET /sgl_memory/stats`;
 - the per-request `sgl_memory` field on `/generate`, `/v1/chat/completions`, `/v1/completions` and
   `/v1/responses`: validated here (a bad field is a 400 before anything reaches the engine) and
-  moved into SGLang's `custom_params`, which carries it to the scheduler;
+  moved into SGLang's `custom_params`, which carries it to the scheduler; the session id and the
+  tenant may come from headers instead (`x-session-id`, `x-tenant-id`: `with_headers`);
 - bounds on those bodies that SGLang does not check: a size cap (413) and JSON nested too deeply
   to parse (400; SGLang's own parser would answer it with a 500);
 - a prompt of zero tokens, or with a token id outside the vocabulary, is a 400 (TokenizerManager
@@ -21,8 +22,8 @@ from contextvars import ContextVar
 
 from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype
 from sgl_memory.core import mechanism, prometheus
-from sgl_memory.core.config import MemoryConfig, from_env
-from sgl_memory.core.request import FIELD, SpecError, check_served, encode, parse
+from sgl_memory.core.config import MemoryConfig, SessionSources, from_env
+from sgl_memory.core.request import FIELD, SpecError, check_id, check_served, encode, parse
 from sgl_memory.core.metrics import STATS
 from sgl_memory.engine.front import TokenizerEngine
 
@@ -34,6 +35,7 @@ OPENAI = ("/v1/chat/completions", "/v1/completions", RESPONSES)
 # which run in the request's own task
 RESPONSES_FIELD: ContextVar = ContextVar("sgl_memory_responses_field", default=None)
 MAX_BODY_BYTES = 64 << 20  # a full-context prompt is well under 1 MiB of JSON; a batch of them fits too
+SESSION_HEADER, TENANT_HEADER = "x-session-id", "x-tenant-id"
 
 
 def mount(server_args, *args, **kwargs):
@@ -69,6 +71,40 @@ def mount(server_args, *args, **kwargs):
         cls.mount(app, config, engine)
     app.add_middleware(MemoryFieldMiddleware, config=config)
     return None
+
+
+def with_headers(raw, headers: list[tuple[bytes, bytes]], sources: SessionSources):
+    """The request's `sgl_memory` field with what its headers name: `x-session-id` fills in a
+    session id the field lacks (the field's own wins), `x-tenant-id` names the tenant where the
+    operator allows it (a field naming another tenant is refused: the header is the gateway's).
+    Raises SpecError naming the header."""
+    found = {SESSION_HEADER: [], TENANT_HEADER: []}
+    for name, value in headers:
+        key = name.decode("latin-1").lower()
+        if key in found:
+            found[key].append(value.decode("latin-1"))
+    (session, tenant) = (_one(found[h], h) for h in (SESSION_HEADER, TENANT_HEADER))
+    if (session is None and tenant is None) or not isinstance(raw, (dict, type(None))):
+        return raw  # a field that is not an object: parse() refuses it
+    field = dict(raw or {})
+    if session is not None:
+        if not sources.session_header:
+            raise SpecError(f"header {SESSION_HEADER}: sessions named by a header are off on this server (sessions.session_header: false)")
+        field.setdefault("session_id", check_id(session, "session_id", f"header {SESSION_HEADER}"))
+    if tenant is not None:
+        if not sources.tenant_header:
+            raise SpecError(f"header {TENANT_HEADER}: tenants named by a header are off on this server (sessions.tenant_header: false)")
+        check_id(tenant, "tenant", f"header {TENANT_HEADER}")
+        if field.get("tenant", tenant) != tenant:
+            raise SpecError(f"{FIELD}.tenant {field['tenant']!r} differs from header {TENANT_HEADER} {tenant!r}, which names the tenant here")
+        field["tenant"] = tenant
+    return field
+
+
+def _one(values: list[str], header: str) -> str | None:
+    if len(set(values)) > 1:
+        raise SpecError(f"header {header} is given {len(values)} times with different values")
+    return values[0] if values else None
 
 
 def move_field(path: str, body: dict, config: MemoryConfig) -> dict:
@@ -124,9 +160,11 @@ class MemoryFieldMiddleware:
             return await _send_error(send, 400, "request body is JSON nested too deeply to parse")
         except ValueError:
             data = None  # SGLang answers malformed JSON itself
-        if isinstance(data, dict) and FIELD in data:
+        if isinstance(data, dict):
             try:
-                body = json.dumps(move_field(path, data, self.config)).encode()
+                raw = with_headers(data.get(FIELD), scope["headers"], self.config.sessions)
+                if raw is not None:
+                    body = json.dumps(move_field(path, {**data, FIELD: raw}, self.config)).encode()
             except SpecError as exc:
                 prometheus.BAD_REQUESTS.labels("field").inc()
                 return await _send_error(send, 400, str(exc))
