@@ -115,7 +115,8 @@ def restarted(first_servers):
         flush(a)
     finally:
         stop_server(a)
-    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, store, quant=EXACT_QUANT)), "--enable-metrics")
+    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, store, quant=EXACT_QUANT)), "--enable-metrics",
+                     "--enable-response-store")  # fmt: skip
     yield b, store, reference, copies
     stop_server(b)
 
@@ -172,8 +173,9 @@ def test_prometheus_counts_restores_and_the_store_size(restarted):
 
 def test_an_openai_client_names_its_session_by_header_alone(restarted):
     """The `openai` SDK as an agent framework drives it: no `sgl_memory` field, the session in the
-    `x-session-id` header. The session's turn is stored under that id; the field's own id wins
-    over the header's; a bad id and a tenant header (off by default) are 400s naming the header."""
+    `x-session-id` header. The session's turn is stored under that id and its next turn matches
+    it; a streamed turn's metrics come in its last chunk; the field's own id wins over the header's;
+    a bad id and a tenant header (off by default) are 400s naming the header."""
     from openai import BadRequestError, OpenAI
 
     b, store, _, _ = restarted
@@ -190,6 +192,11 @@ def test_an_openai_client_names_its_session_by_header_alone(restarted):
     assert "text_match" in persisted(first) and persisted(first)["text_match"] is None  # a new session
     said = [{"role": "user", "content": "Name one planet."}, {"role": "assistant", "content": first.choices[0].message.content}]
     assert persisted(ask("And one moon?", said))["text_match"] in ("extend", "exact")  # its next turn
+    # streamed: the metrics come in the last chunk (no choices), the answer is the same
+    chunks = list(ask("Name one planet.", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content
+    assert not chunks[-1].choices and "text_match" in persisted(chunks[-1])
+    assert not any(persisted(c) for c in chunks[:-1])
     ask("Name one moon.", extra_body={"sgl_memory": {"session_id": "hdr-2"}})
     flush(b)
     assert session_file(store, "hdr-1").exists() and session_file(store, "hdr-2").exists()
@@ -198,6 +205,25 @@ def test_an_openai_client_names_its_session_by_header_alone(restarted):
         with pytest.raises(BadRequestError, match=re.escape(needle)):
             ask("Hello?", extra_headers=headers)
     assert ask("Still there?").choices[0].message.content
+
+
+def test_a_chain_of_responses_is_one_session(restarted):
+    """/v1/responses through the `openai` SDK, no field, no header: each response names the one
+    before; the chain is stored as one session named after its first response, and each later
+    response's prompt (SGLang resends the chain's history) matches it."""
+    from openai import OpenAI
+
+    b, store, _, _ = restarted
+    client = OpenAI(base_url=b.url + "/v1", api_key="none")
+    first = client.responses.create(model="m", input="Name one river.", max_output_tokens=4, temperature=0)
+    second = client.responses.create(model="m", input="And one lake?", previous_response_id=first.id, max_output_tokens=4, temperature=0)
+    third = client.responses.create(model="m", input="And a sea?", previous_response_id=second.id, max_output_tokens=4, temperature=0)
+    assert second.id.startswith(first.id + ".") and third.id.startswith(first.id + ".")
+    for later in (second, third):
+        assert (later.model_extra or {}).get("sgl_memory", {}).get("text_match") in ("extend", "exact"), later.model_extra
+    flush(b)
+    assert session_file(store, first.id).exists()
+    assert not session_file(store, second.id).exists() and not session_file(store, third.id).exists()
 
 
 @pytest.mark.parametrize("memory", [{"session_id": "../../etc/passwd"}, {"session_id": "a/b"},

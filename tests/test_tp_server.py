@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -215,3 +216,21 @@ def test_a_session_whose_ranks_files_differ_is_restored_by_no_rank(tp2, tok):
     # the server serves on: the session's next turn, and a session it never saw
     generate(b, next_ids(tok, prompt, got["out"], 2), T)
     assert len(generate(b, first_prompt(tok), {"session_id": "u"})["out"]) > 0
+
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "grafana" / "sgl_memory_dashboard.json"
+
+
+def test_every_series_the_grafana_dashboard_reads_is_on_the_server(tp2, tok):
+    """The operators' dashboard against the TP 2 server, which by now has pruned, restored,
+    refused a session: one KV-memory question repaired by KEEP and one bad request more, and every
+    series a panel's query names must be among the server's /metrics samples."""
+    b = tp2["b"]
+    ask(b, tok, S, "keep")
+    assert b.post("/v1/chat/completions", {"model": "m", "messages": [], "sgl_memory": {"session_id": "../x"}}).status_code == 400
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert queries and all(panel["targets"] for panel in dashboard["panels"])
+    named = {name for q in queries for name in re.findall(r"\bsgl_memory_[a-z_]+", q)}
+    served = {name for name, _ in b.prometheus()}
+    assert named and named <= served, sorted(named - served)

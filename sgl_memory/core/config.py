@@ -37,6 +37,9 @@ class SessionSources:
     # the x-tenant-id header: only behind a gateway that sets it itself, or any client could name
     # another's tenant
     tenant_header: bool = False
+    # /v1/responses: a chain of responses (previous_response_id) is one session, named after its
+    # first response
+    response_chains: bool = True
 
 
 class MemoryConfig:

@@ -4,7 +4,8 @@
 - the per-request `sgl_memory` field on `/generate`, `/v1/chat/completions`, `/v1/completions` and
   `/v1/responses`: validated here (a bad field is a 400 before anything reaches the engine) and
   moved into SGLang's `custom_params`, which carries it to the scheduler; the session id and the
-  tenant may come from headers instead (`x-session-id`, `x-tenant-id`: `with_headers`);
+  tenant may come from headers instead (`x-session-id`, `x-tenant-id`: `with_headers`), and a
+  chain of `/v1/responses` is one session by itself (`with_chain`);
 - bounds on those bodies that SGLang does not check: a size cap (413) and JSON nested too deeply
   to parse (400; SGLang's own parser would answer it with a 500);
 - a prompt of zero tokens, or with a token id outside the vocabulary, is a 400 (TokenizerManager
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from contextvars import ContextVar
 
 from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype
@@ -101,6 +103,28 @@ def with_headers(raw, headers: list[tuple[bytes, bytes]], sources: SessionSource
     return field
 
 
+def with_chain(raw, body: dict):
+    """/v1/responses: a chain of responses (each naming the one before as `previous_response_id`)
+    is one session, named after the chain's first response. A response the client does not name
+    (`request_id`) is named here `<first>.<hex>`, so its chain is found from its id alone, after a
+    restart too. A session named by the field or a header wins; ids chosen by the client chain
+    only one step (their first part names the session)."""
+    if not isinstance(raw, (dict, type(None))) or (raw or {}).get("session_id"):
+        return raw
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        return raw  # SGLang refuses it
+    first = previous.split(".", 1)[0] if previous else None
+    if "request_id" not in body:
+        body["request_id"] = f"{first}.{uuid.uuid4().hex}" if first else f"resp_{uuid.uuid4().hex}"
+    session = first or str(body["request_id"]).split(".", 1)[0]
+    try:
+        check_id(session, "session_id")
+    except SpecError:
+        return raw  # not an id a session can have: the response is served without one
+    return {**(raw or {}), "session_id": session}
+
+
 def _one(values: list[str], header: str) -> str | None:
     if len(set(values)) > 1:
         raise SpecError(f"header {header} is given {len(values)} times with different values")
@@ -163,6 +187,8 @@ class MemoryFieldMiddleware:
         if isinstance(data, dict):
             try:
                 raw = with_headers(data.get(FIELD), scope["headers"], self.config.sessions)
+                if path == RESPONSES and self.config.sessions.response_chains:
+                    raw = with_chain(raw, data)
                 if raw is not None:
                     body = json.dumps(move_field(path, {**data, FIELD: raw}, self.config)).encode()
             except SpecError as exc:
@@ -184,17 +210,23 @@ def _replay(messages, receive):
 
 
 def _with_metrics(send):
-    """Buffer a non-streaming JSON response and add the request's metrics as `sgl_memory`."""
-    state = {"start": None, "chunks": []}
+    """Add the request's metrics as `sgl_memory` to an OpenAI response: a JSON one is buffered and
+    rewritten; a streamed one (server-sent events) gets one more chunk before `data: [DONE]`."""
+    state = {"start": None, "chunks": [], "stream": None}
 
     async def wrapped(message):
         if message["type"] == "http.response.start":
-            headers = dict(message.get("headers", []))
-            if b"application/json" not in headers.get(b"content-type", b""):
+            kind = dict(message.get("headers", [])).get(b"content-type", b"")
+            if b"text/event-stream" in kind:
+                state["stream"] = MetricsChunk()
+            if b"application/json" not in kind:
                 state["start"] = False
                 return await send(message)
             state["start"] = message
             return None
+        if state["stream"] is not None and message["type"] == "http.response.body":
+            body = state["stream"].feed(message.get("body", b""), last=not message.get("more_body", False))
+            return await send(dict(message, body=body))
         if state["start"] is False or message["type"] != "http.response.body":
             return await send(message)
         state["chunks"].append(message.get("body", b""))
@@ -215,6 +247,36 @@ def _with_metrics(send):
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     return wrapped
+
+
+class MetricsChunk:
+    """A streamed chat or text completion's events, passed on as they come, with one chunk more
+    before `data: [DONE]`: the response's id, object, model and creation time, no choices (as the
+    usage chunk has), and `sgl_memory` (the request has finished when SGLang sends [DONE])."""
+
+    DONE = b"data: [DONE]"
+
+    def __init__(self):
+        self.pending = b""  # an event not complete yet (a body message may end inside one)
+        self.head: dict | None = None  # what the added chunk copies from the stream's first chunk
+
+    def feed(self, data: bytes, last: bool) -> bytes:
+        events = (self.pending + data).split(b"\n\n")
+        self.pending = b"" if last else events.pop()
+        out = []
+        for event in events:
+            if event.startswith(b"data: {") and self.head is None:
+                try:
+                    first = json.loads(event[len(b"data: "):])
+                    self.head = {k: first.get(k) for k in ("id", "object", "created", "model")}
+                except (ValueError, RecursionError):
+                    pass
+            elif event.strip() == self.DONE and self.head is not None:
+                metrics = STATS.lookup(self.head["id"])
+                if metrics is not None:
+                    out.append(b"data: " + json.dumps({**self.head, "choices": [], FIELD: metrics}).encode())
+            out.append(event)
+        return b"\n\n".join(out) + (b"" if last else b"\n\n" if out else b"")
 
 
 def responses_field_hook(result, request, *args, **kwargs):
