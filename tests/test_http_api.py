@@ -12,6 +12,7 @@ request's metrics."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -19,7 +20,8 @@ from sgl_memory.core import config
 from sgl_memory.core.config import SessionSources
 from sgl_memory.core.request import SpecError, parse
 from sgl_memory.core.metrics import STATS
-from sgl_memory.engine.http_api import MetricsChunk, with_chain, with_headers
+from sgl_memory.core.sessions import SessionRegistry
+from sgl_memory.engine.http_api import MetricsChunk, list_sessions, session_page, with_chain, with_headers
 
 DEFAULT, GATEWAY = SessionSources(), SessionSources(tenant_header=True)
 
@@ -126,3 +128,43 @@ def test_a_session_named_otherwise_wins_and_odd_ids_name_none():
     assert with_chain(None, {"request_id": "client/id"}) is None  # not an id a session can have
     assert with_chain(None, {"request_id": "client-7"}) == {"session_id": "client-7"}
     assert with_chain(None, {"previous_response_id": 5}) is None
+
+
+SESSIONS = [{"tenant": None, "session_id": "a", "last_use": 1.0}, {"tenant": "t1", "session_id": "b", "last_use": 3.0},
+            {"tenant": "t1", "session_id": "c", "last_use": 2.0}, {"tenant": "t2", "session_id": "d", "last_use": 4.0}]  # fmt: skip
+
+
+def test_the_inspector_pages_most_recent_first_and_filters_by_tenant():
+    page = list_sessions(SESSIONS, None, 1, 2)
+    assert page["total"] == 4 and [s["session_id"] for s in page["sessions"]] == ["b", "c"]
+    assert [s["session_id"] for s in list_sessions(SESSIONS, "t1", 0, 100)["sessions"]] == ["b", "c"]
+    assert [s["session_id"] for s in list_sessions(SESSIONS, "", 0, 100)["sessions"]] == ["a"]  # the default tenant
+    assert list_sessions(SESSIONS, "t1", 5, 10) == {"total": 2, "offset": 5, "limit": 10, "sessions": []}
+
+
+def test_the_inspectors_query_and_who_may_see_what():
+    assert session_page({}, [], DEFAULT) == (None, 0, 100)
+    assert session_page({"tenant": "t1", "offset": "3", "limit": "1000"}, [], DEFAULT) == ("t1", 3, 1000)
+    assert session_page({}, headers(x_tenant_id="t1"), GATEWAY) == ("t1", 0, 100)  # limited to its own
+    assert session_page({"tenant": "t1"}, headers(x_tenant_id="t1"), GATEWAY) == ("t1", 0, 100)
+    with pytest.raises(PermissionError, match="limits this caller to tenant 't1'"):
+        session_page({"tenant": "t2"}, headers(x_tenant_id="t1"), GATEWAY)
+    with pytest.raises(SpecError, match="sessions.tenant_header: false"):
+        session_page({}, headers(x_tenant_id="t1"), DEFAULT)
+    for query, needle in (({"limit": "0"}, "limit must be an integer from 1 to 1000"), ({"limit": "1001"}, "limit"),
+                          ({"offset": "-2"}, "offset must be an integer from 0 up"), ({"offset": "1e3"}, "offset"),
+                          ({"sort": "x"}, "unknown query parameter(s) sort"), ({"tenant": "a/b"}, "query parameter tenant")):  # fmt: skip
+        with pytest.raises(SpecError, match=re.escape(needle)):
+            session_page(query, [], DEFAULT)
+
+
+def test_the_registry_snapshot_tells_last_use_without_counting_as_one():
+    registry = SessionRegistry()
+    registry.get(("", "a"), "m", lambda: 1)
+    registry.get(("t", "b"), "m", lambda: 2)
+    registry.get(("", "a"), "m")  # a use: "a" is now the most recent
+    snap = registry.snapshot()
+    assert [key for key, _, _ in snap] == [("t", "b"), ("", "a")] and snap[1][1] >= snap[0][1] > 0
+    assert registry.snapshot() == snap  # reading it changed nothing
+    registry.pop(("", "a"), "m")
+    assert [key for key, _, _ in registry.snapshot()] == [("t", "b")]

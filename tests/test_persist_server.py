@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from conftest import EXACT_QUANT, TEST_MODEL, start_server, start_servers, stop_server
@@ -37,8 +38,9 @@ SYSTEM = {"role": "system", "content": "You are a brief, helpful assistant."}
 PAGE = 16  # the fault server's page size
 
 
-def write_config(d: Path, store: Path, **persist) -> Path:
+def write_config(d: Path, store: Path, tenant_header: bool = False, **persist) -> Path:
     lines = ["persist:", "  enabled: true", f"  dir: {store}"] + [f"  {k}: {v}" for k, v in persist.items()]
+    lines += ["sessions:", "  tenant_header: true"] if tenant_header else []
     path = d / f"memory-{len(list(d.glob('memory-*')))}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -74,6 +76,10 @@ def history(user_turns, answers):
 def flush(server):
     """Empty the tree; the store's writer finishes every captured turn first."""
     assert server.post("/flush_cache?timeout=60", {}).status_code == 200
+
+
+def session_file_of(store: Path, tenant: str, session_id: str) -> Path:
+    return next(iter(store.glob(f"{_digest('tenant', tenant)}/*/{_digest('session', session_id)}.safetensors")), store / "absent")
 
 
 def session_file(store: Path, session_id: str) -> Path:
@@ -115,8 +121,9 @@ def restarted(first_servers):
         flush(a)
     finally:
         stop_server(a)
-    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, store, quant=EXACT_QUANT)), "--enable-metrics",
-                     "--enable-response-store")  # fmt: skip
+    # B takes tenants from x-tenant-id (a gateway in front sets it): the header tests below
+    config = write_config(d, store, tenant_header=True, quant=EXACT_QUANT)
+    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(config), "--enable-metrics", "--enable-response-store")
     yield b, store, reference, copies
     stop_server(b)
 
@@ -175,7 +182,8 @@ def test_an_openai_client_names_its_session_by_header_alone(restarted):
     """The `openai` SDK as an agent framework drives it: no `sgl_memory` field, the session in the
     `x-session-id` header. The session's turn is stored under that id and its next turn matches
     it; a streamed turn's metrics come in its last chunk; the field's own id wins over the header's;
-    a bad id and a tenant header (off by default) are 400s naming the header."""
+    the x-tenant-id header (on for this server) names the tenant's own file; a bad id, or a field
+    naming another tenant than the header, is a 400 naming the header."""
     from openai import BadRequestError, OpenAI
 
     b, store, _, _ = restarted
@@ -200,11 +208,46 @@ def test_an_openai_client_names_its_session_by_header_alone(restarted):
     ask("Name one moon.", extra_body={"sgl_memory": {"session_id": "hdr-2"}})
     flush(b)
     assert session_file(store, "hdr-1").exists() and session_file(store, "hdr-2").exists()
-    for headers, needle in (({"x-session-id": "../up"}, "header x-session-id '../up' is refused"),
-                            ({"x-tenant-id": "acme"}, "sessions.tenant_header: false")):  # fmt: skip
+    ask("Name one star.", extra_headers={"x-tenant-id": "acme"})
+    flush(b)
+    assert session_file_of(store, "", "hdr-1").exists() and session_file_of(store, "acme", "hdr-1").exists()
+    refused = (({"x-session-id": "../up"}, {}, "header x-session-id '../up' is refused"),
+               ({"x-tenant-id": "acme"}, {"sgl_memory": {"tenant": "other"}}, "differs from header x-tenant-id 'acme'"))  # fmt: skip
+    for headers, body, needle in refused:
         with pytest.raises(BadRequestError, match=re.escape(needle)):
-            ask("Hello?", extra_headers=headers)
+            ask("Hello?", extra_headers=headers, extra_body=body)
     assert ask("Still there?").choices[0].message.content
+
+
+def test_the_session_inspector_pages_sessions_and_keeps_a_tenant_to_its_own(restarted):
+    """GET /sgl_memory/sessions: every session the server holds, most recently used first, sizes
+    and no contents; a caller whose gateway names its tenant sees that tenant's sessions only, and
+    asking for another's is a 403; bad paging is a 400 naming the parameter."""
+    b, store, _, copies = restarted
+    run_turns(b, ["Name one bird."], "insp-a", tenant="insp")
+    run_turns(b, ["Name one fish."], "insp-b", tenant="insp")
+    flush(b)
+    everything = b.get("/sgl_memory/sessions?limit=1000").json()
+    rows = {(s["tenant"], s["session_id"]): s for s in everything["sessions"]}
+    assert everything["total"] == len(rows) >= 2 + len(copies["rs"])
+    assert [s["last_use"] for s in everything["sessions"]] == sorted((s["last_use"] for s in everything["sessions"]), reverse=True)
+    for sid in ("insp-a", "insp-b"):
+        row = rows[("insp", sid)]
+        assert row["path_tokens"] > 0 and row["live_tokens"] == row["path_tokens"]
+        assert row["stored_bytes"] == session_file_of(store, "insp", sid).stat().st_size
+        assert not {"tokens", "text", "keys"} & set(row)
+    # a tenant's caller: its own sessions, paged
+    own = requests.get(b.url + "/sgl_memory/sessions?limit=1", headers={"x-tenant-id": "insp"}).json()
+    assert own["total"] == 2 and [s["session_id"] for s in own["sessions"]] == ["insp-b"]
+    second = requests.get(b.url + "/sgl_memory/sessions?limit=1&offset=1", headers={"x-tenant-id": "insp"}).json()
+    assert [s["session_id"] for s in second["sessions"]] == ["insp-a"]
+    other = requests.get(b.url + "/sgl_memory/sessions?tenant=rs", headers={"x-tenant-id": "insp"})
+    assert other.status_code == 403 and "limits this caller to tenant 'insp'" in other.text
+    for query, needle in (("limit=0", "limit must be an integer from 1 to 1000"), ("offset=-1", "offset must be"),
+                          ("limit=abc", "limit must be"), ("page=2", "unknown query parameter(s) page"),
+                          ("tenant=..", "query parameter tenant '..' is refused")):  # fmt: skip
+        r = b.get(f"/sgl_memory/sessions?{query}")
+        assert r.status_code == 400 and needle in r.text, (query, r.text)
 
 
 def test_a_chain_of_responses_is_one_session(restarted):

@@ -14,6 +14,7 @@ what a slot holds is the mechanism's to guard.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from urllib.parse import quote
@@ -41,6 +42,7 @@ class SessionRegistry:
         self._limits: dict[str, tuple[int, Callable[[object], bool]]] = {}
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._used: dict[SessionKey, float] = {}  # wall-clock time of each session's last use
         self.dropped: dict[str, int] = {}  # slots dropped for their bound, per mechanism
 
     def limit(self, name: str, capacity: int, keep: Callable[[object], bool] = lambda value: False) -> None:
@@ -55,10 +57,12 @@ class SessionRegistry:
             slots = self._sessions.get(key)
             if slots is not None:
                 self._sessions.move_to_end(key)
+                self._used[key] = time.time()
             value = slots.get(name) if slots is not None else None
             if value is None and create is not None:
                 value = create()
                 self._sessions.setdefault(key, {})[name] = value
+                self._used[key] = time.time()
                 self._counts[name] = self._counts.get(name, 0) + 1
                 self._bound(name, spare=key)
             return value
@@ -78,6 +82,12 @@ class SessionRegistry:
         with self._lock:
             return [(key, slots[name]) for key, slots in self._sessions.items() if name in slots]
 
+    def snapshot(self) -> list[tuple[SessionKey, float, dict[str, object]]]:
+        """Every session: its key, its last use (wall-clock seconds) and its slots by mechanism,
+        least recently used first. Reading it does not count as a use."""
+        with self._lock:
+            return [(key, self._used.get(key, 0.0), dict(slots)) for key, slots in self._sessions.items()]
+
     def count(self, name: str) -> int:
         with self._lock:
             return self._counts.get(name, 0)
@@ -90,6 +100,7 @@ class SessionRegistry:
         self._counts[name] -= 1
         if not slots:
             del self._sessions[key]
+            self._used.pop(key, None)
         return value
 
     def _bound(self, name: str, spare: SessionKey) -> None:

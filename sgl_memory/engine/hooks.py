@@ -7,6 +7,9 @@ from __future__ import annotations
 from sgl_memory.core import capture, metrics, prometheus
 from sgl_memory.core.request import FIELD
 from sgl_memory.core.rows import POSITION_SHIFTS
+from sgl_memory.engine import runtime
+
+SESSIONS_KEY = "sgl_memory_sessions"  # the scheduler's internal state: what GET /sgl_memory/sessions pages
 
 
 def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
@@ -65,3 +68,14 @@ def stream_finish_hook(result, accumulator, *args, req, **kwargs):
         column.append([])
     column[-1] = ours
     return None
+
+
+def sessions_state_hook(result, *args, **kwargs):
+    """AFTER hook on the scheduler's get_internal_state: the sessions its tree holds, described
+    (SglMemoryRadixCache.describe_sessions), for the HTTP side's inspector. SGLang's internal-state
+    request is the one channel from the HTTP process to the scheduler that answers."""
+    tree = runtime.tree()
+    state = getattr(result, "internal_state", None)
+    if tree is not None and not tree.disable and isinstance(state, dict):
+        state[SESSIONS_KEY] = tree.describe_sessions()
+    return result

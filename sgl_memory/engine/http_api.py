@@ -12,7 +12,8 @@
   hook): SGLang's scheduler would crash on either and take the whole server down;
 - a request whose shape SGLang's input processing cannot handle is a 400, not a 500;
 - OpenAI responses get the request's metrics as a top-level `sgl_memory` object (native responses
-  carry them in `meta_info`).
+  carry them in `meta_info`);
+- `GET /sgl_memory/sessions`: the sessions the server holds, paged, no contents (`list_sessions`).
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ import json
 import uuid
 from contextvars import ContextVar
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
 from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype
 from sgl_memory.core import mechanism, prometheus
 from sgl_memory.core.config import MemoryConfig, SessionSources, from_env
 from sgl_memory.core.request import FIELD, SpecError, check_id, check_served, encode, parse
 from sgl_memory.core.metrics import STATS
 from sgl_memory.engine.front import TokenizerEngine
+from sgl_memory.engine.hooks import SESSIONS_KEY
 
 NATIVE = "/generate"
 RESPONSES = "/v1/responses"
@@ -69,6 +74,17 @@ def mount(server_args, *args, **kwargs):
         return STATS.snapshot()
 
     engine = TokenizerEngine()
+
+    @app.get("/sgl_memory/sessions")
+    async def sgl_memory_sessions(request: Request):
+        try:
+            page = session_page(dict(request.query_params), request.headers.raw, config.sessions)
+        except SpecError as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}, status_code=400)
+        except PermissionError as exc:
+            return JSONResponse({"error": {"message": str(exc), "type": "Forbidden", "code": 403}}, status_code=403)
+        states = await engine.manager.get_internal_state()
+        return list_sessions(states[0].get(SESSIONS_KEY, []) if states else [], *page)
     for cls in mechanism.ordered():
         cls.mount(app, config, engine)
     app.add_middleware(MemoryFieldMiddleware, config=config)
@@ -123,6 +139,43 @@ def with_chain(raw, body: dict):
     except SpecError:
         return raw  # not an id a session can have: the response is served without one
     return {**(raw or {}), "session_id": session}
+
+
+MAX_PAGE = 1000  # sessions per page of GET /sgl_memory/sessions
+
+
+def session_page(query: dict[str, str], headers: list[tuple[bytes, bytes]], sources: SessionSources) -> tuple[str | None, int, int]:
+    """GET /sgl_memory/sessions' query: (tenant, offset, limit). A caller whose gateway names its
+    tenant (x-tenant-id, where allowed) sees that tenant's sessions only: asking for another's is a
+    PermissionError (403). Bad parameters: SpecError (400) naming the parameter."""
+    unknown = sorted(set(query) - {"tenant", "offset", "limit"})
+    if unknown:
+        raise SpecError(f"unknown query parameter(s) {', '.join(unknown)}; allowed: tenant, offset, limit")
+    offset, limit = (_count(query, name, default, low, high) for name, default, low, high in (("offset", 0, 0, None), ("limit", 100, 1, MAX_PAGE)))
+    caller = with_headers(None, headers, sources)  # checks the header as the generate routes do
+    caller = (caller or {}).get("tenant")
+    asked = check_id(query.get("tenant"), "tenant", "query parameter tenant")
+    if caller is not None and asked not in (None, caller):
+        raise PermissionError(f"header {TENANT_HEADER} limits this caller to tenant {caller!r}")
+    return caller or asked, offset, limit
+
+
+def _count(query: dict[str, str], name: str, default: int, low: int, high: int | None) -> int:
+    raw = query.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or int(raw) < low or (high is not None and int(raw) > high):
+        raise SpecError(f"query parameter {name} must be an integer from {low}{f' to {high}' if high else ' up'}, got {raw!r}")
+    return int(raw)
+
+
+def list_sessions(sessions: list[dict], tenant: str | None, offset: int, limit: int) -> dict:
+    """One page of the sessions (as the scheduler described them), most recently used first, of
+    one tenant where `tenant` is given (the default tenant: sessions that name none)."""
+    if tenant is not None:
+        sessions = [s for s in sessions if (s.get("tenant") or "") == tenant]
+    ordered = sorted(sessions, key=lambda s: s.get("last_use", 0.0), reverse=True)
+    return {"total": len(ordered), "offset": offset, "limit": limit, "sessions": ordered[offset : offset + limit]}
 
 
 def _one(values: list[str], header: str) -> str | None:

@@ -264,6 +264,18 @@ class SglMemoryRadixCache(RadixCache):
             if own:
                 m.import_session(key, own)
 
+    def describe_sessions(self) -> list[dict]:
+        """Every session this server holds, least recently used first: its tenant, id and last use,
+        and what each mechanism says of its slot (Mechanism.describe_session): sizes, no contents."""
+        out = []
+        for (tenant, session_id), used, slots in self.sessions.snapshot():
+            row = {"tenant": tenant or None, "session_id": session_id, "last_use": round(used, 3)}
+            for m in self.mechanisms:
+                if m.name in slots:
+                    row.update(m.describe_session(slots[m.name]))
+            out.append(row)
+        return out
+
     # --- the KV host (kvhost.py): what the mechanisms may ask of the tree -------------------------
 
     @property

@@ -132,6 +132,12 @@ class IntentPruner(mechanism.Mechanism):
             out["adaptive_budget"] = torch.tensor([memory.budget.current])
         return out
 
+    def describe_session(self, slot: QueryMemory) -> dict:
+        out = {"query_memory_turns": slot.updates}
+        if slot.budget is not None:
+            out["adaptive_budget"] = slot.budget.current
+        return out
+
     def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
         if "query_memory" not in tensors:
             return

@@ -475,6 +475,11 @@ class MemArtManager(mechanism.Mechanism):
         memory.ingest(self.config.block_size)  # turns still queued belong to it
         return memory.export()
 
+    def describe_session(self, slot: MemArtPool) -> dict:
+        with slot.lock:
+            return {"memory_turns": slot.turns, "memory_blocks": len(slot.blocks), "memory_tokens": slot.tokens,
+                    "memory_bytes": slot.bytes}  # fmt: skip
+
     def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
         memory = self.session(key, create=True)
         if not memory.blocks and not memory.turns:

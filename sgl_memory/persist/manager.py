@@ -78,6 +78,7 @@ class Session:
     state_changed: bool = False  # another mechanism's state of the session changed since the last write
     on_disk: bool = False
     generation: int = 0  # of the session's file as this server last read or wrote it (store.py)
+    stored_bytes: int = 0  # of its file, as this server last wrote or read it (0: none on disk)
     error: str | None = None  # the last write's failure, reported at the session's next turn
     lock: threading.Lock = field(default_factory=threading.Lock)
     io: threading.Lock = field(default_factory=threading.Lock)
@@ -143,6 +144,13 @@ class Restore:
         key = tree.key(self.req.origin_input_ids[:reuse], self.req.extra_key, self.req.cache_salt, branches)
         live = None if self.live is None else self.live[:reuse]
         return Restore(self.req, key, self.match, reuse, self.keys[:, :n], self.values[:, :n], live, branches, self.source)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # another server sharing the store removed it meanwhile
+        return 0
 
 
 def _ids_digest(ids) -> int:
@@ -327,7 +335,7 @@ class SessionPersistence(mechanism.Mechanism):
             if record is None:
                 return None
             session.adopt(record)
-            session.on_disk = True
+            session.on_disk, session.stored_bytes = True, _size(self.files.path(state.tenant, state.session_id))
         self.tree.import_session(session.key(), record.state)
         record.state = {}  # the mechanisms hold it now; the warm tier keeps the path only
         return session
@@ -542,11 +550,12 @@ class SessionPersistence(mechanism.Mechanism):
             finally:
                 record.state, record.state_kv = {}, {}  # the mechanisms hold it; the warm tier keeps the path only
         session.on_disk, session.error = True, None
+        session.stored_bytes = _size(self.files.path(session.tenant, session.session_id))
         for path in self.files.enforce_quota(self.config.quota_bytes):
             logger.info("session store: quota %d bytes: removed %s", self.config.quota_bytes, path.name)
             for _, other in self.tree.sessions.slots(self.name):
                 if self.files.path(other.tenant, other.session_id) == path:
-                    other.on_disk = False
+                    other.on_disk, other.stored_bytes = False, 0
         STORE_BYTES.set(self.files.disk_bytes)
         WARM_BYTES.set(self._trim_warm())
 
@@ -566,6 +575,11 @@ class SessionPersistence(mechanism.Mechanism):
                 finally:
                     session.lock.release()
         return total
+
+    def describe_session(self, slot: Session) -> dict:
+        with slot.lock:
+            live = len(slot.tokens) if slot.live is None else int(slot.live.sum())
+            return {"path_tokens": len(slot.tokens), "live_tokens": live, "stored_bytes": slot.stored_bytes if slot.on_disk else 0}
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every captured turn is written (flush_cache calls this before it empties the tree)."""
