@@ -79,10 +79,9 @@ def mount(server_args, *args, **kwargs):
     async def sgl_memory_sessions(request: Request):
         try:
             page = session_page(dict(request.query_params), request.headers.raw, config.sessions)
-        except SpecError as exc:
-            return JSONResponse({"error": {"message": str(exc), "type": "BadRequestError", "code": 400}}, status_code=400)
-        except PermissionError as exc:
-            return JSONResponse({"error": {"message": str(exc), "type": "Forbidden", "code": 403}}, status_code=403)
+        except (SpecError, PermissionError) as exc:
+            status = 403 if isinstance(exc, PermissionError) else 400
+            return JSONResponse(error_body(status, str(exc)), status_code=status)
         states = await engine.manager.get_internal_state()
         return list_sessions(states[0].get(SESSIONS_KEY, []) if states else [], *page)
     for cls in mechanism.ordered():
@@ -151,7 +150,7 @@ def session_page(query: dict[str, str], headers: list[tuple[bytes, bytes]], sour
     unknown = sorted(set(query) - {"tenant", "offset", "limit"})
     if unknown:
         raise SpecError(f"unknown query parameter(s) {', '.join(unknown)}; allowed: tenant, offset, limit")
-    offset, limit = (_count(query, name, default, low, high) for name, default, low, high in (("offset", 0, 0, None), ("limit", 100, 1, MAX_PAGE)))
+    offset, limit = _count(query, "offset", 0, 0, None), _count(query, "limit", 100, 1, MAX_PAGE)
     caller = with_headers(None, headers, sources)  # checks the header as the generate routes do
     caller = (caller or {}).get("tenant")
     asked = check_id(query.get("tenant"), "tenant", "query parameter tenant")
@@ -380,9 +379,16 @@ async def malformed_is_a_400(original, manager, obj, request=None):
         raise ValueError(f"malformed request: {type(exc).__name__}: {exc}") from exc
 
 
+ERROR_KINDS = {400: "BadRequestError", 403: "Forbidden", 413: "RequestTooLarge"}
+
+
+def error_body(status: int, message: str) -> dict:
+    """An error answer in the shape SGLang's OpenAI routes use."""
+    return {"error": {"message": message, "type": ERROR_KINDS[status], "code": status}}
+
+
 async def _send_error(send, status: int, message: str) -> None:
-    kind = "BadRequestError" if status == 400 else "RequestTooLarge"
-    await _send_json(send, status, {"error": {"message": message, "type": kind, "code": status}})
+    await _send_json(send, status, error_body(status, message))
 
 
 async def _send_json(send, status: int, payload: dict) -> None:
