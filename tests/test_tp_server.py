@@ -50,7 +50,8 @@ def tok():
     return AutoTokenizer.from_pretrained(models.model_dir(MODEL))
 
 
-def start(d: Path, store: Path, tp: int, name: str, *extra: str):
+def spec(d: Path, store: Path, tp: int, name: str, *extra: str) -> tuple:
+    """A server's (command, log, env) for harness.start / start_all."""
     config = d / f"memory-{name}.yaml"
     config.write_text(f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n"
                       f"persist:\n  enabled: true\n  dir: {store}\n  quant: fp32\n"
@@ -60,7 +61,7 @@ def start(d: Path, store: Path, tp: int, name: str, *extra: str):
     # float32: the exact store restores bit for bit; one core per rank (the launcher's default split)
     flags = ["--memory-config", str(config), "--dtype", "float32", "--max-total-tokens", "4096", "--tp-size", str(tp), *extra]
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_CPU_OMP_THREADS_BIND"}
-    return harness.start(command(MODEL, *flags), d / f"{name}.log", env=env)
+    return command(MODEL, *flags), d / f"{name}.log", env
 
 
 def generate(server, ids, memory, n=16):
@@ -143,9 +144,20 @@ T = {"session_id": "t", "tenant": "a"}  # the session whose rank-1 file is left 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tok):
-    d = tmp_path_factory.mktemp("tp1")
-    server = start(d, d / "store", 1, "tp1")
+def servers(tmp_path_factory):
+    """The TP 1 reference and TP 2 server A, started together (each start is mostly waiting on
+    one core); A's store directory."""
+    d = tmp_path_factory.mktemp("tp")
+    tp1, a = harness.start_all([spec(d, d / "store-tp1", 1, "tp1"), spec(d, d / "store", 2, "a")])
+    yield tp1, a, d
+    for server in (tp1, a):
+        if server.proc.poll() is None:
+            harness.stop(server)
+
+
+@pytest.fixture(scope="module")
+def reference(servers, tok):
+    server, _, _ = servers
     try:
         turns, _ = converse(server, tok, S, TURNS)
         return turns, {how: ask(server, tok, S, how) for how in ("keep", "cacheblend")}
@@ -154,12 +166,11 @@ def reference(tmp_path_factory, tok):
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory, tok):
+def tp2(servers, reference, tok):
     """Server A (TP 2) runs S and T, its store is copied once both are written (T's rank-1 file
     then replaced by its copy of a turn before), A answers S's next turn; B starts on the copy."""
-    d = tmp_path_factory.mktemp("tp2")
+    _, a, d = servers
     store, snapshot = d / "store", d / "snapshot"
-    a = start(d, store, 2, "a")
     try:
         turns, next_prompt = converse(a, tok, S, TURNS)
         questions = {how: ask(a, tok, S, how) for how in ("keep", "cacheblend")}
@@ -175,7 +186,7 @@ def tp2(tmp_path_factory, tok):
         after_restart = generate(a, next_prompt, S)  # on the server that never restarted
     finally:
         harness.stop(a)
-    b = start(d, snapshot, 2, "b", "--enable-metrics")
+    b = harness.start(*spec(d, snapshot, 2, "b", "--enable-metrics"))
     yield {"turns": turns, "questions": questions, "t_next": t_next, "next": (next_prompt, after_restart), "b": b}
     harness.stop(b)
 
