@@ -258,9 +258,10 @@ def test_a_chain_of_responses_is_one_session(restarted):
 
     b, store, _, _ = restarted
     client = OpenAI(base_url=b.url + "/v1", api_key="none")
-    first = client.responses.create(model="m", input="Name one river.", max_output_tokens=4, temperature=0)
-    second = client.responses.create(model="m", input="And one lake?", previous_response_id=first.id, max_output_tokens=4, temperature=0)
-    third = client.responses.create(model="m", input="And a sea?", previous_response_id=second.id, max_output_tokens=4, temperature=0)
+    model = client.models.list().data[0].id  # the Responses API refuses a model name the server does not serve
+    first = client.responses.create(model=model, input="Name one river.", max_output_tokens=4, temperature=0)
+    second = client.responses.create(model=model, input="And one lake?", previous_response_id=first.id, max_output_tokens=4, temperature=0)
+    third = client.responses.create(model=model, input="And a sea?", previous_response_id=second.id, max_output_tokens=4, temperature=0)
     assert second.id.startswith(first.id + ".") and third.id.startswith(first.id + ".")
     for later in (second, third):
         assert (later.model_extra or {}).get("sgl_memory", {}).get("text_match") in ("extend", "exact"), later.model_extra
