@@ -24,7 +24,6 @@ import pytest
 from bench import harness
 from conftest import EXACT_QUANT, TEST_MODEL, start_servers, stop_server
 from sgl_memory.core.sessions import ROUTING_HEADER, routing_key
-from sgl_memory.engine.http_api import SESSION_HEADER
 from sgl_memory.persist.store import read_metadata
 from test_persist_server import CONVERSATIONS, SYSTEM, chat, run_turns, session_file, write_config
 
@@ -42,8 +41,7 @@ def replicas(tmp_path_factory):
     a, b = start_servers((TEST_MODEL, d / "a.log", *flags), (TEST_MODEL, d / "b.log", *flags))
     router = None
     try:
-        # the routing key: our header, else the session a client names by header alone
-        router = harness.start_router([a, b], d / "router.log", "--routing-key-headers", ROUTING_HEADER, SESSION_HEADER)
+        router = harness.start_router([a, b], d / "router.log")
         yield a, b, router, store
     finally:
         for server in (router, a, b):  # the failover test killed one: stopping it only unregisters it
@@ -125,27 +123,6 @@ def test_a_session_served_by_both_replicas_continues_from_its_newest_stored_turn
     for _, _, metrics in got[1:]:
         assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, metrics
     assert generation(store, session) == 3  # one history: A's turn 3 continued B's turn 2
-
-
-def test_a_client_naming_its_session_by_header_alone_stays_on_one_replica(replicas):
-    """`x-session-id` and nothing else (no sgl_memory field, no routing key), as an agent
-    framework sends it: the router hashes that header (`--routing-key-headers`) and the server reads
-    it as the session. Three sessions of three turns: every turn of one reaches one replica and
-    finds the session's path in that replica's tree."""
-    a, b, router, _ = replicas
-    for k in range(3):
-        client, messages, seen = dataclasses.replace(router, headers={SESSION_HEADER: f"by-header-{k}"}), [SYSTEM], []
-        for text in CONVERSATIONS[k]:
-            messages.append({"role": "user", "content": text})
-            body = {"model": "m", "messages": messages, "max_tokens": 24, "temperature": 0}
-            r, replica = served((a, b), lambda: client.post("/v1/chat/completions", body))
-            assert r.status_code == 200, r.text
-            out = r.json()
-            messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
-            seen.append((replica.url, out["sgl_memory"]))
-        assert len({url for url, _ in seen}) == 1, seen
-        assert seen[0][1]["text_match"] is None  # a session, new
-        assert all(m["text_match"] in ("extend", "exact") and not m["restored_tokens"] for _, m in seen[1:]), seen
 
 
 def test_a_killed_replicas_session_continues_on_the_other_through_the_router(replicas):
