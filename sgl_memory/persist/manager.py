@@ -43,7 +43,7 @@ from sgl_memory.core.sessions import session_key
 from sgl_memory.core.slots import Slot
 from sgl_memory.persist import textmatch
 from sgl_memory.persist.settings import PersistConfig
-from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError, WriteConflict
+from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError, WriteConflict, digest63
 from sgl_memory.core.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -153,8 +153,6 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _ids_digest(ids) -> int:
-    return int.from_bytes(hashlib.blake2b(array("q", ids).tobytes(), digest_size=8).digest(), "little") >> 1
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -425,7 +423,7 @@ class SessionPersistence(mechanism.Mechanism):
         session): of the same prompt (a text match that rewrote it on some ranks only is undone),
         as many tokens as the rank that can restore the fewest. `plan` itself without tensor
         parallelism."""
-        (ids, reuse), (ids_high, _) = self.tree.rank_range([_ids_digest(req.origin_input_ids), plan.reuse if plan else 0])
+        (ids, reuse), (ids_high, _) = self.tree.rank_range([digest63(array("q", req.origin_input_ids).tobytes()), plan.reuse if plan else 0])
         if ids != ids_high:
             logger.error("session store: the tensor-parallel ranks matched the prompt to different stored paths; "
                          "restoring none, the turn is served by normal prefill")  # fmt: skip

@@ -102,17 +102,23 @@ class SessionRecord:
         heads' KV): the path's tokens, namespace, branches and live mask, and the state's names,
         shapes and integer tensors (counters, token ids; the floating ones are the rank's heads).
         63 bits, so a rank_range can compare it."""
-        h = hashlib.blake2b(digest_size=8)
-        h.update(array("q", self.token_ids).tobytes())
-        h.update(json.dumps([self.extra_key, self.branches]).encode())
+        parts = [array("q", self.token_ids).tobytes(), json.dumps([self.extra_key, self.branches]).encode()]
         if self.live is not None:
-            h.update(self.live.to(torch.uint8).numpy().tobytes())
+            parts.append(self.live.to(torch.uint8).numpy().tobytes())
         for name in sorted(self.state):
             t = self.state[name]
-            h.update(f"{name}{list(t.shape)}".encode())
+            parts.append(f"{name}{list(t.shape)}".encode())
             if not t.is_floating_point():
-                h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        return int.from_bytes(h.digest(), "little") >> 1
+                parts.append(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return digest63(*parts)
+
+
+def digest63(*parts: bytes) -> int:
+    """A 63-bit digest of byte strings (non-negative in an int64: ranks compare it by all-reduce)."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(part)
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def _alive(tmp_name: str) -> bool:
