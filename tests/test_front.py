@@ -4,6 +4,8 @@ request objects: each prompt's sgl_memory field, whether it is a batch, and the 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from sglang.srt.managers.io_struct import GenerateReqInput
@@ -41,3 +43,12 @@ def test_a_field_that_is_not_json_is_a_spec_error():
     obj = GenerateReqInput(text="hi", sampling_params={"custom_params": {FIELD: "{nope"}})
     with pytest.raises(SpecError, match="not valid JSON"):
         IncomingRequest(obj).fields()
+
+
+def test_a_client_process_knows_every_mechanisms_keys_before_it_parses_a_field():
+    """frontend.MemoryEndpoint builds the field from request.keys() in a client's process, which
+    never parsed a field: the built-in mechanisms' keys must be there all the same (they were not
+    until 2026-11-27, and a frontend program's memory mode was silently dropped)."""
+    code = "from sgl_memory.core.request import keys; print(' '.join(keys()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert {"session_id", "tenant", "budget", "memory", "keep"} <= set(out), out

@@ -265,9 +265,11 @@ def test_openai_api_and_streaming_carry_memory_mode(mem_server, stated):
     assert r.status_code == 200, r.text
     assert "Pepper" in r.json()["choices"][0]["message"]["content"] and r.json()["sgl_memory"]["retrieved_blocks"] == 4
     with requests.post(mem_server.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=300) as s:
-        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                       for line in s.iter_lines(decode_unicode=True) if line.startswith("data: {"))  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in s.iter_lines(decode_unicode=True) if line.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert "Pepper" in text
+    # the last chunk (no choices, as OpenAI's usage chunk) reports the streamed request's recall
+    assert chunks[-1]["choices"] == [] and chunks[-1]["sgl_memory"]["retrieved_blocks"] == 4, chunks[-1]
 
 
 @pytest.mark.parametrize(

@@ -170,6 +170,7 @@ def object_at(raw: dict, key: str, allowed: tuple[str, ...]) -> tuple[dict | Non
 
 def keys() -> tuple[str, ...]:
     """Every key a client may set in the field: the common ones and the registered mechanisms'."""
+    mechanism.discover()  # a client process (frontend.MemoryEndpoint) may not have imported them yet
     return COMMON + tuple(f for cls in mechanism.ordered() for f in cls.fields)
 
 
