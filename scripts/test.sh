@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --dev smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
-exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=30 "$@"

@@ -239,7 +239,7 @@ def test_the_bcp_cli_answers_a_question_on_a_real_server(server, tmp_path):
     and got blocks back from the session's memory instead, and agreement was asked at each of the full
     cache's decision points."""
     argv = ["--url", server.url, "--workload", "bcp", "--methods", "full cache", "intentkv-memory/*", "kv memory",
-            "--budgets", "32", "--memory-window", "1", "--tasks", "locomo-c0-*", "--limit", "1", "--max-steps", "3",
+            "--budgets", "32", "--memory-window", "1", "--tasks", "locomo-c0-*", "--limit", "1", "--max-steps", "2",
             "--max-tokens", "64", "--snippet-words", str(SNIPPET), "--agreement", "--out", str(tmp_path)]  # fmt: skip
     run.main(argv)
     traces = {t["method"]: t for t in map(json.loads, (tmp_path / "agent_bcp.traces.jsonl").read_text().splitlines())}

@@ -13,7 +13,7 @@ its store is copied once turn 20 is written (the file then holds turn 20's prune
 mask, the QueryMemory and the memory pool), A answers turn 21, and server B, started on the copy,
 answers turn 21 again. A store in the pool's dtype restores bit-identical KV and the QueryMemory and
 the pool are stored exactly, so B must prune the same positions and answer the same greedy tokens.
-Each pair runs the same session for 12 turns, restarting at turn 6 where persistence is on.
+Each pair runs the same session for 8 turns, restarting at turn 4 where persistence is on.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class Case:
 
 CASES = {
     "all": Case(("intent", "persist", "memory", "sentencekv"), 39, 20),
-    "intent+persist": Case(("intent", "persist"), 12, 6),
-    "memory+persist": Case(("persist", "memory"), 12, 6),
-    "intent+memory": Case(("intent", "memory"), 12, None),
+    "intent+persist": Case(("intent", "persist"), 8, 4),
+    "memory+persist": Case(("persist", "memory"), 8, 4),
+    "intent+memory": Case(("intent", "memory"), 8, None),
 }
 SECTIONS = {
     "intent": f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n",
