@@ -1,6 +1,7 @@
 """Intent pruning, session persistence and KV memory together in one real server (SmolLM2-135M,
 the pool in the dtype the launcher picks for this CPU, the session store in that same dtype): all
-three with SentenceKV's decode-time reads on too, and each pair on its own server.
+three with SentenceKV's decode-time reads on too, and the pairs with persistence on their own server
+(intent and memory without persistence: tests/test_agent_clients_server.py, every request both).
 
 All three: one agent session of 40 turns: each turn brings a tool observation and a question, and the client
 resends its whole history (full-history turns), which intent prunes to a small budget (the
@@ -13,7 +14,7 @@ its store is copied once turn 20 is written (the file then holds turn 20's prune
 mask, the QueryMemory and the memory pool), A answers turn 21, and server B, started on the copy,
 answers turn 21 again. A store in the pool's dtype restores bit-identical KV and the QueryMemory and
 the pool are stored exactly, so B must prune the same positions and answer the same greedy tokens.
-Each pair runs the same session for 8 turns, restarting at turn 4 where persistence is on.
+Each pair runs the same session for 8 turns, restarting at turn 4.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def observation(turn: int) -> dict:
 class Case:
     mechanisms: tuple[str, ...]
     turns: int  # full-history turns before the memory-mode question
-    restart: int | None  # the turn after which the server restarts (with persistence)
+    restart: int  # the turn after which the server restarts
 
     def has(self, name: str) -> bool:
         return name in self.mechanisms
@@ -62,7 +63,6 @@ CASES = {
     "all": Case(("intent", "persist", "memory", "sentencekv"), 39, 20),
     "intent+persist": Case(("intent", "persist"), 8, 4),
     "memory+persist": Case(("persist", "memory"), 8, 4),
-    "intent+memory": Case(("intent", "memory"), 8, None),
 }
 SECTIONS = {
     "intent": f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n",
@@ -128,11 +128,11 @@ def wait_written(store: Path, case: Case, turns: int, path_tokens: int, timeout:
 @dataclass
 class Session:
     case: Case
-    server: object  # the server the rest of the session runs on (restarted, where persistence is on)
+    server: object  # the server the rest of the session runs on (restarted)
     messages: list[dict]  # the history up to the restart point
     first: list  # [(answer, usage, metrics)] of the turns before it
-    reference: tuple | None  # the next turn on the server that never restarted
-    stored: Path | None  # the session file at the restart point
+    reference: tuple  # the next turn on the server that never restarted
+    stored: Path  # the session file at the restart point
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -141,12 +141,6 @@ def session(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param.replace("+", "-"))
     store, snapshot = d / "store", d / "snapshot"
     a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, case, store)))
-    if case.restart is None:
-        messages = [SYSTEM]
-        first = run(a, messages, TURNS[: case.turns])
-        yield Session(case, a, messages, first, None, None)
-        stop_server(a)
-        return
     try:
         messages = [SYSTEM]
         first = run(a, messages, TURNS[: case.restart])
@@ -178,7 +172,6 @@ def test_the_session_is_pruned_to_its_budget_every_turn(session):
 
 
 def test_the_stored_session_holds_the_pruned_path_its_live_mask_and_the_other_mechanisms_state(session):
-    needs(session, "persist")
     with safe_open(str(session.stored), "pt") as f:
         names = set(f.keys())
         meta = f.metadata()
@@ -191,7 +184,6 @@ def test_the_stored_session_holds_the_pruned_path_its_live_mask_and_the_other_me
 
 
 def test_the_turn_after_a_restart_equals_the_turn_on_a_server_that_never_restarted(session):
-    needs(session, "persist")
     turn = session.case.restart + 1
     answer, usage, metrics = chat(session.server, next_turn(session.messages, TURNS[turn - 1]))
     ref_answer, ref_usage, ref = session.reference
@@ -213,8 +205,7 @@ def test_a_fact_from_turn_1_is_recalled_as_kv_at_the_last_turn(session):
 
     messages = list(session.messages)
     done = len(session.first)
-    if session.case.restart is not None:  # the turns after the restart, on the restarted server
-        run(session.server, messages, TURNS[done : session.case.turns])
+    run(session.server, messages, TURNS[done : session.case.turns])  # the turns after the restart, on the restarted server
     answer, usage, metrics = chat(session.server, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={})
     # turn 1 is the pool's first turn (its whole first request): the fact's tokens must be placed
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
@@ -226,7 +217,7 @@ def test_a_fact_from_turn_1_is_recalled_as_kv_at_the_last_turn(session):
     # every mechanism on reports in the one object
     assert metrics["retrieved_blocks"] > 0 and usage["prompt_tokens_details"]["cached_tokens"] >= metrics["memory_kv_tokens"]
     assert (metrics.get("budget") == BUDGET) == session.case.has("intent")
-    assert ("persist_error" in metrics) == session.case.has("persist")
+    assert "persist_error" in metrics
 
 
 def test_sentencekv_reads_part_of_each_pruned_turn_and_the_recall(session):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from sgl_memory.core.spans import RoleMarkers
+
 
 class Incoming(Protocol):
     """One generate request as the HTTP process receives it."""
@@ -28,6 +30,16 @@ class Incoming(Protocol):
     def set_field(self, raw: dict) -> None:
         """Replace the `sgl_memory` field of its one prompt (not a batch) by `raw`."""
 
+    def prompt_ids(self) -> list[int] | None:
+        """Its one prompt's token ids when it came as ids (an OpenAI chat request does); None for a
+        text prompt or a batch."""
+
+    def set_prompt_ids(self, ids: list[int]) -> None:
+        """Replace its one prompt's token ids (a request that came as ids)."""
+
+    def reads_prompt_logprobs(self) -> bool:
+        """Whether it asks for log-probabilities of prompt tokens (at the client's positions)."""
+
 
 class Engine(Protocol):
     """The engine as a mechanism's HTTP side uses it. The tokenizer is there once the server runs
@@ -35,6 +47,9 @@ class Engine(Protocol):
 
     def tokenize(self, text: str) -> list[int]:
         """The text's token ids, without special tokens."""
+
+    def markers(self, family: str) -> RoleMarkers:
+        """The chat template family's role markers in this model's tokenizer (spans.RoleMarkers)."""
 
     def context_len(self) -> int:
         """The longest prompt plus output the model takes, in tokens."""

@@ -35,6 +35,7 @@ class RoleMarkers:
 
     opener: int | None
     roles: dict[str, tuple[int, ...]]
+    tool_result: tuple[tuple[int, ...], ...] = ()  # what may follow a user role name where the message is a tool result
 
     @classmethod
     def from_tokenizer(cls, tokenizer, family: str) -> RoleMarkers:
@@ -43,14 +44,47 @@ class RoleMarkers:
         opener = tokenizer.convert_tokens_to_ids(FAMILIES[family])
         if opener is None or opener == getattr(tokenizer, "unk_token_id", None):
             return cls(None, {})
-        roles = {r: tuple(tokenizer.encode(r, add_special_tokens=False)) for r in ("system", *QUERY_ROLES)}
-        return cls(opener, roles)
+        roles = {r: tuple(tokenizer.encode(r, add_special_tokens=False)) for r in ("system", "assistant", *QUERY_ROLES)}
+        # Qwen's tool results are user messages that open with it after the role's line end; its
+        # ">" may merge with the next newline, or the whole tag be one added token
+        tool = tuple(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in ("\n<tool_response>", "\n<tool_response"))
+        return cls(opener, roles, tool)
 
     def role_at(self, token_ids, pos: int) -> str | None:
         for role, ids in self.roles.items():
             if ids and tuple(token_ids[pos + 1 : pos + 1 + len(ids)]) == ids:
                 return role
         return None
+
+    def messages(self, token_ids) -> list[tuple[int, str | None]]:
+        """(start, role) of each message, in order; a tool result rendered as a user message (Qwen)
+        has the role "tool"."""
+        if self.opener is None:
+            return []
+        out = []
+        for i, t in enumerate(token_ids):
+            if t == self.opener:
+                role = self.role_at(token_ids, i)
+                at = i + 1 + len(self.roles.get("user", ()))
+                if role == "user" and any(tuple(token_ids[at : at + len(tag)]) == tag for tag in self.tool_result if tag):
+                    role = "tool"
+                out.append((i, role))
+        return out
+
+
+def after_answer(token_ids, markers: RoleMarkers) -> int | None:
+    """Where what the client added after the model's last answer starts: the message after the last
+    assistant message before the prompt's own assistant header (None when the prompt holds no
+    answer, or without role markers). A turn's new part: its answer was taken when it was
+    generated, the history before it when it was new."""
+    messages = markers.messages(token_ids)
+    # the prompt's own assistant header (the generation prompt, or an answer's prefix) is not history
+    history = messages[:-1] if messages and messages[-1][1] == "assistant" else messages
+    answers = [k for k, (_, role) in enumerate(history) if role == "assistant"]
+    if not answers:
+        return None
+    k = answers[-1] + 1
+    return messages[k][0] if k < len(messages) else len(token_ids)
 
 
 def find_spans(token_ids, markers: RoleMarkers, query_tail: int) -> Spans:

@@ -4,6 +4,7 @@ and the hook that shows each incoming generate request to the mechanisms (patche
 
 from __future__ import annotations
 
+import functools
 import uuid
 from contextvars import ContextVar
 
@@ -11,6 +12,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sgl_memory.core import mechanism
 from sgl_memory.core.request import decode, encode
+from sgl_memory.core.spans import RoleMarkers
 
 # Set while a mechanism's own pass goes through generate_request (it runs in the caller's task):
 # such a pass skips every before_generate, so a pass cannot trigger another.
@@ -37,6 +39,24 @@ class IncomingRequest:
     def set_field(self, raw: dict) -> None:
         self.obj.sampling_params = _with_field(self.obj.sampling_params, raw)
 
+    def prompt_ids(self) -> list[int] | None:
+        ids = self.obj.input_ids
+        if self.batched() or not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            return None
+        return ids
+
+    def set_prompt_ids(self, ids: list[int]) -> None:
+        self.obj.input_ids = list(ids)
+
+    def reads_prompt_logprobs(self) -> bool:
+        start = self.obj.logprob_start_len
+        return bool(self.obj.return_logprob) and isinstance(start, int) and start >= 0
+
+
+@functools.lru_cache(maxsize=4)
+def _markers(tokenizer, family: str) -> RoleMarkers:
+    return RoleMarkers.from_tokenizer(tokenizer, family)
+
 
 def _with_field(params: dict | None, raw: dict, **overrides) -> dict:
     params = params or {}
@@ -60,6 +80,9 @@ class TokenizerEngine:
 
     def tokenize(self, text: str) -> list[int]:
         return self.manager.tokenizer.encode(text, add_special_tokens=False)
+
+    def markers(self, family: str) -> RoleMarkers:
+        return _markers(self.manager.tokenizer, family)
 
     def context_len(self) -> int:
         return self.manager.context_len

@@ -47,7 +47,7 @@ from sgl_memory.core.kvhost import namespace
 from sgl_memory.core.reuse import REPAIRS, REUSED, ReusedKV
 from sgl_memory.core.rope import Rope
 from sgl_memory.core.slots import Slot
-from sgl_memory.core.spans import RoleMarkers, find_spans
+from sgl_memory.core.spans import RoleMarkers, after_answer, find_spans
 from sgl_memory.core.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ class MemArtTurn:
     recompute: str = "none"  # what repairs the placed blocks (MemArtConfig.recompute)
     memory_start: int = 0  # the placed blocks are positions [memory_start, memory_end) of the request
     memory_end: int = 0
-    turn_start: int = 0  # where the request's last message starts (after the placed blocks)
+    turn_start: int = 0  # where what the request adds to the session starts (after the placed blocks)
+    windowed: int = 0  # history tokens the HTTP side left out of a full-history request (memory.window)
     retrieved_blocks: int = 0
     retrieved_turns: list[int] = field(default_factory=list)
     retrieved_spans: list[list[int]] = field(default_factory=list)  # [turn, offset in turn, tokens] per run (Block.spans)
@@ -86,6 +87,7 @@ class MemArtTurn:
                "retrieval_ms": round(self.retrieval_ms, 3), "memory_blocks": memory_blocks,
                "memory_refused": self.refused}  # fmt: skip
         if self.mode == "retrieve":
+            out["windowed_tokens"] = self.windowed
             out["recompute"] = self.recompute
             if self.recompute not in REPAIRS:  # the keep mechanism reports its own
                 full = self.recompute == "full" and self.memory_end > self.memory_start
@@ -225,15 +227,23 @@ class MemArtManager(mechanism.Mechanism):
         else:
             state = TURNS.set(req, MemArtTurn(owner, "retrieve", store=query.store and not spec.readonly,
                                              recompute=query.recompute or self.config.recompute))  # fmt: skip
-            state.turn_start = self._spans(scheduler, list(req.origin_input_ids)).query_start
+            # what the client added after the last answer (all of it: two tool results are two
+            # messages in some templates), else its last message; not the history it resends
+            ids = list(req.origin_input_ids)
+            start = after_answer(ids, self._markers(scheduler))
+            state.turn_start = start if start is not None else self._spans(scheduler, ids).query_start
+            state.windowed = query.windowed
             t0 = time.perf_counter()
             self._retrieve(scheduler, req, state, query)
             state.retrieval_ms = (time.perf_counter() - t0) * 1000
 
-    def _spans(self, scheduler, ids: list[int]):
+    def _markers(self, scheduler) -> RoleMarkers:
         if self.markers is None:
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
-        return find_spans(ids, self.markers, len(ids))
+        return self.markers
+
+    def _spans(self, scheduler, ids: list[int]):
+        return find_spans(ids, self._markers(scheduler), len(ids))
 
     def _admit_probe(self, scheduler, req, owner, probe_id: str | None, placement: str | None) -> None:
         ids = list(req.origin_input_ids)
@@ -375,8 +385,8 @@ class MemArtManager(mechanism.Mechanism):
             return tree_fill.common_prefix(memory.path, tokens)
         if state.mode == "write":
             return 0  # the prompt is the entry's text
-        # its last message: the history it carries was recorded when it was new, and the system
-        # message and the placed blocks are not the turn
+        # what it added after the last answer (admit): the history it carries was recorded when it
+        # was new, and the system message and the placed blocks are not the turn
         return state.turn_start
 
     def on_checkpoint(self, req, tree):

@@ -16,6 +16,7 @@ import uuid
 
 from sgl_memory.core.config import from_env
 from sgl_memory.core.request import FIELD, SpecError, check_served, parse
+from sgl_memory.memart.window import window
 
 
 def memory_field(request) -> dict | None:
@@ -32,12 +33,21 @@ def memory_field(request) -> dict | None:
 
 
 async def send_probe(request, engine) -> None:
-    """Send the probe of a memory-mode request and point the request at it."""
+    """Send the probe of a memory-mode request and point the request at it. A full-history request
+    of a session past `memory.window` becomes one here (window.py)."""
     raw = memory_field(request)
+    windowed = 0
     if raw is None:
-        return
+        raws = request.fields()
+        if request.batched() or not isinstance(raws[0], dict):
+            return
+        config = from_env()
+        windowed = window(request, engine, config.memory, parse(raws[0])) if config.memory.enabled else 0
+        if not windowed:
+            return
+        raw = {**raws[0], "memory": {"mode": "retrieve"}}
     probe_id = uuid.uuid4().hex
     # the placement tells the probe whether its request needs the system message's KV
     placement = {k: v for k, v in raw["memory"].items() if k == "placement"}
     await engine.prefill({**raw, "memory": {"mode": "probe", "probe": probe_id, **placement}}, like=request)
-    request.set_field({**raw, "memory": {**raw["memory"], "probe": probe_id}})
+    request.set_field({**raw, "memory": {**raw["memory"], "probe": probe_id, **({"windowed": windowed} if windowed else {})}})

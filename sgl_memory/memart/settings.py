@@ -46,6 +46,10 @@ class MemArtConfig:
     groups: bool = True
     group_threshold: float = 0.4
     static_after: int = 3
+    # a full-history session request (no `memory` object) whose history is longer than this many
+    # tokens is served in memory mode: its last `window` tokens of messages stay in the prompt, the
+    # older turns come back from the session's memory (memart/window.py); 0: off
+    window: int = 0
 
     def validate(self, path: str) -> None:
         require(self.block_size >= 1, f"{path}.block_size", "an integer >= 1")
@@ -57,6 +61,7 @@ class MemArtConfig:
         require(self.rr_constant >= 0, f"{path}.rr_constant", "a number >= 0")
         require(0 < self.score_layers <= 1, f"{path}.score_layers", "a number in (0, 1]")
         require(self.placed_tokens >= 0, f"{path}.placed_tokens", "an integer >= 0")
+        require(self.window >= 0, f"{path}.window", "an integer >= 0 (tokens; 0: off)")
         require(self.unit != "line" or self.cut == "lines", f"{path}.unit", "block, or line with cut: lines (lines are known where blocks are cut at them)")
 
 
@@ -65,7 +70,7 @@ INTERNAL_MODES = ("probe", "write", "forget")  # sent by the server's own HTTP s
 MAX_TOP_K = 1 << 16
 NAMED = ("norm", "agg", "scoring", "placement", "header", "unit", "recompute")  # options named in the section
 CLIENT_KEYS = ("mode", "top_k", *NAMED, "store", "placed_tokens")
-INTERNAL_KEYS = ("probe", "entry", "embedding", "group", "version", "forget")
+INTERNAL_KEYS = ("probe", "entry", "embedding", "group", "version", "forget", "windowed")
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class MemArtRequest(RequestPart):
     placed_tokens: int | None = None  # 0: no cap
     recompute: str | None = None  # a repair of the placed blocks (KEEP's knobs are `sgl_memory.keep`)
     probe: str | None = None  # internal: the id of the query pass the HTTP hook ran first
+    windowed: int = 0  # internal: history tokens the HTTP hook left out of a full-history request (window.py)
     # internal, the memory entries API (memart/writes.py): mode "write" records the prompt as the
     # entry `entry` (with its sentence `embedding`) or as the joint KV of group `group` at `version`;
     # mode "forget" drops the entries `forget`
@@ -128,7 +134,8 @@ def parse_request(raw: dict, internal: bool) -> MemArtRequest | None:
     return MemArtRequest(mode, integer(body.get("top_k"), 1, MAX_TOP_K, f"{where}.top_k"), store=flag(body.get("store", True), f"{where}.store"),
                          placed_tokens=integer(body.get("placed_tokens"), 0, MAX_BUDGET, f"{where}.placed_tokens"), probe=probe,
                          entry=body.get("entry"), embedding=None if embedding is None else tuple(embedding), group=body.get("group"),
-                         version=body.get("version"), forget=tuple(body.get("forget", ())), **named)  # fmt: skip
+                         version=body.get("version"), forget=tuple(body.get("forget", ())),
+                         windowed=integer(body.get("windowed"), 0, MAX_BUDGET, f"{where}.windowed") or 0, **named)  # fmt: skip
 
 
 def check_request(part: MemArtRequest, config) -> None:

@@ -1,0 +1,223 @@
+"""Clients that send the whole history and no `sgl_memory` body field, on one real server with
+pruning and KV memory on and `memory.window` set (SmolLM2-135M).
+
+- The server's window is the client-side one: a full-history session, windowed by the server, must
+  answer, retrieve and place exactly as a second session whose client sends the same turns itself,
+  cut message by message (tests/test_memart_window.py's reference, rendered by the template) and in
+  explicit memory mode, and a fact from turn 1 that left the window must come back as KV.
+- Real clients from PyPI (the openai SDK, the OpenAI Agents SDK, LangGraph over LangChain's OpenAI
+  chat model) run multi-turn tool-using agents naming their session by the `x-session-id` header
+  alone; the server's responses (read off the clients' HTTP transport) must show the session
+  recognised: the system prompt reused from the tree, one QueryMemory turn more per request, and
+  the windowed turns recalling the session's first fact from its memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import TEST_MODEL, start_server, stop_server
+from sgl_memory import models
+from test_memart_window import reference
+
+pytestmark = pytest.mark.server
+
+WINDOW = 128
+BUDGET = 96
+CONFIG = ("intent:\n  enabled: true\n  budget: {budget}\n  query_tail: 16\n"
+          "memory:\n  enabled: true\n  block_size: 16\n  top_k: 8\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
+          "  placement: after_system\n  window: {window}\n")  # fmt: skip
+SYSTEM = {"role": "system", "content": "You are a brief assistant."}
+FACT = "My locker code is 4812. Please remember it."
+TOPICS = ["rivers", "owls", "copper", "tea", "glaciers", "violins"]
+QUESTION = "What is my locker code?"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("clients")
+    (d / "memory.yaml").write_text(CONFIG.format(budget=BUDGET, window=WINDOW))
+    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"))
+    yield srv
+    stop_server(srv)
+
+
+def generate(server, ids, field, n=12):
+    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": field})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["output_ids"], out["meta_info"]["sgl_memory"]
+
+
+def render(tok, messages):
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def fact_in(metrics, tok) -> bool:
+    """Whether the placed spans hold the fact's number from turn 1 (the pool's turn 0)."""
+    turn_1 = render(tok, [SYSTEM, {"role": "user", "content": FACT}])
+    code = tok.encode(" 4812", add_special_tokens=False)
+    at = next(i for i in range(len(turn_1)) if turn_1[i : i + len(code)] == code)
+    return any(turn == 0 and offset <= at < offset + n for turn, offset, n in metrics["retrieved_spans"])
+
+
+def test_the_server_window_is_the_client_window_and_recalls_turn_1(server, tok):
+    messages, windowed = [SYSTEM], 0
+    for i, text in enumerate([FACT] + [f"Tell me one short fact about {t}." for t in TOPICS] + [QUESTION]):
+        messages.append({"role": "user", "content": text})
+        full = render(tok, messages)
+        got, metrics = generate(server, full, {"session_id": "w", "tenant": "server"})
+        kept = reference(tok, messages, WINDOW)
+        if i > 0 and kept != full:  # the client's own cut, in explicit memory mode (the first request goes whole)
+            want, ref = generate(server, kept, {"session_id": "w", "tenant": "client", "memory": {"mode": "retrieve"}})
+            assert metrics["windowed_tokens"] == len(full) - len(kept) > 0
+            for key in ("retrieved_blocks", "retrieved_spans", "memory_kv_tokens", "memory_blocks", "live_kv_tokens"):
+                assert metrics[key] == ref[key], key
+            windowed += 1
+        else:
+            want, ref = generate(server, full, {"session_id": "w", "tenant": "client"})
+            assert "windowed_tokens" not in metrics and metrics.get("retrieved_blocks", 0) == 0
+        assert got == want, (i, tok.decode(got), tok.decode(want))
+        messages.append({"role": "assistant", "content": tok.decode(got, skip_special_tokens=True)})
+    assert windowed >= 3
+    assert FACT not in tok.decode(kept)  # the question's request left turn 1 out ...
+    assert fact_in(metrics, tok), metrics["retrieved_spans"]  # ... and the memory placed it back
+
+
+# --- real clients ---------------------------------------------------------------------------------
+
+AGENT_SYSTEM = "You are a brief assistant. Use the lookup tool to read items."
+AGENT_TURNS = [FACT, "Look up item A.", "Look up item B.", "Look up item C.", QUESTION]
+
+
+def lookup(item: str) -> str:
+    """Read the sensors of an item."""
+    return f"Item {item}: " + ", ".join(f"sensor {j} read {(ord(item[:1] or 'x') * 37 + j * 11) % 100}" for j in range(12)) + "."
+
+
+# strict: the server constrains the call's arguments to the schema (SmolLM2-135M writes `[]` otherwise)
+LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup", "description": lookup.__doc__, "strict": True,
+               "parameters": {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"],
+                              "additionalProperties": False}}}  # fmt: skip
+
+
+class Transport:
+    """The server's chat completion responses as a client's HTTP transport received them (the
+    frameworks keep the `sgl_memory` field and the usage details to themselves)."""
+
+    def __init__(self):
+        self.responses: list[dict] = []
+
+    def sync(self) -> httpx.Client:
+        return httpx.Client(event_hooks={"response": [self._read]}, timeout=300)
+
+    def asynchronous(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(event_hooks={"response": [self._aread]}, timeout=300)
+
+    def _read(self, response):
+        response.read()
+        self._keep(response)
+
+    async def _aread(self, response):
+        await response.aread()
+        self._keep(response)
+
+    def _keep(self, response):
+        if response.url.path.endswith("/chat/completions"):
+            assert response.status_code == 200, response.text
+            self.responses.append(response.json())
+
+
+def assert_one_session_with_memory(responses: list[dict], last: int) -> None:
+    """The server recognised one session in the client's requests; `last`: how many of them (at the
+    end) answer the question about turn 1."""
+    metrics = [r["sgl_memory"] for r in responses]
+    # one QueryMemory turn more per request: every request reached the same session
+    turns = [m["query_memory_turns"] for m in metrics]
+    assert turns == list(range(turns[0], turns[0] + len(turns))), turns
+    # from the second request on, the system prompt with the tool docs comes from the tree
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in responses[1:])
+    # the history outgrew the window: later requests were cut and served from the session's memory,
+    # and the question about turn 1 got turn 1 back as KV
+    assert any(m.get("windowed_tokens") for m in metrics[:-last])
+    assert any(m.get("windowed_tokens") and 0 in m["retrieved_turns"] for m in metrics[-last:]), metrics[-last:]
+
+
+def model_name(server) -> str:
+    return server.get("/v1/models").json()["data"][0]["id"]
+
+
+def test_the_openai_sdk_agent_names_its_session_by_header_alone(server):
+    from openai import OpenAI
+
+    transport = Transport()
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", default_headers={"x-session-id": "sdk"}, http_client=transport.sync())
+    tools = [LOOKUP_TOOL]
+    messages = [{"role": "system", "content": AGENT_SYSTEM}]
+    for text in AGENT_TURNS:
+        messages.append({"role": "user", "content": text})
+        # each turn: a call the agent runs (required), then its answer from the result (no tools)
+        out = client.chat.completions.create(model=model_name(server), messages=messages, tools=tools, tool_choice="required",
+                                             temperature=0, max_tokens=64)  # fmt: skip
+        call = out.choices[0].message.tool_calls[0]
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call.model_dump()]})
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(json.loads(call.function.arguments)["item"])})
+        out = client.chat.completions.create(model=model_name(server), messages=messages, tools=tools, tool_choice="none",
+                                             temperature=0, max_tokens=16)  # fmt: skip
+        messages.append({"role": "assistant", "content": out.choices[0].message.content or ""})
+    assert_one_session_with_memory(transport.responses, last=2)
+
+
+def test_the_openai_agents_sdk_runs_a_session_by_header(server):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # its traces go to OpenAI's servers by default
+    transport = Transport()
+
+    async def run() -> None:
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", default_headers={"x-session-id": "agents-sdk"},
+                             http_client=transport.asynchronous())  # fmt: skip
+        # each user turn: one decision (a lookup call, required) whose result ends the run. The SDK's
+        # chat completions path sends tools without `strict`; `extra_body` sends the same tool with it
+        agent = Agent(name="reader", instructions=AGENT_SYSTEM, tools=[function_tool(lookup)],
+                      model=OpenAIChatCompletionsModel(model_name(server), client), tool_use_behavior="stop_on_first_tool",
+                      model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice="required",
+                                                   extra_body={"tools": [LOOKUP_TOOL]}))  # fmt: skip
+        history: list = []
+        for text in AGENT_TURNS:
+            result = await Runner.run(agent, history + [{"role": "user", "content": text}], max_turns=2)
+            history = result.to_input_list()
+
+    asyncio.run(run())
+    assert len(transport.responses) == len(AGENT_TURNS)
+    assert_one_session_with_memory(transport.responses, last=1)
+
+
+def test_a_langgraph_agent_over_langchains_openai_model_runs_a_session_by_header(server):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    transport = Transport()
+    model = ChatOpenAI(model=model_name(server), base_url=server.url + "/v1", api_key="none", temperature=0, max_tokens=64,
+                       default_headers={"x-session-id": "langgraph"}, http_client=transport.sync())  # fmt: skip
+    # each user turn: one decision (a lookup call, required, strict) whose result ends the turn
+    lookup_tool = tool(lookup, return_direct=True)
+    graph = create_react_agent(model.bind_tools([lookup_tool], tool_choice="required", strict=True), [lookup_tool], prompt=AGENT_SYSTEM)
+    messages: list = []
+    for text in AGENT_TURNS:
+        messages = graph.invoke({"messages": messages + [("user", text)]}, {"recursion_limit": 4})["messages"]
+        assert messages[-1].type == "tool"  # the turn ended with the tool's result
+    assert len(transport.responses) == len(AGENT_TURNS)
+    assert_one_session_with_memory(transport.responses, last=1)
