@@ -103,6 +103,23 @@ def test_a_streamed_response_gets_its_metrics_in_one_chunk_before_done(cut):
     assert out == want
 
 
+@pytest.mark.parametrize("end", ["completed", "incomplete"])  # incomplete: at max_output_tokens
+@pytest.mark.parametrize("cut", [None, 5, 33])
+def test_a_streamed_responses_request_gets_its_metrics_in_its_last_event(cut, end):
+    rid = "resp_test_stream"
+    STATS.record(rid, {"retrieved_blocks": 3}, {"prompt_tokens": 10})
+    created = {"type": "response.created", "response": {"id": rid, "status": "in_progress"}}
+    delta = {"type": "response.output_text.delta", "delta": "Hi"}
+    done = {"type": f"response.{end}", "response": {"id": rid, "status": end, "output": []}}
+    events = lambda last: b"".join(b"event: " + e["type"].encode() + b"\ndata: " + json.dumps(e).encode() + b"\n\n"  # noqa: E731
+                                   for e in (created, delta, last))  # fmt: skip
+    stream = events(done)
+    parts = [stream] if cut is None else [stream[i : i + cut] for i in range(0, len(stream), cut)]
+    rewriter = MetricsChunk()
+    out = b"".join(rewriter.feed(p, last=False) for p in parts) + rewriter.feed(b"", last=True)
+    assert out == events({**done, "response": {**done["response"], "sgl_memory": {"retrieved_blocks": 3}}})
+
+
 def test_a_stream_of_a_request_without_metrics_passes_unchanged():
     head = {"id": "cmpl-unknown", "object": "text_completion", "created": 7, "model": "m"}
     stream = sse({**head, "choices": [{"index": 0, "text": "x"}]}, b"[DONE]")

@@ -265,6 +265,12 @@ def test_a_chain_of_responses_is_one_session(restarted):
     assert second.id.startswith(first.id + ".") and third.id.startswith(first.id + ".")
     for later in (second, third):
         assert (later.model_extra or {}).get("sgl_memory", {}).get("text_match") in ("extend", "exact"), later.model_extra
+    # streamed, the metrics come in the last event's response (incomplete: max_output_tokens ends it)
+    events = list(client.responses.create(model=model, input="And a bay?", previous_response_id=third.id, max_output_tokens=4,
+                                          temperature=0, stream=True))  # fmt: skip
+    last = events[-1].response
+    assert events[-1].type in ("response.completed", "response.incomplete") and last.id.startswith(first.id + ".")
+    assert (last.model_extra or {}).get("sgl_memory", {}).get("text_match") in ("extend", "exact"), last.model_extra
     flush(b)
     assert session_file(store, first.id).exists()
     assert not session_file(store, second.id).exists() and not session_file(store, third.id).exists()

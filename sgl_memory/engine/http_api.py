@@ -304,9 +304,12 @@ def _with_metrics(send):
 class MetricsChunk:
     """A streamed chat or text completion's events, passed on as they come, with one chunk more
     before `data: [DONE]`: the response's id, object, model and creation time, no choices (as the
-    usage chunk has), and `sgl_memory` (the request has finished when SGLang sends [DONE])."""
+    usage chunk has), and `sgl_memory` (the request has finished when SGLang sends [DONE]). A
+    streamed /v1/responses has no [DONE]: its last event's response (completed, or incomplete at
+    max_output_tokens, or failed) gets it."""
 
     DONE = b"data: [DONE]"
+    FINAL = tuple(b"event: response.%s\ndata: " % end for end in (b"completed", b"incomplete", b"failed"))
 
     def __init__(self):
         self.pending = b""  # an event not complete yet (a body message may end inside one)
@@ -327,8 +330,23 @@ class MetricsChunk:
                 metrics = STATS.lookup(self.head["id"])
                 if metrics is not None:
                     out.append(b"data: " + json.dumps({**self.head, "choices": [], FIELD: metrics}).encode())
+            elif event.startswith(self.FINAL):
+                event = self._final(event)
             out.append(event)
         return b"\n\n".join(out) + (b"" if last else b"\n\n" if out else b"")
+
+    def _final(self, event: bytes) -> bytes:
+        head, data = event.split(b"data: ", 1)
+        try:
+            payload = json.loads(data)
+            response = payload.get("response")
+            metrics = STATS.lookup(response.get("id")) if isinstance(response, dict) else None
+        except (ValueError, RecursionError, AttributeError):
+            return event  # not ours to rewrite
+        if metrics is None:
+            return event
+        response[FIELD] = metrics
+        return head + b"data: " + json.dumps(payload).encode()
 
 
 def responses_field_hook(result, request, *args, **kwargs):
