@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,17 @@ def start_servers(*specs):
 
 
 stop_server = harness.stop
+
+
+def load_example(name: str):
+    """examples/<name>.py as a module (the examples are scripts, not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -21,7 +21,7 @@ from bench import harness
 
 from bench.agent import bcp, bfcl, run
 from bench.agent.loop import prompt_token_ids
-from conftest import start_server, stop_server
+from conftest import load_example, start_server, stop_server
 
 
 # Search hits of 48 words instead of BCP's 384: every search then adds ~400 prompt tokens, not
@@ -300,16 +300,6 @@ def test_the_frontend_research_agent_runs_a_question_in_its_session(server):
             assert workload.tool(action["tool"], {example.ARGUMENT_NAMES[action["tool"]]: action["argument"]}) in text
     if len(steps) > 1:
         assert state.get_meta_info(f"action_{steps[1]}")["cached_tokens"] > 0
-
-
-def load_example(name: str):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_mcp_server_serves_bcps_tools_with_the_workloads_retrieval():

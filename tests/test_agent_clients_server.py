@@ -6,22 +6,19 @@ pruning and KV memory on and `memory.window` set (SmolLM2-135M).
   cut message by message (tests/test_memart_window.py's reference, rendered by the template) and in
   explicit memory mode, and a fact from turn 1 that left the window must come back as KV.
 - Real clients from PyPI (the openai SDK, the OpenAI Agents SDK, LangGraph over LangChain's OpenAI
-  chat model) run multi-turn tool-using agents naming their session by the `x-session-id` header
-  alone; the server's responses (read off the clients' HTTP transport) must show the session
+  chat model), as examples/framework_agents.py runs them, run multi-turn tool-using agents naming
+  their session by the `x-session-id` header alone; the server's responses (read off the clients'
+  HTTP transport) must show the session
   recognised: the system prompt reused from the tree, one QueryMemory turn more per request, and
   the windowed turns recalling the session's first fact from its memory.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TEST_MODEL, start_server, stop_server
+from conftest import TEST_MODEL, load_example, start_server, stop_server
 from sgl_memory import models
 from test_memart_window import reference
 
@@ -94,48 +91,7 @@ def test_the_server_window_is_the_client_window_and_recalls_turn_1(server, tok):
     assert fact_in(metrics, tok), metrics["retrieved_spans"]  # ... and the memory placed it back
 
 
-# --- real clients ---------------------------------------------------------------------------------
-
-AGENT_SYSTEM = "You are a brief assistant. Use the lookup tool to read items."
-AGENT_TURNS = [FACT, "Look up item A.", "Look up item B.", "Look up item C.", QUESTION]
-
-
-def lookup(item: str) -> str:
-    """Read the sensors of an item."""
-    return f"Item {item}: " + ", ".join(f"sensor {j} read {(ord(item[:1] or 'x') * 37 + j * 11) % 100}" for j in range(12)) + "."
-
-
-# strict: the server constrains the call's arguments to the schema (SmolLM2-135M writes `[]` otherwise)
-LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup", "description": lookup.__doc__, "strict": True,
-               "parameters": {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"],
-                              "additionalProperties": False}}}  # fmt: skip
-
-
-class Transport:
-    """The server's chat completion responses as a client's HTTP transport received them (the
-    frameworks keep the `sgl_memory` field and the usage details to themselves)."""
-
-    def __init__(self):
-        self.responses: list[dict] = []
-
-    def sync(self) -> httpx.Client:
-        return httpx.Client(event_hooks={"response": [self._read]}, timeout=300)
-
-    def asynchronous(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(event_hooks={"response": [self._aread]}, timeout=300)
-
-    def _read(self, response):
-        response.read()
-        self._keep(response)
-
-    async def _aread(self, response):
-        await response.aread()
-        self._keep(response)
-
-    def _keep(self, response):
-        if response.url.path.endswith("/chat/completions"):
-            assert response.status_code == 200, response.text
-            self.responses.append(response.json())
+# --- real clients: examples/framework_agents.py, run as the example runs them --------------------
 
 
 def assert_one_session_with_memory(responses: list[dict], last: int) -> None:
@@ -153,71 +109,11 @@ def assert_one_session_with_memory(responses: list[dict], last: int) -> None:
     assert any(m.get("windowed_tokens") and 0 in m["retrieved_turns"] for m in metrics[-last:]), metrics[-last:]
 
 
-def model_name(server) -> str:
-    return server.get("/v1/models").json()["data"][0]["id"]
-
-
-def test_the_openai_sdk_agent_names_its_session_by_header_alone(server):
-    from openai import OpenAI
-
-    transport = Transport()
-    client = OpenAI(base_url=server.url + "/v1", api_key="none", default_headers={"x-session-id": "sdk"}, http_client=transport.sync())
-    tools = [LOOKUP_TOOL]
-    messages = [{"role": "system", "content": AGENT_SYSTEM}]
-    for text in AGENT_TURNS:
-        messages.append({"role": "user", "content": text})
-        # each turn: a call the agent runs (required), then its answer from the result (no tools)
-        out = client.chat.completions.create(model=model_name(server), messages=messages, tools=tools, tool_choice="required",
-                                             temperature=0, max_tokens=64)  # fmt: skip
-        call = out.choices[0].message.tool_calls[0]
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call.model_dump()]})
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(json.loads(call.function.arguments)["item"])})
-        out = client.chat.completions.create(model=model_name(server), messages=messages, tools=tools, tool_choice="none",
-                                             temperature=0, max_tokens=16)  # fmt: skip
-        messages.append({"role": "assistant", "content": out.choices[0].message.content or ""})
-    assert_one_session_with_memory(transport.responses, last=2)
-
-
-def test_the_openai_agents_sdk_runs_a_session_by_header(server):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-    from openai import AsyncOpenAI
-
-    set_tracing_disabled(True)  # its traces go to OpenAI's servers by default
-    transport = Transport()
-
-    async def run() -> None:
-        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", default_headers={"x-session-id": "agents-sdk"},
-                             http_client=transport.asynchronous())  # fmt: skip
-        # each user turn: one decision (a lookup call, required) whose result ends the run. The SDK's
-        # chat completions path sends tools without `strict`; `extra_body` sends the same tool with it
-        agent = Agent(name="reader", instructions=AGENT_SYSTEM, tools=[function_tool(lookup)],
-                      model=OpenAIChatCompletionsModel(model_name(server), client), tool_use_behavior="stop_on_first_tool",
-                      model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice="required",
-                                                   extra_body={"tools": [LOOKUP_TOOL]}))  # fmt: skip
-        history: list = []
-        for text in AGENT_TURNS:
-            result = await Runner.run(agent, history + [{"role": "user", "content": text}], max_turns=2)
-            history = result.to_input_list()
-
-    asyncio.run(run())
-    assert len(transport.responses) == len(AGENT_TURNS)
-    assert_one_session_with_memory(transport.responses, last=1)
-
-
-def test_a_langgraph_agent_over_langchains_openai_model_runs_a_session_by_header(server):
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
-    from langgraph.prebuilt import create_react_agent
-
-    transport = Transport()
-    model = ChatOpenAI(model=model_name(server), base_url=server.url + "/v1", api_key="none", temperature=0, max_tokens=64,
-                       default_headers={"x-session-id": "langgraph"}, http_client=transport.sync())  # fmt: skip
-    # each user turn: one decision (a lookup call, required, strict) whose result ends the turn
-    lookup_tool = tool(lookup, return_direct=True)
-    graph = create_react_agent(model.bind_tools([lookup_tool], tool_choice="required", strict=True), [lookup_tool], prompt=AGENT_SYSTEM)
-    messages: list = []
-    for text in AGENT_TURNS:
-        messages = graph.invoke({"messages": messages + [("user", text)]}, {"recursion_limit": 4})["messages"]
-        assert messages[-1].type == "tool"  # the turn ended with the tool's result
-    assert len(transport.responses) == len(AGENT_TURNS)
-    assert_one_session_with_memory(transport.responses, last=1)
+@pytest.mark.parametrize("framework, per_turn", [("openai", 2), ("agents-sdk", 1), ("langgraph", 1)])
+def test_a_framework_agent_names_its_session_by_header_alone(server, framework, per_turn):
+    """The openai SDK's loop makes two requests a turn (a required call, an answer from its result);
+    the Agents SDK and LangGraph one (a required call whose result ends the turn)."""
+    example = load_example("framework_agents")
+    responses = example.FRAMEWORKS[framework](server.url, f"client-{framework}")
+    assert len(responses) == len(example.TURNS) * per_turn
+    assert_one_session_with_memory(responses, last=per_turn)
