@@ -1,6 +1,6 @@
 """Make the pinned SGLang import and run on a CPU-only torch.
 
-Two gaps exist on PyPI for CPU machines (../shared/DESIGN.md, section 2):
+Two gaps exist on PyPI for CPU machines (measured on this project's CPU machines):
 - PyPI's torchvision is a CUDA build; it fails to import next to CPU torch because the op schemas
   `torchvision::nms` / `torchvision::qnms` are missing. We define the schemas just before torchvision
   loads. Text models never call them.

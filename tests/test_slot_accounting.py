@@ -1,4 +1,4 @@
-"""Slot accounting of the dead-slot substrate, as a randomized property test (../shared/DESIGN.md, invariants 3-4).
+"""Slot accounting of the dead-slot substrate, as a randomized property test.
 
 The real radix tree (ours), SGLang's real token allocator and req_to_token pool, and the real
 pruner (random scorer, random budgets) go through the scheduler's sequence of calls: match + lock,
@@ -242,7 +242,7 @@ class Sim:
 
     def check_pruned_paths(self, node, branched: bool):
         """A sentinel entry sits only at or after a branch key (intent/paths.py): a path that a
-        plain prefill could have made never leads to pruned KV (../shared/DESIGN.md, invariant 7)."""
+        plain prefill could have made never leads to pruned KV."""
         for child in node.children.values():
             ids, values = list(child.key.token_ids), child.value.tolist()
             branch = 0 if branched else next((i for i, t in enumerate(ids) if t < 0), len(ids))

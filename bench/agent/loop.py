@@ -2,8 +2,8 @@
 
 The agent sends the whole conversation with its tools on every step (the server's radix cache, and
 with sgl-memory the session's pruned path, make the resent history cheap); `tool_choice` is
-"required" because the small models answer in text instead of calling a tool under "auto"
-(../shared/DESIGN.md), so every workload gives the model a tool that ends its turn or its task.
+"required" because the small models answer in text instead of calling a tool under "auto",
+so every workload gives the model a tool that ends its turn or its task.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ bay cobalt daisy fig ginger holly islet jet kiwi larch mint nova orchid plum rye
 amber blossom coral dove echo flint grove hickory inlet jasper krill laurel marble nimbus opal poplar ridge slate
 topaz valley willet yucca aspen beacon cliff drift fennel granite hemlock iceberg juno kingfisher lichen meadow""".split()
 SHAPES = ("orders", "logs", "files", "search")
-# with tools offered, the small models call one instead of answering unless told (../shared/DESIGN.md)
+# with tools offered, the small models call one instead of answering unless told
 ANSWER_ONLY = " Do not call a tool: reply with the value only."
 
 

@@ -3,8 +3,7 @@
 SGLang's radix tree is shared by every request on a server, and a path is found by its tokens. A
 dead-slot path (pruned positions pointing at the sentinel, and KV computed after a pruning) must
 not be found that way, or any request with the same tokens (another session, a request that asked
-for no pruning, a retry under another budget) reads KV that someone else's scorer chose to drop
-(../shared/DESIGN.md, invariant 7).
+for no pruning, a retry under another budget) reads KV that someone else's scorer chose to drop.
 
 A compression event changes a path from its first newly dropped position b on: before b every
 entry is what the path held already, after it some positions are dead and the kept ones, copied
