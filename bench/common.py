@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import subprocess
 import sys
@@ -176,3 +177,14 @@ def bootstrap(clusters: list[list[float]], seed: int = 0, level: float = 0.95, r
     tail = (1 - level) / 2
     mean = sum(s for s, _ in sums) / sum(n for _, n in sums)
     return mean, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
+
+
+def kl(p_top: dict, q_top: dict) -> float:
+    """KL(p || q) over the union of two top-k lists, each renormalised; a token missing from one list
+    gets that list's smallest probability (an upper bound on its true mass)."""
+    keys = set(p_top) | set(q_top)
+    p_floor, q_floor = min(p_top.values()), min(q_top.values())
+    p = {k: math.exp(p_top.get(k, p_floor)) for k in keys}
+    q = {k: math.exp(q_top.get(k, q_floor)) for k in keys}
+    zp, zq = sum(p.values()), sum(q.values())
+    return sum(p[k] / zp * math.log((p[k] / zp) / (q[k] / zq)) for k in keys)

@@ -19,7 +19,6 @@ bench/results/intent_sessions.json and .png.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import re
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, kv_costs, ok, pruning_methods, write_json
+from common import RESULTS, kl, kv_costs, ok, pruning_methods, write_json
 from sgl_memory import models
 from bench import harness
 
@@ -91,17 +90,6 @@ def run_config(server, prompts: list[list[list[int]]], memory: dict | None, tag:
                 "sgl_memory": meta.get("sgl_memory"),
             })  # fmt: skip
     return {"wall_s": time.perf_counter() - t0, "requests": rows}
-
-
-def kl(p_top: dict, q_top: dict) -> float:
-    """KL(p || q) over the union of two top-k lists, each renormalised; a token missing from one list
-    gets that list's smallest probability (an upper bound on its true mass)."""
-    keys = set(p_top) | set(q_top)
-    p_floor, q_floor = min(p_top.values()), min(q_top.values())
-    p = {k: math.exp(p_top.get(k, p_floor)) for k in keys}
-    q = {k: math.exp(q_top.get(k, q_floor)) for k in keys}
-    zp, zq = sum(p.values()), sum(q.values())
-    return sum(p[k] / zp * math.log((p[k] / zp) / (q[k] / zq)) for k in keys)
 
 
 def summarise(run: dict, reference: dict | None, prompt_lens: list[int]) -> dict:

@@ -15,8 +15,8 @@ question five ways:
 - question only: the system message and the question, no session: what the history adds at all.
 At each point: whether the first greedy token is the full cache's, the share of the first
 --tokens greedy tokens before the first difference, and the KL divergence of the first token's
-top-20 distribution from the full cache's (a token outside a method's top 20 takes its 20th
-log-probability). 95% intervals resample whole dialogues. Writes
+top-20 distribution from the full cache's (common.kl: over the union of the two top-20 lists,
+renormalised; a token missing from a list takes that list's smallest probability). 95% intervals resample whole dialogues. Writes
 bench/results/window_fidelity.json and .png.
 
     python bench/window_fidelity.py --model qwen2.5-coder-0.5b-instruct --dialogues 3
@@ -25,14 +25,13 @@ bench/results/window_fidelity.json and .png.
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from common import RESULTS, bootstrap, ok, write_json
+from common import RESULTS, bootstrap, kl, ok, write_json
 from locomo import data
 from persist_restart import FOLLOW_UPS, dialogue, session_of_length
 from bench.agent.loop import windowed
@@ -55,11 +54,6 @@ def generate(server, ids: list[int], field: dict | None, tokens: int) -> dict:
     first = {tok: lp for lp, tok, _ in meta["output_top_logprobs"][0]}
     return {"ids": out["output_ids"], "first": first, "prompt_tokens": meta["prompt_tokens"],
             "prefill_tokens": meta["prompt_tokens"] - meta["cached_tokens"], "metrics": meta.get("sgl_memory") or {}}  # fmt: skip
-
-
-def kl(p: dict[int, float], q: dict[int, float]) -> float:
-    floor = min(q.values())
-    return sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p.items())
 
 
 def prefix_share(a: list[int], b: list[int]) -> float:
