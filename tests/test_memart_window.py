@@ -72,7 +72,7 @@ def test_what_follows_the_last_answer_is_never_cut(tok):
     messages = AGENT + [call(5), result(5, 40), result(6, 40)]
     ids = render(tok, messages)
     markers = RoleMarkers.from_tokenizer(tok, "chatml")
-    new = after_answer(ids, markers)
+    new = after_answer(markers.messages(ids), len(ids))
     assert ids[new:] == render(tok, messages)[len(render(tok, messages[:-2], prompt=False)) :]
     got = cut(ids, markers, 1)
     assert got.ids[-(len(ids) - new) :] == ids[new:]

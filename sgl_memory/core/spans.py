@@ -72,19 +72,19 @@ class RoleMarkers:
         return out
 
 
-def after_answer(token_ids, markers: RoleMarkers) -> int | None:
-    """Where what the client added after the model's last answer starts: the message after the last
-    assistant message before the prompt's own assistant header (None when the prompt holds no
-    answer, or without role markers). A turn's new part: its answer was taken when it was
-    generated, the history before it when it was new."""
-    messages = markers.messages(token_ids)
+def after_answer(messages: list[tuple[int, str | None]], length: int) -> int | None:
+    """Where what the client added after the model's last answer starts, in a prompt of `length`
+    tokens whose `RoleMarkers.messages` are given: the message after the last assistant message
+    before the prompt's own assistant header (None when the prompt holds no answer, or without role
+    markers). A turn's new part: its answer was taken when it was generated, the history before it
+    when it was new."""
     # the prompt's own assistant header (the generation prompt, or an answer's prefix) is not history
     history = messages[:-1] if messages and messages[-1][1] == "assistant" else messages
     answers = [k for k, (_, role) in enumerate(history) if role == "assistant"]
     if not answers:
         return None
     k = answers[-1] + 1
-    return messages[k][0] if k < len(messages) else len(token_ids)
+    return messages[k][0] if k < len(messages) else length
 
 
 def find_spans(token_ids, markers: RoleMarkers, query_tail: int) -> Spans:

@@ -230,7 +230,7 @@ class MemArtManager(mechanism.Mechanism):
             # what the client added after the last answer (all of it: two tool results are two
             # messages in some templates), else its last message; not the history it resends
             ids = list(req.origin_input_ids)
-            start = after_answer(ids, self._markers(scheduler))
+            start = after_answer(self._markers(scheduler).messages(ids), len(ids))
             state.turn_start = start if start is not None else self._spans(scheduler, ids).query_start
             state.windowed = query.windowed
             t0 = time.perf_counter()

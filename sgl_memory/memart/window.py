@@ -49,7 +49,7 @@ def cut(ids: list[int], markers: RoleMarkers, window: int) -> Cut | None:
     if not queries:
         return None
     system_end = messages[1][0] if messages[0][1] == "system" and len(messages) > 1 else 0
-    newest = after_answer(ids, markers)
+    newest = after_answer(messages, len(ids))  # from the same scan
     last = min(queries[-1], newest) if newest is not None else queries[-1]
     candidates = [start for start, role in history if role == "assistant" and system_end < start <= last] + [last]
     start = next((c for c in candidates if len(ids) - c <= window), last)
