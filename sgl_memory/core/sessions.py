@@ -13,6 +13,7 @@ what a slot holds is the mechanism's to guard.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,15 @@ ROUTING_HEADER = "X-SMG-Routing-Key"
 
 def session_key(tenant: str | None, session_id: str) -> SessionKey:
     return (tenant or "", session_id)
+
+
+def digest63(*parts: bytes) -> int:
+    """A 63-bit digest of byte strings (a session's token ids, its stored history): non-negative in
+    an int64, so tensor-parallel ranks can compare it by all-reduce."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(part)
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def routing_key(tenant: str | None, session_id: str) -> str:

@@ -21,12 +21,12 @@ request that asks for memory mode itself.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from sgl_memory.core.sessions import SessionKey, digest63, session_key
 from sgl_memory.core.spans import QUERY_ROLES, RoleMarkers, after_answer
 
 MAX_SESSIONS = 4096  # sessions whose last prompt is remembered; the least recently used beyond are forgotten
@@ -63,8 +63,8 @@ def cut(ids: list[int], markers: RoleMarkers, window: int) -> Cut | None:
     return Cut(kept, dropped) if dropped > 0 else None
 
 
-def _digest(ids) -> bytes:
-    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).digest()
+def _digest(ids) -> int:
+    return digest63(array("q", ids).tobytes())
 
 
 class LastPrompts:
@@ -72,16 +72,16 @@ class LastPrompts:
 
     def __init__(self, limit: int = MAX_SESSIONS):
         self.limit = limit
-        self._last: OrderedDict[tuple[str, str], tuple[int, bytes]] = OrderedDict()
+        self._last: OrderedDict[SessionKey, tuple[int, int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def continues(self, owner: tuple[str, str], ids: list[int]) -> bool:
+    def continues(self, owner: SessionKey, ids: list[int]) -> bool:
         """Whether `ids` start with the session's last prompt."""
         with self._lock:
             before = self._last.get(owner)
         return before is not None and before[0] <= len(ids) and _digest(ids[: before[0]]) == before[1]
 
-    def remember(self, owner: tuple[str, str], ids: list[int]) -> None:
+    def remember(self, owner: SessionKey, ids: list[int]) -> None:
         with self._lock:
             self._last.pop(owner, None)
             self._last[owner] = (len(ids), _digest(ids))
@@ -100,7 +100,7 @@ def window(request, engine, config, spec) -> int:
     ids = request.prompt_ids()
     if ids is None:
         return 0
-    owner = (spec.tenant or "", spec.session_id)
+    owner = session_key(spec.tenant, spec.session_id)
     continues = LAST.continues(owner, ids)
     if not spec.readonly:  # a readonly request adds nothing to the memory: the next must not lean on it
         LAST.remember(owner, ids)

@@ -39,11 +39,11 @@ import torch
 
 from sgl_memory.core import mechanism, metrics, prometheus, tree_fill
 from sgl_memory.core.request import MemorySpec
-from sgl_memory.core.sessions import session_key
+from sgl_memory.core.sessions import digest63, session_key
 from sgl_memory.core.slots import Slot
 from sgl_memory.persist import textmatch
 from sgl_memory.persist.settings import PersistConfig
-from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError, WriteConflict, digest63
+from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError, WriteConflict
 from sgl_memory.core.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -151,8 +151,6 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except FileNotFoundError:  # another server sharing the store removed it meanwhile
         return 0
-
-
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")

@@ -36,6 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
+from sgl_memory.core.sessions import digest63
 from sgl_memory.persist.quant import BITS, GROUP, RAW, Quantized, dequantize, quantize
 
 FORMAT_VERSION = 1
@@ -111,14 +112,6 @@ class SessionRecord:
             if not t.is_floating_point():
                 parts.append(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return digest63(*parts)
-
-
-def digest63(*parts: bytes) -> int:
-    """A 63-bit digest of byte strings (non-negative in an int64: ranks compare it by all-reduce)."""
-    h = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        h.update(part)
-    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def _alive(tmp_name: str) -> bool:
