@@ -8,7 +8,8 @@ haystack the prompt is prefilled once (cache flushed, one token generated), then
 over that cached prompt: each recomputes only what it must (SentenceKV and SnapKV their
 observation window), so all of them read the same prompt KV and a method's prefill is not timed.
 Per request: whether the answer holds the needle's code, the agreement of the generated tokens with
-the full cache's, the decode speed (streamed: first to last token), the KV positions a decode step
+the full cache's, the decode speed (streamed: first to last token; each step's time is kept in the
+request rows, so one long haystack's speeds still have an interval over its steps), the KV positions a decode step
 reads per layer, and the prompt KV that must stay readable (live_kv).
 
 Methods, at the same KV read per step where they have a budget: `full` (our server, every
@@ -101,7 +102,7 @@ def streamed(server, ids: list[int], field: dict | None) -> dict:
                 times.append(time.perf_counter())
     meta = last["meta_info"]
     steps = meta["completion_tokens"] - 1
-    return {"text": last["text"], "output_ids": last["output_ids"], "meta": meta,
+    return {"text": last["text"], "output_ids": last["output_ids"], "meta": meta, "step_s": [b - a for a, b in zip(times, times[1:])],
             "decode_tok_s": steps / (times[-1] - times[0]) if steps > 0 and times[-1] > times[0] else float("nan")}  # fmt: skip
 
 
@@ -132,7 +133,7 @@ def run_server(server, cases, named_fields) -> dict:
         for name, field in named_fields:
             r = streamed(server, ids, field)
             read, live = reads_and_live(name, r)
-            out[(name, *key)] = {"correct": code in r["text"], "output_ids": r["output_ids"], "decode_tok_s": r["decode_tok_s"],
+            out[(name, *key)] = {"correct": code in r["text"], "output_ids": r["output_ids"], "decode_tok_s": r["decode_tok_s"], "step_s": r["step_s"],
                                  "kv_read_per_step": read, "live_kv": live, "prompt_tokens": r["meta"]["prompt_tokens"]}  # fmt: skip
             print(f"{name:>12} ctx={key[0]} depth={key[1]} seed={key[2]}: correct={out[(name, *key)]['correct']} "
                   f"read={read:.0f} tok/s={r['decode_tok_s']:.2f}", flush=True)  # fmt: skip
@@ -262,7 +263,7 @@ def main() -> None:
                      "distractors": args.distractors,
                      "depths": args.depths, "needles": args.needles, "rows": rows,
                      "requests": [{"method": k[0], "context": k[1], "depth": k[2], "seed": k[3],
-                                   **{f: v[f] for f in ("correct", "decode_tok_s", "kv_read_per_step", "live_kv", "prompt_tokens")}}
+                                   **{f: v[f] for f in ("correct", "decode_tok_s", "step_s", "kv_read_per_step", "live_kv", "prompt_tokens")}}
                                   for k, v in per.items()]})  # fmt: skip
     out.with_suffix(".md").write_text(markdown(rows, args))
     plot(rows, out.with_suffix(".png"))
