@@ -5,8 +5,9 @@ The needle haystacks of bench/sentencekv.py do not separate the methods (every o
 needle where the full cache does). Here the prompts are bench/fidelity's decision points (`bcp` by
 default: an oracle's search for a LoCoMo question, the evidence documents it reads, its answer;
 histories of about 0.5-5k tokens) and the measure is fidelity to the full cache on what the agent
-does next. Per trajectory (per conversation for LoCoMo's questions) the cache is flushed; per point the history is prefilled once (a point
-extends the one before it, whose prefix the tree holds), then every method decodes greedily as
+does next. Per trajectory (per conversation for LoCoMo's questions) the cache is flushed; per
+point the history is prefilled once (a point extends the one before it, whose prefix the tree
+holds), then every method decodes greedily as
 many tokens as the gold action has (at most --max-new-tokens) over that cached prompt, with the
 top-20 log-probabilities of every step. Per point and method:
 - `full_match`: the decoded tokens are the full cache's, all of them;
@@ -14,7 +15,7 @@ top-20 log-probabilities of every step. Per point and method:
 - `kl`: the mean, over the steps before the first difference (where the method has generated the
   same tokens as the full cache), of KL(full || method) over the two top-20 lists (common.kl).
   Step 0 is left out: its token comes from the prefill, which every method computes over the whole
-  prompt (SnapKV prunes after it, SentenceKV and pages select from step 1);
+  prompt (SentenceKV and pages select from step 1);
 - `gold_match`: the decoded tokens are the gold action's (an accuracy, meaningful where the full
   cache's are: the tasks the model can do);
 - `kv_read_per_step` (positions a step reads per layer, mean over steps) and `live_kv`.
@@ -24,11 +25,12 @@ sinks and window, as in bench/sentencekv.py): `quest@b` (pages by key bounds, pe
 decision-point fidelity bench/fidelity measures, and with intent on, every request would prefill
 its latest message again (intent scores from its queries), which at bcp's points is the tool's
 result of about 2.6k tokens; the server runs SentenceKV alone. Intervals: 95% bootstrap over
-trajectories (the points of one trajectory are not independent); paired differences to the full
-cache where a metric has one (gold_match). Points whose history is shorter than --min-prompt are not
+trajectories (the points of one trajectory are not independent); gold_match paired against the
+full cache's, SentenceKV's agreement and KL against the pages' at the same budget. Points whose history is shorter than --min-prompt are not
 scored (at the largest budget every method would read about all of it; bcp's searches).
 
     .venv/bin/python -m bench.sentencekv_points [--workloads bcp] [--bcp-questions 2] [--budgets 256]
+    .venv/bin/python -m bench.sentencekv_points --rows bench/results/sentencekv_points.json  # summarise again
 
 Writes bench/results/sentencekv_points.{json,md,png}.
 """
@@ -36,6 +38,7 @@ Writes bench/results/sentencekv_points.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -50,6 +53,8 @@ from sgl_memory import models
 TOP = 20
 FULL = "full"
 METRICS = ("full_match", "agreement", "kl", "gold_match", "kv_read_per_step", "live_kv")
+PEERS = {"sentencekv": "quest"}  # a method and the baseline the paper measures it against, at the same budget
+PAIRED = ("agreement", "kl")  # paired against the peer's at the same points
 
 
 def decode(server, ids: list[int], field: dict, tokens: int) -> dict:
@@ -119,8 +124,10 @@ def run(args) -> list[dict]:
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Per workload and method: each metric's mean with its interval over trajectories; gold_match
-    paired against the full cache's, and over the points where the full cache's is gold."""
+    paired against the full cache's, and over the points where the full cache's is gold; a method
+    with a peer (PEERS) also paired against it."""
     out = []
+    at = {(r["method"], r["trajectory"], r["point"]): r for r in rows}
     full = {(r["trajectory"], r["point"]): r for r in rows if r["method"] == FULL}
     for workload in dict.fromkeys(r["workload"] for r in rows):
         for method in dict.fromkeys(r["method"] for r in rows):
@@ -140,26 +147,38 @@ def summarise(rows: list[dict]) -> list[dict]:
             solved = clusters(lambda r: r["gold_match"], lambda r: full[(r["trajectory"], r["point"])]["gold_match"] == 1.0)
             mean, lo, hi = bootstrap(solved)
             row["gold_match_where_full_solves"] = {"mean": mean, "ci95": [lo, hi], "n": sum(map(len, solved))}
+            family, _, budget = method.partition("@")
+            peer = f"{PEERS[family]}@{budget}" if family in PEERS else None
+            if peer and any(r["method"] == peer for r in rows):
+                row["peer"] = peer
+                for key in PAIRED:
+                    def diff(r, k=key):
+                        other = at[(peer, r["trajectory"], r["point"])][k]
+                        return None if r[k] is None or other is None else r[k] - other
+                    mean, lo, hi = bootstrap(clusters(diff))
+                    row[f"{key}_minus_peer"] = {"mean": mean, "ci95": [lo, hi]}
             out.append(row)
     return out
 
 
-def markdown(summary: list[dict], args) -> str:
+def markdown(summary: list[dict], args, rows_commit: str) -> str:
     def cell(v, fmt=".2f"):
         return f"{v['mean']:{fmt}} [{v['ci95'][0]:{fmt}}, {v['ci95'][1]:{fmt}}]"
 
-    lines = [f"# SentenceKV at decision points ({args.model}, commit {commit()})", "",
+    lines = [f"# SentenceKV at decision points ({args.model}, commit {rows_commit})", "",
              f"Greedy decoding of the gold action's length (at most {args.max_new_tokens} tokens) over the same cached prompt; "
              f"SentenceKV keep_factor {args.keep_factor}. Intervals: 95% bootstrap over trajectories. KL: steps 1.. before "
              "the first difference from the full cache, top-20 lists. gold | full solves: the points where the full cache "
-             "decodes the gold action.", "",
-             "| workload | method | N points | full match | agreement | KL | gold match | gold - full | gold \\| full solves "
-             "| KV read / step | live KV |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "decodes the gold action. - peer: paired against the method's baseline at the same budget (Quest-style pages for "
+             "SentenceKV).", "",
+             "| workload | method | N points | full match | agreement | KL | agreement - peer | KL - peer | gold match "
+             "| gold - full | gold \\| full solves | KV read / step | live KV |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in summary:
         solved = r["gold_match_where_full_solves"]
+        peer = [cell(r[f"{k}_minus_peer"], "+.3f") if "peer" in r else "" for k in PAIRED]
         lines.append(f"| {r['workload']} | {r['method']} | {r['n']} ({r['trajectories']} traj.) | {cell(r['full_match'])} "
-                     f"| {cell(r['agreement'])} | {cell(r['kl'], '.3f')} | {cell(r['gold_match'])} "
+                     f"| {cell(r['agreement'])} | {cell(r['kl'], '.3f')} | {peer[0]} | {peer[1]} | {cell(r['gold_match'])} "
                      f"| {cell(r['gold_match_minus_full'], '+.2f')} | {cell(solved)} (N={solved['n']}) "
                      f"| {r['kv_read_per_step']['mean']:.0f} | {r['live_kv']['mean']:.0f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -200,14 +219,22 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--min-prompt", type=int, default=1024, help="points with a shorter history are not scored")
     ap.add_argument("--out", type=Path, default=RESULTS / "sentencekv_points.json")
+    ap.add_argument("--rows", type=Path, help="summarise the rows of this earlier result again (no server; its settings and commit kept)")
     args = ap.parse_args(argv)
-    rows = run(args)
+    if args.rows:
+        earlier = json.loads(args.rows.read_text())
+        rows, rows_from = earlier["rows"], earlier.get("rows_from", earlier["provenance"])
+        for key in ("model", "budgets", "keep_factor", "max_new_tokens", "workloads"):
+            setattr(args, key, earlier[key])
+    else:
+        rows, rows_from = run(args), {"commit": commit()}
     summary = summarise(rows)
     write_json(args.out, {"model": args.model, "budgets": args.budgets, "keep_factor": args.keep_factor,
-                          "max_new_tokens": args.max_new_tokens, "workloads": args.workloads, "summary": summary, "rows": rows})  # fmt: skip
-    args.out.with_suffix(".md").write_text(markdown(summary, args))
+                          "max_new_tokens": args.max_new_tokens, "workloads": args.workloads, "rows_from": rows_from,
+                          "summary": summary, "rows": rows})  # fmt: skip
+    args.out.with_suffix(".md").write_text(markdown(summary, args, rows_from["commit"]))
     plot(summary, args.out.with_suffix(".png"))
-    print(markdown(summary, args))
+    print(args.out.with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":

@@ -36,3 +36,23 @@ def test_difference_at_step_zero_leaves_no_kl():
     method = {"ids": [2, 2], "top": [SHARP, FLAT]}
     got = compare(method, full, [2, 2])
     assert got["kl"] is None and got["agreement"] == 0.5 and got["gold_match"] == 1.0
+
+
+def test_sentencekv_is_paired_against_pages_at_the_same_points():
+    from bench.sentencekv_points import summarise
+
+    def row(method, trajectory, point, agreement, kl):
+        return {"workload": "w", "method": method, "trajectory": trajectory, "point": point, "prompt_tokens": 100,
+                "full_match": 0.0, "agreement": agreement, "kl": kl, "gold_match": 0.0, "kv_read_per_step": 10.0, "live_kv": 10}  # fmt: skip
+
+    rows = []
+    for t, p in (("a", 0), ("a", 1), ("b", 0)):
+        rows.append(row("full", t, p, 1.0, 0.0))
+    rows += [row("quest@8", "a", 0, 0.5, 0.1), row("quest@8", "a", 1, 1.0, 0.2), row("quest@8", "b", 0, 0.5, None),
+             row("sentencekv@8", "a", 0, 0.25, 0.4), row("sentencekv@8", "a", 1, 1.0, 0.5), row("sentencekv@8", "b", 0, 1.0, 0.3)]  # fmt: skip
+    by = {r["method"]: r for r in summarise(rows)}
+    skv = by["sentencekv@8"]
+    assert skv["peer"] == "quest@8" and "peer" not in by["quest@8"]
+    # agreement: -0.25, 0, +0.5 over three points; KL: +0.3, +0.3 (b's pages have no KL: not paired)
+    assert abs(skv["agreement_minus_peer"]["mean"] - 0.25 / 3) < 1e-12
+    assert abs(skv["kl_minus_peer"]["mean"] - 0.3) < 1e-12
