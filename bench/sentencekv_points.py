@@ -185,6 +185,7 @@ def markdown(summary: list[dict], args, rows_commit: str) -> str:
 
 
 def plot(summary: list[dict], path: Path) -> None:
+    """Per metric, a group of bars per workload: every method but the full cache, with its interval."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,16 +193,17 @@ def plot(summary: list[dict], path: Path) -> None:
 
     keys = (("agreement", "greedy agreement with the full cache"), ("full_match", "whole action = full cache's"),
             ("kl", "KL(full || method), steps before the first difference"))  # fmt: skip
+    workloads = list(dict.fromkeys(r["workload"] for r in summary))
+    names = list(dict.fromkeys(r["method"] for r in summary if r["method"] != FULL))
+    width = 0.8 / len(names)
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4))
     for ax, (key, title) in zip(axes, keys):
-        for family in ("quest", "sentencekv"):
-            mine = sorted((r for r in summary if r["method"].startswith(family + "@")), key=lambda r: r["kv_read_per_step"]["mean"])
-            if not mine:
-                continue
-            x = [r["kv_read_per_step"]["mean"] for r in mine]
-            ax.errorbar(x, [r[key]["mean"] for r in mine], yerr=[[r[key]["mean"] - r[key]["ci95"][0] for r in mine],
-                        [r[key]["ci95"][1] - r[key]["mean"] for r in mine]], marker="o", capsize=3, label=family)  # fmt: skip
-        ax.set_xlabel("KV positions read per step and layer")
+        for i, name in enumerate(names):
+            mine = [next(r for r in summary if r["workload"] == w and r["method"] == name) for w in workloads]
+            ax.bar([x + i * width for x in range(len(workloads))], [r[key]["mean"] for r in mine], width,
+                   yerr=[[r[key]["mean"] - r[key]["ci95"][0] for r in mine], [r[key]["ci95"][1] - r[key]["mean"] for r in mine]],
+                   capsize=3, label=name)  # fmt: skip
+        ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(workloads))], workloads)
         ax.set_title(title, fontsize=9)
     axes[0].legend()
     fig.tight_layout()
