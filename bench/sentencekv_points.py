@@ -7,9 +7,8 @@ default: an oracle's search for a LoCoMo question, the evidence documents it rea
 histories of about 0.5-5k tokens) and the measure is fidelity to the full cache on what the agent
 does next. Per trajectory (per conversation for LoCoMo's questions) the cache is flushed; per
 point the history is prefilled once (a point extends the one before it, whose prefix the tree
-holds), then every method decodes greedily as
-many tokens as the gold action has (at most --max-new-tokens) over that cached prompt, with the
-top-20 log-probabilities of every step. Per point and method:
+holds), then every method decodes greedily as many tokens as the gold action has (at most
+--max-new-tokens) over that cached prompt, with the top-20 log-probabilities of every step. Per point and method:
 - `full_match`: the decoded tokens are the full cache's, all of them;
 - `agreement`: the share of positions where they are (by position);
 - `kl`: the mean, over the steps before the first difference (where the method has generated the
@@ -26,8 +25,9 @@ decision-point fidelity bench/fidelity measures, and with intent on, every reque
 its latest message again (intent scores from its queries), which at bcp's points is the tool's
 result of about 2.6k tokens; the server runs SentenceKV alone. Intervals: 95% bootstrap over
 trajectories (the points of one trajectory are not independent); gold_match paired against the
-full cache's, SentenceKV's agreement and KL against the pages' at the same budget. Points whose history is shorter than --min-prompt are not
-scored (at the largest budget every method would read about all of it; bcp's searches).
+full cache's, SentenceKV's agreement and KL against the pages' at the same budget. Points whose
+history is shorter than --min-prompt are not scored (at the largest budget every method would read
+about all of it; bcp's searches).
 
     .venv/bin/python -m bench.sentencekv_points [--workloads bcp] [--bcp-questions 2] [--budgets 256]
     .venv/bin/python -m bench.sentencekv_points --rows bench/results/sentencekv_points.json  # summarise again
@@ -122,13 +122,21 @@ def run(args) -> list[dict]:
     return rows
 
 
+def interval(clusters: list[list[float]]) -> dict:
+    mean, lo, hi = bootstrap(clusters)
+    return {"mean": mean, "ci95": [lo, hi]}
+
+
 def summarise(rows: list[dict]) -> list[dict]:
     """Per workload and method: each metric's mean with its interval over trajectories; gold_match
     paired against the full cache's, and over the points where the full cache's is gold; a method
     with a peer (PEERS) also paired against it."""
     out = []
     at = {(r["method"], r["trajectory"], r["point"]): r for r in rows}
-    full = {(r["trajectory"], r["point"]): r for r in rows if r["method"] == FULL}
+
+    def full(r: dict) -> dict:
+        return at[(FULL, r["trajectory"], r["point"])]
+
     for workload in dict.fromkeys(r["workload"] for r in rows):
         for method in dict.fromkeys(r["method"] for r in rows):
             mine = [r for r in rows if r["workload"] == workload and r["method"] == method]
@@ -140,13 +148,10 @@ def summarise(rows: list[dict]) -> list[dict]:
             row = {"workload": workload, "method": method, "n": len(mine), "trajectories": len(trajs),
                    "prompt_tokens": sum(r["prompt_tokens"] for r in mine) / len(mine)}  # fmt: skip
             for key in METRICS:
-                mean, lo, hi = bootstrap(clusters(lambda r, k=key: r[k]))
-                row[key] = {"mean": mean, "ci95": [lo, hi]}
-            mean, lo, hi = bootstrap(clusters(lambda r: r["gold_match"] - full[(r["trajectory"], r["point"])]["gold_match"]))
-            row["gold_match_minus_full"] = {"mean": mean, "ci95": [lo, hi]}
-            solved = clusters(lambda r: r["gold_match"], lambda r: full[(r["trajectory"], r["point"])]["gold_match"] == 1.0)
-            mean, lo, hi = bootstrap(solved)
-            row["gold_match_where_full_solves"] = {"mean": mean, "ci95": [lo, hi], "n": sum(map(len, solved))}
+                row[key] = interval(clusters(lambda r, k=key: r[k]))
+            row["gold_match_minus_full"] = interval(clusters(lambda r: r["gold_match"] - full(r)["gold_match"]))
+            solved = clusters(lambda r: r["gold_match"], lambda r: full(r)["gold_match"] == 1.0)
+            row["gold_match_where_full_solves"] = {**interval(solved), "n": sum(map(len, solved))}
             family, _, budget = method.partition("@")
             peer = f"{PEERS[family]}@{budget}" if family in PEERS else None
             if peer and any(r["method"] == peer for r in rows):
@@ -155,8 +160,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                     def diff(r, k=key):
                         other = at[(peer, r["trajectory"], r["point"])][k]
                         return None if r[k] is None or other is None else r[k] - other
-                    mean, lo, hi = bootstrap(clusters(diff))
-                    row[f"{key}_minus_peer"] = {"mean": mean, "ci95": [lo, hi]}
+                    row[f"{key}_minus_peer"] = interval(clusters(diff))
             out.append(row)
     return out
 
