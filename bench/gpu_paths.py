@@ -5,6 +5,8 @@
   default model's shapes (24 layers, 14 query / 2 KV heads, head dim 64).
 - Sentinel compaction of the attention index lists (kernels/compact_kv_indices.py): the Triton
   kernel vs torch's boolean-mask compaction plus a cumsum for the new indptr.
+- SentenceKV's per-step KV index lists (kernels/step_kv_indices.py): the Triton kernel vs torch's
+  boolean-mask gather of each request's read slots (the same lists; the gather syncs on its size).
 - KEEP's layer loading (sgl_memory/keep/loading.py): placed KV from pinned host memory to the GPU on
   a copy stream, `sync` (each layer loads when it starts) vs `next_layer` and `balanced` (loads
   overlap the layer before), under a per-layer stand-in compute; and the same forward with every
@@ -28,6 +30,7 @@ from bench.common import write_json
 from sgl_memory.keep.loading import LOADINGS, LayerLoader
 from sgl_memory.kernels.aabb_score import aabb_scores_torch, aabb_scores_triton
 from sgl_memory.kernels.compact_kv_indices import drop_sentinel_
+from sgl_memory.kernels.step_kv_indices import read_counts, step_kv_indices
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 24, 14, 2, 64, 16
@@ -83,6 +86,25 @@ def compaction(requests: int, slots: int, pruned: float) -> dict:
     return {"requests": requests, "slots": slots, "pruned": pruned, "triton_ms": timed(kernel), "torch_mask_ms": timed(masked)}
 
 
+def step_lists(requests: int, width: int, read: float) -> dict:
+    """One decode step's lists when each request reads a `read` share of its `width` positions
+    (SentenceKV at budget/prompt = read), a tenth of its slots pruned to the sentinel."""
+    sentinel = 0
+    req_to_token = torch.randint(1, 1 << 20, (requests, width), device="cuda", dtype=torch.int32)
+    req_to_token[torch.rand(requests, width, device="cuda") < 0.1] = sentinel
+    rows = torch.arange(requests, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((requests,), width, device="cuda", dtype=torch.int32)
+    reads = torch.rand(requests, width, device="cuda") < read
+    out = torch.empty(requests * width, device="cuda", dtype=torch.int32)
+
+    def masked():
+        slots = req_to_token[rows.long()]
+        return read_counts(req_to_token, rows, seq_lens, reads, sentinel), slots[reads & (slots != sentinel)]
+
+    return {"requests": requests, "width": width, "read": read, "triton_ms": timed(lambda: step_kv_indices(req_to_token, rows, seq_lens, reads, sentinel, out)),
+            "torch_mask_ms": timed(masked)}  # fmt: skip
+
+
 def loading(rows: int, recompute: float) -> dict:
     """A KEEP forward over the default model's layers: each layer waits for its placed rows, then
     runs a stand-in compute; layer l recomputes a shrinking share of rows (KEEP's schedule), so it
@@ -134,10 +156,11 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     panels = [
         ("block scoring (ms)", result["block_scoring"], lambda r: f"T{r['tokens']} N{r['blocks']}", ["triton_ms", "torch_ms", "exact_keys_ms"]),
         ("sentinel compaction (ms)", result["compaction"], lambda r: f"{r['requests']}x{r['slots']}", ["triton_ms", "torch_mask_ms"]),
+        ("SentenceKV step lists (ms)", result["step_lists"], lambda r: f"{r['requests']}x{r['width']}", ["triton_ms", "torch_mask_ms"]),
         ("KEEP layer loading (ms per forward)", result["loading"], lambda r: f"{r['rows']} rows",
          ["on_gpu_ms", *(f"{m}_ms" for m in LOADINGS)]),
     ]  # fmt: skip
@@ -166,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "block_scoring": [block_scoring(t, n) for t, n in ((512, 1024), (512, 4096), (2048, 4096))],
         "compaction": [compaction(r, s, 0.5) for r, s in ((8, 8192), (64, 8192), (256, 32768))],
+        "step_lists": [step_lists(r, w, 0.1) for r, w in ((8, 8192), (64, 8192), (64, 32768), (256, 32768))],
         "loading": [loading(rows, 0.3) for rows in (4096, 16384)],
     }
     write_json(args.out / "gpu_paths.json", result)

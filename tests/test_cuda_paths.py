@@ -27,6 +27,7 @@ from sgl_memory.kernels.aabb_score import aabb_scores, aabb_scores_torch  # noqa
 from sgl_memory.kernels.compact_kv_indices import drop_sentinel_, drop_sentinel_reference  # noqa: E402
 from sgl_memory.kernels.step_kv_indices import step_kv_indices, step_kv_indices_reference  # noqa: E402
 from sgl_memory.persist.quant import dequantize, quantize  # noqa: E402
+from sgl_memory.sentencekv.select import SentenceReads, page_table, sentence_table  # noqa: E402
 from sgl_memory.core.rope import Rope  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -126,6 +127,27 @@ def test_every_scorer_keeps_on_gpu_keys_the_set_it_keeps_on_host_keys(name):
     host = scorers.select(scorer.score(x), 16)
     gpu = scorers.select(scorer.score(keys_on_gpu(x)), 16)
     assert torch.equal(gpu.cpu(), host)
+
+
+@pytest.mark.parametrize("table", [sentence_table, page_table])
+def test_sentencekv_reads_from_gpu_keys_and_queries_what_it_reads_from_host_ones(table):
+    """A CUDA server's pool keys and decode queries are on the GPU: the tables built from them and
+    each step's reads (SentenceKV's sentences, the Quest-style pages) are the host's."""
+    g = torch.Generator().manual_seed(11)
+    layers, pool, prompt = 3, 120, 400
+    positions = [torch.randperm(prompt, generator=g)[:pool].sort().values for _ in range(layers)]
+    groups = torch.arange(prompt) // 17
+    keys = torch.randn(layers, pool, 2, 64, generator=g).to(torch.bfloat16)
+    queries = torch.randn(4, layers, 14, 64, generator=g).to(torch.bfloat16)
+    ends = torch.rand(1000, generator=g) < 0.1
+
+    def steps(device):
+        tables = [table(positions[i], groups, keys[i].to(device)) for i in range(layers)]
+        reads = SentenceReads(torch.tensor([0, 1, 399]), tables, prompt, budget=60, interval=2, ends=ends.numpy())
+        return [reads.positions(layer, queries[s, layer].to(device), s * 7, prompt + s).tolist()
+                for s in range(4) for layer in range(layers)]  # fmt: skip
+
+    assert steps(CUDA) == steps("cpu")
 
 
 def test_re_rotating_gpu_keys_equals_the_host():
