@@ -101,7 +101,8 @@ def test_the_loader_copies_each_layers_rows_to_the_gpu_on_its_own_stream(mode):
 
 
 def on_gpu(v: LayerView) -> LayerView:
-    return LayerView(*(getattr(v, f.name).to(CUDA) for f in fields(v)))
+    """The view with every tensor on the GPU (`reduce` is the tree's function, not a tensor)."""
+    return replace(v, **{f.name: getattr(v, f.name).to(CUDA) for f in fields(v) if isinstance(getattr(v, f.name), torch.Tensor)})
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
