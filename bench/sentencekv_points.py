@@ -20,7 +20,8 @@ holds), then every method decodes greedily as many tokens as the gold action has
 - `kv_read_per_step` (positions a step reads per layer, mean over steps) and `live_kv`.
 Methods, per budget b (the prompt tokens a step reads from what it retrieves, besides the always-read
 sinks and window, as in bench/sentencekv.py): `quest@b` (pages by key bounds, per step) and
-`sentencekv@b` (the paper's method), against `full`. SnapKV is not here: it is intent pruning, whose
+`sentencekv@b` (the paper's method), against `full`; with --system also each with the system
+message always read (`quest+system@b`, `sentencekv+system@b`: the section's `system` setting). SnapKV is not here: it is intent pruning, whose
 decision-point fidelity bench/fidelity measures, and with intent on, every request would prefill
 its latest message again (intent scores from its queries), which at bcp's points is the tool's
 result of about 2.6k tokens; the server runs SentenceKV alone. Intervals: 95% bootstrap over
@@ -29,7 +30,7 @@ full cache's, SentenceKV's agreement and KL against the pages' at the same budge
 history is shorter than --min-prompt are not scored (at the largest budget every method would read
 about all of it; bcp's searches).
 
-    .venv/bin/python -m bench.sentencekv_points [--workloads bcp] [--bcp-questions 2] [--budgets 256]
+    .venv/bin/python -m bench.sentencekv_points [--workloads bcp] [--bcp-questions 2] [--budgets 256] [--system]
     .venv/bin/python -m bench.sentencekv_points --rows bench/results/sentencekv_points.json  # summarise again
 
 Writes bench/results/sentencekv_points.{json,md,png}.
@@ -53,7 +54,11 @@ from sgl_memory import models
 TOP = 20
 FULL = "full"
 METRICS = ("full_match", "agreement", "kl", "gold_match", "kv_read_per_step", "live_kv")
-PEERS = {"sentencekv": "quest"}  # a method and the baseline the paper measures it against, at the same budget
+SYSTEM = "+system"  # a method with the system message always read (the section's `system`)
+# what each method is paired against at the same budget: SentenceKV against the baseline the paper
+# measures it against (Quest-style pages), a `system` variant against its peer with the same reads
+# and against itself without them
+PEERS = {"sentencekv": ("quest",), f"sentencekv{SYSTEM}": (f"quest{SYSTEM}", "sentencekv"), f"quest{SYSTEM}": ("quest",)}
 PAIRED = ("agreement", "kl")  # paired against the peer's at the same points
 
 
@@ -84,7 +89,11 @@ def run(args) -> list[dict]:
     trajectories = P.load(tokenizer, args.workloads, args)
     named = [(FULL, methods(args.budgets[0], args.keep_factor)[0][1])]
     for b in args.budgets:
-        named += [(f"{name}@{b}", field) for name, field in methods(b, args.keep_factor) if name in ("quest", "sentencekv")]
+        for name, field in methods(b, args.keep_factor):
+            if name in ("quest", "sentencekv"):
+                named.append((f"{name}@{b}", field))
+                if args.system:
+                    named.append((f"{name}{SYSTEM}@{b}", {"sentencekv": {**field["sentencekv"], "system": True}}))
     scored = sum(len(pt.history) >= args.min_prompt for t in trajectories for pt in t.points)
     longest = max(len(pt.history) for t in trajectories for pt in t.points)
     total = str(2 * (longest + args.max_new_tokens) + 64)  # room for the longest prompt and what the tree still holds
@@ -112,7 +121,7 @@ def run(args) -> list[dict]:
                     tokens = min(len(pt.gold), args.max_new_tokens)
                     runs = {name: decode(server, pt.history, field, tokens) for name, field in named}
                     for name, r in runs.items():
-                        read, live = reads_and_live(name.split("@")[0], {"meta": r["meta"]})
+                        read, live = reads_and_live(name.split("@")[0].removesuffix(SYSTEM), {"meta": r["meta"]})
                         rows.append({"workload": t.workload, "trajectory": t.id, "point": i, "label": pt.label, "method": name,
                                      "prompt_tokens": len(pt.history), "tokens": tokens, "kv_read_per_step": read,
                                      "live_kv": live, **compare(r, runs[FULL], pt.gold)})  # fmt: skip
@@ -130,7 +139,7 @@ def interval(clusters: list[list[float]]) -> dict:
 def summarise(rows: list[dict]) -> list[dict]:
     """Per workload and method: each metric's mean with its interval over trajectories; gold_match
     paired against the full cache's, and over the points where the full cache's is gold; a method
-    with a peer (PEERS) also paired against it."""
+    with peers (PEERS) also paired against each (`paired`)."""
     out = []
     at = {(r["method"], r["trajectory"], r["point"]): r for r in rows}
 
@@ -153,14 +162,17 @@ def summarise(rows: list[dict]) -> list[dict]:
             solved = clusters(lambda r: r["gold_match"], lambda r: full(r)["gold_match"] == 1.0)
             row["gold_match_where_full_solves"] = {**interval(solved), "n": sum(map(len, solved))}
             family, _, budget = method.partition("@")
-            peer = f"{PEERS[family]}@{budget}" if family in PEERS else None
-            if peer and any(r["method"] == peer for r in rows):
-                row["peer"] = peer
+            row["paired"] = []
+            for peer in (f"{p}@{budget}" for p in PEERS.get(family, ())):
+                if not any(r["method"] == peer for r in rows):
+                    continue
+                diffs = {"peer": peer}
                 for key in PAIRED:
                     def diff(r, k=key):
                         other = at[(peer, r["trajectory"], r["point"])][k]
                         return None if r[k] is None or other is None else r[k] - other
-                    row[f"{key}_minus_peer"] = interval(clusters(diff))
+                    diffs[key] = interval(clusters(diff))
+                row["paired"].append(diffs)
             out.append(row)
     return out
 
@@ -173,18 +185,21 @@ def markdown(summary: list[dict], args, rows_commit: str) -> str:
              f"Greedy decoding of the gold action's length (at most {args.max_new_tokens} tokens) over the same cached prompt; "
              f"SentenceKV keep_factor {args.keep_factor}. Intervals: 95% bootstrap over trajectories. KL: steps 1.. before "
              "the first difference from the full cache, top-20 lists. gold | full solves: the points where the full cache "
-             "decodes the gold action. - peer: paired against the method's baseline at the same budget (Quest-style pages for "
-             "SentenceKV).", "",
-             "| workload | method | N points | full match | agreement | KL | agreement - peer | KL - peer | gold match "
+             f"decodes the gold action. `{SYSTEM}`: the system message always read. Paired: the method minus a peer at the "
+             "same points and budget (SentenceKV against Quest-style pages; a system variant also against itself without).", "",
+             "| workload | method | N points | full match | agreement | KL | gold match "
              "| gold - full | gold \\| full solves | KV read / step | live KV |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in summary:
         solved = r["gold_match_where_full_solves"]
-        peer = [cell(r[f"{k}_minus_peer"], "+.3f") if "peer" in r else "" for k in PAIRED]
         lines.append(f"| {r['workload']} | {r['method']} | {r['n']} ({r['trajectories']} traj.) | {cell(r['full_match'])} "
-                     f"| {cell(r['agreement'])} | {cell(r['kl'], '.3f')} | {peer[0]} | {peer[1]} | {cell(r['gold_match'])} "
+                     f"| {cell(r['agreement'])} | {cell(r['kl'], '.3f')} | {cell(r['gold_match'])} "
                      f"| {cell(r['gold_match_minus_full'], '+.2f')} | {cell(solved)} (N={solved['n']}) "
                      f"| {r['kv_read_per_step']['mean']:.0f} | {r['live_kv']['mean']:.0f} |")  # fmt: skip
+    lines += ["", "| workload | method | minus | agreement | KL |", "|---|---|---|---|---|"]
+    for r in summary:
+        for d in r["paired"]:
+            lines.append(f"| {r['workload']} | {r['method']} | {d['peer']} | {cell(d['agreement'], '+.3f')} | {cell(d['kl'], '+.3f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -224,6 +239,7 @@ def main(argv=None) -> None:
     ap.add_argument("--keep-factor", type=float, default=2.0)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--min-prompt", type=int, default=1024, help="points with a shorter history are not scored")
+    ap.add_argument("--system", action="store_true", help=f"also each method with the system message always read ({SYSTEM})")
     ap.add_argument("--out", type=Path, default=RESULTS / "sentencekv_points.json")
     ap.add_argument("--rows", type=Path, help="summarise the rows of this earlier result again (no server; its settings and commit kept)")
     args = ap.parse_args(argv)
@@ -232,10 +248,11 @@ def main(argv=None) -> None:
         rows, rows_from = earlier["rows"], earlier.get("rows_from", earlier["provenance"])
         for key in ("model", "budgets", "keep_factor", "max_new_tokens", "workloads"):
             setattr(args, key, earlier[key])
+        args.system = earlier.get("system", False)  # results from before the flag ran without it
     else:
         rows, rows_from = run(args), {"commit": commit()}
     summary = summarise(rows)
-    write_json(args.out, {"model": args.model, "budgets": args.budgets, "keep_factor": args.keep_factor,
+    write_json(args.out, {"model": args.model, "budgets": args.budgets, "keep_factor": args.keep_factor, "system": args.system,
                           "max_new_tokens": args.max_new_tokens, "workloads": args.workloads, "rows_from": rows_from,
                           "summary": summary, "rows": rows})  # fmt: skip
     args.out.with_suffix(".md").write_text(markdown(summary, args, rows_from["commit"]))

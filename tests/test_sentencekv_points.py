@@ -50,9 +50,16 @@ def test_sentencekv_is_paired_against_pages_at_the_same_points():
         rows.append(row("full", t, p, 1.0, 0.0))
     rows += [row("quest@8", "a", 0, 0.5, 0.1), row("quest@8", "a", 1, 1.0, 0.2), row("quest@8", "b", 0, 0.5, None),
              row("sentencekv@8", "a", 0, 0.25, 0.4), row("sentencekv@8", "a", 1, 1.0, 0.5), row("sentencekv@8", "b", 0, 1.0, 0.3)]  # fmt: skip
+    rows += [row("sentencekv+system@8", "a", 0, 0.5, 0.1), row("sentencekv+system@8", "a", 1, 1.0, 0.1),
+             row("sentencekv+system@8", "b", 0, 0.5, 0.2)]  # fmt: skip
     by = {r["method"]: r for r in summarise(rows)}
-    skv = by["sentencekv@8"]
-    assert skv["peer"] == "quest@8" and "peer" not in by["quest@8"]
+    [skv] = by["sentencekv@8"]["paired"]
+    assert skv["peer"] == "quest@8" and by["quest@8"]["paired"] == []
     # agreement: -0.25, 0, +0.5 over three points; KL: +0.3, +0.3 (b's pages have no KL: not paired)
-    assert abs(skv["agreement_minus_peer"]["mean"] - 0.25 / 3) < 1e-12
-    assert abs(skv["kl_minus_peer"]["mean"] - 0.3) < 1e-12
+    assert abs(skv["agreement"]["mean"] - 0.25 / 3) < 1e-12
+    assert abs(skv["kl"]["mean"] - 0.3) < 1e-12
+    # the system variant: its pages peer did not run, so it pairs against itself without the system
+    [own] = by["sentencekv+system@8"]["paired"]
+    assert own["peer"] == "sentencekv@8"
+    assert abs(own["agreement"]["mean"] - (0.25 + 0.0 - 0.5) / 3) < 1e-12
+    assert abs(own["kl"]["mean"] - (-0.3 - 0.4 - 0.1) / 3) < 1e-12

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from transformers import AutoTokenizer
+
 from bench import harness
 from conftest import TEST_MODEL
+from sgl_memory import models
 
 pytestmark = pytest.mark.server
 
@@ -31,11 +34,12 @@ def server(tmp_path_factory):
     harness.stop(srv)
 
 
-def generate(server, field: dict) -> dict:
+def generate(server, field: dict, ids: list[int] | None = None) -> dict:
     # each request prefills its whole prompt: a prefill split differently at a cached prefix rounds
     # differently in bf16, which can flip a near-tie of the small model
     assert server.post("/flush_cache?timeout=60", {}).status_code == 200
-    body = {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}, "sgl_memory": field}
+    prompt = {"text": PROMPT} if ids is None else {"input_ids": ids}
+    body = {**prompt, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}, "sgl_memory": field}
     r = server.post("/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -76,6 +80,26 @@ def test_a_small_budget_reads_the_always_read_the_retrieved_and_the_generated(se
     again = generate(server, {"sentencekv": {"budget": budget, "keep_factor": factor, "selection": selection}})
     assert again["output_ids"] == out["output_ids"]
     assert again["meta_info"]["sgl_memory"]["kv_read_per_step"] == m["kv_read_per_step"]
+
+
+def test_system_on_reads_the_whole_system_message_at_every_step(server):
+    """`system: true` adds the system message to the always-read positions: the prompt tokens a
+    step may read grow from the sinks to the message's length (found here as the position of the
+    second message opener), and every step reads them besides what it retrieves."""
+    tok = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
+    messages = [{"role": "system", "content": "You answer questions about the lockers in the notes. " * 6},
+                {"role": "user", "content": PROMPT}]  # fmt: skip
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    system_end = ids.index(tok.convert_tokens_to_ids("<|im_start|>"), 1)
+    assert system_end > SINKS
+    budget, factor, recent = 48, 2, max(RECENT, WINDOW)
+    plain = generate(server, {"sentencekv": {"budget": budget, "keep_factor": factor}}, ids)["meta_info"]
+    on = generate(server, {"sentencekv": {"budget": budget, "keep_factor": factor, "system": True}}, ids)["meta_info"]
+    assert plain["sgl_memory"]["kept_tokens"] == SINKS + recent + budget * factor
+    assert on["sgl_memory"]["kept_tokens"] == system_end + recent + budget * factor
+    steps = on["completion_tokens"] - 1
+    generated = sum(range(1, steps + 1)) / steps
+    assert system_end + recent + generated < on["sgl_memory"]["kv_read_per_step"] <= system_end + recent + budget + generated
 
 
 def test_it_composes_with_intent_pruning_on_one_request(server):

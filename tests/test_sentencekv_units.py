@@ -213,6 +213,8 @@ def test_the_sentence_query_is_the_mean_since_the_last_boundary_and_interval_hol
     ({"interval": "2"}, "sgl_memory.sentencekv.interval"),
     ({"enabled": 1}, "sgl_memory.sentencekv.enabled must be true or false"),
     ({"boundaries": "."}, "sgl_memory.sentencekv: unknown field(s) boundaries"),
+    ({"roles": "chatml"}, "sgl_memory.sentencekv: unknown field(s) roles"),
+    ({"system": 1}, "sgl_memory.sentencekv.system must be true or false"),
     ({"selection": "chunks"}, "sgl_memory.sentencekv.selection 'chunks' is unknown; allowed: sentence, page"),
 ])  # fmt: skip
 def test_bad_request_values_name_the_field(field, needle):

@@ -23,6 +23,7 @@ from sgl_memory.core.decode import READS
 from sgl_memory.core.request import MemorySpec
 from sgl_memory.core.rows import POSITION_SHIFTS
 from sgl_memory.core.slots import Slot
+from sgl_memory.core.spans import RoleMarkers, find_spans
 from sgl_memory.sentencekv import settings as section
 from sgl_memory.sentencekv.segment import boundary_tokens, sentence_ids
 from sgl_memory.sentencekv.select import SentenceReads, page_table, sentence_table, top_tokens
@@ -66,6 +67,7 @@ class SentenceKV(mechanism.Mechanism):
     def __init__(self, config: SentenceKVConfig):
         self.config = config
         self.ends: np.ndarray | None = None  # per token id: ends a sentence (from the tokenizer, at first use)
+        self.markers = RoleMarkers(None, {})  # the chat template's role markers (from the tokenizer, at first use)
         self.captures: dict[str, QueryCapture] = {}
 
     @classmethod
@@ -94,6 +96,7 @@ class SentenceKV(mechanism.Mechanism):
             tokenizer = getattr(scheduler, "tokenizer", None)
             # without a tokenizer (--skip-tokenizer-init) sentences are cut at max_sentence only
             self.ends = boundary_tokens(tokenizer, self.config.boundaries) if tokenizer is not None else np.zeros(0, dtype=bool)
+            self.markers = RoleMarkers.from_tokenizer(tokenizer, self.config.roles)
         length = len(req.origin_input_ids)
         PLANS.set(req, cfg)
         self.captures[req.rid] = QueryCapture(length, length, cfg.window)
@@ -154,7 +157,9 @@ class SentenceKV(mechanism.Mechanism):
         live = (slots != tree.sentinel).cpu() if tree.sentinel is not None else torch.ones(length, dtype=torch.bool)
         positions = torch.arange(length)
         scored_end = length - cfg.window  # the window's rows score the tokens before it
-        always = live & ((positions < cfg.sinks) | (positions >= min(scored_end, length - cfg.recent)))
+        # the system message, where asked: without role markers (or a system message) it is empty
+        first = max(cfg.sinks, find_spans(req.origin_input_ids, self.markers, 0).system_end if cfg.system else 0)
+        always = live & ((positions < first) | (positions >= min(scored_end, length - cfg.recent)))
         candidates = positions[live & ~always]
         if not candidates.numel():
             return None, int(live.sum()), 0

@@ -33,6 +33,11 @@ class SentenceKVConfig:
     # last `recent` rows (ours: the paper leaves both unsaid; 4 sinks as StreamingLLM, the window)
     sinks: int = 4
     recent: int = 32
+    # ours: also always read the prompt's first message when it is a system message (an agent's tool
+    # schemas and call format, which a decode step's retrieval may not bring back), found by the
+    # chat template's role markers of the `roles` family
+    system: bool = False
+    roles: Literal["chatml", "llama3", "none"] = "chatml"
     max_sentence: int = 64  # a sentence longer than this is cut into pieces of it (ours: the paper has no cap)
     # the tokens whose text ends a sentence (a trailing space ignored): ours, the paper names
     # periods and question marks
@@ -61,7 +66,7 @@ class SentenceKVConfig:
         return math.ceil(self.keep_factor * self.budget) if self.selection == "sentence" else MAX_BUDGET
 
 
-OVERRIDES = tuple(f.name for f in fields(SentenceKVConfig) if f.name != "boundaries")
+OVERRIDES = tuple(f.name for f in fields(SentenceKVConfig) if f.name not in ("boundaries", "roles"))
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class SentenceKVRequest(RequestPart):
     window: int | None = None
     sinks: int | None = None
     recent: int | None = None
+    system: bool | None = None
     max_sentence: int | None = None
     interval: int | None = None
     selection: str | None = None
@@ -92,6 +98,7 @@ def parse_request(raw: dict, internal: bool = False) -> SentenceKVRequest | None
         window=integer(body.get("window"), 1, MAX_WINDOW, f"{where}.window"),
         sinks=integer(body.get("sinks"), 0, MAX_WINDOW, f"{where}.sinks"),
         recent=integer(body.get("recent"), 0, MAX_BUDGET, f"{where}.recent"),
+        system=flag(body.get("system"), f"{where}.system"),
         max_sentence=integer(body.get("max_sentence"), 1, MAX_SENTENCE, f"{where}.max_sentence"),
         interval=integer(body.get("interval"), 1, MAX_INTERVAL, f"{where}.interval"),
         selection=choice(body.get("selection"), choices(SentenceKVConfig, "selection"), f"{where}.selection"),
