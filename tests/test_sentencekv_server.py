@@ -115,6 +115,29 @@ def test_it_composes_with_intent_pruning_on_one_request(server):
     assert m["kv_read_per_step"] == pytest.approx(m["kept_tokens"] + sum(range(1, steps + 1)) / steps)
 
 
+def test_at_page_size_16_it_reads_positions_as_at_page_size_1(server, tmp_path):
+    """The reads are token positions, which a page size does not change: on a server whose pool
+    is allocated in pages of 16 (SentenceKV alone: intent refuses pages), every sentence retrieved
+    is the full cache's output reading every position, and a small budget reads what it reads at
+    page size 1, answering the same tokens."""
+    small = {"sentencekv": {"budget": 48, "keep_factor": 2}}
+    at_one = generate(server, small)
+    (tmp_path / "memory.yaml").write_text("sentencekv:\n  enabled: true\n")
+    paged = harness.start(harness.our_command(TEST_MODEL, "--memory-config", str(tmp_path / "memory.yaml"), "--page-size", "16",
+                                              "--max-total-tokens", "4096"), tmp_path / "server.log")  # fmt: skip
+    try:
+        full = generate(paged, {"sentencekv": {"enabled": False}})
+        every = generate(paged, {"sentencekv": {"budget": 1 << 20, "keep_factor": 1}})
+        at_16 = generate(paged, small)
+    finally:
+        harness.stop(paged)
+    assert every["output_ids"] == full["output_ids"]
+    assert every["meta_info"]["sgl_memory"]["kv_read_per_step"] == pytest.approx(full_reads(every["meta_info"]))
+    assert at_16["output_ids"] == at_one["output_ids"]
+    m16, m1 = at_16["meta_info"]["sgl_memory"], at_one["meta_info"]["sgl_memory"]
+    assert (m16["kept_tokens"], m16["kv_read_per_step"], m16["sentences"]) == (m1["kept_tokens"], m1["kv_read_per_step"], m1["sentences"])
+
+
 @pytest.mark.parametrize("field, needle", [
     ({"budget": -1}, "sgl_memory.sentencekv.budget"), ({"window": "x"}, "sgl_memory.sentencekv.window"),
     ({"nope": 1}, "sgl_memory.sentencekv: unknown field(s) nope"), ([], "sgl_memory.sentencekv must be an object"),
