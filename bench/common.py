@@ -91,13 +91,14 @@ def ok(r, what: str):
     return r
 
 
-def generate(server, input_ids: list[int], max_new_tokens: int) -> dict:
-    """Greedy /generate on token ids; returns meta_info (e2e_latency, cached_tokens, ...)."""
+def generate(server, input_ids: list[int], max_new_tokens: int, timeout: float = 600) -> dict:
+    """Greedy /generate on token ids; returns meta_info (e2e_latency, cached_tokens, ...). With one
+    new token it is a prefill that leaves the prompt's KV in the tree (a long one needs a longer timeout)."""
     body = {
         "input_ids": input_ids,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
     }
-    return ok(server.post("/generate", body), "/generate").json()["meta_info"]
+    return ok(server.post("/generate", body, timeout=timeout), "/generate").json()["meta_info"]
 
 
 def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple[str, float, dict]:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import requests
 
-from bench.common import RESULTS, bootstrap, ok, write_json
+from bench.common import RESULTS, bootstrap, generate, ok, write_json
 
 from bench import harness
 from sgl_memory import models
@@ -128,8 +128,7 @@ def run_server(server, cases, named_fields) -> dict:
     out = {}
     for key, (ids, code) in cases.items():
         ok(server.post("/flush_cache?timeout=600", {}), "/flush_cache")
-        body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
-        ok(server.post("/generate", body, timeout=3600), "/generate (prefill)")
+        generate(server, ids, 1, timeout=3600)
         for name, field in named_fields:
             r = streamed(server, ids, field)
             read, live = reads_and_live(name, r)

@@ -46,7 +46,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench import harness
-from bench.common import RESULTS, bootstrap, commit, kl, ok, write_json
+from bench.common import RESULTS, bootstrap, commit, generate, kl, ok, write_json
 from bench.fidelity import points as P
 from bench.sentencekv import methods, reads_and_live
 from sgl_memory import models
@@ -116,8 +116,7 @@ def run(args) -> list[dict]:
                 for i, pt in enumerate(t.points):
                     if len(pt.history) < args.min_prompt:
                         continue  # every method reads about all of a short prompt; the next point prefills it
-                    body = {"input_ids": pt.history, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
-                    ok(server.post("/generate", body, timeout=3600), "/generate (prefill)")
+                    generate(server, pt.history, 1, timeout=3600)
                     tokens = min(len(pt.gold), args.max_new_tokens)
                     runs = {name: decode(server, pt.history, field, tokens) for name, field in named}
                     for name, r in runs.items():
