@@ -21,10 +21,11 @@ holds), then every method decodes greedily as many tokens as the gold action has
 Methods, per budget b (the prompt tokens a step reads from what it retrieves, besides the always-read
 sinks and window, as in bench/sentencekv.py): `quest@b` (pages by key bounds, per step) and
 `sentencekv@b` (the paper's method), against `full`; with --system also each with the system
-message always read (`quest+system@b`, `sentencekv+system@b`: the section's `system` setting). SnapKV is not here: it is intent pruning, whose
-decision-point fidelity bench/fidelity measures, and with intent on, every request would prefill
-its latest message again (intent scores from its queries), which at bcp's points is the tool's
-result of about 2.6k tokens; the server runs SentenceKV alone. Intervals: 95% bootstrap over
+message always read (`quest+system@b`, `sentencekv+system@b`: the section's `system` setting).
+SnapKV is not here: it is intent pruning, whose decision-point fidelity bench/fidelity measures,
+and with intent on, every request would prefill its latest message again (intent scores from its
+queries), which at bcp's points is the tool's result of about 2.6k tokens; the server runs
+SentenceKV alone. Intervals: 95% bootstrap over
 trajectories (the points of one trajectory are not independent); gold_match paired against the
 full cache's, SentenceKV's agreement and KL against the pages' at the same budget. Points whose
 history is shorter than --min-prompt are not scored (at the largest budget every method would read

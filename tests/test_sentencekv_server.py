@@ -1,13 +1,13 @@
 """SentenceKV in the real server, on the small model: with every sentence retrieved a request decodes
 exactly as with the full cache and reads every position (counted independently from the prompt
-and output lengths); with a small budget it reads what its settings allow, reproducibly; it runs
-beside intent pruning on one request; bad values are 400s naming the field; its series reach
-Prometheus."""
+and output lengths); with a small budget it reads what its settings allow, reproducibly; with
+`system` on it reads the whole system message too; at page size 16 it answers and reads as at
+page size 1; it runs beside intent pruning on one request; bad values are 400s naming the field;
+its series reach Prometheus."""
 
 from __future__ import annotations
 
 import pytest
-
 from transformers import AutoTokenizer
 
 from bench import harness
