@@ -25,11 +25,10 @@ message always read (`quest+system@b`, `sentencekv+system@b`: the section's `sys
 SnapKV is not here: it is intent pruning, whose decision-point fidelity bench/fidelity measures,
 and with intent on, every request would prefill its latest message again (intent scores from its
 queries), which at bcp's points is the tool's result of about 2.6k tokens; the server runs
-SentenceKV alone. Intervals: 95% bootstrap over
-trajectories (the points of one trajectory are not independent); gold_match paired against the
-full cache's, SentenceKV's agreement and KL against the pages' at the same budget. Points whose
-history is shorter than --min-prompt are not scored (at the largest budget every method would read
-about all of it; bcp's searches).
+SentenceKV alone. Intervals: 95% bootstrap over trajectories (the points of one trajectory are not
+independent); gold_match paired against the full cache's, a method's agreement and KL against
+its peers' at the same budget (PEERS). Points whose history is shorter than --min-prompt are not
+scored (at the largest budget every method would read about all of it; bcp's searches).
 
     .venv/bin/python -m bench.sentencekv_points [--workloads bcp] [--bcp-questions 2] [--budgets 256] [--system]
     .venv/bin/python -m bench.sentencekv_points --rows bench/results/sentencekv_points.json  # summarise again
