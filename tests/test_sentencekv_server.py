@@ -24,14 +24,27 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def servers(tmp_path_factory):
+    """The module's server, and one whose pool is allocated in pages of 16 (SentenceKV alone:
+    intent refuses pages), started together (a start is mostly imports on one core)."""
     d = tmp_path_factory.mktemp("sentencekv")
     # intent on with a budget no request of this module reaches unless it asks for less
     (d / "memory.yaml").write_text("sentencekv:\n  enabled: true\n  budget: 1024\nintent:\n  enabled: true\n  budget: 100000\n")
-    srv = harness.start(harness.our_command(TEST_MODEL, "--memory-config", str(d / "memory.yaml"), "--enable-metrics",
-                                            "--max-total-tokens", "8192"), d / "server.log")  # fmt: skip
-    yield srv
-    harness.stop(srv)
+    (d / "paged.yaml").write_text("sentencekv:\n  enabled: true\n")
+    started = harness.start_all([
+        (harness.our_command(TEST_MODEL, "--memory-config", str(d / "memory.yaml"), "--enable-metrics", "--max-total-tokens", "8192"),
+         d / "server.log", None),
+        (harness.our_command(TEST_MODEL, "--memory-config", str(d / "paged.yaml"), "--page-size", "16", "--max-total-tokens", "4096"),
+         d / "paged.log", None),
+    ])  # fmt: skip
+    yield started
+    for srv in started:
+        harness.stop(srv)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def generate(server, field: dict, ids: list[int] | None = None) -> dict:
@@ -115,22 +128,16 @@ def test_it_composes_with_intent_pruning_on_one_request(server):
     assert m["kv_read_per_step"] == pytest.approx(m["kept_tokens"] + sum(range(1, steps + 1)) / steps)
 
 
-def test_at_page_size_16_it_reads_positions_as_at_page_size_1(server, tmp_path):
-    """The reads are token positions, which a page size does not change: on a server whose pool
-    is allocated in pages of 16 (SentenceKV alone: intent refuses pages), every sentence retrieved
-    is the full cache's output reading every position, and a small budget reads what it reads at
-    page size 1, answering the same tokens."""
+def test_at_page_size_16_it_reads_positions_as_at_page_size_1(servers):
+    """The reads are token positions, which a page size does not change: on the server whose pool
+    is allocated in pages of 16, every sentence retrieved is the full cache's output reading every
+    position, and a small budget reads what it reads at page size 1, answering the same tokens."""
+    server, paged = servers
     small = {"sentencekv": {"budget": 48, "keep_factor": 2}}
     at_one = generate(server, small)
-    (tmp_path / "memory.yaml").write_text("sentencekv:\n  enabled: true\n")
-    paged = harness.start(harness.our_command(TEST_MODEL, "--memory-config", str(tmp_path / "memory.yaml"), "--page-size", "16",
-                                              "--max-total-tokens", "4096"), tmp_path / "server.log")  # fmt: skip
-    try:
-        full = generate(paged, {"sentencekv": {"enabled": False}})
-        every = generate(paged, {"sentencekv": {"budget": 1 << 20, "keep_factor": 1}})
-        at_16 = generate(paged, small)
-    finally:
-        harness.stop(paged)
+    full = generate(paged, {"sentencekv": {"enabled": False}})
+    every = generate(paged, {"sentencekv": {"budget": 1 << 20, "keep_factor": 1}})
+    at_16 = generate(paged, small)
     assert every["output_ids"] == full["output_ids"]
     assert every["meta_info"]["sgl_memory"]["kv_read_per_step"] == pytest.approx(full_reads(every["meta_info"]))
     assert at_16["output_ids"] == at_one["output_ids"]
