@@ -9,12 +9,15 @@ user message holding `<tool_response>`, so "latest user message" covers them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 # Per template family: the token that opens a message header, and where the role name sits after it.
 FAMILIES = {
     "chatml": "<|im_start|>",
     "llama3": "<|start_header_id|>",
 }
+# a mechanism's `roles` setting: one of FAMILIES, or "none" (no role markers: the fallbacks)
+RoleFamily = Literal["chatml", "llama3", "none"]
 QUERY_ROLES = ("user", "tool", "function", "ipython")
 
 

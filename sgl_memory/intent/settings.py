@@ -8,6 +8,7 @@ from typing import Literal
 
 from sgl_memory.core.config import MAX_BUDGET, choices, require
 from sgl_memory.core.request import FIELD, RequestPart, choice, integer
+from sgl_memory.core.spans import RoleFamily
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class IntentConfig:
     layout: Literal["dead_slot", "compact"] = "dead_slot"
     decay: float = 0.9  # QueryMemory EMA weight of the past
     session_capacity: int = 1024  # QueryMemory entries kept (LRU)
-    roles: Literal["chatml", "llama3", "none"] = "chatml"  # how message boundaries are found in tokens
+    roles: RoleFamily = "chatml"  # how message boundaries are found in tokens
     query_tail: int = 32  # forced tail when no role marker is found
     session_prefix_tokens: int = 64  # N of the "hash of the first N input tokens" session key
     window: int = 32  # SnapKV / H2O observation window (last prompt query rows)

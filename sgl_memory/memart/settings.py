@@ -8,6 +8,7 @@ from typing import Literal
 from sgl_memory.core.config import MAX_BUDGET, ConfigError, choices, require
 from sgl_memory.core.request import FIELD, RequestPart, SpecError, choice, flag, integer, object_at
 from sgl_memory.core.reuse import REPAIRS
+from sgl_memory.core.spans import RoleFamily
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class MemArtConfig:
     scoring: Literal["exact", "aabb"] = "exact"  # a block's logit: its best key's, or the AABB bound
     score_layers: float = 0.5  # the share of layers, from the first, whose queries score blocks
     score_tokens: Literal["text", "query", "all"] = "text"  # text: the last user turn without markup
-    roles: Literal["chatml", "llama3", "none"] = "chatml"  # chat template family that marks turns
+    roles: RoleFamily = "chatml"  # chat template family that marks turns
     placement: Literal["first", "after_system"] = "first"  # where the blocks go in the prompt
     rr_constant: float = 60.0  # c in 1 / (rank + c)
     cut: Literal["tokens", "lines"] = "lines"  # lines: a block also ends after each line end; tokens: block_size alone

@@ -9,6 +9,7 @@ from typing import Literal
 
 from sgl_memory.core.config import MAX_BUDGET, choices, require
 from sgl_memory.core.request import RequestPart, choice, flag, integer, number, object_at
+from sgl_memory.core.spans import RoleFamily
 
 MAX_FACTOR = 64.0
 MAX_WINDOW = 1024
@@ -37,7 +38,7 @@ class SentenceKVConfig:
     # schemas and call format, which a decode step's retrieval may not bring back), found by the
     # chat template's role markers of the `roles` family
     system: bool = False
-    roles: Literal["chatml", "llama3", "none"] = "chatml"
+    roles: RoleFamily = "chatml"
     max_sentence: int = 64  # a sentence longer than this is cut into pieces of it (ours: the paper has no cap)
     # the tokens whose text ends a sentence (a trailing space ignored): ours, the paper names
     # periods and question marks
