@@ -159,6 +159,7 @@ def test_a_repair_needs_the_keep_mechanism():
                                         ({"keep": {"ratio": 1.5}}, "keep.ratio"), ({"keep": {"ratio": True}}, "keep.ratio"),
                                         ({"keep": {"hops": 0}}, "keep.hops"), ({"keep": {"hops": 2.5}}, "keep.hops"),
                                         ({"keep": {"ratios": 1}}, "keep: unknown field"), ({"keep": 1}, "keep must be an object"),
+                                        ({"keep": {"compact": "no"}}, "keep.compact must be true or false"),
                                         ({"memory": {"recompute_ratio": 0.5}}, "unknown field")])  # fmt: skip
 def test_bad_recompute_fields(raw, needle):
     with pytest.raises(request.SpecError, match=needle):
@@ -166,8 +167,8 @@ def test_bad_recompute_fields(raw, needle):
 
 
 def test_keep_overrides_are_parsed_by_keep():
-    spec = request.parse({"session_id": "s", "memory": {"recompute": "keep"}, "keep": {"ratio": 0.25, "hops": 2}})
-    assert (spec.part("keep").ratio, spec.part("keep").hops, spec.part("memory").recompute) == (0.25, 2, "keep")
+    spec = request.parse({"session_id": "s", "memory": {"recompute": "keep"}, "keep": {"ratio": 0.25, "hops": 2, "compact": False}})
+    assert (spec.part("keep").ratio, spec.part("keep").hops, spec.part("keep").compact, spec.part("memory").recompute) == (0.25, 2, False, "keep")
     with pytest.raises(request.SpecError, match=r"keep.enabled: false"):
         request.check_served(spec, config.from_dict({"memory": {"enabled": True}}))
 

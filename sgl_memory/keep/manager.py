@@ -50,6 +50,7 @@ class Blend:
     history: list[torch.Tensor] = field(default_factory=list)  # the selections, when traced
     loading: str = "sync"
     bandwidth: float = 0.0
+    compact: bool = True  # drop the rows no later layer recomputes (rows.py), where the backend can
     loader: LayerLoader | None = None  # created at the first layer, on the layer's device
     select_ms: float = 0.0
     dropped_rows: bool = False  # whether later layers ran without the rows not recomputed (rows.py)
@@ -178,8 +179,7 @@ class KeepManager(mechanism.Mechanism):
     def build(cls, config: KeepConfig, tree, ctx) -> KeepManager:
         manager = cls(config, tree)
         capture.subscribe(cls.name, manager)
-        if config.compact:
-            register_dropper(cls.name, manager)
+        register_dropper(cls.name, manager)  # a request may drop rows (keep.compact) whatever the server's default
         return manager
 
     def admit(self, scheduler, req, spec) -> None:
@@ -190,8 +190,9 @@ class KeepManager(mechanism.Mechanism):
         hops = asked.hops or self.config.hops
         selector = REGISTRY[reuse.method](hops=hops) if reuse.method == "keep" else REGISTRY[reuse.method]()
         ratio = self.config.ratio if asked.ratio is None else asked.ratio
+        compact = self.config.compact if asked.compact is None else asked.compact
         self.blends[req.rid] = Blend(reuse, selector, ratio, self.config.decay, self.layers, len(req.origin_input_ids),
-                                     loading=self.config.loading, bandwidth=self.config.tier_bandwidth)  # fmt: skip
+                                     loading=self.config.loading, bandwidth=self.config.tier_bandwidth, compact=compact)  # fmt: skip
 
     # --- the layers of the prefill (a capture.py subscriber) -------------------------------------
 
@@ -208,7 +209,8 @@ class KeepManager(mechanism.Mechanism):
     # --- dropping the rows no later layer recomputes (a rows.py dropper) ------------------------
 
     def dropped(self, rows: list[ExtendRows], layer_id: int) -> dict[str, torch.Tensor]:
-        return {r.rid: self.blends[r.rid].dropped() for r in rows if r.rid in self.blends}
+        blends = [(r.rid, self.blends.get(r.rid)) for r in rows]
+        return {rid: blend.dropped() for rid, blend in blends if blend is not None and blend.compact}
 
     # --- release ---------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """KEEP's settings: the `keep:` config section and the per-request overrides of it
-(`sgl_memory.keep`: ratio, hops)."""
+(`sgl_memory.keep`: ratio, hops, compact)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sgl_memory.core.config import require
-from sgl_memory.core.request import RequestPart, integer, number, object_at
+from sgl_memory.core.request import RequestPart, flag, integer, number, object_at
 
 MAX_HOPS = 64  # importance propagation rounds (it stops earlier once its set is stable)
 
@@ -48,10 +48,12 @@ class KeepRequest(RequestPart):
 
     ratio: float | None = None
     hops: int | None = None
+    compact: bool | None = None  # false: this repair keeps every row (the same attention, at full cost)
 
 
 def parse_request(raw: dict, internal: bool = False) -> KeepRequest | None:
-    body, where = object_at(raw, "keep", ("ratio", "hops"))
+    body, where = object_at(raw, "keep", ("ratio", "hops", "compact"))
     if body is None:
         return None
-    return KeepRequest(number(body.get("ratio"), 0, 1, f"{where}.ratio"), integer(body.get("hops"), 1, MAX_HOPS, f"{where}.hops"))
+    return KeepRequest(number(body.get("ratio"), 0, 1, f"{where}.ratio"), integer(body.get("hops"), 1, MAX_HOPS, f"{where}.hops"),
+                       flag(body.get("compact"), f"{where}.compact"))  # fmt: skip
