@@ -31,6 +31,7 @@ class Server:
     log_path: Path
     start_seconds: float = 0.0
     headers: dict = field(default_factory=dict)  # sent with every post (a session's routing key)
+    dir: Path | None = None  # the directory its config names (session store, traces), where the test pool made one
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -98,17 +99,18 @@ def start_router(workers: list[Server], log_path: Path, *flags: str, timeout: fl
         time.sleep(0.2)
 
 
-def cpu_flags(model_path, attention_backend: str) -> list[str]:
+def cpu_flags(model_path, attention_backend: str, pool_tokens: int | None = None) -> list[str]:
     """The CPU flags our launcher defaults to, spelled out for a plain SGLang server: the compute
     dtype it would choose here included (plain SGLang takes the model's bf16 otherwise, which an
     AVX2-only CPU converts through float32: its speeds were not comparable with ours), and
     --sleep-on-idle (an idle plain server otherwise busy-polls a core, which on two cores halved the
-    speed of the server beside it: 10 min for test_intent_server's module instead of 6)."""
+    speed of the server beside it: 10 min for test_intent_server's module instead of 6). The KV
+    pool: `pool_tokens`, or what our launcher would size for this machine."""
     from sgl_memory import cpu_dtype, launch_server
 
+    pool = pool_tokens or launch_server.default_max_total_tokens(model_path)
     return ["--device", "cpu", "--attention-backend", attention_backend, "--disable-overlap-schedule", "--skip-server-warmup",
-            "--sleep-on-idle", "--dtype", cpu_dtype.choose().dtype,
-            "--max-total-tokens", str(launch_server.default_max_total_tokens(model_path))]  # fmt: skip
+            "--sleep-on-idle", "--dtype", cpu_dtype.choose().dtype, "--max-total-tokens", str(pool)]  # fmt: skip
 
 
 def plain_sglang(model_path, *flags: str) -> tuple[list[str], dict]:
@@ -131,17 +133,9 @@ def _die_with_parent() -> None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def start(command: list[str], log_path: Path, env: dict | None = None, attempts: int = 3) -> Server:
-    """Run `command` plus host/port flags; return once /health answers 200 from this server.
-
-    The port is free when picked, but another process may take it before the server binds it (a
-    server started by another test, or one that was stopping): the server then cannot bind, and
-    /health would reach the other one. Such a start is retried on a new port."""
-    for _ in range(attempts):
-        server = _start_once(command, log_path, env)
-        if server is not None:
-            return server
-    raise RuntimeError(f"server could not bind a free port in {attempts} attempts:\n{log_path.read_text(errors='replace')[-2000:]}")
+def start(command: list[str], log_path: Path, env: dict | None = None) -> Server:
+    """Run `command` plus host/port flags; return once /health answers 200 from this server."""
+    return spawn(command, log_path, env).ready()
 
 
 def _listens(proc: subprocess.Popen, port: int) -> bool:
@@ -157,65 +151,83 @@ def _listens(proc: subprocess.Popen, port: int) -> bool:
 def start_all(specs: list[tuple[list[str], Path, dict | None]]) -> list[Server]:
     """Several servers (command, log path, env) started at once; returns them in order once each
     answers /health. Most of a start is imports in one process at a time, so on two cores two
-    starts together take little longer than one. The processes are started from this thread (a
-    parent-death signal follows the thread that forked, so no worker thread may start them); a
-    server whose port was taken is started again alone. On failure every one is stopped."""
-    spawned = [(*_spawn(command, log_path, env), command, log_path, env) for command, log_path, env in specs]
-    servers = []
+    starts together take little longer than one. On failure every one is stopped."""
+    starting = [spawn(command, log_path, env) for command, log_path, env in specs]
     try:
-        for server, port, t0, command, log_path, env in spawned:
-            ready = _wait_ready(server, port, t0, command)
-            servers.append(ready if ready is not None else start(command, log_path, env))
+        return [s.ready() for s in starting]
     except BaseException:
-        for server, *_ in spawned:
-            stop(server, timeout=30)
+        for s in starting:
+            s.abandon()
         raise
-    return servers
 
 
-def _spawn(command: list[str], log_path: Path, env: dict | None) -> tuple[Server, int, float]:
-    """The server's processes, started on a fresh port: (server, port, start time)."""
-    port = free_port()
-    log = open(log_path, "w")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [*command, "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env=env,
-        preexec_fn=_die_with_parent,
-    )
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    _RUNNING.append(server)
-    return server, port, t0
+class Starting:
+    """A server whose processes are started and which may not answer yet (spawn); `ready()` waits
+    for it. The processes are started from the calling thread: a parent-death signal follows the
+    thread that forked, so no worker thread may spawn a server that should outlive it.
+
+    The port is free when picked, but another process may take it before the server binds it (a
+    server started by another test, or one that was stopping): the server then cannot bind, and
+    /health would reach the other one. Such a start is retried on a new port (`attempts` in all)."""
+
+    def __init__(self, command: list[str], log_path: Path, env: dict | None, attempts: int = 3):
+        self.command, self.log_path, self.env, self.attempts = command, log_path, env, attempts
+        self.server, self.port, self.t0 = self._spawn()
+
+    def _spawn(self) -> tuple[Server, int, float]:
+        port = free_port()
+        log = open(self.log_path, "w")
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            [*self.command, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=self.env,
+            preexec_fn=_die_with_parent,
+        )
+        server = Server(f"http://127.0.0.1:{port}", proc, self.log_path)
+        _RUNNING.append(server)
+        return server, port, t0
+
+    def ready(self) -> Server:
+        """The server once /health answers from it (spawned again on a new port where another
+        process took its port first)."""
+        for attempt in range(self.attempts):
+            if attempt:
+                self.server, self.port, self.t0 = self._spawn()
+            if self._wait():
+                return self.server
+        raise RuntimeError(f"server could not bind a free port in {self.attempts} attempts:\n{self.server.log()[-2000:]}")
+
+    def abandon(self) -> None:
+        stop(self.server, timeout=30)
+
+    def _wait(self) -> bool:
+        """True once /health answers from this server; False (stopped) when its port was taken first."""
+        server, proc = self.server, self.server.proc
+        deadline = self.t0 + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{server.log()[-4000:]}")
+            if "address already in use" in server.log():
+                stop(server)
+                return False
+            try:
+                if requests.get(server.url + "/health", timeout=5).status_code == 200 and _listens(proc, self.port):
+                    server.start_seconds = time.monotonic() - self.t0
+                    _check_pool(server, self.command)
+                    return True
+            except (requests.ConnectionError, requests.Timeout):
+                pass
+            time.sleep(0.5)
+        stop(server)
+        raise RuntimeError(f"server not healthy after {START_TIMEOUT_S}s:\n{server.log()[-4000:]}")
 
 
-def _start_once(command: list[str], log_path: Path, env: dict | None) -> Server | None:
-    """One start on a fresh port: the server, or None when the port was taken before it bound it."""
-    return _wait_ready(*_spawn(command, log_path, env), command)
-
-
-def _wait_ready(server: Server, port: int, t0: float, command: list[str]) -> Server | None:
-    """The server once /health answers from it; None (stopped) when its port was taken first."""
-    proc = server.proc
-    deadline = t0 + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{server.log()[-4000:]}")
-        if "address already in use" in server.log():
-            stop(server)
-            return None
-        try:
-            if requests.get(server.url + "/health", timeout=5).status_code == 200 and _listens(proc, port):
-                server.start_seconds = time.monotonic() - t0
-                _check_pool(server, command)
-                return server
-        except (requests.ConnectionError, requests.Timeout):
-            pass
-        time.sleep(0.5)
-    stop(server)
-    raise RuntimeError(f"server not healthy after {START_TIMEOUT_S}s:\n{server.log()[-4000:]}")
+def spawn(command: list[str], log_path: Path, env: dict | None = None) -> Starting:
+    """Start the server's processes and return without waiting for them (Starting.ready waits)."""
+    return Starting(command, log_path, env)
 
 
 def _check_pool(server: Server, command: list[str]) -> None:
