@@ -19,6 +19,35 @@ from sgl_memory.core.sessions import SessionRegistry
 from sgl_memory.core.spans import RoleMarkers, find_spans
 from sgl_memory.core.rope import Rope
 
+# --- the query capture ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_a_capture_whose_request_lost_rows_before_its_span_takes_what_it_takes_from_all_rows(window):
+    """A row dropper (KEEP) may drop a request's rows before the first one the capture reads; the
+    capture then gets the request's rows with their positions, packed among another request's. Its
+    span sums and window must be those of the whole rows fed in order (written out as a loop)."""
+    from types import SimpleNamespace
+
+    from sgl_memory.core.capture import ExtendRows, QueryCapture
+
+    heads, dim, prefix, n, span = 2, 4, 10, 20, 22
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=heads, qk_head_dim=dim)
+    q = torch.randn(n, heads * dim, generator=torch.Generator().manual_seed(0))
+    whole = QueryCapture(span, prefix + n, window)
+    whole.add_rows(layer, q, ExtendRows("r", 0, prefix, n))
+    assert whole.first_read() == min(span, prefix + n - window if window else prefix + n)
+    kept = torch.tensor([p for p in range(prefix, prefix + n) if p >= whole.first_read() or p % 3 == 0])
+    other = torch.randn(5, heads * dim)  # another request's rows come first in the forward
+    packed = torch.cat([other, q[kept - prefix]])
+    cut = QueryCapture(span, prefix + n, window)
+    cut.add_rows(layer, packed, ExtendRows("r", 5, prefix, len(kept), positions=kept))
+    rows = q.view(n, heads, dim)
+    want_sum = sum(rows[p - prefix] for p in range(span, prefix + n))
+    assert torch.allclose(cut.q_mean()[0], want_sum / (prefix + n - span)) and torch.allclose(cut.q_mean(), whole.q_mean())
+    assert torch.equal(cut.q_window(), whole.q_window())
+
+
 # --- QueryMemory and sessions ------------------------------------------------------------------
 
 

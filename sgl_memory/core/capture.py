@@ -53,7 +53,13 @@ class Subscriber(Protocol):
         """Whether any request is waiting for rows now (checked on every layer call: keep it cheap)."""
 
     def bind(self, rows: list[ExtendRows]) -> list:
-        """The parts of this forward's requests this subscriber takes, once per forward; empty: none."""
+        """The parts of this forward's requests this subscriber takes, once per forward; empty: none.
+        Each part is a pair whose second item is the request's ExtendRows."""
+
+    def first_read(self, part) -> int | None:
+        """The first prompt position of its request that `part` reads: a row dropper (rows.py) may
+        drop the request's rows before it and leave the rest to this subscriber, which then receives
+        the rows with their positions. None: it reads every row, so none of the request's is dropped."""
 
     def take(self, bound: list, layer, q, k, v) -> None:
         """One attention layer's inputs of the requests `bind` chose."""
@@ -87,8 +93,23 @@ class QueryCapture:
             buf[start : start + n - w_lo] = q[w_lo:].float()
 
     def add_rows(self, layer, q: torch.Tensor, r: ExtendRows) -> None:
-        """A subscriber's `take`: this request's rows `r` of an attention layer's packed query `q`."""
-        self.add(layer.layer_id, q[r.start : r.start + r.count].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim), r.prefix)
+        """A subscriber's `take`: this request's rows `r` of an attention layer's packed query `q`.
+        Where a dropper left only some of the request's rows (`r.positions`), the rows from the first
+        one this capture reads on are contiguous (first_read kept them): they are added from there."""
+        rows = q[r.start : r.start + r.count].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim)
+        first = r.prefix
+        if r.positions is not None:
+            positions = r.row_positions()
+            kept = (positions >= self.first_read()).nonzero().squeeze(1)
+            if kept.numel() == 0:
+                return
+            lo = int(kept[0])
+            rows, first = rows[lo:], int(positions[lo])
+        self.add(layer.layer_id, rows, first)
+
+    def first_read(self) -> int:
+        """The first prompt position this capture reads (the actionable span or the window)."""
+        return min(self.span_start, self.window_start)
 
     def q_mean(self) -> torch.Tensor | None:
         if not self.sums:

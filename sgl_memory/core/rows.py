@@ -12,9 +12,11 @@ holds which of those rows the current layer computes. After each layer the regis
 output and residual to them and, before each layer, the positions and the KV write locations.
 
 Only the attention backend that reads the layout (`supports_row_layout`, our CPU backend) can attend
-a request whose rows are not contiguous; on any other backend, and in a forward where another
-capture subscriber reads rows, nothing is dropped: the droppers fall back to writing the placed KV
-over the rows they do not need (the same attention, at full cost).
+a request whose rows are not contiguous; on any other backend nothing is dropped: the droppers fall
+back to writing the placed KV over the rows they do not need (the same attention, at full cost). A
+row that another capture subscriber reads (from its `first_read` position on: intent's query span,
+SentenceKV's window, a probe's scoring rows) is not dropped either, and that subscriber takes the
+request's rows by position.
 """
 
 from __future__ import annotations

@@ -19,15 +19,24 @@ from sgl_memory.core.capture import extend_rows
 from sgl_memory.core.rows import DROPPERS, RowLayout, layout
 
 
-def _may_drop(forward_batch) -> bool:
-    """Rows can be dropped when the backend attends a row layout and no capture subscriber but a
-    dropper takes rows of this forward (another would read rows it expects contiguous)."""
+def _kept_from(forward_batch) -> dict[str, int] | None:
+    """Per request, the first position no row may be dropped from: what the capture subscribers
+    that are not droppers read of it (capture.Subscriber.first_read; 0 where one reads every row).
+    None: no row of this forward may be dropped (the backend does not attend a row layout, or rows
+    are in flight to other ranks)."""
     if not getattr(get_attn_backend(), "supports_row_layout", False):
-        return False
+        return None
     if getattr(forward_batch.residual_stream, "transport", None) is not None:
-        return False  # rows in flight to other ranks
-    bound = (capture.BOUND.get(forward_batch) or (0, []))[1]
-    return all(s in DROPPERS.values() for s, parts in bound if parts)
+        return None  # rows in flight to other ranks
+    kept: dict[str, int] = {}
+    for subscriber, parts in (capture.BOUND.get(forward_batch) or (0, []))[1]:
+        if subscriber in DROPPERS.values():
+            continue
+        for part in parts:
+            first = subscriber.first_read(part) if hasattr(subscriber, "first_read") else None
+            rid = part[1].rid
+            kept[rid] = min(kept.get(rid, first or 0), first or 0)
+    return kept
 
 
 def _restart(forward_batch, value: torch.Tensor, residual: torch.Tensor | None, update):
@@ -93,13 +102,17 @@ def layer_hook(original, layer, positions, hidden_states, forward_batch, *args, 
         forward_batch.out_cache_loc = full_loc
     if layer_id == _last_layer():
         return out if rows.index is None else _restore(forward_batch, out, rows)
-    if not _may_drop(forward_batch):
+    kept_from = _kept_from(forward_batch)
+    if kept_from is None:
         return out
     kept = rows.kept.clone()
     for dropper in DROPPERS.values():
         for rid, dropped in dropper.dropped(rows.current(), layer_id).items():
             full = next(r for r in rows.full if r.rid == rid)
-            kept[full.start + (dropped.cpu() - full.prefix)] = False
+            dropped = dropped.cpu()
+            if rid in kept_from:  # another subscriber reads the request's rows from there on
+                dropped = dropped[dropped < kept_from[rid]]
+            kept[full.start + (dropped - full.prefix)] = False
     if bool((kept != rows.kept).any()):
         out = _cut(forward_batch, out, rows.cut(kept).nonzero().squeeze(1))
     return out

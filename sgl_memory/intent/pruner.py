@@ -264,6 +264,9 @@ class IntentPruner(mechanism.Mechanism):
                 bound.append((query_capture, r))
         return bound
 
+    def first_read(self, part) -> int:
+        return part[0].first_read()
+
     def take(self, bound, layer, q, k, v) -> None:
         for query_capture, r in bound:
             query_capture.add_rows(layer, q, r)

@@ -182,6 +182,9 @@ class MemArtManager(mechanism.Mechanism):
     def bind(self, rows: list[ExtendRows]) -> list[tuple[Probe, ExtendRows]]:
         return [(self.probing[r.rid], r) for r in rows if r.rid in self.probing]
 
+    def first_read(self, part) -> int:
+        return part[0].start  # the probe's scoring rows, taken by position
+
     def take(self, bound, layer, q, k, v) -> None:
         for probe, r in bound:
             rows = slice(r.start, r.start + r.count)

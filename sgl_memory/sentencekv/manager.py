@@ -120,6 +120,9 @@ class SentenceKV(mechanism.Mechanism):
     def bind(self, rows: list[ExtendRows]) -> list[tuple[QueryCapture, ExtendRows]]:
         return [(c, r) for r in rows if (c := self.captures.get(r.rid)) is not None and r.prefix + r.count > c.window_start]
 
+    def first_read(self, part) -> int:
+        return part[0].first_read()
+
     def take(self, bound, layer, q, k, v) -> None:
         for query_capture, r in bound:
             query_capture.add_rows(layer, q, r)
