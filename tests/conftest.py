@@ -1,49 +1,25 @@
-"""Shared fixtures: real servers started through `python -m sgl_memory.launch_server`."""
+"""The suite's harness: the server pool (tests/servers.py) wired into pytest, and the report of
+where the run's time went."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from sgl_memory import cpu_dtype
+import servers
 from bench import harness
-
-TEST_MODEL = "smollm2-135m-instruct"
-# The dtype a server started without --dtype computes in: the launcher's choice for this CPU, or
-# SGLMEMORY_DTYPE's (a whole suite run in one dtype). A persisted session restores exactly when
-# the store keeps the pool's own dtype.
-SERVER_DTYPE = cpu_dtype.choose().dtype
-EXACT_QUANT = {"bfloat16": "bf16", "float32": "fp32"}[SERVER_DTYPE]
 
 # Kernel checks need TRITON_INTERPRET=1 from the start; tests/test_kernels.py runs them in a child.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted"]
 
-
-# A test server's KV pool unless the test asks for another size. The launcher's default sizes it
-# from free RAM (about 55k tokens, 2.4 GB for the test model in float32): zero-filling that takes
-# seconds of every start and RAM the suite's second server may need; no test prompt comes near this.
-TEST_POOL_TOKENS = "16384"
-
-
-def command(model, *extra) -> list[str]:
-    """Our launcher's command for a test server: the test's flags, a small pool unless it sets one."""
-    if not any(str(a).split("=")[0] == "--max-total-tokens" for a in extra):
-        extra = (*extra, "--max-total-tokens", TEST_POOL_TOKENS)
-    return harness.our_command(model, *extra)
-
-
-def start_server(model, log_path, *extra):
-    return harness.start(command(model, *extra), log_path)
-
-
-def start_servers(*specs):
-    """Several test servers, each (model, log path, *flags), started at once (harness.start_all)."""
-    return harness.start_all([(command(model, *extra), log_path, None) for model, log_path, *extra in specs])
-
-
-stop_server = harness.stop
+POOL: servers.Pool | None = None
+INDEX: dict[str, int] = {}  # test id -> its place in the run
+MODULE_SECONDS: dict[str, float] = defaultdict(float)
+STARTED = time.monotonic()
 
 
 def load_example(name: str):
@@ -57,15 +33,83 @@ def load_example(name: str):
     return module
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """Whatever happened to a fixture's teardown, no server outlives the suite."""
-    left = harness.stop_all()
-    if left:
-        print(f"\nstopped {len(left)} server(s) a test left running: {', '.join(s.url for s in left)}")
+# --- the pool --------------------------------------------------------------------------------------
+
+
+def _server_fixture(name: str):
+    @pytest.fixture(scope="module", name=servers.fixture_name(name))
+    def fixture():
+        return POOL.get(name)
+
+    fixture.__doc__ = f"The suite's `{name}` server: {servers.CATALOGUE[name].why}."
+    return fixture
+
+
+for _name in servers.CATALOGUE:
+    globals()[f"_fixture_{_name}"] = _server_fixture(_name)
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    srv = start_server(TEST_MODEL, tmp_path_factory.mktemp("server") / "server.log")
-    yield srv
-    stop_server(srv)
+def pool() -> servers.Pool:
+    """The pool itself, for a test that restarts, kills or asks for a server mid-test."""
+    return POOL
+
+
+def _uses(item) -> frozenset[str]:
+    names = set(getattr(item, "fixturenames", ()))
+    return frozenset(n for n in servers.CATALOGUE if servers.fixture_name(n) in names)
+
+
+def _ends(item) -> set[str]:
+    return {m.kwargs["ends"] for m in item.iter_markers("server") if "ends" in m.kwargs}
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected what does not run
+def pytest_collection_modifyitems(session, config, items):
+    """Order the tests by the servers they use (servers.ORDER; a test that ends a server after the
+    others of that server), check that every test using a server is marked `server`, and plan."""
+    unmarked = [item.nodeid for item in items if _uses(item) and item.get_closest_marker("server") is None]
+    if unmarked:
+        raise pytest.UsageError("tests that use a server must be marked `server`:\n  " + "\n  ".join(unmarked))
+    items[:] = [items[i] for i in servers.run_order([_uses(item) for item in items], [_ends(item) for item in items])]
+    INDEX.clear()
+    INDEX.update({item.nodeid: i for i, item in enumerate(items)})
+    global POOL
+    POOL = servers.Pool(Path(config._tmp_path_factory.mktemp("servers", numbered=True)))
+    POOL.plan([(item.nodeid.split("::")[0], _uses(item)) for item in items])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    index = INDEX.get(item.nodeid, -1)
+    if POOL is not None:
+        POOL.enter(index, item.get_closest_marker("server") is not None)
+    yield
+    if POOL is not None:
+        POOL.leave(index)
+
+
+def pytest_runtest_logreport(report):
+    MODULE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if POOL is None or not (POOL.starts or MODULE_SECONDS):
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("where the time went")
+    for line in POOL.report():
+        write(line)
+    write(f"modules (setup, call and teardown of their tests), {time.monotonic() - STARTED:.0f} s in all:")
+    for module, seconds in sorted(MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
+        if seconds >= 1:
+            write(f"  {seconds:7.1f} s  {module}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Whatever happened to a test, no server outlives the suite."""
+    if POOL is not None:
+        POOL.close()
+    left = harness.stop_all()
+    if left:
+        print(f"\nstopped {len(left)} server(s) a test left running: {', '.join(s.url for s in left)}")

@@ -21,7 +21,7 @@ from bench import harness
 
 from bench.agent import bcp, bfcl, run
 from bench.agent.loop import prompt_token_ids
-from conftest import load_example, start_server, stop_server
+from conftest import load_example
 
 
 # Search hits of 48 words instead of BCP's 384: every search then adds ~400 prompt tokens, not
@@ -30,13 +30,17 @@ SNIPPET = 48
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The default model (the test model's chat template renders no tools), intent and KV memory on."""
-    d = tmp_path_factory.mktemp("agent")
-    (d / "memory.yaml").write_text(run.INTENT_CONFIG + run.MEMORY_CONFIG)
-    srv = start_server(models.DEFAULT_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"))
-    yield srv
-    stop_server(srv)
+def server(qwen_server):
+    """The default model (the test model's chat template renders no tools), with the agent
+    benchmark's intent and KV memory sections (bench/agent/run.py: INTENT_CONFIG, MEMORY_CONFIG)."""
+    import yaml
+
+    from sgl_memory.core import config
+
+    want = config.from_dict(yaml.safe_load(run.INTENT_CONFIG + run.MEMORY_CONFIG)).as_dict()
+    served = qwen_server.get("/sgl_memory/info").json()["config"]
+    assert (served["intent"], served["memory"]) == (want["intent"], want["memory"])
+    return qwen_server
 
 
 def replay(task, drop_last_of_turn: int | None = None) -> dict:

@@ -1,5 +1,5 @@
 """Clients that send the whole history and no `sgl_memory` body field, on one real server with
-pruning and KV memory on and `memory.window` set (SmolLM2-135M).
+pruning and KV memory on and `memory.window` set (SmolLM2-135M: the suite's second float32 server).
 
 - The server's window is the client-side one: a full-history session, windowed by the server, must
   answer, retrieve and place exactly as a second session whose client sends the same turns itself,
@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TEST_MODEL, load_example, start_server, stop_server
+from conftest import load_example
+from servers import TEST_MODEL
 from sgl_memory import models
 from test_memart_window import reference
 
@@ -26,9 +27,6 @@ pytestmark = pytest.mark.server
 
 WINDOW = 128
 BUDGET = 96
-CONFIG = ("intent:\n  enabled: true\n  budget: {budget}\n  query_tail: 16\n"
-          "memory:\n  enabled: true\n  block_size: 16\n  top_k: 8\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
-          "  placement: after_system\n  window: {window}\n")  # fmt: skip
 SYSTEM = {"role": "system", "content": "You are a brief assistant."}
 FACT = "My locker code is 4812. Please remember it."
 TOPICS = ["rivers", "owls", "copper", "tea", "glaciers", "violins"]
@@ -41,12 +39,13 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("clients")
-    (d / "memory.yaml").write_text(CONFIG.format(budget=BUDGET, window=WINDOW))
-    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"))
-    yield srv
-    stop_server(srv)
+def server(fp32_b_server):
+    config = fp32_b_server.get("/sgl_memory/info").json()["config"]
+    memory = config["memory"]
+    assert (config["intent"]["budget"], config["intent"]["query_tail"], memory["window"]) == (BUDGET, 16, WINDOW)
+    assert (memory["block_size"], memory["top_k"], memory["cut"], memory["unit"], memory["placed_tokens"], memory["placement"]) == \
+        (16, 8, "tokens", "block", 0, "after_system")  # fmt: skip
+    return fp32_b_server
 
 
 def generate(server, ids, field, n=12):

@@ -1,10 +1,10 @@
-"""Server level: greedy outputs of our CPU attention backend equal SGLang's torch_native backend."""
+"""Server level: greedy outputs of our CPU attention backend equal SGLang's torch_native backend,
+both in float32: the suite's float32 server (its mechanisms act on no request here: none names a
+session or exceeds intent's budget) against plain SGLang."""
 
 from __future__ import annotations
 
 import pytest
-
-from conftest import TEST_MODEL, start_servers, stop_server
 
 pytestmark = pytest.mark.server
 
@@ -20,17 +20,11 @@ PROMPTS = [
 ]
 
 
-FP32 = ("--dtype", "float32")  # in bf16 a logit moves in steps of 0.125: ties flip on summation order
-
-
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """Ours and the reference (SGLang's torch_native backend in our launcher), started together."""
-    started = start_servers((TEST_MODEL, tmp_path_factory.mktemp("ours") / "server.log", *FP32),
-                            (TEST_MODEL, tmp_path_factory.mktemp("ref") / "server.log", "--attention-backend", "torch_native", *FP32))  # fmt: skip
-    yield started
-    for srv in started:
-        stop_server(srv)
+def servers(fp32_server, sglang_server):
+    """Ours and the reference, float32 both (in bf16 a logit moves in steps of 0.125: ties flip on
+    summation order)."""
+    return fp32_server, sglang_server
 
 
 def greedy(server, text):

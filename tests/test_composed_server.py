@@ -1,7 +1,12 @@
 """Intent pruning, session persistence and KV memory together in one real server (SmolLM2-135M,
 the pool in the dtype the launcher picks for this CPU, the session store in that same dtype): all
-three with SentenceKV's decode-time reads on too, and the pairs with persistence on their own server
-(intent and memory without persistence: tests/test_agent_clients_server.py, every request both).
+three with SentenceKV's decode-time reads on too, and the pairs with persistence.
+
+The suite's `all` server runs every mechanism; a case chooses per request what it leaves out: a
+case without intent asks for no budget (the server's is above every prompt: nothing is pruned),
+one without SentenceKV turns it off (`sentencekv.enabled: false`). KV memory records every case's
+turns (what a full-history request carries is recorded on a server with memory on); the memory
+checks run for the cases with memory. Each case is a tenant of its own.
 
 All three: one agent session of 40 turns: each turn brings a tool observation and a question, and the client
 resends its whole history (full-history turns), which intent prunes to a small budget (the
@@ -10,9 +15,10 @@ writes after every turn and KV memory records; at turn 20 the server restarts; a
 memory-mode request asks about turn 1.
 
 The reference for the restart is the same server that never restarted: server A runs turns 1-20,
-its store is copied once turn 20 is written (the file then holds turn 20's pruned path, its live
-mask, the QueryMemory and the memory pool), A answers turn 21, and server B, started on the copy,
-answers turn 21 again. A store in the pool's dtype restores bit-identical KV and the QueryMemory and
+the session's file is copied once turn 20 is written (the file then holds turn 20's pruned path,
+its live mask, the QueryMemory and the memory pool) into the store of server B (a second server
+like A that never saw the session), A answers turn 21, and B answers turn 21 again, restoring the
+session from the file. A store in the pool's dtype restores bit-identical KV and the QueryMemory and
 the pool are stored exactly, so B must prune the same positions and answer the same greedy tokens.
 Each pair runs the same session for 8 turns, restarting at turn 4.
 """
@@ -20,7 +26,6 @@ Each pair runs the same session for 8 turns, restarting at turn 4.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +33,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from conftest import EXACT_QUANT, TEST_MODEL, start_server, stop_server
+from servers import TEST_MODEL
 from sgl_memory import models
+from sgl_memory.persist.store import _digest
 
 pytestmark = pytest.mark.server
 
@@ -58,30 +64,29 @@ class Case:
     def has(self, name: str) -> bool:
         return name in self.mechanisms
 
+    @property
+    def tenant(self) -> str:
+        return "composed-" + "-".join(self.mechanisms)
+
 
 CASES = {
     "all": Case(("intent", "persist", "memory", "sentencekv"), 39, 20),
     "intent+persist": Case(("intent", "persist"), 8, 4),
     "memory+persist": Case(("persist", "memory"), 8, 4),
 }
-SECTIONS = {
-    "intent": f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n",
-    "persist": "persist:\n  enabled: true\n  dir: {store}\n  quant: " + EXACT_QUANT + "\n",
-    "memory": "memory:\n  enabled: true\n  block_size: 16\n  top_k: 8\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n",
+
+
+def fields(case: Case) -> dict:
+    """What a request of the case asks for besides its session: the mechanisms it leaves out, off."""
+    out = {"budget": BUDGET} if case.has("intent") else {}
     # a decode step reads the sinks and recent rows, and sentences of at most 32 tokens of the rest
-    "sentencekv": f"sentencekv:\n  enabled: true\n  budget: {SKV_BUDGET}\n",
-}
+    out["sentencekv"] = {"budget": SKV_BUDGET} if case.has("sentencekv") else {"enabled": False}
+    return out
 
 
-def write_config(d: Path, case: Case, store: Path) -> Path:
-    path = d / f"memory-{store.name}.yaml"
-    path.write_text("".join(SECTIONS[n].format(store=store) for n in case.mechanisms))
-    return path
-
-
-def chat(server, messages, max_tokens=12, **memory):
+def chat(server, case: Case, messages, max_tokens=12, **memory):
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "sgl_memory": {"session_id": "agent", **memory}}  # fmt: skip
+            "sgl_memory": {"session_id": "agent", "tenant": case.tenant, **fields(case), **memory}}  # fmt: skip
     r = server.post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -93,12 +98,12 @@ def next_turn(messages, text) -> list[dict]:
     return messages + ([observation(len(messages))] if len(messages) > 1 else []) + [{"role": "user", "content": text}]
 
 
-def run(server, messages, turns):
+def run(server, case: Case, messages, turns):
     """Full-history turns; appends to messages; returns [(answer, usage, metrics)]."""
     results = []
     for text in turns:
         messages[:] = next_turn(messages, text)
-        answer, usage, metrics = chat(server, messages)
+        answer, usage, metrics = chat(server, case, messages)
         messages.append({"role": "assistant", "content": answer})
         results.append((answer, usage, metrics))
     return results
@@ -109,7 +114,7 @@ def wait_written(store: Path, case: Case, turns: int, path_tokens: int, timeout:
     pool) and a path of at least `path_tokens` tokens."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for path in store.glob("*/*/*.safetensors"):
+        for path in (store / _digest("tenant", case.tenant)).glob("*/*.safetensors"):
             try:
                 with safe_open(str(path), "pt") as f:
                     done = int(f.metadata()["tokens"]) >= path_tokens
@@ -136,23 +141,14 @@ class Session:
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def session(request, tmp_path_factory):
-    case = CASES[request.param]
-    d = tmp_path_factory.mktemp(request.param.replace("+", "-"))
-    store, snapshot = d / "store", d / "snapshot"
-    a = start_server(TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, case, store)))
-    try:
-        messages = [SYSTEM]
-        first = run(a, messages, TURNS[: case.restart])
-        last = first[-1][1]
-        stored = wait_written(store, case, case.restart, last["prompt_tokens"])
-        shutil.copytree(store, snapshot)
-        reference = run(a, list(messages), TURNS[case.restart : case.restart + 1])[0]  # the server that never restarted
-    finally:
-        stop_server(a)
-    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(write_config(d, case, snapshot)))
-    yield Session(case, b, messages, first, reference, snapshot / stored.relative_to(store))
-    stop_server(b)
+def session(request, all_server, all_b_server, pool):
+    case, a, b = CASES[request.param], all_server, all_b_server
+    messages = [SYSTEM]
+    first = run(a, case, messages, TURNS[: case.restart])
+    stored = wait_written(a.dir / "store", case, case.restart, first[-1][1]["prompt_tokens"])
+    pool.copy_sessions(a, b, case.tenant)  # B restarts the session from turn `restart`'s file
+    reference = run(a, case, list(messages), TURNS[case.restart : case.restart + 1])[0]  # the server that never restarted
+    return Session(case, b, messages, first, reference, b.dir / "store" / stored.relative_to(a.dir / "store"))
 
 
 def needs(session: Session, *names: str) -> None:
@@ -185,7 +181,7 @@ def test_the_stored_session_holds_the_pruned_path_its_live_mask_and_the_other_me
 
 def test_the_turn_after_a_restart_equals_the_turn_on_a_server_that_never_restarted(session):
     turn = session.case.restart + 1
-    answer, usage, metrics = chat(session.server, next_turn(session.messages, TURNS[turn - 1]))
+    answer, usage, metrics = chat(session.server, session.case, next_turn(session.messages, TURNS[turn - 1]))
     ref_answer, ref_usage, ref = session.reference
     assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, metrics
     # the path came back (with its dead positions): the same prefix is reused; with intent, the same
@@ -205,8 +201,8 @@ def test_a_fact_from_turn_1_is_recalled_as_kv_at_the_last_turn(session):
 
     messages = list(session.messages)
     done = len(session.first)
-    run(session.server, messages, TURNS[done : session.case.turns])  # the turns after the restart, on the restarted server
-    answer, usage, metrics = chat(session.server, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={})
+    run(session.server, session.case, messages, TURNS[done : session.case.turns])  # the turns after the restart, on the restarted server
+    answer, usage, metrics = chat(session.server, session.case, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={"top_k": 8})
     # turn 1 is the pool's first turn (its whole first request): the fact's tokens must be placed
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
     text = tokenizer.apply_chat_template([SYSTEM, {"role": "user", "content": TURNS[0]}], tokenize=False)
@@ -238,22 +234,22 @@ def test_sentencekv_reads_part_of_each_pruned_turn_and_the_recall(session):
         assert m["kv_read_per_step"] <= SKV_ALWAYS + SKV_BUDGET + generated + 1e-9
         if live > SKV_ALWAYS + SKV_BUDGET:
             assert m["retrieved_sentences"] >= 1 and m["kv_read_per_step"] < live + generated
-    _, usage, recall = chat(session.server, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={})
+    _, usage, recall = chat(session.server, session.case, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={"top_k": 8})
     assert recall["retrieved_blocks"] > 0 and recall["decode_steps"] == usage["completion_tokens"] - 1
     assert min(usage["prompt_tokens"], 2 * SKV_BUDGET) <= recall["kept_tokens"] <= min(usage["prompt_tokens"], SKV_ALWAYS + 2 * SKV_BUDGET)
 
 
-@pytest.mark.parametrize("who", [{"tenant": "other"}, {"session_id": "agent-2"}])
+@pytest.mark.parametrize("who", [{"tenant": "composed-other"}, {"session_id": "agent-2"}])
 def test_another_tenant_or_session_gets_nothing_of_the_session(session, who):
     """The same prompts under another tenant, or another session id: no restored path, no recalled
     block, a QueryMemory of its own, a memory pool of its own."""
     if session.case.mechanisms != CASES["all"].mechanisms:
         pytest.skip("run with all three on")
     b, messages = session.server, session.messages
-    _, _, first = chat(b, messages[:2], **who)
+    _, _, first = chat(b, session.case, messages[:2], **who)
     assert first["restored_tokens"] == 0 and first["text_match"] is None
     assert first["query_memory_turns"] == 1
-    _, _, recall = chat(b, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={}, **who)
+    _, _, recall = chat(b, session.case, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={"top_k": 8}, **who)
     # its pool holds only its own first turn (about 45 tokens; the session's holds its turns)
     assert recall["retrieved_turns"] == [0] and recall["memory_blocks"] <= 4
     assert recall["query_memory_turns"] == 2

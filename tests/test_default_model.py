@@ -6,17 +6,16 @@ import json
 
 import pytest
 
-from conftest import start_server, stop_server
 from test_server_e2e import ask_weather_tool
 
 pytestmark = [pytest.mark.server, pytest.mark.default_model]
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    srv = start_server("qwen2.5-coder-0.5b-instruct", tmp_path_factory.mktemp("qwen") / "server.log")
-    yield srv
-    stop_server(srv)
+def qwen(qwen_server):
+    """The suite's default-model server (its intent, memory and persistence act on no request here:
+    none names a session or exceeds intent's budget)."""
+    return qwen_server
 
 
 def test_answers_a_factual_question(qwen):

@@ -1,8 +1,9 @@
-"""Same configuration, same answers: two fresh servers, one script, identical results.
+"""Same configuration, same answers: two servers, one script, identical results.
 
-Both servers start from the same config (KV memory and IntentKV on) and run the script at the
-same time, so their background workers, probes and schedulers interleave differently. Each runs the same two
-sessions, in the same order:
+The suite's `all` and `all_b` servers (one configuration: every mechanism on, each with a store of
+its own) run the script at the same time, so their background workers (memory's recording,
+persistence's writes), probes and schedulers interleave differently; each starts it with an empty
+tree (what earlier tests left is flushed). Each runs the same two sessions, in the same order:
 - a memory session: full-history turns that state facts (recorded by the background worker),
   then memory-mode questions that retrieve blocks (`store: false`) and one that is stored;
 - a pruned session: full-history turns under a history budget that bites, with the memory
@@ -17,7 +18,7 @@ import concurrent.futures
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TEST_MODEL, start_servers, stop_server
+from servers import TEST_MODEL
 from sgl_memory import models
 
 pytestmark = pytest.mark.server
@@ -28,7 +29,6 @@ FACTS = ["My cat is called Pepper and she is grey.", "I went hiking near the lak
          "Tomorrow I will read a book about the history of Lisbon.", "My sister lives in Porto and works as a nurse."]  # fmt: skip
 QUESTIONS = ["What is my cat called?", "Where does my sister live?", "What did I cook for dinner?", "Who did I go hiking with?"]
 PRUNED = [{"budget": 24, "budget_mode": "history", "scorer": s, "layout": "dead_slot"} for s in ("memory", "snapkv", "random")]
-CONFIG = "memory:\n  enabled: true\n  block_size: 16\n  top_k: 4\nintent:\n  enabled: true\n  budget_floor: 16\n"
 # what a response must repeat exactly: the sgl_memory metrics that name what was placed or pruned
 SAME = ("retrieved_blocks", "retrieved_turns", "retrieved_spans", "memory_kv_tokens", "memory_blocks", "live_kv_tokens",
         "compression_events", "freed_slots", "budget", "prefill_tokens")  # fmt: skip
@@ -40,13 +40,10 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    d = tmp_path_factory.mktemp("determinism")
-    (d / "config.yaml").write_text(CONFIG)
-    started = start_servers(*[(TEST_MODEL, d / f"server{i}.log", "--memory-config", str(d / "config.yaml")) for i in (0, 1)])
-    yield started
-    for s in started:
-        stop_server(s)
+def servers(all_server, all_b_server):
+    for server in (all_server, all_b_server):
+        assert server.post("/flush_cache?timeout=60", {}).status_code == 200
+    return all_server, all_b_server
 
 
 def turn(tok, history: list[dict], text: str) -> list[int]:
@@ -56,7 +53,7 @@ def turn(tok, history: list[dict], text: str) -> list[int]:
 
 def ask(server, ids: list[int], field: dict) -> dict:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 12, "temperature": 0}, "return_logprob": True,
-            "sgl_memory": field}  # fmt: skip
+            "sgl_memory": {"tenant": "determinism", **field}}  # fmt: skip
     r = server.post("/generate", body)
     assert r.status_code == 200, r.text
     out = r.json()

@@ -1,8 +1,9 @@
 """Property-based fuzzing of the real server's request surface (hypothesis).
 
 Generated bodies for `/generate`, `/v1/chat/completions` and `/v1/completions`, with and without
-the `sgl_memory` field (well-formed, mis-typed or random), against one server with intent pruning
-on. Every answer must be a 200 or a 4xx that carries a message, never a 5xx or a dropped
+the `sgl_memory` field (well-formed, mis-typed or random), against one server with intent pruning,
+KV memory (its window too), KEEP, persistence and a plugin mechanism on (the suite's second
+float32 server). Every answer must be a 200 or a 4xx that carries a message, never a 5xx or a dropped
 connection, and the server must still serve a normal request afterwards.
 
 The run is derandomized (a fixed seed) and bounded: SGLMEMORY_FUZZ_EXAMPLES examples per
@@ -19,23 +20,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TEST_MODEL, start_server, stop_server
-
 pytestmark = pytest.mark.server
 
 EXAMPLES = int(os.environ.get("SGLMEMORY_FUZZ_EXAMPLES", "60"))
-CONFIG = "intent:\n  enabled: true\n  budget: 48\n  query_tail: 8\n"
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fuzz")
-    (d / "memory.yaml").write_text(CONFIG)
-    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"), "--max-total-tokens", "6000")
-    yield srv
-    stop_server(srv)
+def fuzz_server(fp32_b_server):
+    return fp32_b_server
 
 
 # --- values --------------------------------------------------------------------------------------

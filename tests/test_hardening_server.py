@@ -14,6 +14,11 @@ pytestmark = pytest.mark.server
 GREEDY = {"temperature": 0, "max_new_tokens": 2}
 
 
+@pytest.fixture(scope="module")
+def server(plain_server):
+    return plain_server
+
+
 def healthy(server) -> None:
     assert server.get("/health").status_code == 200
     r = server.post("/generate", {"text": "Still serving?", "sampling_params": GREEDY})

@@ -15,44 +15,21 @@ import pytest
 import requests
 import torch
 
-from conftest import TEST_MODEL, command, stop_server
+from servers import TEST_MODEL
 from sgl_memory import models
-from bench import harness
 
 pytestmark = pytest.mark.server
 
-QUERY_TAIL = 16
-CONFIG = f"""
-intent:
-  enabled: true
-  budget: 4096
-  scorer: memory
-  query_tail: {QUERY_TAIL}
-  sinks: 4
-  budget_floor: 32
-  budget_ceiling: 512
-"""
-FP32 = ("--dtype", "float32")
+QUERY_TAIL = 16  # the float32 server's intent section: budget 4096, scorer memory, query_tail 16, sinks 4,
+# an adaptive budget within [32, 512], the zero-initialised learned head, training traces
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """Ours with intent on, and plain SGLang (the first test's reference), started together."""
-    from transformers import AutoConfig
-
-    from sgl_memory.intent.head import HeadShape, PrunerHead, backbone_spec
-
-    d = tmp_path_factory.mktemp("intent")
-    spec = backbone_spec(AutoConfig.from_pretrained(models.model_dir(TEST_MODEL)))
-    PrunerHead(HeadShape(spec["head_dim"])).save(d / "zero_head.safetensors", spec)  # as initialised: no training
-    (d / "memory.yaml").write_text(CONFIG + f"  head: {d / 'zero_head.safetensors'}\n  trace_dir: {d / 'traces'}\n")
-    path = models.model_dir(TEST_MODEL)
-    plain, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"), *FP32)
-    started = harness.start_all([(command(TEST_MODEL, "--memory-config", str(d / "memory.yaml"), "--enable-metrics", *FP32), d / "server.log", None),
-                                 (plain, d / "plain.log", env)])  # fmt: skip
-    yield started
-    for srv in started:
-        stop_server(srv)
+def servers(fp32_server, sglang_server):
+    """Ours with intent on, and plain SGLang (the first test's reference), both float32."""
+    info = fp32_server.get("/sgl_memory/info").json()["config"]["intent"]
+    assert (info["budget"], info["scorer"], info["query_tail"], info["budget_floor"], info["budget_ceiling"]) == (4096, "memory", QUERY_TAIL, 32, 512)
+    return fp32_server, sglang_server
 
 
 @pytest.fixture(scope="module")
@@ -443,7 +420,7 @@ def test_the_learned_heads_training_rows_hold_the_keys_inference_reads(intent_se
     ids = tokenizer(f"{INVENTORY} Traced: how many springs are on shelf 3? Answer:")["input_ids"]
     generate(intent_server, ids, 2, {"session_id": "traced", "scorer": "learned", "budget": 150})
     rows = []
-    for path in (intent_server.log_path.parent / "traces").glob("*.safetensors"):
+    for path in (intent_server.dir / "intent-traces").glob("*.safetensors"):
         with safe_open(str(path), framework="pt") as f:
             if f.metadata()["session"] == "traced":
                 rows.append(({k: f.get_tensor(k) for k in f.keys()}, f.metadata()))

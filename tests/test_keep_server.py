@@ -1,10 +1,13 @@
-"""Repair of placed memory blocks (keep) inside the real server (SmolLM2-135M, memory and keep on).
+"""Repair of placed memory blocks (keep) inside the real server (SmolLM2-135M, float32: the suite's
+float32 server, memory and keep on).
 
 A session states facts over full-history turns (test_memart_server's); memory-mode questions then
 place four 16-token blocks after the system message and ask for a repair. References: a full
 prefill of the request's own tokens by transformers in float32 (the KV at every placed position
-and layer), the same tokens sent as a plain request (the greedy answer), and the KV a request
-with nothing recomputed after layer 0 stored (what the placed KV is at each layer)."""
+and layer), the same tokens sent as a plain request (the greedy answer), the KV a request
+with nothing recomputed after layer 0 stored (what the placed KV is at each layer), and the same
+repair asked with `compact: false` (every row computed, the placed KV written over the rows not
+recomputed)."""
 
 from __future__ import annotations
 
@@ -15,17 +18,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import TEST_MODEL, start_servers, stop_server
+from servers import TEST_MODEL
 from sgl_memory import models
 from sgl_memory.keep.select import ratio_at
 from test_memart_server import QUESTION, SYSTEM, generate, render, state_facts
 
 pytestmark = pytest.mark.server
 
-BLOCK, TOP_K = 16, 4
-# float32: bf16 matmuls on this CPU round a row differently with the row count of the pass (as
-# the probe's system message, or a layer that dropped rows, has), which flips near-tie greedy tokens
-DTYPE = "float32"
+BLOCK, TOP_K = 16, 4  # the float32 server's block size; the blocks each question places
+# float32: bf16 matmuls round a row differently with the row count of the pass (as the probe's
+# system message, or a layer that dropped rows, has), which flips near-tie greedy tokens
 FULL_TOLERANCE = 1e-3
 
 
@@ -34,41 +36,16 @@ def tok():
     return AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
 
 
-def spec(d, compact: bool) -> tuple:
-    config = d / "memory.yaml"
-    config.write_text(f"memory:\n  enabled: true\n  block_size: {BLOCK}\n  top_k: {TOP_K}\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n  placement: after_system\n"
-                      f"keep:\n  enabled: true\n  compact: {str(compact).lower()}\n  trace_dir: {d / 'trace'}\n")  # fmt: skip
-    return TEST_MODEL, d / "server.log", "--memory-config", str(config), "--dtype", DTYPE
-
-
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """keep.compact on, and off (started together): off, every layer computes every row and the
-    placed KV is written over the rows not recomputed; the same attention as dropping them, at
-    full cost."""
-    dirs = [tmp_path_factory.mktemp("keep"), tmp_path_factory.mktemp("keep-overwrite")]
-    started = start_servers(spec(dirs[0], compact=True), spec(dirs[1], compact=False))
-    for srv, d in zip(started, dirs):
-        srv.trace_dir = d / "trace"
-    yield started
-    for srv in started:
-        stop_server(srv)
-
-
-@pytest.fixture(scope="module")
-def keep_server(servers):
-    return servers[0]
+def keep_server(fp32_server):
+    config = fp32_server.get("/sgl_memory/info").json()["config"]
+    assert config["keep"]["compact"] and config["memory"]["block_size"] == BLOCK and config["memory"]["placement"] == "after_system"
+    return fp32_server
 
 
 @pytest.fixture(scope="module")
 def stated(keep_server, tok):
-    return state_facts(keep_server, tok, "a")
-
-
-@pytest.fixture(scope="module")
-def overwrite_server(servers, tok):
-    state_facts(servers[1], tok, "a")
-    return servers[1]
+    return state_facts(keep_server, tok, "keep")
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +56,9 @@ def reference_model():
 def ask(server, tok, recompute: str, **extra) -> tuple[dict, dict | None]:
     """A memory-mode question; its answer and (for a repair) the trace the server wrote."""
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    out = generate(server, q, {"session_id": "s", "tenant": "a", "memory": {"top_k": TOP_K, "store": False, "recompute": recompute},
+    out = generate(server, q, {"session_id": "s", "tenant": "keep", "memory": {"top_k": TOP_K, "store": False, "recompute": recompute},
                                **({"keep": extra} if extra else {})})  # fmt: skip
-    path = server.trace_dir / f"{out['meta_info']['id']}.safetensors"
+    path = server.dir / "keep-traces" / f"{out['meta_info']['id']}.safetensors"
     return out, (load_file(str(path)) if path.exists() else None)
 
 
@@ -148,12 +125,12 @@ def test_a_repair_recomputes_nested_rows_and_stores_the_placed_kv_elsewhere(keep
 
 
 @pytest.mark.parametrize("method", ["keep", "cacheblend"])
-def test_dropping_the_rows_gives_the_attention_of_writing_over_them(keep_server, overwrite_server, tok, stated, method):
+def test_dropping_the_rows_gives_the_attention_of_writing_over_them(keep_server, tok, stated, method):
     """The compacted prefill (rows dropped from the hidden states after the layer that stops
-    recomputing them) against the full-cost one: the same rows chosen at every layer, the same KV
-    (float32: within the rounding of matmuls over other row counts), the same answer."""
+    recomputing them) against the full-cost one (`compact: false`): the same rows chosen at every
+    layer, the same KV (float32: within the rounding of matmuls over other row counts), the same answer."""
     dropped, dropped_trace = ask(keep_server, tok, method, ratio=0.3)
-    full_cost, full_cost_trace = ask(overwrite_server, tok, method, ratio=0.3)
+    full_cost, full_cost_trace = ask(keep_server, tok, method, ratio=0.3, compact=False)
     assert dropped["meta_info"]["sgl_memory"]["recompute_dropped_rows"] is True
     assert full_cost["meta_info"]["sgl_memory"]["recompute_dropped_rows"] is False
     assert torch.equal(dropped_trace["tokens"], full_cost_trace["tokens"])

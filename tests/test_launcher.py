@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import TEST_MODEL
+from servers import TEST_MODEL
 from sgl_memory import cpu_dtype, launch_server, models
 from sgl_memory.core import config
 

@@ -1,5 +1,6 @@
-"""KV memory with its default unit in the real server (SmolLM2-135M): blocks cut at line ends, and
-a chosen block placed with the rest of its line, within `placed_tokens`.
+"""KV memory with its default unit in the real server (the default model: the suite's server for it
+runs the memory section's defaults): blocks cut at line ends, and a chosen block placed with the
+rest of its line, within `placed_tokens`.
 
 A session records one turn of notes, one per line, some lines longer than a block. The
 references are the turn's own tokens (what the session sent and got back) and where the
@@ -12,10 +13,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TEST_MODEL, start_server, stop_server
 from sgl_memory import models
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.default_model]
 
 NOTES = ["Notes of the week.", "Alice: my cat is called Pepper and she sleeps on the red sofa in the living room all day.",
          "Bob: I went hiking on Saturday.", "Carol: the weather was sunny and warm, with a light wind from the sea in the evening.",
@@ -25,16 +25,14 @@ QUESTION = "What is the cat called?"
 
 @pytest.fixture(scope="module")
 def tok():
-    return AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
+    return AutoTokenizer.from_pretrained(models.model_dir(models.DEFAULT_MODEL))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("memart-lines")
-    (d / "memory.yaml").write_text("memory:\n  enabled: true\n")  # the defaults: cut lines, unit line, placed_tokens 2048
-    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(d / "memory.yaml"))
-    yield srv
-    stop_server(srv)
+def server(qwen_server):
+    info = qwen_server.get("/sgl_memory/info").json()["config"]["memory"]
+    assert (info["cut"], info["unit"], info["placed_tokens"]) == ("lines", "line", 2048)  # the defaults
+    return qwen_server
 
 
 def generate(server, ids, memory, n=12):

@@ -15,10 +15,12 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from conftest import SERVER_DTYPE, TEST_MODEL, start_server, stop_server
+from servers import SERVER_DTYPE, TEST_MODEL
 from sgl_memory import models
 
 pytestmark = pytest.mark.server
+
+A, REF = "memart-a", "memart-ref"  # the session's tenant and the reference's (the suite's other tests use other tenants)
 
 SYSTEM = [{"role": "system", "content": "You are a brief, helpful assistant."}]
 FACTS = ["Remember this: my cat is called Pepper.", "I went hiking on Saturday.", "The weather was sunny and warm.",
@@ -32,14 +34,11 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def mem_server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("memart")
-    config = d / "memory.yaml"
+def mem_server(all_server):
     # blocks of 16 tokens, placed alone (not the default lines): these tests count blocks
-    config.write_text("memory:\n  enabled: true\n  block_size: 16\n  top_k: 4\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n")
-    srv = start_server(TEST_MODEL, d / "server.log", "--memory-config", str(config), "--enable-metrics")
-    yield srv
-    stop_server(srv)
+    memory = all_server.get("/sgl_memory/info").json()["config"]["memory"]
+    assert (memory["block_size"], memory["top_k"], memory["cut"], memory["unit"], memory["placed_tokens"]) == (16, 4, "tokens", "block", 0)
+    return all_server
 
 
 def render(tok, messages):
@@ -78,8 +77,15 @@ def state_facts(server, tok, tenant, session="s"):
 
 
 @pytest.fixture(scope="module")
-def stated(mem_server, tok):
-    return {tenant: state_facts(mem_server, tok, tenant) for tenant in ("a", "ref")}
+def pool_before(mem_server):
+    """The memory pool gauges before this module's sessions recorded anything (the server's other
+    sessions, of other tests, are in them too)."""
+    return mem_server.prometheus()
+
+
+@pytest.fixture(scope="module")
+def stated(mem_server, tok, pool_before):
+    return {tenant: state_facts(mem_server, tok, tenant) for tenant in (A, REF)}
 
 
 def retrieve(top_k=None, store=False, **extra):
@@ -89,22 +95,23 @@ def retrieve(top_k=None, store=False, **extra):
 def test_every_block_retrieved_equals_the_full_history_prompt(mem_server, tok, stated):
     # no system message: the blocks go first, at their own positions, so the KV is bit-identical
     q = tok.encode(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    got = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=1000)})
+    got = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=1000)})
     m = got["meta_info"]["sgl_memory"]
-    assert m["memory_kv_tokens"] == len(stated["a"]) and m["retrieved_turns"] == list(range(len(FACTS)))
+    assert m["memory_kv_tokens"] == len(stated[A]) and m["retrieved_turns"] == list(range(len(FACTS)))
     assert m["prefill_tokens"] == len(q) and question_rows(tok, q) <= m["probe_tokens"] <= len(q)
     # the reference tenant's turns were computed the same way; its tree holds the path
-    want = generate(mem_server, stated["ref"] + q, {"session_id": "s", "tenant": "ref"})
-    assert want["meta_info"]["cached_tokens"] >= len(stated["ref"]) - 1
+    want = generate(mem_server, stated[REF] + q, {"session_id": "s", "tenant": REF})
+    assert want["meta_info"]["cached_tokens"] >= len(stated[REF]) - 1
     assert got["output_ids"] == want["output_ids"]
 
 
-def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, stated):
+def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, stated, pool_before):
     """The memory pool gauges (GET /metrics) against the pools' contents as retrieval reports them:
     every block of both sessions retrieved, and their bytes from the model's shape: keys and values
     in the pool's dtype (bf16 or float32, as the launcher chose) and an int32 position per token,
     what the KV pool holds per token and 4 bytes; the index, the scoring layers' keys (the first
-    half) once more, in a buffer that may hold an eighth more rows than it uses."""
+    half) once more, in a buffer that may hold an eighth more rows than it uses. The gauges grew
+    by that since before the two sessions recorded their turns."""
     from transformers import AutoConfig
 
     from sgl_memory.memart.settings import MemArtConfig
@@ -116,24 +123,27 @@ def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, sta
     q = tok.encode("<|im_start|>user\nWhat did I do on Saturday?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     before = mem_server.prometheus()
     pools = [generate(mem_server, q, {"session_id": "s", "tenant": t, "memory": retrieve(top_k=1000)})["meta_info"]["sgl_memory"]
-             for t in ("a", "ref")]  # fmt: skip
+             for t in (A, REF)]  # fmt: skip
     blocks = sum(m["retrieved_blocks"] for m in pools)
     tokens = sum(m["memory_kv_tokens"] for m in pools)
-    assert pools[0]["memory_kv_tokens"] == len(stated["a"]) and blocks == sum(m["memory_blocks"] for m in pools)
+    assert pools[0]["memory_kv_tokens"] == len(stated[A]) and blocks == sum(m["memory_blocks"] for m in pools)
+    def grown(samples, name):
+        return samples[(name, ())] - pool_before.get((name, ()), 0)
+
     deadline = time.monotonic() + 10  # the gauges are set by the memory worker once a turn is in its pool
-    while (after := mem_server.prometheus())[("sgl_memory_memory_pool_blocks", ())] != blocks and time.monotonic() < deadline:
+    while grown(after := mem_server.prometheus(), "sgl_memory_memory_pool_blocks") != blocks and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert after[("sgl_memory_memory_pool_blocks", ())] == blocks and after[("sgl_memory_memory_pool_tokens", ())] == tokens
+    assert grown(after, "sgl_memory_memory_pool_blocks") == blocks and grown(after, "sgl_memory_memory_pool_tokens") == tokens
     value_bytes = {"bfloat16": 2, "float32": 4}[SERVER_DTYPE]
     kv_bytes, index_bytes = tokens * (2 * per_value * value_bytes + 4), tokens * scored * value_bytes
-    assert kv_bytes + index_bytes <= after[("sgl_memory_memory_pool_bytes", ())] <= kv_bytes + 1.125 * index_bytes
+    assert kv_bytes + index_bytes <= grown(after, "sgl_memory_memory_pool_bytes") <= kv_bytes + 1.125 * index_bytes
     grew = after[("sgl_memory_retrievals_total", ())] - before.get(("sgl_memory_retrievals_total", ()), 0)
     assert grew == 2 and after[("sgl_memory_retrieved_blocks_total", ())] - before.get(("sgl_memory_retrieved_blocks_total", ()), 0) == blocks
 
 
 def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_server, tok, stated):
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    first = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)})
+    first = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)})
     m = first["meta_info"]["sgl_memory"]
     assert m["retrieved_blocks"] == 4 and 0 in m["retrieved_turns"]  # the turn that states the fact
     turn0 = render(tok, SYSTEM + [{"role": "user", "content": FACTS[0]}])
@@ -143,7 +153,7 @@ def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_serv
     assert first["meta_info"]["prompt_tokens"] == 64 + len(q) and question_rows(tok, q) <= m["probe_tokens"] <= len(q)
     assert "Pepper" in first["text"], first["text"]
     # the same assembled prefix again: the radix tree holds it, and the question with it
-    again = generate(mem_server, q, {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)})
+    again = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)})
     assert again["meta_info"]["cached_tokens"] >= 64 + len(q) - 1 and again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1
     assert again["output_ids"] == first["output_ids"]
 
@@ -155,7 +165,7 @@ def test_a_prompt_that_carries_its_answer_retrieves_for_the_question(mem_server,
     there after them."""
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
     answer = tok.encode("Your cat is called Pepper.<|im_end|>", add_special_tokens=False)
-    memory = {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)}
+    memory = {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)}
     alone = generate(mem_server, q, memory)["meta_info"]
     carried = generate(mem_server, q + answer, memory)["meta_info"]
     # the second probe takes what the first one left in the tree up to the question
@@ -180,17 +190,17 @@ def test_input_logprobs_of_a_memory_request_are_its_own_tokens(mem_server, tok, 
     q = tok.encode(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     # a tenant of its own: other tests add turns to tenant a's session
     path = state_facts(mem_server, tok, "lp")
-    memory = {"session_id": "s", "tenant": "lp", "memory": retrieve(top_k=1000)}
+    memory = {"session_id": "s", "tenant": "memart-lp", "memory": retrieve(top_k=1000)}
     got = logprobs(mem_server, q + answer, memory, logprob_start_len=len(q))
-    assert path == stated["ref"]
-    want = logprobs(mem_server, stated["ref"] + q + answer, {"session_id": "s", "tenant": "ref"}, logprob_start_len=len(stated["ref"] + q))
+    assert path == stated[REF]
+    want = logprobs(mem_server, stated[REF] + q + answer, {"session_id": "s", "tenant": REF}, logprob_start_len=len(stated[REF] + q))
     assert len(got) == len(want) == len(answer)
     # the first is the prompt's last row's, which a cached prompt does not compute (None in both);
     # the two prefills split where each one's cache ends (earlier tests cached parts of both), which
     # in a bf16 pool moves a log-probability by up to a few 1e-2 (the bug this catches put the
     # blocks' own log-probabilities here: 184 of them for 7 tokens, several nats apart)
     assert max(abs(a - b) for a, b in zip(got[1:], want[1:])) < 0.05
-    plain = {"session_id": "s", "tenant": "ref"}
+    plain = {"session_id": "s", "tenant": REF}
     assert len(logprobs(mem_server, q, memory)) == len(logprobs(mem_server, q, plain))
     s = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
     after = {**memory, "memory": retrieve(top_k=4, placement="after_system")}
@@ -202,7 +212,7 @@ def test_blocks_after_the_system_message(mem_server, tok, stated):
     """placement after_system: [system message][blocks][question]; the system message's KV is the
     probe's, so only the question after it is prefilled, and the assembly composes with the tree."""
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    memory = {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4, placement="after_system")}
+    memory = {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4, placement="after_system")}
     first = generate(mem_server, q, memory)
     m = first["meta_info"]["sgl_memory"]
     assert m["memory_kv_tokens"] == 64 and m["prefill_tokens"] == len(q) - system_end(tok, q)
@@ -218,12 +228,12 @@ def test_header_blocks_are_placed_with_the_chosen_ones(mem_server, tok):
     story = ("Stock count: 4821 bolts, 9930 nuts, 7712 washers, 1203 hinges, 5540 screws, 3381 rivets, 6619 nails. "
              "By the way, I bought a new bicycle, and the bicycle is bright orange.")
     ids = tok.encode("Notes of the week.\n", add_special_tokens=False)
-    generate(mem_server, ids, {"session_id": "week", "tenant": "a"}, n=1)
-    generate(mem_server, ids + tok.encode(story, add_special_tokens=False), {"session_id": "week", "tenant": "a"}, n=1)
+    generate(mem_server, ids, {"session_id": "week", "tenant": A}, n=1)
+    generate(mem_server, ids + tok.encode(story, add_special_tokens=False), {"session_id": "week", "tenant": A}, n=1)
     q = render(tok, SYSTEM + [{"role": "user", "content": "What colour is my new bicycle?"}])
     for top_k in (1, 2, 3):
-        plain = generate(mem_server, q, {"session_id": "week", "tenant": "a", "memory": retrieve(top_k=top_k)})
-        headed = generate(mem_server, q, {"session_id": "week", "tenant": "a", "memory": retrieve(top_k=top_k, header="turn")})
+        plain = generate(mem_server, q, {"session_id": "week", "tenant": A, "memory": retrieve(top_k=top_k)})
+        headed = generate(mem_server, q, {"session_id": "week", "tenant": A, "memory": retrieve(top_k=top_k, header="turn")})
         chosen = {tuple(x) for x in plain["meta_info"]["sgl_memory"]["retrieved_spans"]}
         got = [tuple(x) for x in headed["meta_info"]["sgl_memory"]["retrieved_spans"]]
         assert chosen <= set(got) and got == sorted(got) and len(got) == len(set(got))
@@ -233,7 +243,7 @@ def test_header_blocks_are_placed_with_the_chosen_ones(mem_server, tok):
 
 def test_another_sessions_memory_is_never_retrieved(mem_server, tok, stated):
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    for memory in ({"session_id": "other", "tenant": "a"}, {"session_id": "s", "tenant": "stranger"}, {"session_id": "s"}):
+    for memory in ({"session_id": "other", "tenant": A}, {"session_id": "s", "tenant": "memart-stranger"}, {"session_id": "s"}):
         out = generate(mem_server, q, {**memory, "memory": retrieve(top_k=1000)})
         m = out["meta_info"]["sgl_memory"]
         assert m["retrieved_blocks"] == 0 and m["memory_kv_tokens"] == 0 and m["memory_blocks"] == 0, memory
@@ -260,7 +270,7 @@ def test_memory_turns_are_stored_unless_told_not_to(mem_server, tok):
 
 def test_openai_api_and_streaming_carry_memory_mode(mem_server, stated):
     body = {"model": "m", "messages": SYSTEM + [{"role": "user", "content": QUESTION}], "max_tokens": 12, "temperature": 0,
-            "sgl_memory": {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)}}  # fmt: skip
+            "sgl_memory": {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)}}  # fmt: skip
     r = mem_server.post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     assert "Pepper" in r.json()["choices"][0]["message"]["content"] and r.json()["sgl_memory"]["retrieved_blocks"] == 4
@@ -315,7 +325,7 @@ def test_frontend_program_with_a_session_answers_from_memory(mem_server, stated)
         s += sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0))
 
     backend = MemoryEndpoint(mem_server.url, chat_template_name="chatml")  # SmolLM2 speaks ChatML
-    state = ask.run(question=QUESTION, session_id="s", tenant="a", memory=retrieve(top_k=4), backend=backend)
+    state = ask.run(question=QUESTION, session_id="s", tenant=A, memory=retrieve(top_k=4), backend=backend)
     assert "Pepper" in state["answer"], state.text()
     assert state.get_meta_info("answer")["sgl_memory"]["retrieved_blocks"] == 4
 
@@ -324,7 +334,7 @@ def test_parallel_samples_all_use_the_memory(mem_server, tok, stated):
     """n > 1: SGLang runs one request per sample, and each must find the probe's queries."""
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
     body = {"input_ids": q, "sampling_params": {"max_new_tokens": 8, "n": 2, "temperature": 0.7},
-            "sgl_memory": {"session_id": "s", "tenant": "a", "memory": retrieve(top_k=4)}}  # fmt: skip
+            "sgl_memory": {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)}}  # fmt: skip
     r = mem_server.post("/generate", body)
     assert r.status_code == 200, r.text
     outs = r.json()
@@ -353,7 +363,7 @@ def test_a_probe_that_reuses_the_cached_prefix_chooses_the_blocks_a_full_probe_d
     with the blocks after the system message as an agent's requests place them, the two choose the
     same blocks, and the reusing one prefills no more than the question's message."""
     system = [{"role": "system", "content": TOOL_DOCS}]
-    session = {"session_id": "agent", "tenant": "probe-reuse"}
+    session = {"session_id": "agent", "tenant": "memart-probe-reuse"}
     for i, text in enumerate(AGENT_TURNS):
         ids = render(tok, system + [{"role": "user", "content": text}])
         assert mem_server.post("/flush_cache?timeout=60", {}).status_code == 200

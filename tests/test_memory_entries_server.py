@@ -1,10 +1,12 @@
-"""The memory entries API inside the real server (SmolLM2-135M, float32, memory and keep on).
+"""The memory entries API inside the real server (SmolLM2-135M, float32: the suite's float32 server,
+memory, keep and persistence on).
 
 References are plain requests of the same server: a retrieved entry's KV was computed from its text
 alone at positions 0..n-1, so a memory-mode request that places exactly that entry first must
 answer, greedy token for token, as the plain request whose prompt is the entry's text followed by
 the question; a static group's joint KV likewise as the members' texts concatenated. A replaced or
-forgotten entry must never be placed again.
+forgotten entry must never be placed again. The entries survive a restart: the second float32
+server, finding the session's file in its store, reads back the same book.
 """
 
 from __future__ import annotations
@@ -12,14 +14,13 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import TEST_MODEL, start_server, stop_server
+from servers import TEST_MODEL
 from sgl_memory import models
 
 pytestmark = pytest.mark.server
 
-# float32: bf16 matmuls on this CPU round a row differently with the row count of the pass, and
-# the references prefill the entry together with the question while the entry was computed alone
-DTYPE = "float32"
+# float32: bf16 matmuls round a row differently with the row count of the pass, and the
+# references prefill the entry together with the question while the entry was computed alone
 KITCHEN = {"apple": "The red apple is on the kitchen table.", "knife": "The sharp knife is in the kitchen drawer.",
            "bread": "The loaf of bread is on the kitchen counter."}  # fmt: skip
 GARAGE = {"car": "The blue car is parked in the garage.", "bike": "The old bicycle leans against the garage wall."}
@@ -31,19 +32,12 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    d = tmp_path_factory.mktemp("entries")
-    path = d / "memory.yaml"
-    path.write_text("memory:\n  enabled: true\n  block_size: 8\n  top_k: 1\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n  static_after: 2\n  group_threshold: 0.3\n"
-                    f"keep:\n  enabled: true\npersist:\n  enabled: true\n  dir: {d / 'store'}\n")  # fmt: skip
-    return path
-
-
-@pytest.fixture(scope="module")
-def srv(config):
-    s = start_server(TEST_MODEL, config.with_name("server.log"), "--memory-config", str(config), "--dtype", DTYPE)
-    yield s
-    stop_server(s)
+def srv(fp32_server):
+    """The suite's float32 server. It places memory after the system message unless asked; these
+    requests place it first, where the references put the entries' text."""
+    memory = fp32_server.get("/sgl_memory/info").json()["config"]["memory"]
+    assert (memory["static_after"], memory["group_threshold"]) == (2, 0.3)  # what the group test writes for
+    return fp32_server
 
 
 def write(srv, session, entries, status=200):
@@ -74,7 +68,7 @@ def test_a_written_entry_is_placed_as_its_text_alone(srv, tok):
     out = write(srv, "one", {"key": "The spare key is taped under the blue flowerpot."})
     assert [w["key"] for w in out["written"]] == ["key"] and out["book"]["entries"] == 1
     q = question_ids(tok, "Where is the spare key?")
-    got = ask(srv, q, {"session_id": "one", "memory": {"top_k": 8, "store": False}})
+    got = ask(srv, q, {"session_id": "one", "memory": {"top_k": 8, "store": False, "placement": "first"}})
     text = line(tok, "The spare key is taped under the blue flowerpot.")
     assert got["meta_info"]["sgl_memory"]["memory_kv_tokens"] == len(text)
     assert got["meta_info"]["sgl_memory"]["retrieved_entries"] == 1
@@ -86,13 +80,13 @@ def test_a_replaced_entry_is_never_placed_again(srv, tok):
     out = write(srv, "two", {"key": "The spare key is now in the kitchen drawer."})
     assert out["book"]["entries"] == 1
     q = question_ids(tok, "Where is the spare key?")
-    got = ask(srv, q, {"session_id": "two", "memory": {"top_k": 64, "store": False}})
+    got = ask(srv, q, {"session_id": "two", "memory": {"top_k": 64, "store": False, "placement": "first"}})
     new = line(tok, "The spare key is now in the kitchen drawer.")
     assert got["meta_info"]["sgl_memory"]["memory_kv_tokens"] == len(new)  # the old text is gone
     assert got["output_ids"] == ask(srv, new + q)["output_ids"]
     r = srv.post("/sgl_memory/memory/forget", {"session_id": "two", "keys": ["key"]})
     assert r.status_code == 200 and r.json()["book"]["entries"] == 0
-    got = ask(srv, q, {"session_id": "two", "memory": {"top_k": 64, "store": False}})
+    got = ask(srv, q, {"session_id": "two", "memory": {"top_k": 64, "store": False, "placement": "first"}})
     assert got["meta_info"]["sgl_memory"]["memory_kv_tokens"] == 0
 
 
@@ -106,20 +100,20 @@ def test_a_quiet_group_gets_a_joint_kv_and_a_write_makes_it_dynamic(srv, tok):
     assert book["static_groups"] == 1 and book["dynamic_groups"] >= 1
     # retrieved as one unit: its joint KV equals a plain prefill of the members' lines together
     q = question_ids(tok, "Where is the red apple?")
-    got = ask(srv, q, {"session_id": "three", "memory": {"top_k": 1, "store": False}})
+    got = ask(srv, q, {"session_id": "three", "memory": {"top_k": 1, "store": False, "placement": "first"}})
     joint = [t for key in kitchen[0]["members"] for t in line(tok, KITCHEN[key])]
     metrics = got["meta_info"]["sgl_memory"]
     assert metrics["retrieved_static_groups"] == 1 and metrics["memory_kv_tokens"] == len(joint), metrics
     assert got["output_ids"] == ask(srv, joint + q)["output_ids"]
     # KEEP over the unit: recomputing all of it is the plain prefill of the members' lines
-    got = ask(srv, q, {"session_id": "three", "memory": {"top_k": 1, "store": False, "recompute": "keep"}, "keep": {"ratio": 1.0}})
+    got = ask(srv, q, {"session_id": "three", "memory": {"top_k": 1, "store": False, "placement": "first", "recompute": "keep"}, "keep": {"ratio": 1.0}})
     assert got["meta_info"]["sgl_memory"]["recompute"] == "keep"
     assert got["output_ids"] == ask(srv, joint + q)["output_ids"]
     # a member changes: the group is dynamic, members are placed on their own again
     out = write(srv, "three", {"apple": "The red apple is in the fridge now."})
     kitchen = [g for g in out["book"]["groups"] if "knife" in g["members"]][0]
     assert not kitchen["static"] and out["joint"] == []
-    got = ask(srv, q, {"session_id": "three", "memory": {"top_k": 1, "store": False}})
+    got = ask(srv, q, {"session_id": "three", "memory": {"top_k": 1, "store": False, "placement": "first"}})
     metrics = got["meta_info"]["sgl_memory"]
     assert metrics["retrieved_static_groups"] == 0 and metrics["retrieved_entries"] == 1, metrics
 
@@ -130,7 +124,7 @@ def test_the_book_reads_back_and_other_sessions_see_nothing(srv, tok):
     assert r.status_code == 200 and r.json()["book"]["entries"] == 2
     r = srv.get("/sgl_memory/memory?session_id=nobody-here")
     assert r.status_code == 200 and r.json()["book"]["entries"] == 0
-    got = ask(srv, question_ids(tok, "Where is the car?"), {"session_id": "nobody-here", "memory": {"store": False}})
+    got = ask(srv, question_ids(tok, "Where is the car?"), {"session_id": "nobody-here", "memory": {"store": False, "placement": "first"}})
     assert got["meta_info"]["sgl_memory"]["memory_kv_tokens"] == 0
 
 
@@ -158,22 +152,21 @@ def test_a_client_cannot_send_the_internal_modes(srv, tok):
     assert r.status_code == 400
 
 
-def test_entries_and_groups_survive_a_restart(srv, config, tok):
+def test_entries_and_groups_survive_a_restart(srv, fp32_b_server, pool, tok):
     """Session files hold the pool with its book: a second server on the same store answers from it."""
     write(srv, "five", KITCHEN)
     write(srv, "five", GARAGE)  # the kitchen group turns static
     write(srv, "five", {"car": "The blue car is at the mechanic."})  # a replaced entry
     before = srv.get("/sgl_memory/memory?session_id=five").json()["book"]
     assert before["static_groups"] == 1
-    again = start_server(TEST_MODEL, config.with_name("restart.log"), "--memory-config", str(config), "--dtype", DTYPE)
-    try:
-        after = again.get("/sgl_memory/memory?session_id=five").json()["book"]
-        assert after == before
-        q = question_ids(tok, "Where is the blue car?")
-        got = ask(again, q, {"session_id": "five", "memory": {"top_k": 64, "store": False}})
-        metrics = got["meta_info"]["sgl_memory"]
-        # every entry once: the static group's joint KV, the garage entries, not the replaced text
-        want = sum(len(line(tok, t)) for t in KITCHEN.values()) + len(line(tok, GARAGE["bike"])) + len(line(tok, "The blue car is at the mechanic."))
-        assert metrics["memory_kv_tokens"] == want and metrics["retrieved_static_groups"] == 1, metrics
-    finally:
-        stop_server(again)
+    assert srv.post("/flush_cache?timeout=60", {}).status_code == 200  # the session's file is written
+    again = fp32_b_server
+    pool.copy_sessions(srv, again, None)
+    after = again.get("/sgl_memory/memory?session_id=five").json()["book"]
+    assert after == before
+    q = question_ids(tok, "Where is the blue car?")
+    got = ask(again, q, {"session_id": "five", "memory": {"top_k": 64, "store": False, "placement": "first"}})
+    metrics = got["meta_info"]["sgl_memory"]
+    # every entry once: the static group's joint KV, the garage entries, not the replaced text
+    want = sum(len(line(tok, t)) for t in KITCHEN.values()) + len(line(tok, GARAGE["bike"])) + len(line(tok, "The blue car is at the mechanic."))
+    assert metrics["memory_kv_tokens"] == want and metrics["retrieved_static_groups"] == 1, metrics

@@ -1,14 +1,19 @@
 """A session restored from the store in its default format answers as the session would have
-without the restart: the default model, a LoCoMo dialogue of about 2k tokens (4k until 2026-11-26:
+without the restore: the default model, a LoCoMo dialogue of about 2k tokens (4k until 2026-11-26:
 three tenants prefill it, about 3 min of the suite on a CPU without bf16 hardware).
 
-One server runs the dialogue's first turn for two tenants that compute it the same way: `live`
-stays on that server (the session that never restarts) and `stored` is written to the store. A
-third tenant, `gen`, produces the greedy answers to the follow-up questions. Both sessions are then
-teacher-forced through the same answers in the same order, `live` on the first server and `stored`
-on a second server that restores it from disk; at every answer position the greedy next token of
-the restored session must be the never-restarted one's (per position, so one flipped near-tie does
-not hide the rest)."""
+The suite's default-model server runs the dialogue's first turn for two tenants that compute it
+the same way: `live` stays in the tree (the session that is never restored) and `stored` is written
+to the store. A third tenant, `gen`, produces the greedy answers to the follow-up questions. `live`
+is teacher-forced through the answers while the tree holds it; then the tree is emptied and
+`stored` is teacher-forced through the same answers, restored from its file (the server keeps no
+warm copy, so the KV comes from disk, dequantized from the default format). At every answer
+position the greedy next token of the restored session must be the never-restored one's (per
+position, so one flipped near-tie does not hide the rest). The server's intent budget is lifted
+for these requests (no pruning), as a persistence-only server would serve them.
+
+Restores across a real restart, in the pool's own dtype: tests/test_persist_server.py and
+tests/test_composed_server.py."""
 
 from __future__ import annotations
 
@@ -17,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_server, stop_server
 from sgl_memory import models
 from sgl_memory.persist.settings import PersistConfig
 
@@ -34,11 +38,12 @@ ANSWER_TOKENS = 32
 # one run of pool slots where the live session's sits in several, and the attention merges runs in
 # another order (bf16 rounding at a near-tie).
 AGREEMENT = 0.95
+UNPRUNED = 1 << 20  # an intent budget above every prompt here
 
 
 def generate(server, ids: list[int], tenant: str, **params) -> dict:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": params.pop("max_new_tokens", 1), "temperature": 0},
-            "sgl_memory": {"session_id": "s", "tenant": tenant}, **params}  # fmt: skip
+            "sgl_memory": {"session_id": "s", "tenant": tenant, "budget": UNPRUNED}, **params}  # fmt: skip
     r = server.post("/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -59,38 +64,28 @@ def flush(server) -> None:
     assert server.post("/flush_cache?timeout=600", {}).status_code == 200
 
 
-def test_a_session_restored_in_the_default_format_answers_as_it_would_have_without_the_restart(tmp_path):
+@pytest.mark.default_model
+def test_a_session_restored_in_the_default_format_answers_as_it_would_have_without_the_restore(qwen_server):
     from transformers import AutoTokenizer
 
-    model = models.DEFAULT_MODEL
-    tokenizer = AutoTokenizer.from_pretrained(models.model_dir(model))
+    server = qwen_server
+    tokenizer = AutoTokenizer.from_pretrained(models.model_dir(models.DEFAULT_MODEL))
     messages = bench.session_of_length(tokenizer, bench.dialogue(bench.data.load()[0]), LENGTH)
     messages.append({"role": "user", "content": bench.FIRST})
-    config = tmp_path / "persist.yaml"
-    config.write_text(f"persist:\n  enabled: true\n  dir: {tmp_path / 'store'}\n")  # quant: the default
-    flags = ("--memory-config", str(config), "--max-total-tokens", "16384")
     first = prompt_ids(tokenizer, messages)
-    writer = start_server(model, tmp_path / "writer.log", *flags)
-    try:
-        replies = {t: generate(writer, first, t, max_new_tokens=16)["output_ids"] for t in ("gen", "live", "stored")}
-        assert replies["live"] == replies["stored"] == replies["gen"]  # the tenants computed the same turn
-        history = messages + [{"role": "assistant", "content": tokenizer.decode(replies["live"], skip_special_tokens=True)}]
-        prompts = [prompt_ids(tokenizer, history + [{"role": "user", "content": q}]) for q in QUESTIONS]
-        answers = [generate(writer, p, "gen", max_new_tokens=ANSWER_TOKENS)["output_ids"] for p in prompts]
-        live = [greedy_along(writer, p, a, "live")[0] for p, a in zip(prompts, answers)]
-        flush(writer)  # the sessions' files are written
-    finally:
-        stop_server(writer)
-    reader = start_server(model, tmp_path / "reader.log", *flags)
-    try:
-        restored = []
-        for i, (p, a) in enumerate(zip(prompts, answers)):
-            tokens, metrics = greedy_along(reader, p, a, "stored")
-            if i == 0:
-                assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] >= LENGTH - 256, metrics
-            restored.append(tokens)
-    finally:
-        stop_server(reader)
+    replies = {t: generate(server, first, t, max_new_tokens=16)["output_ids"] for t in ("gen", "live", "stored")}
+    assert replies["live"] == replies["stored"] == replies["gen"]  # the tenants computed the same turn
+    history = messages + [{"role": "assistant", "content": tokenizer.decode(replies["live"], skip_special_tokens=True)}]
+    prompts = [prompt_ids(tokenizer, history + [{"role": "user", "content": q}]) for q in QUESTIONS]
+    answers = [generate(server, p, "gen", max_new_tokens=ANSWER_TOKENS)["output_ids"] for p in prompts]
+    live = [greedy_along(server, p, a, "live")[0] for p, a in zip(prompts, answers)]
+    flush(server)  # the sessions' files are written, and the tree holds none of them
+    restored = []
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        tokens, metrics = greedy_along(server, p, a, "stored")
+        if i == 0:
+            assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] >= LENGTH - 256, metrics
+        restored.append(tokens)
     same = sum(x == y for r, l in zip(restored, live) for x, y in zip(r, l))
     total = sum(len(l) for l in live)
     assert total >= len(QUESTIONS) * 8 and same / total >= AGREEMENT, f"{PersistConfig().quant}: {same}/{total} positions"

@@ -4,10 +4,12 @@ the launcher picks for this CPU).
 The reference for a restarted session is the same conversation on a server that never restarted:
 with unquantized storage in the pool's own dtype (bf16 or fp32) the restored KV is bit-identical,
 so greedy answers must be equal (the quantized formats: tests/test_persist_restore_answers.py).
-Faults are produced for real: files damaged on disk, a
-server SIGKILLed while its writer has a temporary file open, a file-size limit (the write fails
-as on a full disk), a directory that cannot be created. The fault server runs at page size 16 (the
-GPU default): what it restores is cut to whole pages."""
+The restart: the suite's `all` server runs the conversations, and their session files go into the
+store of its second server, `all_b` (the same configuration, a store of its own, which never saw
+these sessions), as a restarted server finds them on disk. Faults are produced for real: files
+damaged on disk, a server SIGKILLed while its writer has a temporary file open, a file-size limit
+(the write fails as on a full disk), a directory that cannot be created. The fault server (the
+suite's `paged` one) runs at page size 16 (the GPU default): what it restores is cut to whole pages."""
 
 from __future__ import annotations
 
@@ -22,8 +24,7 @@ import pytest
 import requests
 import torch
 
-from conftest import EXACT_QUANT, TEST_MODEL, start_server, start_servers, stop_server
-from bench import harness
+from servers import EXACT_QUANT
 from sgl_memory.persist.store import CacheSpec, SessionFiles, _digest
 
 pytestmark = pytest.mark.server
@@ -36,14 +37,6 @@ CONVERSATIONS = [
 ]
 SYSTEM = {"role": "system", "content": "You are a brief, helpful assistant."}
 PAGE = 16  # the fault server's page size
-
-
-def write_config(d: Path, store: Path, tenant_header: bool = False, **persist) -> Path:
-    lines = ["persist:", "  enabled: true", f"  dir: {store}"] + [f"  {k}: {v}" for k, v in persist.items()]
-    lines += ["sessions:", "  tenant_header: true"] if tenant_header else []
-    path = d / f"memory-{len(list(d.glob('memory-*')))}.yaml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def chat(server, messages, session_id=None, tenant=None, max_tokens=24):
@@ -92,40 +85,20 @@ def session_file(store: Path, session_id: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first_servers(tmp_path_factory):
-    """Server A of the restart and the fault server (below), started together; each on its own store."""
-    d, e = tmp_path_factory.mktemp("persist-restart"), tmp_path_factory.mktemp("persist-faults")
-    # the fault server: exact store, no warm tier (every restore reads the file), a small KV pool
-    # (eviction), pages of PAGE tokens
-    a, faults = start_servers((TEST_MODEL, d / "a.log", "--memory-config", str(write_config(d, d / "store", quant=EXACT_QUANT))),
-                              (TEST_MODEL, e / "e.log", "--memory-config", str(write_config(e, e / "store", quant=EXACT_QUANT, warm_bytes=0)),
-                               "--max-total-tokens", "3008", "--page-size", str(PAGE)))  # fmt: skip
-    yield (a, d), (faults, e)
-    for srv in (a, faults):  # `restarted` stops A; the last fault test kills the fault server
-        if srv.proc.poll() is None:
-            stop_server(srv)
-
-
-@pytest.fixture(scope="module")
-def restarted(first_servers):
-    """Server A (exact store) runs every conversation to its end (the reference) and a copy of each
-    to its second turn, and stops; server B starts on the store. Each copy is its own tenant, so no copy reuses
+def restarted(all_server, all_b_server, pool):
+    """Server A runs every conversation to its end (the reference) and a copy of each to its second
+    turn; the copies' files go into server B's store. Each copy is its own tenant, so no copy reuses
     another's KV through the tree and every copy computes the same tokens the same way.
-    Returns (B, store, reference answers, {copy tenant: per conversation [(answer, usage)]})."""
-    (a, d), _ = first_servers
-    store = d / "store"
-    try:
-        reference = [[t[0] for t in run_turns(a, conv, f"s{i}", tenant="ref")] for i, conv in enumerate(CONVERSATIONS)]
-        copies = {"rs": [run_turns(a, conv[:2], f"s{i}", tenant="rs") for i, conv in enumerate(CONVERSATIONS)]}
-        copies["ta"] = [run_turns(a, CONVERSATIONS[0][:2], "shared", tenant="ta")]
-        flush(a)
-    finally:
-        stop_server(a)
+    Returns (B, B's store, reference answers, {copy tenant: per conversation [(answer, usage)]})."""
+    a, b = all_server, all_b_server
+    reference = [[t[0] for t in run_turns(a, conv, f"s{i}", tenant="ref")] for i, conv in enumerate(CONVERSATIONS)]
+    copies = {"rs": [run_turns(a, conv[:2], f"s{i}", tenant="rs") for i, conv in enumerate(CONVERSATIONS)]}
+    copies["ta"] = [run_turns(a, CONVERSATIONS[0][:2], "shared", tenant="ta")]
+    flush(a)  # every turn is written
+    pool.copy_sessions(a, b, *copies)
     # B takes tenants from x-tenant-id (a gateway in front sets it): the header tests below
-    config = write_config(d, store, tenant_header=True, quant=EXACT_QUANT)
-    b = start_server(TEST_MODEL, d / "b.log", "--memory-config", str(config), "--enable-metrics", "--enable-response-store")
-    yield b, store, reference, copies
-    stop_server(b)
+    assert b.get("/sgl_memory/info").json()["config"]["sessions"]["tenant_header"] is True
+    return b, b.dir / "store", reference, copies
 
 
 def third_turn(i, turns):
@@ -181,9 +154,16 @@ def test_prometheus_counts_restores_and_the_store_size(restarted):
 def test_an_openai_client_names_its_session_by_header_alone(restarted):
     """The `openai` SDK as an agent framework drives it: no `sgl_memory` field, the session in the
     `x-session-id` header. The session's turn is stored under that id and its next turn matches
-    it; a streamed turn's metrics come in its last chunk; the field's own id wins over the header's;
-    the x-tenant-id header (on for this server) names the tenant's own file; a bad id, or a field
-    naming another tenant than the header, is a 400 naming the header."""
+    it; a streamed turn's metrics come in its last chunk and its answer is the one the same request
+    gets unstreamed; the field's own id wins over the header's; the x-tenant-id header (on for this
+    server) names the tenant's own file; a bad id, or a field naming another tenant than the
+    header, is a 400 naming the header.
+
+    The streamed request's reference is the same request unstreamed, sent just before it: both
+    then find the same prefix in the tree and prefill the same rows. The session's first answer
+    is no reference: that request prefilled more of the prompt, and a prefill of other rows rounds
+    otherwise in bf16, which flipped the small model's near-tie first token on an AVX512-BF16 CPU
+    ("The planet I'm" against "One planet is Europa")."""
     from openai import BadRequestError, OpenAI
 
     b, store, _, _ = restarted
@@ -200,9 +180,10 @@ def test_an_openai_client_names_its_session_by_header_alone(restarted):
     assert "text_match" in persisted(first) and persisted(first)["text_match"] is None  # a new session
     said = [{"role": "user", "content": "Name one planet."}, {"role": "assistant", "content": first.choices[0].message.content}]
     assert persisted(ask("And one moon?", said))["text_match"] in ("extend", "exact")  # its next turn
-    # streamed: the metrics come in the last chunk (no choices), the answer is the same
+    # streamed: the metrics come in the last chunk (no choices), the answer is the unstreamed one's
+    again = ask("Name one planet.")
     chunks = list(ask("Name one planet.", stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == again.choices[0].message.content
     assert not chunks[-1].choices and "text_match" in persisted(chunks[-1])
     assert not any(persisted(c) for c in chunks[:-1])
     ask("Name one moon.", extra_body={"sgl_memory": {"session_id": "hdr-2"}})
@@ -294,9 +275,12 @@ def test_ids_crafted_to_escape_the_store_are_refused(restarted, memory):
 
 
 @pytest.fixture(scope="module")
-def fault_server(first_servers):
-    _, (server, d) = first_servers
-    return server, d, d / "store"
+def fault_server(paged_server):
+    """Page size 16, an exact store with no warm tier (every restore reads the file), a pool of 3008
+    tokens (eviction)."""
+    persist = paged_server.get("/sgl_memory/info").json()["config"]["persist"]
+    assert (persist["quant"], persist["warm_bytes"]) == (EXACT_QUANT, 0)
+    return paged_server, paged_server.dir, paged_server.dir / "store"
 
 
 def long_text(tag: str, n: int) -> str:
@@ -351,8 +335,9 @@ def test_a_session_evicted_from_the_tree_is_restored_from_disk_in_whole_pages(fa
     assert cached == hot_usage["prompt_tokens_details"]["cached_tokens"] and restored == hot
 
 
-def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, tmp_path):
-    server, d, store = fault_server
+@pytest.mark.server(ends="paged")
+def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, pool):
+    server, _, store = fault_server
     turns = [long_text("big", 110) + " Count the entries."]
     flush(server)  # no other session's write is under way
     threading.Thread(target=lambda: run_turns(server, turns, "big"), daemon=True).start()
@@ -362,14 +347,13 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, t
     assert tmp, "the writer never opened a temporary file"
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(timeout=30)
-    stop_server(server)  # reaps what the kill left and forgets the server (the suite's end would report it)
+    pool.stop(server)  # reaps what the kill left
     assert list(store.glob("*/*/*.tmp"))  # killed mid-write: the partial file is there ...
     assert not session_file(store, "big").exists()  # ... and nothing under the session's name
     # a new server on the store: it removes the partial file and serves the session by prefill;
     # it runs under a 6 MB file-size limit, so a larger session write fails as on a full disk
-    config = write_config(d, store, quant="bf16")
-    command = ["prlimit", "--fsize=6000000", "--", *harness.our_command(TEST_MODEL, "--memory-config", str(config))]
-    f = harness.start(command, tmp_path / "f.log")
+    f = pool.get("paged_limited")
+    assert f.dir == server.dir and "--fsize=6000000" in pool.catalogue["paged_limited"].prefix
     try:
         assert "removed 1 partial file" in f.log()
         assert not list(store.glob("*/*/*.tmp"))
@@ -390,5 +374,5 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, t
         assert "writing the session file failed" in (metrics["persist_error"] or ""), metrics
         assert chat(f, [SYSTEM, {"role": "user", "content": "Still there?"}])[0]
     finally:
-        stop_server(f)
+        pool.stop(f)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TEST_MODEL
+from servers import TEST_MODEL
 from sgl_memory import models
 from sgl_memory.persist import textmatch
 from sgl_memory.core.tree_fill import common_prefix

@@ -4,20 +4,15 @@ its own module, named in the config's `plugins:` list; no file of sgl_memory nam
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench import harness
 from sgl_memory.core import config, mechanism, prometheus, request
 from sgl_memory.core.request import SpecError
 
-from conftest import TEST_MODEL, command
-
-HERE = Path(__file__).resolve().parent
-PACKAGE = HERE.parent / "sgl_memory"
+PACKAGE = Path(__file__).resolve().parent.parent / "sgl_memory"
 
 
 @pytest.fixture
@@ -71,13 +66,10 @@ def test_a_second_mechanism_cannot_take_a_key_another_owns(toy_registered):
 
 
 @pytest.fixture(scope="module")
-def toy_server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("toy")
-    (d / "memory.yaml").write_text("plugins: [toy_mechanism]\ntoy:\n  enabled: true\n  max_note: 8\nintent:\n  enabled: true\n  budget: 64\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
-    srv = harness.start(command(TEST_MODEL, "--memory-config", str(d / "memory.yaml"), "--enable-metrics"), d / "server.log", env)
-    yield srv
-    harness.stop(srv)
+def toy_server(fp32_b_server):
+    """The suite's second float32 server: `plugins: [toy_mechanism]` with this directory on its
+    PYTHONPATH, `toy.max_note` 8, intent's budget 96."""
+    return fp32_b_server
 
 
 def generate(server, ids, field=None):
@@ -97,7 +89,7 @@ def sample(samples: dict, name: str, **labels) -> float:
 def test_the_server_serves_a_plugin_mechanism_beside_the_built_in_ones(toy_server):
     before, stats_before = toy_server.prometheus(), toy_server.get("/sgl_memory/stats").json()
     route_before = toy_server.get("/sgl_memory/toy").json()
-    ids = list(range(1000, 1120))  # 120 tokens: intent prunes them to its budget of 64
+    ids = list(range(1000, 1120))  # 120 tokens: intent prunes them to its budget of 96
     plain = generate(toy_server, ids)
     toy = generate(toy_server, ids, {"toy": {"note": "hi"}})
     both = generate(toy_server, ids, {"session_id": "toy-s", "toy": {"note": "hi"}})

@@ -2,6 +2,10 @@
 store shared by both (SmolLM2-135M, persistence on, stored in the pool's own dtype: a restored
 session's KV is bit-identical to the KV its turns computed).
 
+The replicas are the suite's `all` and `all_b` servers (one configuration, each with a store of
+its own); the tenants these tests use have one directory that both stores hold (a link in B's
+store to A's), so every file of their sessions is in one place for both replicas, as on one store.
+
 - affinity: every turn of a session that sends its routing key reaches one replica, which reuses
   the session's path from its radix tree (nothing restored from the store);
 - a session whose turns land on both replicas (no affinity) continues from its newest stored turn
@@ -22,31 +26,29 @@ import time
 import pytest
 
 from bench import harness
-from conftest import EXACT_QUANT, TEST_MODEL, start_servers, stop_server
 from sgl_memory.core.sessions import ROUTING_HEADER, routing_key
-from sgl_memory.persist.store import read_metadata
-from test_persist_server import CONVERSATIONS, SYSTEM, chat, run_turns, session_file, write_config
+from sgl_memory.persist.store import _digest, read_metadata
+from test_persist_server import CONVERSATIONS, SYSTEM, chat, run_turns, session_file
 
 pytestmark = pytest.mark.server
 
 
+SHARED = ("affinity", "moves", "failover")  # the tenants whose sessions the replicas share
+
+
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
-    """Replicas A and B on one store, and the router in front of them."""
-    d = tmp_path_factory.mktemp("scale-out")
-    store = d / "store"
-    config = str(write_config(d, store, quant=EXACT_QUANT))
-    # the router sends a request to the replicas serving the model it names (test_persist_server's chat names "m")
-    flags = ("--memory-config", config, "--served-model-name", "m")
-    a, b = start_servers((TEST_MODEL, d / "a.log", *flags), (TEST_MODEL, d / "b.log", *flags))
-    router = None
-    try:
-        router = harness.start_router([a, b], d / "router.log")
-        yield a, b, router, store
-    finally:
-        for server in (router, a, b):  # the failover test killed one: stopping it only unregisters it
-            if server is not None:
-                stop_server(server)
+def replicas(all_server, all_b_server, tmp_path_factory):
+    """Replicas A and B, the tenants' directories shared, and the router in front of them (it sends
+    a request to the replicas serving the model it names: both serve "m", which
+    test_persist_server's chat names); returns (A, B, router, A's store)."""
+    a, b = all_server, all_b_server
+    for tenant in SHARED:
+        shared = a.dir / "store" / _digest("tenant", tenant)
+        shared.mkdir(parents=True, exist_ok=True)
+        (b.dir / "store" / shared.name).symlink_to(shared, target_is_directory=True)
+    router = harness.start_router([a, b], tmp_path_factory.mktemp("router") / "router.log")
+    yield a, b, router, a.dir / "store"
+    harness.stop(router)
 
 
 def served(replicas_, turn):
@@ -94,13 +96,13 @@ def test_every_turn_of_a_session_reaches_one_replica_through_the_router(replicas
         if min(map(len, sessions.values())) >= 2:
             break
         session, messages, conv = f"affinity-{k}", [SYSTEM], CONVERSATIONS[k % len(CONVERSATIONS)]
-        (_, usage, metrics), home = served((a, b), lambda: turn(routed(router, session), messages, conv[0], session))
+        (_, usage, metrics), home = served((a, b), lambda: turn(routed(router, session, "affinity"), messages, conv[0], session, "affinity"))
         if len(sessions[home.url]) < 2:
             sessions[home.url].append((session, messages, conv, [(home.url, usage, metrics)]))
     assert min(map(len, sessions.values())) >= 2, "12 sessions hashed to one replica: the router is not spreading them"
     for session, messages, conv, seen in (s for per_home in sessions.values() for s in per_home):
         for text in conv[1:]:
-            (_, usage, metrics), replica = served((a, b), lambda: turn(routed(router, session), messages, text, session))
+            (_, usage, metrics), replica = served((a, b), lambda: turn(routed(router, session, "affinity"), messages, text, session, "affinity"))
             seen.append((replica.url, usage, metrics))
         assert len({url for url, _, _ in seen}) == 1, (session, [url for url, _, _ in seen])
         for (_, before, _), (_, usage, metrics) in zip(seen, seen[1:]):
@@ -125,20 +127,27 @@ def test_a_session_served_by_both_replicas_continues_from_its_newest_stored_turn
     assert generation(store, session) == 3  # one history: A's turn 3 continued B's turn 2
 
 
-def test_a_killed_replicas_session_continues_on_the_other_through_the_router(replicas):
-    """Runs last: it kills a replica. The session's turn 2 is not waited for before the kill (it
-    may or may not be stored by then); turn 1 is. A tenant of its own, as above."""
+@pytest.mark.server(ends="all_b")
+def test_a_killed_replicas_session_continues_on_the_other_through_the_router(replicas, pool):
+    """Runs last of B's tests: it kills B. The session is one whose home is B (the suite's later
+    tests use A). The session's turn 2 is not waited for before the kill (it may or may not be
+    stored by then); turn 1 is. A tenant of its own, as above."""
     a, b, router, store = replicas
-    conv, session, tenant = CONVERSATIONS[1], "failover", "failover"
-    client, messages = routed(router, session, tenant), [SYSTEM]
-    first, home = served((a, b), lambda: turn(client, messages, conv[0], session, tenant))
+    conv, tenant = CONVERSATIONS[1], "failover"
+    for k in range(12):
+        session = f"failover-{k}"
+        client, messages = routed(router, session, tenant), [SYSTEM]
+        first, home = served((a, b), lambda: turn(client, messages, conv[0], session, tenant))
+        if home is b:
+            break
+    assert home is b, "12 sessions hashed to A: the router is not spreading them"
     wait_for_generation(store, session, 1)
     second, again = served((a, b), lambda: turn(client, messages, conv[1], session, tenant))
     assert again is home
     os.killpg(home.proc.pid, signal.SIGKILL)
     home.proc.wait()
-    other = b if home is a else a
-    (answer, _, metrics), _ = served((other,), lambda: turn(client, messages, conv[2], session, tenant))
+    pool.stop(home)  # reaps what the kill left
+    (answer, _, metrics), _ = served((a,), lambda: turn(client, messages, conv[2], session, tenant))
     assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, metrics
-    reference = [answer for answer, _, _ in run_turns(other, conv, "failover-reference", tenant="reference")]
+    reference = [answer for answer, _, _ in run_turns(a, conv, "failover-reference", tenant="reference")]
     assert [first[0], second[0], answer] == reference

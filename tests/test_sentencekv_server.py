@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from bench import harness
-from conftest import TEST_MODEL
+from servers import TEST_MODEL
 from sgl_memory import models
 
 pytestmark = pytest.mark.server
@@ -24,27 +23,10 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """The module's server, and one whose pool is allocated in pages of 16 (SentenceKV alone:
-    intent refuses pages), started together (a start is mostly imports on one core)."""
-    d = tmp_path_factory.mktemp("sentencekv")
-    # intent on with a budget no request of this module reaches unless it asks for less
-    (d / "memory.yaml").write_text("sentencekv:\n  enabled: true\n  budget: 1024\nintent:\n  enabled: true\n  budget: 100000\n")
-    (d / "paged.yaml").write_text("sentencekv:\n  enabled: true\n")
-    started = harness.start_all([
-        (harness.our_command(TEST_MODEL, "--memory-config", str(d / "memory.yaml"), "--enable-metrics", "--max-total-tokens", "8192"),
-         d / "server.log", None),
-        (harness.our_command(TEST_MODEL, "--memory-config", str(d / "paged.yaml"), "--page-size", "16", "--max-total-tokens", "4096"),
-         d / "paged.log", None),
-    ])  # fmt: skip
-    yield started
-    for srv in started:
-        harness.stop(srv)
-
-
-@pytest.fixture(scope="module")
-def server(servers):
-    return servers[0]
+def server(all_server):
+    """The suite's server with every mechanism on: SentenceKV with the section's defaults, intent
+    with a budget no request of this module reaches unless it asks for less."""
+    return all_server
 
 
 def generate(server, field: dict, ids: list[int] | None = None) -> dict:
@@ -128,11 +110,12 @@ def test_it_composes_with_intent_pruning_on_one_request(server):
     assert m["kv_read_per_step"] == pytest.approx(m["kept_tokens"] + sum(range(1, steps + 1)) / steps)
 
 
-def test_at_page_size_16_it_reads_positions_as_at_page_size_1(servers):
+def test_at_page_size_16_it_reads_positions_as_at_page_size_1(all_server, paged_server):
     """The reads are token positions, which a page size does not change: on the server whose pool
-    is allocated in pages of 16, every sentence retrieved is the full cache's output reading every
-    position, and a small budget reads what it reads at page size 1, answering the same tokens."""
-    server, paged = servers
+    is allocated in pages of 16 (SentenceKV and persistence alone: intent refuses pages), every
+    sentence retrieved is the full cache's output reading every position, and a small budget reads
+    what it reads at page size 1, answering the same tokens."""
+    server, paged = all_server, paged_server
     small = {"sentencekv": {"budget": 48, "keep_factor": 2}}
     at_one = generate(server, small)
     full = generate(paged, {"sentencekv": {"enabled": False}})

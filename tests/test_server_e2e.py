@@ -1,4 +1,6 @@
-"""End to end against the real SGLang server started through our launcher (SmolLM2-135M)."""
+"""End to end against the real SGLang server started through our launcher (SmolLM2-135M): the
+suite's `plain` server (no memory config, the README's default way), the float32 server's choice
+of dtype on an AVX2-only CPU, and how every server the suite stopped went."""
 
 from __future__ import annotations
 
@@ -6,34 +8,36 @@ import json
 
 import pytest
 
-from conftest import SERVER_DTYPE, TEST_MODEL, command, start_server, stop_server
-from sgl_memory import cpu_dtype, models
-from bench import harness
+import subprocess
+import sys
+
+from servers import SERVER_DTYPE, TEST_MODEL
+from sgl_memory import models
 
 pytestmark = pytest.mark.server
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
 
 
-def test_backend_in_use_is_ours(server):
-    log = server.log()
+def test_backend_in_use_is_ours(plain_server):
+    log = plain_server.log()
     assert "Tree cache initialized: source=registered('sgl_memory') impl=SglMemoryRadixCache" in log
-    info = server.get("/sgl_memory/info").json()
+    info = plain_server.get("/sgl_memory/info").json()
     assert info["radix_cache_backend"] == "sgl_memory"
     assert info["attention_backend"] == "sgl_memory_cpu"
     assert info["config"]["intent"]["enabled"] is False
 
 
-def test_native_generate(server):
-    r = server.post("/generate", {"text": "The capital of France is", "sampling_params": GREEDY})
+def test_native_generate(plain_server):
+    r = plain_server.post("/generate", {"text": "The capital of France is", "sampling_params": GREEDY})
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["meta_info"]["completion_tokens"] == 12
     assert "Paris" in out["text"]
 
 
-def test_openai_chat(server):
-    r = server.post(
+def test_openai_chat(plain_server):
+    r = plain_server.post(
         "/v1/chat/completions",
         {"model": "default", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0},
     )
@@ -52,8 +56,8 @@ WEATHER_TOOL = {
 }
 
 
-def ask_weather_tool(server) -> dict:
-    r = server.post(
+def ask_weather_tool(plain_server) -> dict:
+    r = plain_server.post(
         "/v1/chat/completions",
         {
             "model": "default",
@@ -72,19 +76,19 @@ def ask_weather_tool(server) -> dict:
     return calls[0]
 
 
-def test_tool_call_required_gives_tool_calls_with_json_arguments(server):
+def test_tool_call_required_gives_tool_calls_with_json_arguments(plain_server):
     # The 135M model fills the arguments with a bare JSON value; the default model's test checks
     # that a capable model fills the schema (tests/test_default_model.py).
-    call = ask_weather_tool(server)
+    call = ask_weather_tool(plain_server)
     json.loads(call["function"]["arguments"])
 
 
-def test_same_long_prompt_twice_hits_the_radix_cache(server):
+def test_same_long_prompt_twice_hits_the_radix_cache(plain_server):
     prompt = "Here is a list of facts about the solar system. " + " ".join(
         f"Fact {i}: planet number {i % 8} has {i * 7 % 13} moons." for i in range(60)
     )
-    first = server.post("/generate", {"text": prompt, "sampling_params": GREEDY}).json()
-    second = server.post("/generate", {"text": prompt, "sampling_params": GREEDY}).json()
+    first = plain_server.post("/generate", {"text": prompt, "sampling_params": GREEDY}).json()
+    second = plain_server.post("/generate", {"text": prompt, "sampling_params": GREEDY}).json()
     n = first["meta_info"]["prompt_tokens"]
     assert n > 500
     assert first["meta_info"]["cached_tokens"] < n // 2
@@ -92,13 +96,13 @@ def test_same_long_prompt_twice_hits_the_radix_cache(server):
     assert second["text"] == first["text"]
 
 
-def test_session_continues_from_previous_turn(server):
-    sid = server.post("/open_session", {"capacity_of_str_len": 20000}).json()
-    turn1 = server.post(
+def test_session_continues_from_previous_turn(plain_server):
+    sid = plain_server.post("/open_session", {"capacity_of_str_len": 20000}).json()
+    turn1 = plain_server.post(
         "/generate",
         {"text": "My name is Bob and I live in Lisbon. " * 8, "session_params": {"id": sid}, "sampling_params": GREEDY},
     ).json()
-    turn2 = server.post(
+    turn2 = plain_server.post(
         "/generate",
         {
             "text": " What is my name?",
@@ -109,63 +113,56 @@ def test_session_continues_from_previous_turn(server):
     # turn 2's prompt is turn 1's prompt + answer + the new text, and reuses turn 1's KV
     assert turn2["meta_info"]["prompt_tokens"] > turn1["meta_info"]["prompt_tokens"] + turn1["meta_info"]["completion_tokens"]
     assert turn2["meta_info"]["cached_tokens"] >= turn1["meta_info"]["prompt_tokens"]
-    assert server.post("/close_session", {"session_id": sid}).status_code == 200
+    assert plain_server.post("/close_session", {"session_id": sid}).status_code == 200
 
 
-def test_top_level_session_id_is_accepted(server):
-    r = server.post("/generate", {"text": "Hello", "session_id": "agent-7", "sampling_params": GREEDY})
+def test_top_level_session_id_is_accepted(plain_server):
+    r = plain_server.post("/generate", {"text": "Hello", "session_id": "agent-7", "sampling_params": GREEDY})
     assert r.status_code == 200, r.text
 
 
-def test_bad_request_is_a_4xx_and_server_keeps_serving(server):
-    r = server.post("/v1/chat/completions", {"model": "default", "messages": "not a list"})
+def test_bad_request_is_a_4xx_and_server_keeps_serving(plain_server):
+    r = plain_server.post("/v1/chat/completions", {"model": "default", "messages": "not a list"})
     assert 400 <= r.status_code < 500
-    assert server.post("/generate", {"text": "Hi", "sampling_params": GREEDY}).status_code == 200
+    assert plain_server.post("/generate", {"text": "Hi", "sampling_params": GREEDY}).status_code == 200
 
 
 def test_bad_memory_config_stops_startup_with_a_message(tmp_path):
+    """The launcher refuses the config before SGLang starts: no server comes up, the message names the key."""
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("intent:\n  scorer: magic\n")
-    with pytest.raises(RuntimeError) as exc:
-        start_server(TEST_MODEL, tmp_path / "server.log", "--memory-config", str(cfg))
-    assert "intent.scorer: 'magic' is not allowed; allowed values: memory" in str(exc.value)
+    run = subprocess.run([sys.executable, "-m", "sgl_memory.launch_server", "--model", TEST_MODEL, "--memory-config", str(cfg)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode != 0
+    assert "intent.scorer: 'magic' is not allowed; allowed values: memory" in run.stderr + run.stdout
 
 
-def test_the_server_reports_the_dtype_it_runs_in(server):
+def test_the_server_reports_the_dtype_it_runs_in(plain_server):
     """/sgl_memory/info and the start-up log name the launcher's choice, and SGLang runs in it."""
-    info = server.get("/sgl_memory/info").json()["dtype"]
+    info = plain_server.get("/sgl_memory/info").json()["dtype"]
     assert info["dtype"] == SERVER_DTYPE and info["kv_cache_dtype"] == SERVER_DTYPE and info["reason"]
-    assert server.get("/get_server_info").json()["dtype"] == SERVER_DTYPE
-    assert f"sgl-memory: compute dtype {SERVER_DTYPE}, KV cache {SERVER_DTYPE} ({info['source']}: " in server.log()
+    assert plain_server.get("/get_server_info").json()["dtype"] == SERVER_DTYPE
+    assert f"sgl-memory: compute dtype {SERVER_DTYPE}, KV cache {SERVER_DTYPE} ({info['source']}: " in plain_server.log()
 
 
-def test_a_cpu_without_bf16_hardware_serves_in_float32_by_itself_and_stops_with_no_process_left(tmp_path):
+def test_a_cpu_without_bf16_hardware_serves_in_float32_by_itself(fp32_server):
     """An AVX2-only CPU, as torch and oneDNN see one when told to use no more (ATEN_CPU_CAPABILITY,
-    ONEDNN_MAX_CPU_ISA). The reference for "computes in float32": transformers' forward of the
-    same tokens in float32 and in bf16; the server's log-probabilities sit at the float32 one.
-    A SIGTERM after serving stops every process of the server (checked on this server, not on one
-    started for it alone: a start costs most of a minute on a CPU like this one)."""
-    import os
-
+    ONEDNN_MAX_CPU_ISA: the suite's float32 server runs so, without --dtype). The reference for
+    "computes in float32": transformers' forward of the same tokens in float32 and in bf16; the
+    server's log-probabilities sit at the float32 one."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    srv = fp32_server
     prompt = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL)).encode("The capital of France is")
-    env = {k: v for k, v in os.environ.items() if k != cpu_dtype.ENV}
-    env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
-    srv = harness.start(command(TEST_MODEL), tmp_path / "server.log", env=env)
-    try:
-        info = srv.get("/sgl_memory/info").json()["dtype"]
-        assert (info["dtype"], info["kv_cache_dtype"], info["source"], info["cpu_capability"]) == ("float32", "float32", "auto", "AVX2")
-        assert "bf16 would convert through float32" in info["reason"]
-        assert "sgl-memory: compute dtype float32, KV cache float32 (auto: " in srv.log()
-        assert srv.get("/get_server_info").json()["dtype"] == "float32"
-        body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True}
-        out = srv.post("/generate", body).json()
-        assert "Paris" in out["text"]
-    finally:
-        alive = stop_server(srv)
-    assert alive == [] and srv.proc.returncode is not None, f"processes left after shutdown: {alive}"
+    info = srv.get("/sgl_memory/info").json()["dtype"]
+    assert (info["dtype"], info["kv_cache_dtype"], info["source"], info["cpu_capability"]) == ("float32", "float32", "auto", "AVX2")
+    assert "bf16 would convert through float32" in info["reason"]
+    assert "sgl-memory: compute dtype float32, KV cache float32 (auto: " in srv.log()
+    assert srv.get("/get_server_info").json()["dtype"] == "float32"
+    body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True}
+    out = srv.post("/generate", body).json()
+    assert "Paris" in out["text"]
     got = torch.tensor([lp for lp, *_ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
     tokens = torch.tensor([prompt + [t for _, t, *_ in out["meta_info"]["output_token_logprobs"]]])
     err = {}
@@ -176,3 +173,13 @@ def test_a_cpu_without_bf16_hardware_serves_in_float32_by_itself_and_stops_with_
         want = logits.log_softmax(-1).gather(-1, tokens[0, len(prompt) :, None])[:, 0]
         err[dtype] = float((got - want).abs().max())
     assert err[torch.float32] < 2e-3 and err[torch.float32] < err[torch.bfloat16] / 4, err
+
+
+@pytest.mark.server(ends="*")
+def test_every_server_the_suite_started_stopped_with_no_process_left(pool):
+    """A SIGTERM after serving stops every process of a server: checked on every server the suite
+    started, as the pool stopped it (this test runs last, after the last of them)."""
+    if not pool.starts:
+        pytest.skip("no server was started in this run")
+    assert not pool.live, f"servers still up: {sorted(pool.live)}"
+    assert pool.left_alive == [], f"processes left after SIGTERM (then killed): {pool.left_alive}"

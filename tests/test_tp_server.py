@@ -20,7 +20,6 @@ restored different paths would compute different batches.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -29,8 +28,6 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from bench import harness
-from conftest import command
 from sgl_memory import models
 from sgl_memory.persist.manager import RANKS_DIFFER
 from sgl_memory.persist.store import read_metadata
@@ -38,7 +35,6 @@ from sgl_memory.persist.store import read_metadata
 pytestmark = pytest.mark.server
 
 MODEL = models.DEFAULT_MODEL
-BUDGET = 128
 SYSTEM = [{"role": "system", "content": "You are a brief, helpful assistant."}]
 FACTS = ["Remember this: my cat is called Pepper.", "I went hiking on Saturday.", "The weather was sunny and warm.",
          "I made soup for dinner.", "Tomorrow I will read a book.", "My sister lives in Oslo."]  # fmt: skip
@@ -48,20 +44,6 @@ TURNS = 5  # of FACTS before the questions; the sixth comes after the restart
 @pytest.fixture(scope="module")
 def tok():
     return AutoTokenizer.from_pretrained(models.model_dir(MODEL))
-
-
-def spec(d: Path, store: Path, tp: int, name: str, *extra: str) -> tuple:
-    """A server's (command, log, env) for harness.start / start_all."""
-    config = d / f"memory-{name}.yaml"
-    config.write_text(f"intent:\n  enabled: true\n  budget: {BUDGET}\n  query_tail: 16\n"
-                      f"persist:\n  enabled: true\n  dir: {store}\n  quant: fp32\n"
-                      "memory:\n  enabled: true\n  block_size: 16\n  top_k: 4\n  cut: tokens\n  unit: block\n"
-                      "  placed_tokens: 0\n  placement: after_system\n"
-                      "keep:\n  enabled: true\n")  # fmt: skip
-    # float32: the exact store restores bit for bit; one core per rank (the launcher's default split)
-    flags = ["--memory-config", str(config), "--dtype", "float32", "--max-total-tokens", "4096", "--tp-size", str(tp), *extra]
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_CPU_OMP_THREADS_BIND"}
-    return command(MODEL, *flags), d / f"{name}.log", env
 
 
 def generate(server, ids, memory, n=16):
@@ -144,51 +126,39 @@ T = {"session_id": "t", "tenant": "a"}  # the session whose rank-1 file is left 
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """The TP 1 reference and TP 2 server A, started together (each start is mostly waiting on
-    one core); A's store directory."""
-    d = tmp_path_factory.mktemp("tp")
-    tp1, a = harness.start_all([spec(d, d / "store-tp1", 1, "tp1"), spec(d, d / "store", 2, "a")])
-    yield tp1, a, d
-    for server in (tp1, a):
-        if server.proc.poll() is None:
-            harness.stop(server)
-
-
-@pytest.fixture(scope="module")
-def reference(servers, tok):
-    server, _, _ = servers
+def reference(qwen_tp1_server, qwen_tp2_server, tok, pool):
+    """S's turns and questions on the TP 1 server (every head on one rank), which then stops: the
+    TP 2 restart needs its place."""
     try:
-        turns, _ = converse(server, tok, S, TURNS)
-        return turns, {how: ask(server, tok, S, how) for how in ("keep", "cacheblend")}
+        turns, _ = converse(qwen_tp1_server, tok, S, TURNS)
+        return turns, {how: ask(qwen_tp1_server, tok, S, how) for how in ("keep", "cacheblend")}
     finally:
-        harness.stop(server)
+        pool.stop("qwen_tp1")
 
 
 @pytest.fixture(scope="module")
-def tp2(servers, reference, tok):
+def tp2(qwen_tp2_server, reference, tok, pool):
     """Server A (TP 2) runs S and T, its store is copied once both are written (T's rank-1 file
-    then replaced by its copy of a turn before), A answers S's next turn; B starts on the copy."""
-    _, a, d = servers
-    store, snapshot = d / "store", d / "snapshot"
-    try:
-        turns, next_prompt = converse(a, tok, S, TURNS)
-        questions = {how: ask(a, tok, S, how) for how in ("keep", "cacheblend")}
-        (t_first,), t_ids = converse(a, tok, T, 1)
-        behind = wait_written(store, "t", t_first["path"])["tp1/2"].read_bytes()  # T's turn 1, as rank 1 wrote it
-        t_second = generate(a, t_ids, T)
-        t_next = next_ids(tok, t_ids, t_second["out"], 1)
-        wait_written(store, "t", len(t_ids) + len(t_second["out"]) - 1)
-        wait_written(store, "s", turns[-1]["path"])
-        settle(store)
-        shutil.copytree(store, snapshot)
-        rank_files(snapshot, "t")["tp1/2"].write_bytes(behind)
-        after_restart = generate(a, next_prompt, S)  # on the server that never restarted
-    finally:
-        harness.stop(a)
-    b = harness.start(*spec(d, snapshot, 2, "b", "--enable-metrics"))
-    yield {"turns": turns, "questions": questions, "t_next": t_next, "next": (next_prompt, after_restart), "b": b}
-    harness.stop(b)
+    then replaced by its copy of a turn before), A answers S's next turn and stops; B starts on the
+    copy (the suite's TP 2 server restarted, with metrics on)."""
+    a = qwen_tp2_server
+    store, snapshot = a.dir / "store", a.dir / "snapshot"
+    turns, next_prompt = converse(a, tok, S, TURNS)
+    questions = {how: ask(a, tok, S, how) for how in ("keep", "cacheblend")}
+    (t_first,), t_ids = converse(a, tok, T, 1)
+    behind = wait_written(store, "t", t_first["path"])["tp1/2"].read_bytes()  # T's turn 1, as rank 1 wrote it
+    t_second = generate(a, t_ids, T)
+    t_next = next_ids(tok, t_ids, t_second["out"], 1)
+    wait_written(store, "t", len(t_ids) + len(t_second["out"]) - 1)
+    wait_written(store, "s", turns[-1]["path"])
+    settle(store)
+    shutil.copytree(store, snapshot)
+    rank_files(snapshot, "t")["tp1/2"].write_bytes(behind)
+    after_restart = generate(a, next_prompt, S)  # on the server that never restarted
+    pool.stop("qwen_tp2")
+    shutil.copytree(snapshot, pool.directory("qwen_tp2_b") / "store")
+    b = pool.get("qwen_tp2_b")
+    return {"turns": turns, "questions": questions, "t_next": t_next, "next": (next_prompt, after_restart), "b": b}
 
 
 def test_every_turn_prunes_and_answers_as_one_rank_with_every_head(reference, tp2):
