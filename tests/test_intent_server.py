@@ -68,6 +68,22 @@ def test_budget_at_or_above_the_length_is_identical_to_plain_sglang(servers, tok
             assert out["meta_info"]["sgl_memory"]["compression_events"] == 0
 
 
+def test_a_request_with_intent_false_is_served_as_without_intent(servers, tokenizer):
+    """`intent: false` on a server with intent on: a budget far below the prompt prunes nothing,
+    the answer is plain SGLang's, and the same prompt again finds all of itself but the last token
+    in the tree (intent would prefill its query span itself)."""
+    intent_server, plain = servers
+    ids = tokenizer(history(40) + " The most common file is")["input_ids"]
+    want = generate(plain, ids, 24)["output_ids"]
+    off = {"session_id": "intent-off", "budget": 64, "intent": False}
+    first = generate(intent_server, ids, 24, off)
+    again = generate(intent_server, ids, 24, off)
+    for out in (first, again):
+        m = out["meta_info"]["sgl_memory"]
+        assert out["output_ids"] == want and not m.get("compression_events") and m.get("budget") is None, m
+    assert again["meta_info"]["cached_tokens"] == len(ids) - 1
+
+
 def streaming_kept(n, budget, sinks=4):
     """StreamingLLM's kept set, written from its definition: sinks, most recent candidates, forced tail."""
     tail = n - QUERY_TAIL

@@ -306,6 +306,7 @@ def test_dead_slot_frees_only_private_dropped_slots():
         ({"session_id": 5}, "session_id must be a non-empty string"),
         ({"session_id": ""}, "session_id must be a non-empty string"),
         ({"sesion_id": "a"}, "unknown field(s) sesion_id"),
+        ({"intent": "off"}, "sgl_memory.intent must be true or false"),
     ],
 )
 def test_bad_request_field(raw, needle):
@@ -322,6 +323,14 @@ def test_request_field_overrides_the_config():
     assert (cfg.budget, cfg.scorer, cfg.layout, cfg.budget_mode) == (7, "h2o", "compact", "total")
     assert parse({"budget_mode": "history"}).part("intent").over(IntentConfig()).budget_mode == "history"
     assert parse({"session_id": "a"}).part("intent") is None  # no pruning key: no part
+    # `intent: false` leaves intent out of the request; a server without intent refuses the key
+    off = parse({"session_id": "a", "intent": False})
+    assert off.part("intent").over(IntentConfig(enabled=True)).enabled is False and off.asked["intent"] == ("intent",)
+    from sgl_memory.core import config
+    from sgl_memory.core.request import check_served
+
+    with pytest.raises(SpecError, match=r"sgl_memory\.intent: intent is off on this server"):
+        check_served(off, config.from_dict({}))
 
 
 # --- RoPE re-rotation --------------------------------------------------------------------------

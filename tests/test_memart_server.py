@@ -21,6 +21,10 @@ from sgl_memory import models
 pytestmark = pytest.mark.server
 
 A, REF = "memart-a", "memart-ref"  # the session's tenant and the reference's (the suite's other tests use other tenants)
+# KV memory alone on the server with every mechanism on: intent and SentenceKV left out of a request
+# whose prefilled and cached tokens are counted (each prefills the rows it reads itself: the
+# latest message, the last 32 rows)
+ALONE = {"intent": False, "sentencekv": {"enabled": False}}
 
 SYSTEM = [{"role": "system", "content": "You are a brief, helpful assistant."}]
 FACTS = ["Remember this: my cat is called Pepper.", "I went hiking on Saturday.", "The weather was sunny and warm.",
@@ -95,12 +99,12 @@ def retrieve(top_k=None, store=False, **extra):
 def test_every_block_retrieved_equals_the_full_history_prompt(mem_server, tok, stated):
     # no system message: the blocks go first, at their own positions, so the KV is bit-identical
     q = tok.encode(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    got = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=1000)})
+    got = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=1000), **ALONE})
     m = got["meta_info"]["sgl_memory"]
     assert m["memory_kv_tokens"] == len(stated[A]) and m["retrieved_turns"] == list(range(len(FACTS)))
     assert m["prefill_tokens"] == len(q) and question_rows(tok, q) <= m["probe_tokens"] <= len(q)
     # the reference tenant's turns were computed the same way; its tree holds the path
-    want = generate(mem_server, stated[REF] + q, {"session_id": "s", "tenant": REF})
+    want = generate(mem_server, stated[REF] + q, {"session_id": "s", "tenant": REF, **ALONE})
     assert want["meta_info"]["cached_tokens"] >= len(stated[REF]) - 1
     assert got["output_ids"] == want["output_ids"]
 
@@ -143,7 +147,7 @@ def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, sta
 
 def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_server, tok, stated):
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    first = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)})
+    first = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE})
     m = first["meta_info"]["sgl_memory"]
     assert m["retrieved_blocks"] == 4 and 0 in m["retrieved_turns"]  # the turn that states the fact
     turn0 = render(tok, SYSTEM + [{"role": "user", "content": FACTS[0]}])
@@ -153,7 +157,7 @@ def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_serv
     assert first["meta_info"]["prompt_tokens"] == 64 + len(q) and question_rows(tok, q) <= m["probe_tokens"] <= len(q)
     assert "Pepper" in first["text"], first["text"]
     # the same assembled prefix again: the radix tree holds it, and the question with it
-    again = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)})
+    again = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE})
     assert again["meta_info"]["cached_tokens"] >= 64 + len(q) - 1 and again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1
     assert again["output_ids"] == first["output_ids"]
 
@@ -189,18 +193,18 @@ def test_input_logprobs_of_a_memory_request_are_its_own_tokens(mem_server, tok, 
     answer = tok.encode("Your cat is called Pepper.<|im_end|>", add_special_tokens=False)
     q = tok.encode(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     # a tenant of its own: other tests add turns to tenant a's session
-    path = state_facts(mem_server, tok, "lp")
-    memory = {"session_id": "s", "tenant": "memart-lp", "memory": retrieve(top_k=1000)}
+    path = state_facts(mem_server, tok, "memart-lp")
+    memory = {"session_id": "s", "tenant": "memart-lp", "memory": retrieve(top_k=1000), **ALONE}
     got = logprobs(mem_server, q + answer, memory, logprob_start_len=len(q))
     assert path == stated[REF]
-    want = logprobs(mem_server, stated[REF] + q + answer, {"session_id": "s", "tenant": REF}, logprob_start_len=len(stated[REF] + q))
+    want = logprobs(mem_server, stated[REF] + q + answer, {"session_id": "s", "tenant": REF, **ALONE}, logprob_start_len=len(stated[REF] + q))
     assert len(got) == len(want) == len(answer)
     # the first is the prompt's last row's, which a cached prompt does not compute (None in both);
     # the two prefills split where each one's cache ends (earlier tests cached parts of both), which
     # in a bf16 pool moves a log-probability by up to a few 1e-2 (the bug this catches put the
     # blocks' own log-probabilities here: 184 of them for 7 tokens, several nats apart)
     assert max(abs(a - b) for a, b in zip(got[1:], want[1:])) < 0.05
-    plain = {"session_id": "s", "tenant": REF}
+    plain = {"session_id": "s", "tenant": REF, **ALONE}
     assert len(logprobs(mem_server, q, memory)) == len(logprobs(mem_server, q, plain))
     s = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
     after = {**memory, "memory": retrieve(top_k=4, placement="after_system")}
@@ -212,7 +216,7 @@ def test_blocks_after_the_system_message(mem_server, tok, stated):
     """placement after_system: [system message][blocks][question]; the system message's KV is the
     probe's, so only the question after it is prefilled, and the assembly composes with the tree."""
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    memory = {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4, placement="after_system")}
+    memory = {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4, placement="after_system"), **ALONE}
     first = generate(mem_server, q, memory)
     m = first["meta_info"]["sgl_memory"]
     assert m["memory_kv_tokens"] == 64 and m["prefill_tokens"] == len(q) - system_end(tok, q)
@@ -308,8 +312,8 @@ def test_bad_memory_requests_are_400s(mem_server, memory, needle):
     assert mem_server.get("/health").status_code == 200
 
 
-def test_memory_mode_on_a_server_without_memory_is_a_400(server):
-    r = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}})
+def test_memory_mode_on_a_server_without_memory_is_a_400(plain_server):
+    r = plain_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}})
     assert r.status_code == 400 and "memory.enabled: false" in r.text, r.text
 
 

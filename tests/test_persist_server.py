@@ -39,8 +39,14 @@ SYSTEM = {"role": "system", "content": "You are a brief, helpful assistant."}
 PAGE = 16  # the fault server's page size
 
 
-def chat(server, messages, session_id=None, tenant=None, max_tokens=24):
-    memory = {k: v for k, v in (("session_id", session_id), ("tenant", tenant)) if v}
+# Persistence alone on the server with every mechanism on: intent and SentenceKV left out of a request
+# whose cached tokens are counted (each prefills the rows it reads itself: the latest message, the
+# last 32 rows)
+ALONE = {"intent": False, "sentencekv": {"enabled": False}}
+
+
+def chat(server, messages, session_id=None, tenant=None, max_tokens=24, **field):
+    memory = {k: v for k, v in (("session_id", session_id), ("tenant", tenant)) if v} | field
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "sgl_memory": memory}
     r = server.post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
@@ -48,12 +54,12 @@ def chat(server, messages, session_id=None, tenant=None, max_tokens=24):
     return out["choices"][0]["message"]["content"], out["usage"], out.get("sgl_memory")
 
 
-def run_turns(server, user_turns, session_id, tenant=None):
+def run_turns(server, user_turns, session_id, tenant=None, **field):
     """Turns of one conversation; returns [(answer, usage, metrics)] per turn."""
     messages, results = [SYSTEM], []
     for text in user_turns:
         messages.append({"role": "user", "content": text})
-        answer, usage, metrics = chat(server, messages, session_id, tenant)
+        answer, usage, metrics = chat(server, messages, session_id, tenant, **field)
         messages.append({"role": "assistant", "content": answer})
         results.append((answer, usage, metrics))
     return results
@@ -87,13 +93,13 @@ def session_file(store: Path, session_id: str) -> Path:
 @pytest.fixture(scope="module")
 def restarted(all_server, all_b_server, pool):
     """Server A runs every conversation to its end (the reference) and a copy of each to its second
-    turn; the copies' files go into server B's store. Each copy is its own tenant, so no copy reuses
+    turn, persistence alone (ALONE); the copies' files go into server B's store. Each copy is its own tenant, so no copy reuses
     another's KV through the tree and every copy computes the same tokens the same way.
     Returns (B, B's store, reference answers, {copy tenant: per conversation [(answer, usage)]})."""
     a, b = all_server, all_b_server
-    reference = [[t[0] for t in run_turns(a, conv, f"s{i}", tenant="ref")] for i, conv in enumerate(CONVERSATIONS)]
-    copies = {"rs": [run_turns(a, conv[:2], f"s{i}", tenant="rs") for i, conv in enumerate(CONVERSATIONS)]}
-    copies["ta"] = [run_turns(a, CONVERSATIONS[0][:2], "shared", tenant="ta")]
+    reference = [[t[0] for t in run_turns(a, conv, f"s{i}", tenant="ref", **ALONE)] for i, conv in enumerate(CONVERSATIONS)]
+    copies = {"rs": [run_turns(a, conv[:2], f"s{i}", tenant="rs", **ALONE) for i, conv in enumerate(CONVERSATIONS)]}
+    copies["ta"] = [run_turns(a, CONVERSATIONS[0][:2], "shared", tenant="ta", **ALONE)]
     flush(a)  # every turn is written
     pool.copy_sessions(a, b, *copies)
     # B takes tenants from x-tenant-id (a gateway in front sets it): the header tests below
@@ -111,7 +117,7 @@ def test_exact_restart_prefills_only_new_tokens_and_answers_like_a_server_that_n
     b, _, reference, copies = restarted
     for i, turns in enumerate(copies["rs"]):
         assert [t[0] for t in turns] == reference[i][:2]  # the copy computed what the reference did
-        answer, usage, metrics = chat(b, third_turn(i, turns), f"s{i}", tenant="rs")
+        answer, usage, metrics = chat(b, third_turn(i, turns), f"s{i}", tenant="rs", **ALONE)
         assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, (i, metrics, usage)
         assert metrics["restore_ms"] > 0 and metrics["text_match"] in ("extend", "exact", "diverge")
         # the stored history is the whole second turn, its prompt and its answer (the answer's last

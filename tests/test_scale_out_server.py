@@ -28,7 +28,7 @@ import pytest
 from bench import harness
 from sgl_memory.core.sessions import ROUTING_HEADER, routing_key
 from sgl_memory.persist.store import _digest, read_metadata
-from test_persist_server import CONVERSATIONS, SYSTEM, chat, run_turns, session_file
+from test_persist_server import ALONE, CONVERSATIONS, SYSTEM, chat, run_turns, session_file
 
 pytestmark = pytest.mark.server
 
@@ -81,7 +81,7 @@ def wait_for_generation(store, session_id, at_least: int, timeout: float = 30) -
 def turn(server, messages, text, session_id, tenant=None):
     """One user turn appended to `messages` (and its answer, once it comes); returns (answer, usage, metrics)."""
     messages.append({"role": "user", "content": text})
-    answer, usage, metrics = chat(server, messages, session_id, tenant)
+    answer, usage, metrics = chat(server, messages, session_id, tenant, **ALONE)
     messages.append({"role": "assistant", "content": answer})
     return answer, usage, metrics
 
@@ -116,7 +116,7 @@ def test_a_session_served_by_both_replicas_continues_from_its_newest_stored_turn
     conversation gets on one server. A tenant of its own: no other test's path is in either tree."""
     a, b, _, store = replicas
     conv, session = CONVERSATIONS[0], "moves"
-    reference = [answer for answer, _, _ in run_turns(a, conv, "moves-reference", tenant="reference")]
+    reference = [answer for answer, _, _ in run_turns(a, conv, "moves-reference", tenant="reference", **ALONE)]
     messages, got = [SYSTEM], []
     for n, (server, text) in enumerate(zip((a, b, a), conv)):
         got.append(turn(server, messages, text, session, "moves"))
@@ -149,5 +149,5 @@ def test_a_killed_replicas_session_continues_on_the_other_through_the_router(rep
     pool.stop(home)  # reaps what the kill left
     (answer, _, metrics), _ = served((a,), lambda: turn(client, messages, conv[2], session, tenant))
     assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, metrics
-    reference = [answer for answer, _, _ in run_turns(a, conv, "failover-reference", tenant="reference")]
+    reference = [answer for answer, _, _ in run_turns(a, conv, "failover-reference", tenant="reference", **ALONE)]
     assert [first[0], second[0], answer] == reference

@@ -4,6 +4,8 @@ SGLang's objects to the part of sgl-memory that owns the behaviour.
 
 from __future__ import annotations
 
+from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
 from sgl_memory.core import capture, metrics, prometheus
 from sgl_memory.core.request import FIELD
 from sgl_memory.core.rows import POSITION_SHIFTS
@@ -46,6 +48,8 @@ def meta_info_hook(original, manager, meta_info, state, customized_info, index, 
     if ours is not None and ours[index]:
         reported = ours[index][-1]
         meta_info[FIELD] = reported
+        if str(meta_info.get("id", "")).startswith(HEALTH_CHECK_RID_PREFIX):
+            return  # SGLang's /health generates one token: a probe (a router's, a load balancer's), not a request served
         metrics.STATS.record(meta_info.get("id"), reported, meta_info)
         prometheus.record_request(reported, meta_info)
 

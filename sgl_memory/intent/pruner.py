@@ -77,7 +77,7 @@ SCORING_SECONDS = prometheus.histogram("scoring_seconds", "IntentKV scoring time
 class IntentPruner(mechanism.Mechanism):
     rank = 40  # after the mechanisms that rewrite the tokens: it finds its forced spans and session in the final ones
     settings = IntentConfig
-    fields = section.OVERRIDES
+    fields = section.FIELDS
     parse_request = staticmethod(section.parse_request)
     schema = mechanism.MetricsSchema(
         marker="compression_events", maxed=("peak_request_tokens",), counted=("session_key_source",),
@@ -204,7 +204,7 @@ class IntentPruner(mechanism.Mechanism):
         if cfg.system_prompt == "compressible":
             spans = replace(spans, system_end=0)
         forced = spans.forced_count(len(tokens))
-        enabled = self.config.enabled
+        enabled = cfg.enabled  # the section's, unless the request says `intent: false`
         key, source = None, None
         if enabled:
             key, source = resolve_key(

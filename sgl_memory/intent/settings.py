@@ -1,5 +1,6 @@
 """IntentKV's settings: the `intent:` config section and the per-request overrides of it (the
-pruning keys of the `sgl_memory` field: budget, budget_mode, system_prompt, scorer, layout, ablation)."""
+pruning keys of the `sgl_memory` field: budget, budget_mode, system_prompt, scorer, layout, ablation,
+and `intent: false`, which leaves intent out of the request)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sgl_memory.core.config import MAX_BUDGET, choices, require
-from sgl_memory.core.request import FIELD, RequestPart, choice, integer
+from sgl_memory.core.request import FIELD, RequestPart, choice, flag, integer
 from sgl_memory.core.spans import RoleFamily
 
 
@@ -65,6 +66,11 @@ class IntentConfig:
 
 
 OVERRIDES = ("budget", "budget_mode", "system_prompt", "scorer", "layout", "ablation")  # request keys over the section
+# `intent: false`: intent takes no part in the request, as on a server without it: no compression
+# event, no QueryMemory update, its prompt matched in the tree as far as the tree holds it (intent
+# otherwise prefills the latest message itself, to read its queries), the session's pruned path not
+# followed
+FIELDS = (*OVERRIDES, "intent")
 
 
 @dataclass(frozen=True)
@@ -77,10 +83,12 @@ class IntentRequest(RequestPart):
     scorer: str | None = None
     layout: str | None = None
     ablation: str | None = None
+    enabled: bool | None = None  # the `intent` key
 
 
 def parse_request(raw: dict, internal: bool = False) -> IntentRequest | None:
-    if not any(k in raw for k in OVERRIDES):
+    if not any(k in raw for k in FIELDS):
         return None
     named = {k: choice(raw.get(k), choices(IntentConfig, k), f"{FIELD}.{k}") for k in OVERRIDES if k != "budget"}
-    return IntentRequest(budget=integer(raw.get("budget"), 1, MAX_BUDGET, f"{FIELD}.budget"), **named)
+    return IntentRequest(budget=integer(raw.get("budget"), 1, MAX_BUDGET, f"{FIELD}.budget"),
+                         enabled=flag(raw.get("intent"), f"{FIELD}.intent"), **named)  # fmt: skip
