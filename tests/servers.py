@@ -113,12 +113,17 @@ def fp32_config(intent: str = "  budget: 4096\n  scorer: memory\n", memory: str 
             f"memory:\n  enabled: true\n{BLOCKS}  top_k: 8\n  placement: after_system\n  static_after: 2\n  group_threshold: 0.3\n{memory}"
             "keep:\n  enabled: true\n  trace_dir: {dir}/keep-traces\n"
             "persist:\n  enabled: true\n  dir: {dir}/store\n  quant: fp32\n")  # fmt: skip
-# The TP test's session at TP 1 and 2, float32 (the exact store restores bit for bit).
-TP = ("intent:\n  enabled: true\n  budget: 128\n  query_tail: 16\n"
-      "persist:\n  enabled: true\n  dir: {dir}/store\n  quant: fp32\n"
-      f"memory:\n  enabled: true\n{BLOCKS}  top_k: 4\n  placement: after_system\n"
-      "keep:\n  enabled: true\n")  # fmt: skip
-TP_FLAGS = ("--dtype", "float32", "--max-total-tokens", "4096")
+
+
+def tp_config(persist: str) -> str:
+    """The TP test's session at TP 1 and 2 (float32), with a server's own persistence settings."""
+    return ("intent:\n  enabled: true\n  budget: 128\n  query_tail: 16\n"
+            f"persist:\n  enabled: true\n  dir: {{dir}}/store\n{persist}"
+            f"memory:\n  enabled: true\n{BLOCKS}  top_k: 4\n  placement: after_system\n"
+            "keep:\n  enabled: true\n")  # fmt: skip
+
+
+TP_FLAGS = ("--dtype", "float32")
 # one core per rank (the launcher's default split): an inherited binding would put both on one
 TP_UNSET = ("SGLANG_CPU_OMP_THREADS_BIND",)
 
@@ -133,16 +138,16 @@ CATALOGUE: dict[str, Spec] = {
                  env=AVX2_ONLY, unset=(cpu_dtype.ENV,), prepare=_zero_head),  # fmt: skip
     "sglang": Spec("plain SGLang (torch_native attention, float32): the reference our server must equal", plain=True,
                    flags=("--dtype", "float32")),  # fmt: skip
-    "qwen": Spec("the default model: the agent harness, its smoke tests, KV memory's default unit (lines), a session "
-                 "restored from disk in the default format (no warm tier: a restore reads the file)",
-                 model=models.DEFAULT_MODEL,
-                 # the agent benchmark's sections (bench/agent/run.py; tests/test_agent.py checks them) and persistence
-                 config="intent:\n  enabled: true\n  budget_floor: 16\nmemory:\n  enabled: true\n"
-                        "persist:\n  enabled: true\n  dir: {dir}/store\n  warm_bytes: 0\n"),  # fmt: skip
-    "qwen_tp1": Spec("the TP test's reference: every head on one rank", model=models.DEFAULT_MODEL, config=TP,
-                     flags=(*TP_FLAGS, "--tp-size", "1"), unset=TP_UNSET),  # fmt: skip
-    "qwen_tp2": Spec("tensor parallelism 2 (SmolLM2's 9 heads do not split in two)", model=models.DEFAULT_MODEL,
-                     config=TP, flags=(*TP_FLAGS, "--tp-size", "2"), unset=TP_UNSET),  # fmt: skip
+    # the agent benchmark's sections (bench/agent/run.py; tests/test_agent.py checks them)
+    "qwen": Spec("the default model: the agent harness, its smoke tests, KV memory's default unit (lines)",
+                 model=models.DEFAULT_MODEL, config="intent:\n  enabled: true\n  budget_floor: 16\nmemory:\n  enabled: true\n"),  # fmt: skip
+    "qwen_tp1": Spec("the default model in float32 at TP 1: the TP test's reference (every head on one rank), and a "
+                     "session restored from disk in the default format (Q8; no warm tier: a restore reads the file)",
+                     model=models.DEFAULT_MODEL, config=tp_config("  warm_bytes: 0\n"), flags=(*TP_FLAGS, "--tp-size", "1"),
+                     unset=TP_UNSET),  # fmt: skip
+    "qwen_tp2": Spec("tensor parallelism 2 (SmolLM2's 9 heads do not split in two); an exact store, which restores bit "
+                     "for bit", model=models.DEFAULT_MODEL, config=tp_config("  quant: fp32\n"),
+                     flags=(*TP_FLAGS, "--max-total-tokens", "4096", "--tp-size", "2"), unset=TP_UNSET),  # fmt: skip
     "paged": Spec("page size 16 (intent, memory and KEEP refuse pages): persistence's faults on an exact store with no "
                   "warm tier and a small pool (eviction), SentenceKV at page size 16",
                   config=f"persist:\n  enabled: true\n  dir: {{dir}}/store\n  quant: {EXACT_QUANT}\n  warm_bytes: 0\n"
@@ -264,9 +269,15 @@ class Pool:
         self.starting[name] = (self.spawn(command, log, env), ahead)
 
     def get(self, name: str) -> harness.Server:
-        """The live server `name`, started (and waited for) if it is not up."""
+        """The live server `name`, started (and waited for) if it is not up. A server the current
+        test's fixtures do not name (asked for in the middle of a module: a restart) counts as used
+        by the module's later tests: a module fixture may hold it for them."""
         if name not in self.catalogue:
             raise KeyError(f"no server {name!r} in tests/servers.py's catalogue")
+        if 0 <= self.index < len(self.needs) and name not in self.needs[self.index]:
+            for i in range(self.index + 1, len(self.needs)):
+                if self.modules[i] == self.modules[self.index]:
+                    self.needs[i] = self.needs[i] | {name}
         if not self.marked:
             raise RuntimeError(f"a test not marked `server` asked for server {name!r}: mark it (pytest.mark.server), so "
                                "that `-m 'not server'` leaves it out, or do not start a server for it")  # fmt: skip

@@ -1,16 +1,17 @@
 """A session restored from the store in its default format answers as the session would have
-without the restore: the default model, a LoCoMo dialogue of about 2k tokens (4k until 2026-11-26:
-three tenants prefill it, about 3 min of the suite on a CPU without bf16 hardware).
+without the restore: the default model (float32: the suite's TP 1 server, whose store keeps the
+default format and no warm copy), a LoCoMo dialogue of about 2k tokens (4k until 2026-11-26: three
+tenants prefill it, about 3 min of the suite on a CPU without bf16 hardware).
 
-The suite's default-model server runs the dialogue's first turn for two tenants that compute it
-the same way: `live` stays in the tree (the session that is never restored) and `stored` is written
-to the store. A third tenant, `gen`, produces the greedy answers to the follow-up questions. `live`
-is teacher-forced through the answers while the tree holds it; then the tree is emptied and
-`stored` is teacher-forced through the same answers, restored from its file (the server keeps no
-warm copy, so the KV comes from disk, dequantized from the default format). At every answer
-position the greedy next token of the restored session must be the never-restored one's (per
-position, so one flipped near-tie does not hide the rest). The server's intent budget is lifted
-for these requests (no pruning), as a persistence-only server would serve them.
+The server runs the dialogue's first turn for two tenants that compute it the same way: `live`
+stays in the tree (the session that is never restored) and `stored` is written to the store. A
+third tenant, `gen`, produces the greedy answers to the follow-up questions. `live` is
+teacher-forced through the answers while the tree holds it; then the tree is emptied and `stored`
+is teacher-forced through the same answers, restored from its file (no warm copy: the KV comes
+from disk, dequantized from the default format). At every answer position the greedy next token of
+the restored session must be the never-restored one's (per position, so one flipped near-tie does
+not hide the rest). Intent takes no part in these requests (`intent: false`), as on a server with
+persistence alone.
 
 Restores across a real restart, in the pool's own dtype: tests/test_persist_server.py and
 tests/test_composed_server.py."""
@@ -38,12 +39,11 @@ ANSWER_TOKENS = 32
 # one run of pool slots where the live session's sits in several, and the attention merges runs in
 # another order (bf16 rounding at a near-tie).
 AGREEMENT = 0.95
-UNPRUNED = 1 << 20  # an intent budget above every prompt here
 
 
 def generate(server, ids: list[int], tenant: str, **params) -> dict:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": params.pop("max_new_tokens", 1), "temperature": 0},
-            "sgl_memory": {"session_id": "s", "tenant": tenant, "budget": UNPRUNED}, **params}  # fmt: skip
+            "sgl_memory": {"session_id": "s", "tenant": tenant, "intent": False}, **params}  # fmt: skip
     r = server.post("/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -65,10 +65,12 @@ def flush(server) -> None:
 
 
 @pytest.mark.default_model
-def test_a_session_restored_in_the_default_format_answers_as_it_would_have_without_the_restore(qwen_server):
+def test_a_session_restored_in_the_default_format_answers_as_it_would_have_without_the_restore(qwen_tp1_server):
     from transformers import AutoTokenizer
 
-    server = qwen_server
+    server = qwen_tp1_server
+    persist = server.get("/sgl_memory/info").json()["config"]["persist"]
+    assert (persist["quant"], persist["warm_bytes"]) == (PersistConfig().quant, 0)
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(models.DEFAULT_MODEL))
     messages = bench.session_of_length(tokenizer, bench.dialogue(bench.data.load()[0]), LENGTH)
     messages.append({"role": "user", "content": bench.FIRST})

@@ -33,7 +33,11 @@ from test_persist_server import ALONE, CONVERSATIONS, SYSTEM, chat, run_turns, s
 pytestmark = pytest.mark.server
 
 
-SHARED = ("affinity", "moves", "failover")  # the tenants whose sessions the replicas share
+def share(a, b, tenant: str) -> None:
+    """The tenant's directory of A's store is B's too: both replicas read and write its sessions there."""
+    shared = a.dir / "store" / _digest("tenant", tenant)
+    shared.mkdir(parents=True, exist_ok=True)
+    (b.dir / "store" / shared.name).symlink_to(shared, target_is_directory=True)
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +46,8 @@ def replicas(all_server, all_b_server, tmp_path_factory):
     a request to the replicas serving the model it names: both serve "m", which
     test_persist_server's chat names); returns (A, B, router, A's store)."""
     a, b = all_server, all_b_server
-    for tenant in SHARED:
-        shared = a.dir / "store" / _digest("tenant", tenant)
-        shared.mkdir(parents=True, exist_ok=True)
-        (b.dir / "store" / shared.name).symlink_to(shared, target_is_directory=True)
+    for tenant in ("affinity", "moves"):
+        share(a, b, tenant)
     router = harness.start_router([a, b], tmp_path_factory.mktemp("router") / "router.log")
     yield a, b, router, a.dir / "store"
     harness.stop(router)
@@ -133,9 +135,10 @@ def test_a_killed_replicas_session_continues_on_the_other_through_the_router(rep
     tests use A). The session's turn 2 is not waited for before the kill (it may or may not be
     stored by then); turn 1 is. A tenant of its own, as above."""
     a, b, router, store = replicas
-    conv, tenant = CONVERSATIONS[1], "failover"
-    for k in range(12):
-        session = f"failover-{k}"
+    conv = CONVERSATIONS[1]
+    for k in range(12):  # a tenant each: A's tree holds nothing of the one whose home is B
+        session = tenant = f"failover-{k}"
+        share(a, b, tenant)
         client, messages = routed(router, session, tenant), [SYSTEM]
         first, home = served((a, b), lambda: turn(client, messages, conv[0], session, tenant))
         if home is b:

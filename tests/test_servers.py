@@ -89,6 +89,22 @@ def test_a_test_that_stops_a_server_frees_it_for_its_module_and_a_later_module_s
     assert "a" not in pool.needs[1] and "a" in pool.needs[2]
 
 
+def test_a_server_a_test_asks_for_mid_module_stays_up_for_the_modules_later_tests(pool):
+    f = frozenset
+    plan = [("m1", f({"a"})), ("m1", f({"a"})), ("m2", f())]
+    seen = {}
+
+    def restart_as_b(i):
+        if i == 0:
+            pool.stop("a")
+            seen["b"] = pool.get("b")  # the module goes on with b
+        if i < 2:
+            assert seen["b"].proc.poll() is None and "b" in pool.live
+
+    run(pool, plan, restart_as_b)
+    assert "b" in pool.needs[1] and "b" not in pool.live  # stopped after the module's last test
+
+
 def test_a_server_is_only_started_for_a_test_marked_server(pool):
     pool.plan([("m", frozenset({"a"}))])
     pool.enter(0, marked=False)
