@@ -128,12 +128,13 @@ T = {"session_id": "t", "tenant": "a"}  # the session whose rank-1 file is left 
 @pytest.fixture(scope="module")
 def reference(qwen_tp1_server, qwen_tp2_server, tok, pool):
     """S's turns and questions on the TP 1 server (every head on one rank), which then stops: the
-    TP 2 restart needs its place."""
+    TP 2 restart takes its place, started while server A works."""
     try:
         turns, _ = converse(qwen_tp1_server, tok, S, TURNS)
         return turns, {how: ask(qwen_tp1_server, tok, S, how) for how in ("keep", "cacheblend")}
     finally:
         pool.stop("qwen_tp1")
+        pool.start_ahead("qwen_tp2_b")
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +157,7 @@ def tp2(qwen_tp2_server, reference, tok, pool):
     rank_files(snapshot, "t")["tp1/2"].write_bytes(behind)
     after_restart = generate(a, next_prompt, S)  # on the server that never restarted
     pool.stop("qwen_tp2")
-    shutil.copytree(snapshot, pool.directory("qwen_tp2_b") / "store")
+    shutil.copytree(snapshot, pool.directory("qwen_tp2_b") / "store", dirs_exist_ok=True)  # B finds the sessions there
     b = pool.get("qwen_tp2_b")
     return {"turns": turns, "questions": questions, "t_next": t_next, "next": (next_prompt, after_restart), "b": b}
 
