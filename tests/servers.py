@@ -124,8 +124,13 @@ def tp_config(persist: str) -> str:
 
 
 TP_FLAGS = ("--dtype", "float32")
-# one core per rank (the launcher's default split): an inherited binding would put both on one
-TP_UNSET = ("SGLANG_CPU_OMP_THREADS_BIND",)
+# One core per rank (the launcher's default split): an inherited binding would put both on one.
+# And the CPU's own instruction set where a run emulates an AVX2-only CPU (AVX2_ONLY): at TP 2 the
+# emulation crashes SGLang's vocab-parallel embedding on the first request (an index out of range
+# from its torch.compile'd masked lookup; it runs with TORCHDYNAMO_DISABLE=1, and it crashes the same
+# at d936d1e, before the pool). Taken for the emulation's (it limits torch's kernels, not the code
+# inductor builds for this machine); no real AVX2-only CPU was at hand to check.
+TP_UNSET = ("SGLANG_CPU_OMP_THREADS_BIND", *AVX2_ONLY)
 
 CATALOGUE: dict[str, Spec] = {
     "plain": Spec("the README's default way: our launcher, no memory config (end to end, hardening, the dtype report)"),
