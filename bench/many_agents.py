@@ -1,0 +1,426 @@
+"""Many agents, one server: M agent sessions at once, each replaying a recorded trajectory with tool
+pauses between its requests, on a KV pool their contexts oversubscribe.
+
+The work does not depend on the model's answers: a session sends, step by step, the full history
+its recorded trajectory had at that step (the recorded answers, tool outputs and user turns, not
+what the model says), then waits as the agent would for what comes next (a tool's output, or the
+user's next message), and sends the next step. Trajectories:
+
+- `recall`: the generated recall family (bench/recall/sessions.py): a system prompt with four tools,
+  a task, tool calls with 100-150-token outputs, questions at the end;
+- `bfcl`: BFCL v4 multi-turn tasks replayed along their ground truth (the replays BFCL's checker
+  passes, as bench/fidelity takes them).
+
+Each pause is drawn from a log-normal distribution per tool kind (`PAUSES`: median seconds and
+sigma), seeded by (seed, session, step). The medians are assumptions of this benchmark, not read
+from traces: an HTTP API (orders, BFCL's simulated APIs), a log search, a directory listing, a web
+search, a user's next message. `--pause-scale` multiplies them all.
+
+Clients: `openai` (full history to /v1/chat/completions, streamed, the session named by the
+`x-session-id` header: the drop-in path) or `native` (/generate on the chat template's token ids,
+the session named in the `sgl_memory` field on our server). The pool (`--max-total-tokens`) is the
+sessions' contexts (each session's last prompt and answer) divided by the oversubscription, and at
+least the longest context.
+
+Side by side in one run, per oversubscription and seed, each on a fresh server: plain SGLang with its
+radix cache under the `lru` policy and the others named in `--policies`, plain SGLang with
+`--enable-session-radix-cache`, and ours with persistence on (its defaults: Q8, the warm host tier).
+
+Per run: job completion time (the first request sent to the last answer), TTFT per request (p50,
+p99), tokens prefilled (prompt minus cached, summed) over the ideal (the distinct token prefixes of
+every request: a shared system prompt counts once), tokens restored from the store (ours), requests
+that failed and requests slower than `--stall-s`. Intervals: 95% bootstrap over seeds.
+Writes bench/results/many_agents.json and .png.
+
+    .venv/bin/python -m bench.many_agents --quick          (two methods, 1x and 4x, one seed: ~10 min here)
+    .venv/bin/python -m bench.many_agents --model qwen2.5-coder-0.5b-instruct --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import random
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+from transformers import AutoTokenizer
+
+from bench import harness
+from bench.common import RESULTS, bootstrap, provenance, write_json
+from bench.fidelity.points import _render, _templated
+from sgl_memory import models
+
+# Tool pauses: (median seconds, log-normal sigma) per tool kind; a tool not listed pauses as "api".
+PAUSES = {
+    "api": (0.4, 0.6),  # an HTTP API call: BFCL's simulated APIs, get_orders
+    "search_logs": (0.8, 0.6),
+    "list_files": (0.1, 0.5),
+    "web_search": (1.5, 0.6),
+    "user": (3.0, 0.5),  # the user reads the answer and writes the next message
+}
+ANSWER_TOKENS = 16  # each request's answer is discarded (the trajectory is replayed), so kept short
+OVERSUBSCRIPTION = (1, 2, 4, 8)
+METHODS = ("sglang:lru", "sglang:slru", "sglang:priority", "sglang:tlru", "sglang:session", "ours:persist")
+
+
+@dataclass
+class Step:
+    messages: list[dict]  # the full history the client sends
+    tools: list[dict] | None
+    pause: str  # what the agent then waits for: a tool's name, "user", or "" after the last step
+
+
+@dataclass
+class Trajectory:
+    id: str
+    steps: list[Step]
+
+
+def recall_trajectories(count: int, seed: int, steps: int = 20) -> list[Trajectory]:
+    """`count` recall sessions of `steps` tool steps (about 130 tokens each), the shapes in turn."""
+    from bench.recall import sessions as R
+
+    out = []
+    for i in range(count):
+        s = R.generate(seed * 1000 + i, steps, R.SHAPES[i % len(R.SHAPES)], 1, 0.5)
+        points = [j for j, m in enumerate(s.messages) if m["role"] == "assistant"] + [len(s.messages)]
+        trajectory = []
+        for j in points:
+            following = s.messages[j] if j < len(s.messages) else None
+            pause = "" if following is None else following["tool_calls"][0]["function"]["name"] if following.get("tool_calls") else "user"
+            trajectory.append(Step(s.messages[:j], R.TOOLS, pause))
+        out.append(Trajectory(f"recall-{seed}-{i}", trajectory))
+    return out
+
+
+def bfcl_trajectories(count: int, seed: int) -> list[Trajectory]:
+    """BFCL tasks replayed along their ground truth (no server): each request the agent loop makes,
+    with the gold calls as the answer; only replays BFCL's checker passes."""
+    from bench.agent import bfcl as B
+    from bench.agent.loop import Call, Reply
+
+    tasks = B.tasks(list(B.CATEGORIES))
+    random.Random(seed).shuffle(tasks)
+    out = []
+    for task in tasks:
+        gold = [calls for truth in task.ground_truth for calls in ([B.as_calls(task, truth)] if truth else []) + [None]]
+        asked: list[Step] = []
+
+        class Replier:
+            def ask(self, messages, tools, session_id, tool_choice="required"):
+                calls = gold.pop(0) if gold else None
+                asked.append(Step(copy.deepcopy(messages), tools, calls[0][0] if calls else "user"))
+                if calls is None:
+                    return Reply([Call("r", "respond", {"message": "Done."})], "", 0, 0, 0, 0.0)
+                return Reply([Call(f"call_{i}", n, a) for i, (n, a) in enumerate(calls)], "", 0, 0, 0, 0.0)
+
+        result = B.run(task, Replier(), "gold")
+        if result["reason"] is None and result["valid"] and asked:
+            asked[-1].pause = ""
+            out.append(Trajectory(task.id, asked))
+        if len(out) == count:
+            break
+    return out
+
+
+WORKLOADS = {"recall": recall_trajectories, "bfcl": bfcl_trajectories}
+
+
+def as_text(trajectory: Trajectory) -> Trajectory:
+    """The trajectory for a chat template without tool messages (SmolLM2's): a call becomes the
+    assistant's words, a tool's output a user message, no tools offered. Same pauses, same lengths
+    within the template's few tokens."""
+
+    def text(m: dict) -> dict:
+        if m.get("tool_calls"):
+            calls = "; ".join(f"{c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in m["tool_calls"])
+            return {"role": "assistant", "content": f"{m.get('content') or ''}Calling {calls}".strip()}
+        if m["role"] == "tool":
+            return {"role": "user", "content": f"Tool output: {m['content']}"}
+        return {"role": m["role"], "content": m.get("content") or ""}
+
+    return Trajectory(trajectory.id, [Step([text(m) for m in s.messages], None, s.pause) for s in trajectory.steps])
+
+
+def pause_seconds(kind: str, seed: int, session: int, step: int, scale: float) -> float:
+    median, sigma = PAUSES.get(kind, PAUSES["api"])
+    rng = random.Random(f"{seed}-{session}-{step}")
+    return scale * median * math.exp(sigma * rng.gauss(0, 1))
+
+
+def prompt_ids(tokenizer, step: Step) -> list[int]:
+    """The step's prompt as the server renders it (SGLang parses tool-call arguments first)."""
+    return _render(tokenizer, [_templated(m) for m in step.messages], step.tools, True)
+
+
+def distinct_tokens(prompts: list[list[int]]) -> int:
+    """Tokens of the prompts with every shared prefix counted once: the prefill of a cache that never
+    forgets (the ideal)."""
+    root: dict = {}
+    total = 0
+    for ids in prompts:
+        node = root
+        for t in ids:
+            if t not in node:
+                node[t] = {}
+                total += 1
+            node = node[t]
+    return total
+
+
+def pool_tokens(contexts: list[int], oversubscription: float) -> int:
+    """The pool the sessions' contexts oversubscribe by `oversubscription`, and at least the longest."""
+    return max(math.ceil(sum(contexts) / oversubscription), max(contexts))
+
+
+# --- clients --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    session: int
+    step: int
+    sent: float  # seconds after the run started
+    ttft_s: float | None
+    latency_s: float
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+def _openai_message(m: dict) -> dict:
+    """A recorded message as the OpenAI API takes it: tool-call arguments as a JSON string."""
+    m = copy.deepcopy(m)
+    for call in m.get("tool_calls") or []:
+        if not isinstance(call["function"]["arguments"], str):
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+    return m
+
+
+def send_openai(url: str, step: Step, session: str, ours: bool, tokenizer) -> tuple[float | None, int, int]:
+    body = {"model": "default", "messages": [_openai_message(m) for m in step.messages], "max_tokens": ANSWER_TOKENS,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    if step.tools:
+        body["tools"] = step.tools
+    t0, ttft, usage = time.perf_counter(), None, {}
+    with requests.post(url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, stream=True, timeout=1800) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
+        for raw in r.iter_lines():
+            if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(raw[5:])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return ttft, int(usage.get("prompt_tokens") or 0), int(cached)
+
+
+def send_native(url: str, step: Step, session: str, ours: bool, tokenizer) -> tuple[float | None, int, int]:
+    body = {"input_ids": prompt_ids(tokenizer, step), "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": ANSWER_TOKENS}}
+    if ours:
+        body["sgl_memory"] = {"session_id": session}
+    t0, ttft, meta = time.perf_counter(), None, {}
+    with requests.post(url + "/generate", json=body, stream=True, timeout=1800) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
+        for raw in r.iter_lines():
+            if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            meta = json.loads(raw[5:]).get("meta_info") or meta
+    return ttft, int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
+
+
+CLIENTS = {"openai": send_openai, "native": send_native}
+
+
+def replay(url: str, trajectories: list[Trajectory], client: str, ours: bool, tokenizer, seed: int, scale: float, tag: str) -> list[Turn]:
+    """Every trajectory at once, one thread each; a session starts after a seeded stagger of up to
+    one median user pause (agents do not all start in the same second)."""
+    send, turns, lock, t_run = CLIENTS[client], [], threading.Lock(), time.perf_counter()
+
+    def one(i: int, trajectory: Trajectory) -> None:
+        time.sleep(random.Random(f"start-{seed}-{i}").uniform(0, scale * PAUSES["user"][0]))
+        for k, step in enumerate(trajectory.steps):
+            sent = time.perf_counter()
+            try:
+                ttft, prompt, cached = send(url, step, f"{tag}-{seed}-{i}", ours, tokenizer)
+                turn = Turn(i, k, sent - t_run, ttft, time.perf_counter() - sent, prompt, cached)
+            except Exception as exc:  # counted, and the session goes on as an agent would retry its next step
+                turn = Turn(i, k, sent - t_run, None, time.perf_counter() - sent, error=str(exc)[:300])
+            with lock:
+                turns.append(turn)
+            if step.pause:
+                time.sleep(pause_seconds(step.pause, seed, i, k, scale))
+
+    threads = [threading.Thread(target=one, args=(i, t), daemon=True) for i, t in enumerate(trajectories)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return turns
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def summarize(turns: list[Turn], ideal: int, stall_s: float) -> dict:
+    done = [t for t in turns if not t.error]
+    ttfts = [t.ttft_s for t in done if t.ttft_s is not None]
+    prefilled = sum(t.prompt_tokens - t.cached_tokens for t in done)
+    return {
+        "jct_s": max((t.sent + t.latency_s for t in turns), default=0.0),
+        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+        "prompt_tokens": sum(t.prompt_tokens for t in done), "prefilled_tokens": prefilled, "ideal_tokens": ideal, "prefilled_over_ideal": prefilled / ideal if ideal else None,
+        "requests": len(turns), "failed": len(turns) - len(done), "stalled": sum(t.latency_s > stall_s for t in done),
+        "errors": sorted({t.error for t in turns if t.error})[:3],
+    }  # fmt: skip
+
+
+# --- servers --------------------------------------------------------------------------------------
+
+
+def command(method: str, model: str, pool: int, directory: Path) -> tuple[list[str], dict | None]:
+    kind, variant = method.split(":")
+    path = models.model_dir(model)
+    if kind == "sglang":
+        extra = ["--enable-session-radix-cache"] if variant == "session" else ["--radix-eviction-policy", variant]
+        return harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native", pool), "--enable-cache-report", *extra)
+    config = directory / "memory.yaml"
+    config.write_text(f"persist:\n  enabled: true\n  dir: {directory / 'store'}\n")
+    return harness.our_command(model, "--max-total-tokens", str(pool), "--enable-cache-report", "--memory-config", str(config)), None
+
+
+def restored_tokens(server: harness.Server) -> int:
+    try:
+        return int(server.get("/sgl_memory/stats").json().get("totals", {}).get("restored_tokens", 0))
+    except (requests.RequestException, ValueError):
+        return 0
+
+
+def run_one(method: str, args, trajectories: list[Trajectory], ideal: int, pool: int, seed: int, tokenizer, directory: Path) -> dict:
+    cmd, env = command(method, args.model, pool, directory)
+    log = directory / "server.log"
+    try:
+        server = harness.start(cmd, log, env)
+    except Exception as exc:  # a method SGLang refuses on this engine is reported, not fatal
+        last = [line for line in log.read_text(errors="replace").splitlines() if "Error" in line][-1:] if log.exists() else []
+        return {"method": method, "seed": seed, "pool_tokens": pool, "runs": False, "why": (last or [str(exc)])[0][-300:]}
+    try:
+        turns = replay(server.url, trajectories, args.client, method.startswith("ours"), tokenizer, seed, args.pause_scale, method.replace(":", "-"))
+        row = {"method": method, "seed": seed, "pool_tokens": pool, "runs": True, **summarize(turns, ideal, args.stall_s)}
+        if method.startswith("ours"):
+            row["restored_tokens"] = restored_tokens(server)
+        return row
+    finally:
+        harness.stop(server)
+
+
+def interval(values: list[float]) -> dict:
+    mean, lo, hi = bootstrap([[v] for v in values])
+    return {"mean": mean, "ci95": [lo, hi], "n": len(values)}
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    out = []
+    for key in sorted({(r["method"], r["oversubscription"]) for r in rows}, key=lambda k: (k[1], k[0])):
+        group = [r for r in rows if (r["method"], r["oversubscription"]) == key and r["runs"]]
+        if not group:
+            out.append({"method": key[0], "oversubscription": key[1], "runs": False})
+            continue
+        row = {"method": key[0], "oversubscription": key[1], "runs": True, "pool_tokens": group[0]["pool_tokens"]}
+        for metric in ("jct_s", "ttft_p50_s", "ttft_p99_s", "prefilled_over_ideal"):
+            row[metric] = interval([r[metric] for r in group if r[metric] is not None])
+        row["failed"] = sum(r["failed"] for r in group)
+        row["stalled"] = sum(r["stalled"] for r in group)
+        out.append(row)
+    return out
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for method in sorted({r["method"] for r in summary}):
+        rows = [r for r in summary if r["method"] == method and r["runs"]]
+        xs = [r["oversubscription"] for r in rows]
+        for ax, metric in zip(axes, ("jct_s", "ttft_p99_s")):
+            ys = [r[metric]["mean"] for r in rows]
+            err = [[y - r[metric]["ci95"][0] for y, r in zip(ys, rows)], [r[metric]["ci95"][1] - y for y, r in zip(ys, rows)]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
+    for ax, title in zip(axes, ("job completion time (s)", "TTFT p99 (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("oversubscription (sessions' contexts / KV pool)")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", choices=list(models.MODELS))
+    ap.add_argument("--workload", default="recall", choices=list(WORKLOADS))
+    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=20, help="tool steps per recall session (BFCL's are its own)")
+    ap.add_argument("--client", default="openai", choices=list(CLIENTS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--oversubscription", nargs="+", type=float, default=list(OVERSUBSCRIPTION))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--pause-scale", type=float, default=1.0)
+    ap.add_argument("--stall-s", type=float, default=60.0, help="a request slower than this counts as stalled")
+    ap.add_argument("--quick", action="store_true", help="sglang:lru and ours:persist at 1x and 4x, seed 0, 8 sessions of 12 steps")
+    ap.add_argument("--out", default=str(RESULTS / "many_agents.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.methods, args.oversubscription, args.seeds, args.sessions, args.steps = ["sglang:lru", "ours:persist"], [1, 4], [0], 8, 12
+    tokenizer = AutoTokenizer.from_pretrained(models.model_dir(args.model))
+    rows, base = [], Path(tempfile.mkdtemp(prefix="many-agents-"))
+    runs = [(seed, over, method) for seed in args.seeds for over in args.oversubscription for method in args.methods]
+    plans = {}
+    for n, (seed, over, method) in enumerate(runs, 1):
+        if seed not in plans:
+            trajectories = WORKLOADS[args.workload](args.sessions, seed, **({"steps": args.steps} if args.workload == "recall" else {}))
+            if "tool" not in (tokenizer.chat_template or ""):
+                trajectories = [as_text(t) for t in trajectories]
+            prompts = [prompt_ids(tokenizer, s) for t in trajectories for s in t.steps]
+            contexts = [len(prompt_ids(tokenizer, t.steps[-1])) + ANSWER_TOKENS for t in trajectories]
+            plans[seed] = (trajectories, distinct_tokens(prompts), contexts)
+            print(f"seed {seed}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens as rendered here, "
+                  f"{plans[seed][1]} distinct (the ideal prefill)", flush=True)
+        trajectories, ideal, contexts = plans[seed]
+        directory = base / f"{seed}-{over}-{method.replace(':', '-')}"
+        directory.mkdir(parents=True)
+        print(f"[{n}/{len(runs)}] seed {seed}, {over}x, {method}: pool {pool_tokens(contexts, over)} tokens", flush=True)
+        row = run_one(method, args, trajectories, ideal, pool_tokens(contexts, over), seed, tokenizer, directory)
+        row["oversubscription"] = over
+        print("   ", {k: v for k, v in row.items() if k in ("jct_s", "ttft_p99_s", "prefilled_over_ideal", "failed", "why")}, flush=True)
+        rows.append(row)
+    summary = aggregate(rows)
+    out = Path(args.out)
+    result = {"provenance": provenance(), "config": {**vars(args), "pauses": PAUSES, "answer_tokens": ANSWER_TOKENS},
+              "sessions_contexts": {str(s): p[2] for s, p in plans.items()}, "summary": summary, "runs": rows}  # fmt: skip
+    write_json(out, result)
+    plot(summary, out.with_suffix(".png"))
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
