@@ -53,7 +53,7 @@ import requests
 from transformers import AutoTokenizer
 
 from bench import harness
-from bench.common import RESULTS, bootstrap, provenance, write_json
+from bench.common import RESULTS, bootstrap, ok, provenance, stream, write_json
 from bench.fidelity.points import _render, _templated
 from sgl_memory import models
 
@@ -204,15 +204,14 @@ def _openai_message(m: dict) -> dict:
     return m
 
 
-def send_openai(url: str, step: Step, session: str, ours: bool, tokenizer) -> tuple[float | None, int, int]:
+def send_openai(server: harness.Server, step: Step, session: str, ours: bool, tokenizer) -> tuple[float | None, int, int]:
     body = {"model": "default", "messages": [_openai_message(m) for m in step.messages], "max_tokens": ANSWER_TOKENS,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if step.tools:
         body["tools"] = step.tools
     t0, ttft, usage = time.perf_counter(), None, {}
-    with requests.post(url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, stream=True, timeout=1800) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
+    with requests.post(server.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, stream=True, timeout=1800) as r:
+        ok(r, "/v1/chat/completions")
         for raw in r.iter_lines():
             if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
                 continue
@@ -224,27 +223,15 @@ def send_openai(url: str, step: Step, session: str, ours: bool, tokenizer) -> tu
     return ttft, int(usage.get("prompt_tokens") or 0), int(cached)
 
 
-def send_native(url: str, step: Step, session: str, ours: bool, tokenizer) -> tuple[float | None, int, int]:
-    body = {"input_ids": prompt_ids(tokenizer, step), "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": ANSWER_TOKENS}}
-    if ours:
-        body["sgl_memory"] = {"session_id": session}
-    t0, ttft, meta = time.perf_counter(), None, {}
-    with requests.post(url + "/generate", json=body, stream=True, timeout=1800) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
-        for raw in r.iter_lines():
-            if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            meta = json.loads(raw[5:]).get("meta_info") or meta
+def send_native(server: harness.Server, step: Step, session: str, ours: bool, tokenizer) -> tuple[float | None, int, int]:
+    _, ttft, meta = stream(server, prompt_ids(tokenizer, step), ANSWER_TOKENS, {"session_id": session} if ours else None)
     return ttft, int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
 
 
 CLIENTS = {"openai": send_openai, "native": send_native}
 
 
-def replay(url: str, trajectories: list[Trajectory], client: str, ours: bool, tokenizer, seed: int, scale: float, tag: str) -> list[Turn]:
+def replay(server: harness.Server, trajectories: list[Trajectory], client: str, ours: bool, tokenizer, seed: int, scale: float, tag: str) -> list[Turn]:
     """Every trajectory at once, one thread each; a session starts after a seeded stagger of up to
     one median user pause (agents do not all start in the same second)."""
     send, turns, lock, t_run = CLIENTS[client], [], threading.Lock(), time.perf_counter()
@@ -254,7 +241,7 @@ def replay(url: str, trajectories: list[Trajectory], client: str, ours: bool, to
         for k, step in enumerate(trajectory.steps):
             sent = time.perf_counter()
             try:
-                ttft, prompt, cached = send(url, step, f"{tag}-{seed}-{i}", ours, tokenizer)
+                ttft, prompt, cached = send(server, step, f"{tag}-{seed}-{i}", ours, tokenizer)
                 turn = Turn(i, k, sent - t_run, ttft, time.perf_counter() - sent, prompt, cached)
             except Exception as exc:  # counted, and the session goes on as an agent would retry its next step
                 turn = Turn(i, k, sent - t_run, None, time.perf_counter() - sent, error=str(exc)[:300])
@@ -321,7 +308,7 @@ def run_one(method: str, args, trajectories: list[Trajectory], ideal: int, pool:
         last = [line for line in log.read_text(errors="replace").splitlines() if "Error" in line][-1:] if log.exists() else []
         return {"method": method, "seed": seed, "pool_tokens": pool, "runs": False, "why": (last or [str(exc)])[0][-300:]}
     try:
-        turns = replay(server.url, trajectories, args.client, method.startswith("ours"), tokenizer, seed, args.pause_scale, method.replace(":", "-"))
+        turns = replay(server, trajectories, args.client, method.startswith("ours"), tokenizer, seed, args.pause_scale, method.replace(":", "-"))
         row = {"method": method, "seed": seed, "pool_tokens": pool, "runs": True, **summarize(turns, ideal, args.stall_s)}
         if method.startswith("ours"):
             row["restored_tokens"] = restored_tokens(server)
@@ -400,8 +387,9 @@ def main() -> None:
             trajectories = WORKLOADS[args.workload](args.sessions, seed, **({"steps": args.steps} if args.workload == "recall" else {}))
             if "tool" not in (tokenizer.chat_template or ""):
                 trajectories = [as_text(t) for t in trajectories]
-            prompts = [prompt_ids(tokenizer, s) for t in trajectories for s in t.steps]
-            contexts = [len(prompt_ids(tokenizer, t.steps[-1])) + ANSWER_TOKENS for t in trajectories]
+            rendered = [[prompt_ids(tokenizer, s) for s in t.steps] for t in trajectories]
+            prompts = [p for r in rendered for p in r]
+            contexts = [len(r[-1]) + ANSWER_TOKENS for r in rendered]
             plans[seed] = (trajectories, distinct_tokens(prompts), contexts)
             print(f"seed {seed}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens as rendered here, "
                   f"{plans[seed][1]} distinct (the ideal prefill)", flush=True)
