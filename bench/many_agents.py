@@ -24,7 +24,11 @@ least the longest context.
 
 Side by side in one run, per oversubscription and seed, each on a fresh server: plain SGLang with its
 radix cache under the `lru` policy and the others named in `--policies`, plain SGLang with
-`--enable-session-radix-cache`, and ours with persistence on (its defaults: Q8, the warm host tier).
+`--enable-session-radix-cache`, and ours with persistence on: `ours:persist` its defaults (Q8, the
+warm host tier, restored KV held until its request runs, idle sessions evicted by next use learned
+from the gaps their turns came back after), `ours:last_use` the same with SGLang's LRU order, and
+`ours:hints` the defaults with each request's `sgl_memory.agent` hints (the next tool's median
+pause, `done` on a session's last step).
 
 Per run: job completion time (the first request sent to the last answer), TTFT per request (p50,
 p99), tokens prefilled (prompt minus cached, summed) over the ideal (the distinct token prefixes of
@@ -67,7 +71,8 @@ PAUSES = {
 }
 ANSWER_TOKENS = 16  # each request's answer is discarded (the trajectory is replayed), so kept short
 OVERSUBSCRIPTION = (1, 2, 4, 8)
-METHODS = ("sglang:lru", "sglang:slru", "sglang:priority", "sglang:tlru", "sglang:session", "ours:persist")
+METHODS = ("sglang:lru", "sglang:slru", "sglang:priority", "sglang:tlru", "sglang:session", "ours:persist", "ours:last_use",
+           "ours:hints")  # fmt: skip
 
 
 @dataclass
@@ -204,11 +209,13 @@ def _openai_message(m: dict) -> dict:
     return m
 
 
-def send_openai(server: harness.Server, step: Step, session: str, ours: bool, tokenizer) -> tuple[float | None, int, int]:
+def send_openai(server: harness.Server, step: Step, session: str, field: dict | None, tokenizer) -> tuple[float | None, int, int]:
     body = {"model": "default", "messages": [_openai_message(m) for m in step.messages], "max_tokens": ANSWER_TOKENS,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if step.tools:
         body["tools"] = step.tools
+    if field:
+        body["sgl_memory"] = field
     t0, ttft, usage = time.perf_counter(), None, {}
     with requests.post(server.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, stream=True, timeout=1800) as r:
         ok(r, "/v1/chat/completions")
@@ -223,17 +230,27 @@ def send_openai(server: harness.Server, step: Step, session: str, ours: bool, to
     return ttft, int(usage.get("prompt_tokens") or 0), int(cached)
 
 
-def send_native(server: harness.Server, step: Step, session: str, ours: bool, tokenizer) -> tuple[float | None, int, int]:
-    _, ttft, meta = stream(server, prompt_ids(tokenizer, step), ANSWER_TOKENS, {"session_id": session} if ours else None)
+def send_native(server: harness.Server, step: Step, session: str, field: dict | None, tokenizer) -> tuple[float | None, int, int]:
+    _, ttft, meta = stream(server, prompt_ids(tokenizer, step), ANSWER_TOKENS, None if field is None else {"session_id": session, **field})
     return ttft, int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
 
 
 CLIENTS = {"openai": send_openai, "native": send_native}
 
 
-def replay(server: harness.Server, trajectories: list[Trajectory], client: str, ours: bool, tokenizer, seed: int, scale: float, tag: str) -> list[Turn]:
+def hints(step: Step, scale: float) -> dict:
+    """What an agent framework knows when it sends a step: which tool the answer will call (the
+    recorded trajectory's next tool), so its typical latency (the median of its kind, not the
+    draw), or that the session ends with this answer."""
+    if not step.pause:
+        return {"agent": {"done": True}}
+    return {"agent": {"expected_tool_duration_ms": round(scale * PAUSES.get(step.pause, PAUSES["api"])[0] * 1000)}}
+
+
+def replay(server: harness.Server, trajectories: list[Trajectory], client: str, method: str, tokenizer, seed: int, scale: float, tag: str) -> list[Turn]:
     """Every trajectory at once, one thread each; a session starts after a seeded stagger of up to
-    one median user pause (agents do not all start in the same second)."""
+    one median user pause (agents do not all start in the same second). On our server each request
+    names its session (the header, or the native field), and `ours:hints` adds the agent's hints."""
     send, turns, lock, t_run = CLIENTS[client], [], threading.Lock(), time.perf_counter()
 
     def one(i: int, trajectory: Trajectory) -> None:
@@ -241,7 +258,8 @@ def replay(server: harness.Server, trajectories: list[Trajectory], client: str, 
         for k, step in enumerate(trajectory.steps):
             sent = time.perf_counter()
             try:
-                ttft, prompt, cached = send(server, step, f"{tag}-{seed}-{i}", ours, tokenizer)
+                field = None if not method.startswith("ours") else hints(step, scale) if method == "ours:hints" else {}
+                ttft, prompt, cached = send(server, step, f"{tag}-{seed}-{i}", field, tokenizer)
                 turn = Turn(i, k, sent - t_run, ttft, time.perf_counter() - sent, prompt, cached)
             except Exception as exc:  # counted, and the session goes on as an agent would retry its next step
                 turn = Turn(i, k, sent - t_run, None, time.perf_counter() - sent, error=str(exc)[:300])
@@ -288,7 +306,8 @@ def command(method: str, model: str, pool: int, directory: Path) -> tuple[list[s
         extra = ["--enable-session-radix-cache"] if variant == "session" else ["--radix-eviction-policy", variant]
         return harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native", pool), "--enable-cache-report", *extra)
     config = directory / "memory.yaml"
-    config.write_text(f"persist:\n  enabled: true\n  dir: {directory / 'store'}\n")
+    eviction = "  eviction: last_use\n" if variant == "last_use" else ""
+    config.write_text(f"persist:\n  enabled: true\n  dir: {directory / 'store'}\n{eviction}")
     return harness.our_command(model, "--max-total-tokens", str(pool), "--enable-cache-report", "--memory-config", str(config)), None
 
 
@@ -308,7 +327,7 @@ def run_one(method: str, args, trajectories: list[Trajectory], ideal: int, pool:
         last = [line for line in log.read_text(errors="replace").splitlines() if "Error" in line][-1:] if log.exists() else []
         return {"method": method, "seed": seed, "pool_tokens": pool, "runs": False, "why": (last or [str(exc)])[0][-300:]}
     try:
-        turns = replay(server, trajectories, args.client, method.startswith("ours"), tokenizer, seed, args.pause_scale, method.replace(":", "-"))
+        turns = replay(server, trajectories, args.client, method, tokenizer, seed, args.pause_scale, method.replace(":", "-"))
         row = {"method": method, "seed": seed, "pool_tokens": pool, "runs": True, **summarize(turns, ideal, args.stall_s)}
         if method.startswith("ours"):
             row["restored_tokens"] = restored_tokens(server)

@@ -52,6 +52,17 @@ def test_pauses_are_seeded_draws_around_each_kinds_median():
     assert M.pause_seconds("an_unlisted_tool", 0, 0, 0, 2.0) == pytest.approx(2 * M.pause_seconds("api", 0, 0, 0, 1.0))
 
 
+def test_hints_state_the_next_tools_median_and_the_last_step_as_done():
+    t = M.recall_trajectories(1, 0, steps=4)[0]
+    for step in t.steps[:-1]:
+        expected = M.hints(step, 2.0)["agent"]["expected_tool_duration_ms"]
+        assert expected == round(2000 * M.PAUSES.get(step.pause, M.PAUSES["api"])[0])  # the median, not the draw
+    assert M.hints(t.steps[-1], 1.0) == {"agent": {"done": True}}
+    from sgl_memory.core.request import parse
+
+    assert parse({"session_id": "s", **M.hints(t.steps[0], 1.0)}).part("persist") is not None  # the server takes them
+
+
 def test_the_ideal_prefill_counts_each_distinct_prefix_once():
     rng = random.Random(0)
     system = [rng.randrange(50) for _ in range(30)]

@@ -104,6 +104,28 @@ class KVHost(Protocol):
 
     def dec_lock_ref(self, node) -> Any: ...
 
+    def hold(self, req, node, tokens: int) -> None:
+        """Keep the path to `node` (`tokens` long) in the tree for a waiting request until its prefill
+        is scheduled (the scheduler locks its prefix then), it is dropped, or nothing can run
+        while requests wait (then every hold goes). KV brought back for a request must still be
+        there when it runs; the caller bounds what it holds (`held_tokens`, `pool_tokens`)."""
+
+    def held_tokens(self) -> int:
+        """Tokens held for waiting requests now (each hold counts its whole path)."""
+
+    @property
+    def pool_tokens(self) -> int:
+        """The KV pool's size in tokens."""
+
+    def room(self) -> int:
+        """Slots `alloc_slots` can give now: free ones and those eviction can free."""
+
+    def expect(self, node, when: Callable[[float], float]) -> None:
+        """The path ending at `node` is next used at `when(now)` (time.monotonic seconds; inf: not
+        again): under pool pressure the tree evicts the paths used furthest ahead first, the nodes
+        of this path that no other path shares included, and the rest by last use. Ignored when the
+        operator chose an eviction policy other than SGLang's default LRU."""
+
     def branches(self, req) -> Branches:
         """Where the request's key takes branch ids instead of its tokens."""
 

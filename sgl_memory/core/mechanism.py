@@ -125,6 +125,15 @@ class Mechanism(ABC):
         per-request state, put KV into the tree (tree_fill.place), or abort the request with a
         client error."""
 
+    def before_prefill(self, scheduler, waiting: list, running: bool) -> list:
+        """Before the scheduler forms a prefill batch (scheduler thread), with its waiting queue in
+        order and whether requests are running (they will give their KV slots back when they end):
+        a mechanism may bring KV back for requests it deferred at admission. Returns the
+        requests that must not run in this batch (their KV is not back yet): they keep their place
+        in the queue for the next one. Must not hold back a request forever (the tree lets go of
+        every hold when nothing can run)."""
+        return []
+
     def match_limit(self, req) -> int | None:
         """The most of the request's first tokens the tree may give it from the cache (None: this
         mechanism sets no limit). A mechanism that reads rows as the prefill computes them (a

@@ -65,3 +65,32 @@ def dropped_hook(result, scheduler, req, *args, **kwargs):
     if req in ADMITTED and not req.kv.holds_kv and getattr(tree, "mechanisms", None):
         tree.on_drop(req)
     return None
+
+
+def prefill_hook(original, scheduler, running_batch, *args, **kwargs):
+    """AROUND hook on Scheduler.get_new_batch_prefill (patches/hooks.yaml). The mechanisms see the
+    waiting queue first (persistence restores a deferred session's KV when the tree can hold it);
+    for this batch only, a request they hold back (its KV not back yet) is out of the queue, so the
+    scheduler does not prefill what is about to be restored, and the requests the tree holds KV for
+    come first (tree.held_first). The queue then goes back to its order, and the tree lets go of
+    the holds of the requests that left it (tree.after_prefill)."""
+    tree = scheduler.tree_cache
+    if not getattr(tree, "mechanisms", None):
+        return original(scheduler, running_batch, *args, **kwargs)
+    # the batch that runs now (the last prefill merged in), not scheduler.running_batch, which lags it
+    held_back = set(tree.before_prefill(scheduler, running=not running_batch.is_empty()))
+    if not held_back and not tree.held_tokens():
+        plan = original(scheduler, running_batch, *args, **kwargs)  # the queue as SGLang keeps it
+    else:
+        order = list(scheduler.waiting_queue)
+        scheduler.waiting_queue = tree.held_first([r for r in order if r not in held_back])
+        try:
+            plan = original(scheduler, running_batch, *args, **kwargs)
+        finally:
+            left = set(scheduler.waiting_queue)
+            # their places in the queue as it was; a request the batch put back (preempted) after
+            back = [r for r in order if r in left or r in held_back]
+            placed = set(back)
+            scheduler.waiting_queue = back + [r for r in scheduler.waiting_queue if r not in placed]
+    tree.after_prefill(scheduler, scheduled=plan.batch_to_run is not None, idle=plan.running_batch.is_empty())
+    return plan

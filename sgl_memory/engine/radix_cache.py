@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from array import array
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from sglang.srt.distributed import get_tp_group
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.evict_policy import EvictionStrategy, LRUStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_memory.core import mechanism, prometheus
@@ -51,7 +53,11 @@ logger = logging.getLogger(__name__)
 DEAD: Slot[tuple[torch.Tensor, int]] = Slot("dead entries")
 COUNTED: Slot[bool] = Slot("counted")
 
+# per tree node of a path no other path shares: when its path is next used (Mechanism-given, see `expect`)
+NEXT_USE: Slot[Callable[[float], float]] = Slot("next use")
+
 BACKEND_NAME = "sgl_memory"
+HELD_TOKENS = prometheus.gauge("held_tokens", "KV tokens held in the tree for requests waiting to run (restored or matched)")
 
 
 class SentinelSafeAllocator:
@@ -113,12 +119,25 @@ class SentinelSafeAllocator:
         self._inner.free_full_segments([run for index, pos in segments for run in self._real_runs(index, pos)])
 
 
+class NextUseStrategy(EvictionStrategy):
+    """Eviction by predicted next use (furthest first), where a mechanism said when a path is next
+    used (`SglMemoryRadixCache.expect`); by last use elsewhere. Last use is read as a prediction
+    too: a path last used `age` seconds ago is expected back `age` seconds from now, so among
+    paths nobody predicted this is SGLang's LRU, and predicted ones sort among them on one scale."""
+
+    def get_priority(self, node) -> float:
+        now = time.monotonic()
+        when = NEXT_USE.get(node)
+        return -(when(now) if when is not None else 2 * now - node.last_access_time)
+
+
 class SglMemoryRadixCache(RadixCache):
     sentinel: int | None = None
     _allocator = None  # the real allocator, when the tree holds a sentinel (token_to_kv_pool_allocator is the view)
 
     def __init__(self, params, config: MemoryConfig | None = None, ctx=None):
         self._dead_evictable = self._dead_protected = 0
+        self._holds: dict[object, tuple[object, int]] = {}  # waiting request -> (node held for it, tokens)
         self.mechanisms: list[Mechanism] = []
         self.sessions = SessionRegistry()  # every mechanism's per-session state, one slot each
         self.tp_size = ctx.tp_size if ctx is not None else 1
@@ -159,6 +178,7 @@ class SglMemoryRadixCache(RadixCache):
             m.drain()  # flush_cache: captured turns reach their stores before the tree empties
         super().reset()
         self._dead_evictable = self._dead_protected = 0
+        self._holds.clear()  # flush_cache runs with no request waiting: the nodes are gone with the tree
         # flush_cache clears the allocator right after this: the slot is retaken on next use.
         self.sentinel = None
 
@@ -239,10 +259,12 @@ class SglMemoryRadixCache(RadixCache):
         return bool(((tree[start:] == self.sentinel) != (row == self.sentinel)).any())
 
     def on_drop(self, req) -> None:
+        self.release_hold(req)
         for m in self.mechanisms:
             m.on_drop(req)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
+        self.release_hold(req)
         super().on_release(req, checkpointed=checkpointed)
         for m in self.mechanisms:
             m.on_release(req)
@@ -275,6 +297,75 @@ class SglMemoryRadixCache(RadixCache):
                     row.update(m.describe_session(slots[m.name]))
             out.append(row)
         return out
+
+    # --- the scheduler's prefill pass (admission.py's hooks) ---------------------------------------
+
+    def before_prefill(self, scheduler, running: bool) -> list:
+        """Before the scheduler forms a prefill batch: each mechanism's turn at the waiting queue
+        (Mechanism.before_prefill). Returns the requests that must not run in this batch."""
+        waiting = scheduler.waiting_queue
+        if not waiting or not self.mechanisms:
+            return []
+        return [req for m in self.mechanisms for req in m.before_prefill(scheduler, waiting, running)]
+
+    def held_first(self, waiting: list) -> list:
+        """The waiting queue with the requests the tree holds KV for first, each part in its order:
+        their prefill is only their new tokens, and a request that must prefill its whole history
+        ahead of them (first come, first served) would need the room their holds keep and evict
+        what was brought back for them."""
+        if not self._holds:
+            return waiting
+        return [r for r in waiting if r in self._holds] + [r for r in waiting if r not in self._holds]
+
+    def after_prefill(self, scheduler, scheduled: bool, idle: bool) -> None:
+        """After the scheduler formed a prefill batch (or found none): a held request that left the
+        queue holds its prefix through the scheduler's own lock now, or was aborted. When nothing
+        runs and nothing was scheduled while requests wait, every hold is let go: a hold must never
+        keep the pool from the requests that could run (they find the held KV evictable, and a held
+        request its KV, if still there, by its own match)."""
+        if not self._holds:
+            return
+        waiting = set(scheduler.waiting_queue)
+        for req in [r for r in self._holds if r not in waiting or (idle and not scheduled)]:
+            self.release_hold(req)
+
+    # --- holds: KV brought back for a waiting request stays until the request runs ---------------
+
+    def hold(self, req, node, tokens: int) -> None:
+        self.release_hold(req)
+        self.inc_lock_ref(node)
+        self._holds[req] = (node, tokens)
+        HELD_TOKENS.set(self.held_tokens())
+
+    def release_hold(self, req) -> None:
+        held = self._holds.pop(req, None)
+        if held is not None:
+            self.dec_lock_ref(held[0])
+            HELD_TOKENS.set(self.held_tokens())
+
+    def held_tokens(self) -> int:
+        return sum(tokens for _, tokens in self._holds.values())
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.token_to_kv_pool_allocator.size
+
+    def room(self) -> int:
+        return self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
+
+    # --- eviction by next use ----------------------------------------------------------------------
+
+    def expect(self, node, when: Callable[[float], float]) -> None:
+        if not isinstance(self.eviction_strategy, NextUseStrategy):
+            if type(self.eviction_strategy) is not LRUStrategy:
+                return  # the operator chose another policy (--radix-eviction-policy): it stays
+            self.eviction_strategy = NextUseStrategy()
+        while node is not None and node is not self.root_node:
+            NEXT_USE.set(node, when)
+            parent = node.parent
+            if parent is None or len(parent.children) > 1:
+                break  # the parent is shared with another path: it keeps last-use order
+            node = parent
 
     # --- the KV host (kvhost.py): what the mechanisms may ask of the tree -------------------------
 
@@ -367,6 +458,8 @@ class SglMemoryRadixCache(RadixCache):
         new_node = super()._split_node(key, child, split_len)
         if child in COUNTED:
             COUNTED.set(new_node, True)
+        # the first part of a split node carries no next use: the split is another key's match or
+        # insert, which shares it; it is ordered by last use until a path's release tags it again
         return new_node
 
     def _delete_leaf(self, node):

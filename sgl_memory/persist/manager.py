@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from array import array
@@ -42,7 +43,8 @@ from sgl_memory.core.request import MemorySpec
 from sgl_memory.core.sessions import digest63, session_key
 from sgl_memory.core.slots import Slot
 from sgl_memory.persist import textmatch
-from sgl_memory.persist.settings import PersistConfig
+from sgl_memory.persist.settings import AgentHints, PersistConfig
+from sgl_memory.persist.settings import parse_request as parse_agent_hints
 from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError, WriteConflict
 from sgl_memory.core.worker import Worker
 
@@ -80,6 +82,13 @@ class Session:
     generation: int = 0  # of the session's file as this server last read or wrote it (store.py)
     stored_bytes: int = 0  # of its file, as this server last wrote or read it (0: none on disk)
     error: str | None = None  # the last write's failure, reported at the session's next turn
+    # when its next turn is expected (eviction by next use): its last turn's end (time.monotonic),
+    # the gaps its turns came back after (a moving average), and the last turn's hints
+    finished_at: float | None = None
+    gap: float | None = None
+    expected_at: float | None = None
+    keep_until: float | None = None
+    done: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     io: threading.Lock = field(default_factory=threading.Lock)
 
@@ -109,6 +118,7 @@ class PersistTurn:
     loaded: bool = False  # this request loaded the session from its file
     assembled: bool = False  # a prompt assembled by a mechanism (MemorySpec.assembled): its path is not the session's history
     reads_only: bool = False  # a pass that changes nothing (MemorySpec.reads_only): loads, never writes
+    hints: AgentHints | None = None  # sgl_memory.agent: when the session's next turn comes
 
     def metrics(self, error: str | None) -> dict:
         return {"text_match": self.text_match, "restored_tokens": self.restored_tokens,
@@ -125,25 +135,27 @@ RANKS_DIFFER = "the tensor-parallel ranks' copies of the session differ"
 @dataclass
 class Restore:
     """A restore decided, not done: the request's first `reuse` tokens, of which the tree holds
-    what `match` found; keys/values [layers, reuse - have, heads, dim] for the rest."""
+    what `match` found; the rest is decoded from `record` when it is placed."""
 
     req: object
     key: object
     match: object
     reuse: int
-    keys: torch.Tensor
-    values: torch.Tensor
+    record: SessionRecord | None  # None: the tree holds all of it (hot), nothing to decode
     live: torch.Tensor | None  # of the first `reuse` positions
     branches: tuple[tuple[int, int], ...]
     source: str
 
+    @property
+    def missing(self) -> int:
+        return max(0, self.reuse - self.match.device_prefix_len)
+
     def cut(self, tree, reuse: int) -> Restore:
-        """The same restore of the first `reuse` tokens only (reuse > what the tree holds)."""
-        n = reuse - self.match.device_prefix_len
+        """The same restore of the first `reuse` tokens only."""
         branches = tuple(b for b in self.branches if b[0] < reuse)
         key = tree.key(self.req.origin_input_ids[:reuse], self.req.extra_key, self.req.cache_salt, branches)
         live = None if self.live is None else self.live[:reuse]
-        return Restore(self.req, key, self.match, reuse, self.keys[:, :n], self.values[:, :n], live, branches, self.source)
+        return Restore(self.req, key, self.match, reuse, self.record, live, branches, self.source)
 
 
 def _size(path: Path) -> int:
@@ -192,6 +204,8 @@ RESTORED_TOKENS = prometheus.counter("restored_tokens", "Tokens restored from th
 RESTORE_SECONDS = prometheus.histogram("restore_seconds", "Session restore time")
 WRITE_ERRORS = prometheus.counter("write_errors", "Session file writes that failed")
 WRITE_CONFLICTS = prometheus.counter("write_conflicts", "Session turns not stored: another server stored the session meanwhile")
+DEFERRED = prometheus.counter("restores_deferred", "Session restores deferred at admission: the held KV of waiting requests was at its bound")
+NEXT_USE_ERROR = prometheus.histogram("next_use_error_seconds", "How far a session's turn came from when it was expected (hints or learned gaps)")
 SUPERSEDED = prometheus.counter("sessions_superseded", "Sessions reloaded from their file: another server stored them since")
 STORE_BYTES = prometheus.gauge("store_bytes", "Session files on disk")
 WARM_BYTES = prometheus.gauge("store_warm_bytes", "Stored-form session KV in host memory")
@@ -204,6 +218,8 @@ class SessionPersistence(mechanism.Mechanism):
     # spans in the final tokens. At release it writes the session after memory queued its turn.
     rank = 30
     settings = PersistConfig
+    fields = ("agent",)
+    parse_request = staticmethod(parse_agent_hints)
     follows_internal = True  # an entry write or forget changes the session: its file keeps that
     # at TP > 1 each rank writes its own file; the ranks load and restore a session together or
     # not at all (rank_range in open, _load, _agree; tests/test_tp_server.py)
@@ -226,6 +242,10 @@ class SessionPersistence(mechanism.Mechanism):
         # a write failed); the rest are re-read from disk when they come back
         tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda s: bool(s.pending) or s.state_changed or (bool(s.tokens) and not s.on_disk))
         self.tokenizer = None
+        self._gap: float | None = None  # the gaps every session's turns came back after (a moving average)
+        # requests whose restore waits for room among the holds (before_prefill), in arrival order,
+        # with where their session's KV was at admission (memory, or read from disk)
+        self._deferred: dict[object, str] = {}
         self._writer = Worker("sgl-memory-persist", self._write, lambda s: f"session {s.session_id!r} (tenant {s.tenant!r})")
         if self.files.removed_partial:
             logger.info("session store: removed %d partial file(s) of writers that died", self.files.removed_partial)
@@ -265,9 +285,12 @@ class SessionPersistence(mechanism.Mechanism):
             return
         if self.tokenizer is None:
             self.tokenizer = scheduler.tokenizer
-        state = TURNS.set(req, PersistTurn(spec.tenant, spec.session_id, assembled=spec.assembled, reads_only=spec.reads_only))
+        state = TURNS.set(req, PersistTurn(spec.tenant, spec.session_id, assembled=spec.assembled, reads_only=spec.reads_only,
+                                           hints=spec.part(self.name)))  # fmt: skip
         t0 = time.perf_counter()
         session = self._session(spec.tenant, spec.session_id, create=False)
+        if session is not None and not spec.reads_only:
+            self._came_back(session)
         # each tensor-parallel rank reads its own file: every rank reloads where one must, or none
         _, (superseded, missing) = self.tree.rank_range([session is not None and self._superseded(session), session is None])
         if session is not None and (superseded or missing):
@@ -280,6 +303,57 @@ class SessionPersistence(mechanism.Mechanism):
         if session is None:
             state.loaded = self._load(state) is not None
         state.restore_ms = state.parts_ms["file"] = (time.perf_counter() - t0) * 1000
+
+    # --- eviction by next use --------------------------------------------------------------------
+
+    GAP_WEIGHT = 0.5  # of the newest gap in a session's moving average (the server's: the same)
+
+    def _came_back(self, session: Session) -> None:
+        """A turn of the session arrived: learn the gap it came back after."""
+        if session.finished_at is None:
+            return
+        now = time.monotonic()
+        predicted = None if session.done else self._expected(session)
+        if predicted is not None:
+            NEXT_USE_ERROR.observe(abs(now - predicted))
+        gap = now - session.finished_at
+        session.gap = gap if session.gap is None else self.GAP_WEIGHT * gap + (1 - self.GAP_WEIGHT) * session.gap
+        self._gap = gap if self._gap is None else self.GAP_WEIGHT * gap + (1 - self.GAP_WEIGHT) * self._gap
+        session.finished_at = session.expected_at = session.keep_until = None
+
+    def _finished(self, session: Session, hints: AgentHints | None) -> None:
+        """A turn of the session ended: its hints say when the next comes (or that none does)."""
+        now = time.monotonic()
+        session.finished_at, session.expected_at, session.keep_until, session.done = now, None, None, False
+        if hints is not None:
+            if hints.expected_tool_duration_ms is not None:
+                session.expected_at = now + hints.expected_tool_duration_ms / 1000
+            if hints.cache_ttl_ms is not None:
+                session.keep_until = now + min(hints.cache_ttl_ms, self.config.max_keep_ms) / 1000
+            session.done = bool(hints.done)
+
+    def _expected(self, session: Session) -> float | None:
+        """When the idle session's next turn is expected (time.monotonic): its last turn's hint,
+        else that turn's end plus the gaps its turns came back after (this session's, else the
+        server's); None when nothing says."""
+        if session.expected_at is not None:
+            return session.expected_at
+        gap = session.gap if session.gap is not None else self._gap
+        return session.finished_at + gap if gap is not None and session.finished_at is not None else None
+
+    def _next_use(self, session: Session, now: float) -> float:
+        """The eviction order's next use (NextUseStrategy): now while a turn of it runs or a keep-for
+        lasts; inf for a session that is done; when it is expected, and a session expected back
+        already and not back yet as that much later; without any expectation, as far ahead as its
+        last use is behind (LRU)."""
+        if session.finished_at is None or (session.keep_until is not None and now < session.keep_until):
+            return now
+        if session.done:
+            return math.inf
+        when = self._expected(session)
+        if when is None:
+            return 2 * now - session.finished_at
+        return when if when >= now else 2 * now - when
 
     def _superseded(self, session: Session) -> bool:
         """Whether the session's file holds a generation this server neither read nor wrote."""
@@ -310,8 +384,10 @@ class SessionPersistence(mechanism.Mechanism):
                 if state.text_match != textmatch.DISCARD:
                     plan = self._plan(req, session, state, "disk" if state.loaded else "memory")
         plan = self._agree(req, prompt, plan, state)
-        if plan is not None:
-            self._place(plan, state)
+        if plan is not None and not self._bring_back(plan, state):
+            # restored before a later prefill batch, when the holds and the pool have room
+            self._deferred[req] = plan.source
+            DEFERRED.inc()
         if state.restored_tokens:
             state.restore_ms += (time.perf_counter() - t0) * 1000
         else:
@@ -378,8 +454,9 @@ class SessionPersistence(mechanism.Mechanism):
         state.reuse = result.reuse if ids[: result.reuse] == stored[: result.reuse] else tree_fill.common_prefix(stored, ids)
 
     def _plan(self, req, session: Session, state: PersistTurn, source: str) -> Restore | None:
-        """What of the session's path this server can put back into the tree for the request (its
-        KV decoded), or None: nothing (the tree holds it, or the stored path does not match)."""
+        """What of the session's path the request reuses, and where its KV is: the tree (hot) or the
+        session's record (warm, or read from its file now); None when the stored path does not
+        match."""
         tree = self.tree
         reuse = state.reuse - state.reuse % tree.page_size
         if reuse <= 0:
@@ -397,9 +474,8 @@ class SessionPersistence(mechanism.Mechanism):
             branches, live = (), None
             key = tree.key(req.origin_input_ids[:reuse], req.extra_key, req.cache_salt)
             match = tree.match(key)
-        have = match.device_prefix_len
-        if have >= reuse:
-            return None  # hot: the tree holds it
+        if match.device_prefix_len >= reuse:
+            return Restore(req, key, match, reuse, None, live, branches, source)  # hot: the tree holds it
         with session.lock:
             self._encode_pending(session)
             record = session.record
@@ -411,10 +487,7 @@ class SessionPersistence(mechanism.Mechanism):
                 source = "disk"
             if record is None or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse]) or record.branches != stored:
                 return None
-            t0 = time.perf_counter()
-            keys, values = self.files.decode(record, have, reuse, dtype=tree.pool.get_key_buffer(tree.layers()[0]).dtype)
-            state.parts_ms["dequantize"] = (time.perf_counter() - t0) * 1000
-        return Restore(req, key, match, reuse, keys, values, None if live is None else live[:reuse], branches, source)
+        return Restore(req, key, match, reuse, record, None if live is None else live[:reuse], branches, source)
 
     def _agree(self, req, prompt, plan: Restore | None, state: PersistTurn) -> Restore | None:
         """The restore every tensor-parallel rank does (each decided from its own copy of the
@@ -428,23 +501,81 @@ class SessionPersistence(mechanism.Mechanism):
             req.origin_input_ids, req.origin_input_ids_unpadded = prompt
             state.refused = RANKS_DIFFER
             return None
-        if plan is None or reuse <= plan.match.device_prefix_len:
+        if plan is None or reuse <= 0:
             return None
         return plan.cut(self.tree, reuse) if reuse < plan.reuse else plan
 
-    def _place(self, plan: Restore, state: PersistTurn) -> None:
+    def _bring_back(self, plan: Restore, state: PersistTurn, final: bool = False) -> bool:
+        """Hold the request's reused prefix in the tree until it runs, restoring first what the tree
+        lacks of it. False, doing nothing, when the holds have no room for it (`_room_to_hold`) or
+        the pool has no free slots for it while requests run or are held that will free some: the
+        request then waits for its restore (before_prefill). `final`: nothing runs or is held that
+        would free slots, so a request the pool has no room for is served by prefill instead."""
+        tree = self.tree
+        if not self._room_to_hold(plan.reuse):
+            return False
+        if not plan.missing:
+            tree.hold(plan.req, plan.match.last_device_node, plan.reuse)
+            return True
+        if not final and tree.room() < plan.missing:
+            return False  # checked before decoding: a request that waits for slots decodes once, when they are there
         t0 = time.perf_counter()
         have = plan.match.device_prefix_len
+        # a record is never changed in place (a turn makes a new one), so it decodes without the session's lock
+        keys, values = self.files.decode(plan.record, have, plan.reuse, dtype=tree.pool.get_key_buffer(tree.layers()[0]).dtype)
+        state.parts_ms["dequantize"] = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
         live = None if plan.live is None else plan.live[have:]
-        placed = tree_fill.place(self.tree, plan.key, plan.match, plan.keys, plan.values, live)
+        placed = tree_fill.place(tree, plan.key, plan.match, keys, values, live)
         state.parts_ms["pool_write"] = (time.perf_counter() - t0) * 1000
         if not placed:
-            logger.warning("session store: no free KV slots to restore %d tokens of session %r; prefilling instead",
-                           plan.reuse - have, state.session_id)  # fmt: skip
-            return
-        state.restored_tokens, state.restored_from = plan.reuse - have, plan.source
+            if not final:
+                return False  # the requests that run (or are held) will give their slots back
+            logger.warning("session store: no free KV slots to restore %d tokens of session %r, and no request runs "
+                           "or is held that would free some; prefilling instead", plan.missing, state.session_id)  # fmt: skip
+            return True
+        tree.hold(plan.req, tree.match(plan.key).last_device_node, plan.reuse)
+        state.restored_tokens, state.restored_from = plan.missing, plan.source
+        return True
+
+    def _room_to_hold(self, tokens: int) -> bool:
+        """Whether the holds take `tokens` more: within `hold_fraction` of the pool, or nothing is
+        held (the first request waiting is never turned away)."""
+        held = self.tree.held_tokens()
+        return not held or held + tokens <= self.config.hold_fraction * self.tree.pool_tokens
+
+    def before_prefill(self, scheduler, waiting: list, running: bool) -> list:
+        """Restore the deferred requests' KV, in the order they came, while the holds have room;
+        the rest wait out of this batch (so the scheduler does not prefill their histories)."""
+        if not self._deferred:
+            return []
+        queued, back = set(waiting), []
+        for req in list(self._deferred):
+            state = TURNS.get(req)
+            if req not in queued or req.finished() or state is None:
+                self._deferred.pop(req, None)  # aborted, or it left the queue another way
+                continue
+            if back or not self._room_to_hold(state.reuse):  # checked before any file is read
+                back.append(req)  # in arrival order: none is restored past one still waiting
+                continue
+            t0 = time.perf_counter()
+            session = self._session(state.tenant, state.session_id, create=False)
+            ids = (req.origin_input_ids, req.origin_input_ids_unpadded)
+            plan = self._plan(req, session, state, self._deferred[req]) if session is not None else None
+            plan = self._agree(req, ids, plan, state)
+            final = not running and not self.tree.held_tokens()
+            if plan is not None and not self._bring_back(plan, state, final):
+                back.append(req)  # no free slots yet
+                continue
+            self._deferred.pop(req)
+            if state.restored_tokens:
+                state.restore_ms += (time.perf_counter() - t0) * 1000
+        return back
 
     # --- release: capture the turn, write it off the request's path ------------------------------
+
+    def on_drop(self, req) -> None:
+        self._deferred.pop(req, None)
 
     def on_release(self, req) -> None:
         """Capture the turn: the KV of the request's path that the stored record lacks, off the pool
@@ -452,8 +583,11 @@ class SessionPersistence(mechanism.Mechanism):
         state: PersistTurn | None = TURNS.get(req)
         if state is None:
             return
+        self._deferred.pop(req, None)
         session = self._session(state.tenant, state.session_id, create=True)
         metrics.attach(req, state.metrics(session.error))
+        if not state.reads_only:
+            self._finished(session, state.hints)
         if self.config.write_policy == "off" or self.tree.disable or state.reads_only:
             return
         if state.assembled:
@@ -466,6 +600,8 @@ class SessionPersistence(mechanism.Mechanism):
         path = tree_fill.held_path(self.tree, req)
         if not len(path):
             return
+        if self.config.eviction == "next_use":
+            self.tree.expect(path.node, lambda now, session=session: self._next_use(session, now))
         live = tree_fill.path_live(self.tree, path)
         live = None if bool(live.all()) else live
         with session.lock:
@@ -575,7 +711,11 @@ class SessionPersistence(mechanism.Mechanism):
     def describe_session(self, slot: Session) -> dict:
         with slot.lock:
             live = len(slot.tokens) if slot.live is None else int(slot.live.sum())
-            return {"path_tokens": len(slot.tokens), "live_tokens": live, "stored_bytes": slot.stored_bytes if slot.on_disk else 0}
+            now = time.monotonic()
+            when = self._next_use(slot, now) if slot.finished_at is not None else None
+            return {"path_tokens": len(slot.tokens), "live_tokens": live, "stored_bytes": slot.stored_bytes if slot.on_disk else 0,
+                    # seconds until its next turn is expected (null: a turn of it runs, or none comes)
+                    "expected_back_s": round(when - now, 3) if when is not None and math.isfinite(when) else None}  # fmt: skip
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every captured turn is written (flush_cache calls this before it empties the tree)."""

@@ -1,0 +1,88 @@
+"""Many sessions on one small KV pool, inside the real server (issue 55): the suite's `paged` server
+(SmolLM2-135M, persistence with an exact store and no warm tier, a pool of 3008 tokens, page 16).
+
+The case measured before the fix: agent sessions whose histories together outgrow the pool come
+back at once (their tools returned); each one's history is restored from its file at admission and
+was then evicted again, by the next session's restore, before its request ran, so it prefilled its
+history anyway. The reference for "restored and used" is SGLang's own count: a request's
+`cached_tokens` is what its prefill did not compute."""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from test_persist_server import SYSTEM, chat, flush, history, long_text
+
+pytestmark = pytest.mark.server
+
+PAGE = 16
+POOL = 3008
+SESSIONS = 6  # about 760 tokens each: together 1.5x the pool
+
+
+def test_restored_history_stays_until_its_request_runs(paged_server):
+    server = paged_server
+    first = {}
+    for i in range(SESSIONS):
+        turns = [long_text(f"agent{i}", 80) + " Note the last entry."]
+        answer, usage, _ = chat(server, [SYSTEM, {"role": "user", "content": turns[0]}], f"many{i}", max_tokens=8)
+        first[i] = (turns, answer, usage["prompt_tokens"])
+    assert sum(n for _, _, n in first.values()) > 1.4 * POOL
+    flush(server)  # every session is on disk only: each second turn restores its history
+
+    def second(i):
+        turns, answer, _ = first[i]
+        messages = history(turns, [answer]) + [{"role": "user", "content": "The tool returned 7. Go on."}]
+        return chat(server, messages, f"many{i}", max_tokens=8)
+
+    with ThreadPoolExecutor(SESSIONS) as workers:
+        results = list(workers.map(second, range(SESSIONS)))
+    for i, (answer, usage, metrics) in enumerate(results):
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        history_tokens = first[i][2] // PAGE * PAGE
+        assert answer
+        # every session's history came back from its file ...
+        assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, (i, metrics)
+        # ... and was still in the tree when its request ran: only the new turn was prefilled
+        assert cached >= history_tokens, (i, cached, history_tokens, metrics)
+
+
+def test_eight_times_the_pool_with_short_and_long_pauses_and_keep_for_hints_every_request_finishes(paged_server):
+    """13 sessions of 3 turns (about 600 new tokens each), so their contexts end near 8x the pool;
+    between turns a seeded mix of short and long tool pauses. Half the sessions ask to be kept
+    (`cache_ttl_ms` a minute: a pinning server deadlocks on that), the rest say when their tool
+    returns or that they are done. Every request must finish with an answer, and what a request
+    restored it used."""
+    server, sessions, turns = paged_server, 13, 3
+    rng = random.Random(8)
+    pauses = [[rng.choice((0.05, 0.1, 1.5)) for _ in range(turns)] for _ in range(sessions)]
+
+    def agent(i: int) -> list[tuple[int, int, int, dict]]:
+        messages, out = [SYSTEM], []
+        for k in range(turns):
+            messages.append({"role": "user", "content": long_text(f"s{i}t{k}", 50) + " Which entry is largest?"})
+            last = k == turns - 1
+            hint = {"done": True} if last else {"cache_ttl_ms": 60_000} if i % 2 else {"expected_tool_duration_ms": pauses[i][k] * 1000}
+            answer, usage, metrics = chat(server, messages, f"eight{i}", max_tokens=8, agent=hint)
+            assert answer, (i, k)
+            out.append((k, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], metrics))
+            messages.append({"role": "assistant", "content": answer})
+            time.sleep(pauses[i][k])
+        return out
+
+    with ThreadPoolExecutor(sessions) as workers:
+        results = list(workers.map(agent, range(sessions)))
+    contexts = [r[-1][1] for r in results]
+    assert sum(contexts) > 7.5 * POOL, contexts
+    restored = 0
+    for i, rows in enumerate(results):
+        assert len(rows) == turns
+        for k, prompt, cached, metrics in rows:
+            if metrics["restored_tokens"]:
+                restored += 1
+                assert cached >= metrics["restored_tokens"], (i, k, cached, metrics)  # restored, then used
+    assert restored > 0  # the pool was too small to keep them all: some came back from the store

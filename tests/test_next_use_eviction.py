@@ -1,0 +1,153 @@
+"""Eviction by next use and holds for waiting requests, on the engine's radix tree (no server).
+
+References: SGLang's own RadixCache under its LRU policy (a tree nobody gave an expectation must
+evict in the same order), and a brute-force order of the sessions by the next use each was given.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+from sgl_memory.engine.radix_cache import SglMemoryRadixCache
+from sgl_memory.persist.manager import Session, SessionPersistence
+from sgl_memory.persist.settings import AgentHints, PersistConfig
+
+
+class RecordingAllocator:
+    device = "cpu"
+
+    def __init__(self):
+        self.freed: list[int] = []
+
+    def free_segment(self, indices, start_pos=0):
+        self.freed.extend(int(i) for i in indices)
+
+
+def make(cls=SglMemoryRadixCache, policy="lru"):
+    alloc = RecordingAllocator()
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1,
+                             eviction_policy=policy)  # fmt: skip
+    return cls(params), alloc
+
+
+def insert(cache, tokens, first_slot):
+    cache.insert(InsertParams(key=RadixKey(list(tokens)), value=torch.arange(first_slot, first_slot + len(tokens))))
+    return cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens)))).last_device_node
+
+
+SHARED = [1, 2, 3, 4]  # a system prompt every session starts with
+SESSIONS = {name: SHARED + [10 * (i + 1) + k for k in range(6)] for i, name in enumerate("abcd")}
+
+
+def evicted_order(cache, alloc) -> list[str]:
+    """Evict one token at a time; the sessions in the order their own tokens left, then 'shared'."""
+    slot_of = {}
+    for i, name in enumerate(SESSIONS):
+        slot_of.update({100 * (i + 1) + k: name for k in range(len(SHARED), len(SESSIONS[name]))})
+    order = []
+    while cache.evictable_size():
+        cache.evict(EvictParams(num_tokens=1))
+        for slot in alloc.freed:
+            name = slot_of.get(slot, "shared")
+            if name not in order:
+                order.append(name)
+        alloc.freed.clear()
+    return order
+
+
+def fill(cache):
+    nodes = {}
+    for i, (name, tokens) in enumerate(SESSIONS.items()):
+        nodes[name] = insert(cache, tokens, 100 * (i + 1))
+        time.sleep(0.002)  # distinct last-use times: a, then b, c, d
+    return nodes
+
+
+def test_a_tree_given_no_expectation_evicts_as_sglangs_lru():
+    ours, our_alloc = make()
+    theirs, their_alloc = make(RadixCache)
+    fill(ours)
+    fill(theirs)
+    insert(ours, SESSIONS["a"], 100)  # a used again: last
+    insert(theirs, SESSIONS["a"], 100)
+    assert evicted_order(ours, our_alloc) == evicted_order(theirs, their_alloc) == ["b", "c", "d", "a", "shared"]
+
+
+def test_idle_sessions_leave_by_furthest_next_use_and_a_done_one_first():
+    cache, alloc = make()
+    nodes = fill(cache)
+    now = time.monotonic()
+    expected = {"a": now + 100.0, "b": now + 1.0, "c": math.inf, "d": now + 30.0}
+    for name, when in expected.items():
+        cache.expect(nodes[name], lambda t, when=when: when)
+    brute_force = sorted(expected, key=lambda n: -expected[n])  # furthest next use first
+    assert evicted_order(cache, alloc) == brute_force + ["shared"] == ["c", "a", "d", "b", "shared"]
+
+
+def test_another_policy_chosen_by_the_operator_is_kept():
+    cache, alloc = make(policy="fifo")
+    nodes = fill(cache)
+    cache.expect(nodes["a"], lambda t: 0.0)  # would be last under next use
+    # fifo: by creation, a's node first (the shared prefix was split off it later, by b's insert)
+    assert evicted_order(cache, alloc) == ["a", "b", "c", "d", "shared"]
+
+
+class Req:
+    """A scheduler request as the tree sees one: hashable by identity."""
+
+
+def test_a_held_path_is_not_evicted_until_its_request_leaves_the_queue():
+    cache, alloc = make()
+    nodes = fill(cache)
+    waiting, running = Req(), Req()
+    cache.hold(waiting, nodes["a"], len(SESSIONS["a"]))
+    cache.hold(running, nodes["b"], len(SESSIONS["b"]))
+    assert cache.held_tokens() == 20
+    scheduler = SimpleNamespace(waiting_queue=[waiting])
+    cache.after_prefill(scheduler, scheduled=True, idle=False)  # `running` left the queue: its hold goes
+    assert cache.held_tokens() == 10
+    order = evicted_order(cache, alloc)
+    assert "a" not in order and "b" in order
+    # nothing ran and nothing could be scheduled while it waits: every hold goes
+    cache.after_prefill(scheduler, scheduled=False, idle=True)
+    assert cache.held_tokens() == 0 and evicted_order(cache, alloc) == ["a", "shared"]
+
+
+def manager(**config) -> SessionPersistence:
+    m = SessionPersistence.__new__(SessionPersistence)  # the policy's state only: no store, no tree
+    m.config, m._gap = PersistConfig(enabled=True, **config), None
+    return m
+
+
+def test_next_use_from_hints_learned_gaps_and_last_use():
+    m = manager(max_keep_ms=5000)
+    s = Session(None, "s")
+    m._finished(s, None)
+    t = s.finished_at
+    assert m._next_use(s, t + 3) == pytest.approx(t + 6)  # nothing known: as far ahead as its last use is behind
+    m._came_back(s)  # back after a gap: learned
+    gap = s.gap
+    assert s.finished_at is None and m._next_use(s, time.monotonic()) == pytest.approx(time.monotonic(), abs=0.1)
+    m._finished(s, None)
+    assert m._next_use(s, s.finished_at) == pytest.approx(s.finished_at + gap)
+    m._finished(s, AgentHints(expected_tool_duration_ms=2000))
+    t = s.finished_at
+    assert m._next_use(s, t) == pytest.approx(t + 2)
+    assert m._next_use(s, t + 5) == pytest.approx(t + 8)  # 3 s overdue: read as 3 s further out
+    m._finished(s, AgentHints(cache_ttl_ms=60_000, expected_tool_duration_ms=10_000))
+    t = s.finished_at
+    assert m._next_use(s, t + 1) == t + 1  # kept: next use is now ...
+    assert m._next_use(s, t + 6) == pytest.approx(t + 10)  # ... for max_keep_ms only
+    m._finished(s, AgentHints(done=True))
+    assert m._next_use(s, s.finished_at + 1) == math.inf
+    other = Session(None, "o")  # a session never seen back uses the server's gaps
+    m._finished(other, None)
+    assert m._next_use(other, other.finished_at) == pytest.approx(other.finished_at + m._gap)
