@@ -24,7 +24,11 @@ POOL = 3008
 SESSIONS = 6  # about 760 tokens each: together 1.5x the pool
 
 
-def test_restored_history_stays_until_its_request_runs(paged_server):
+def test_restored_history_stays_until_its_request_runs_and_answers_as_if_it_had_stayed(paged_server):
+    """The sessions come back at once after a flush (each restores its history from the exact store,
+    most of them deferred until the holds have room); the reference is each session's same turn
+    right after its first, one at a time, while the tree still held it (another tenant: its own
+    path). Same KV, same rows prefilled: the same answers."""
     server = paged_server
     first = {}
     for i in range(SESSIONS):
@@ -49,6 +53,14 @@ def test_restored_history_stays_until_its_request_runs(paged_server):
         assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, (i, metrics)
         # ... and was still in the tree when its request ran: only the new turn was prefilled
         assert cached >= history_tokens, (i, cached, history_tokens, metrics)
+    for i in range(SESSIONS):
+        turns, answer, _ = first[i]
+        hot_first, _, _ = chat(server, [SYSTEM, {"role": "user", "content": turns[0]}], f"many{i}", tenant="hot", max_tokens=8)
+        assert hot_first == answer
+        messages = history(turns, [answer]) + [{"role": "user", "content": "The tool returned 7. Go on."}]
+        hot, usage, _ = chat(server, messages, f"many{i}", tenant="hot", max_tokens=8)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == results[i][1]["prompt_tokens_details"]["cached_tokens"]
+        assert hot == results[i][0], i
 
 
 def test_eight_times_the_pool_with_short_and_long_pauses_and_keep_for_hints_every_request_finishes(paged_server):
@@ -86,3 +98,29 @@ def test_eight_times_the_pool_with_short_and_long_pauses_and_keep_for_hints_ever
                 restored += 1
                 assert cached >= metrics["restored_tokens"], (i, k, cached, metrics)  # restored, then used
     assert restored > 0  # the pool was too small to keep them all: some came back from the store
+
+
+def test_a_session_expected_back_is_restored_before_its_request_arrives(paged_server):
+    """Prefetch: a turn says its tool returns in 0.4 s; the session is then evicted (flush: only its
+    file is left). While the server is busy with another request, the expected return comes, and the
+    session's KV comes back from disk before its next request does: that request restores nothing at
+    admission and prefills only its new tokens."""
+    server = paged_server
+    turns = [long_text("prefetch", 60) + " Note the last entry."]
+    answer, usage, _ = chat(server, [SYSTEM, {"role": "user", "content": turns[0]}], "pf", max_tokens=8,
+                            agent={"expected_tool_duration_ms": 400})
+    flush(server)
+    # the scheduler sleeps while it has nothing to do: another request keeps it stepping meanwhile
+    busy = ThreadPoolExecutor(1).submit(chat, server, [SYSTEM, {"role": "user", "content": "Count from one to fifty."}],
+                                        max_tokens=160)
+    time.sleep(1.5)
+    messages = history(turns, [answer]) + [{"role": "user", "content": "The tool returned 7. Go on."}]
+    answer2, usage2, metrics = chat(server, messages, "pf", max_tokens=8)
+    busy.result()
+    assert metrics["restored_tokens"] == 0 and metrics["prefetched_tokens"] > 0, metrics
+    # the reference: the same turn right after the first, the tree holding it (another tenant)
+    chat(server, [SYSTEM, {"role": "user", "content": turns[0]}], "pf", tenant="hot", max_tokens=8)
+    hot, hot_usage, _ = chat(server, messages, "pf", tenant="hot", max_tokens=8)
+    assert usage2["prompt_tokens_details"]["cached_tokens"] == hot_usage["prompt_tokens_details"]["cached_tokens"]
+    assert usage2["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // PAGE * PAGE - PAGE
+    assert answer2 == hot

@@ -123,7 +123,8 @@ def test_a_held_path_is_not_evicted_until_its_request_leaves_the_queue():
 
 def manager(**config) -> SessionPersistence:
     m = SessionPersistence.__new__(SessionPersistence)  # the policy's state only: no store, no tree
-    m.config, m._gap = PersistConfig(enabled=True, **config), None
+    m.config, m._gap, m._expected_back = PersistConfig(enabled=True, **config), None, {}
+    m.tree = SimpleNamespace(tp_size=1)
     return m
 
 

@@ -301,11 +301,12 @@ class SglMemoryRadixCache(RadixCache):
     # --- the scheduler's prefill pass (admission.py's hooks) ---------------------------------------
 
     def before_prefill(self, scheduler, running: bool) -> list:
-        """Before the scheduler forms a prefill batch: each mechanism's turn at the waiting queue
-        (Mechanism.before_prefill). Returns the requests that must not run in this batch."""
-        waiting = scheduler.waiting_queue
-        if not waiting or not self.mechanisms:
+        """Before the scheduler forms a prefill batch (each step of its loop, queue empty or not):
+        each mechanism's turn at the waiting queue (Mechanism.before_prefill). Returns the requests
+        that must not run in this batch."""
+        if not self.mechanisms or self.disable:
             return []
+        waiting = scheduler.waiting_queue
         return [req for m in self.mechanisms for req in m.before_prefill(scheduler, waiting, running)]
 
     def held_first(self, waiting: list) -> list:

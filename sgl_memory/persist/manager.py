@@ -89,6 +89,7 @@ class Session:
     expected_at: float | None = None
     keep_until: float | None = None
     done: bool = False
+    prefetched: int = 0  # tokens brought back before its next turn arrived (prefetch), reported by that turn
     lock: threading.Lock = field(default_factory=threading.Lock)
     io: threading.Lock = field(default_factory=threading.Lock)
 
@@ -119,10 +120,12 @@ class PersistTurn:
     assembled: bool = False  # a prompt assembled by a mechanism (MemorySpec.assembled): its path is not the session's history
     reads_only: bool = False  # a pass that changes nothing (MemorySpec.reads_only): loads, never writes
     hints: AgentHints | None = None  # sgl_memory.agent: when the session's next turn comes
+    prefetched_tokens: int = 0  # of the session's KV brought back before this turn arrived
 
     def metrics(self, error: str | None) -> dict:
         return {"text_match": self.text_match, "restored_tokens": self.restored_tokens,
                 "restore_ms": round(self.restore_ms, 3), "restored_from": self.restored_from,
+                "prefetched_tokens": self.prefetched_tokens,
                 "restore_parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()} if self.restored_tokens else None,
                 "persist_refused": self.refused, "persist_error": error}  # fmt: skip
 
@@ -204,6 +207,7 @@ RESTORED_TOKENS = prometheus.counter("restored_tokens", "Tokens restored from th
 RESTORE_SECONDS = prometheus.histogram("restore_seconds", "Session restore time")
 WRITE_ERRORS = prometheus.counter("write_errors", "Session file writes that failed")
 WRITE_CONFLICTS = prometheus.counter("write_conflicts", "Session turns not stored: another server stored the session meanwhile")
+PREFETCHED_TOKENS = prometheus.counter("prefetched_tokens", "Session KV tokens brought back before their turn arrived (agent hints)")
 DEFERRED = prometheus.counter("restores_deferred", "Session restores deferred at admission: the held KV of waiting requests was at its bound")
 NEXT_USE_ERROR = prometheus.histogram("next_use_error_seconds", "How far a session's turn came from when it was expected (hints or learned gaps)")
 SUPERSEDED = prometheus.counter("sessions_superseded", "Sessions reloaded from their file: another server stored them since")
@@ -223,7 +227,7 @@ class SessionPersistence(mechanism.Mechanism):
     follows_internal = True  # an entry write or forget changes the session: its file keeps that
     # at TP > 1 each rank writes its own file; the ranks load and restore a session together or
     # not at all (rank_range in open, _load, _agree; tests/test_tp_server.py)
-    schema = mechanism.MetricsSchema(marker="text_match", summed=("restored_tokens", "restore_ms"), counted=("text_match",),
+    schema = mechanism.MetricsSchema(marker="text_match", summed=("restored_tokens", "restore_ms", "prefetched_tokens"), counted=("text_match",),
                                      flagged=("persist_error", "persist_refused"))  # fmt: skip
 
     @classmethod
@@ -246,6 +250,8 @@ class SessionPersistence(mechanism.Mechanism):
         # requests whose restore waits for room among the holds (before_prefill), in arrival order,
         # with where their session's KV was at admission (memory, or read from disk)
         self._deferred: dict[object, str] = {}
+        # sessions a hint says come back at a time: their KV is brought back just before (_prefetch)
+        self._expected_back: dict[tuple, Session] = {}
         self._writer = Worker("sgl-memory-persist", self._write, lambda s: f"session {s.session_id!r} (tenant {s.tenant!r})")
         if self.files.removed_partial:
             logger.info("session store: removed %d partial file(s) of writers that died", self.files.removed_partial)
@@ -290,6 +296,7 @@ class SessionPersistence(mechanism.Mechanism):
         t0 = time.perf_counter()
         session = self._session(spec.tenant, spec.session_id, create=False)
         if session is not None and not spec.reads_only:
+            state.prefetched_tokens, session.prefetched = session.prefetched, 0
             self._came_back(session)
         # each tensor-parallel rank reads its own file: every rank reloads where one must, or none
         _, (superseded, missing) = self.tree.rank_range([session is not None and self._superseded(session), session is None])
@@ -320,6 +327,7 @@ class SessionPersistence(mechanism.Mechanism):
         session.gap = gap if session.gap is None else self.GAP_WEIGHT * gap + (1 - self.GAP_WEIGHT) * session.gap
         self._gap = gap if self._gap is None else self.GAP_WEIGHT * gap + (1 - self.GAP_WEIGHT) * self._gap
         session.finished_at = session.expected_at = session.keep_until = None
+        self._expected_back.pop(session.key(), None)
 
     def _finished(self, session: Session, hints: AgentHints | None) -> None:
         """A turn of the session ended: its hints say when the next comes (or that none does)."""
@@ -328,6 +336,8 @@ class SessionPersistence(mechanism.Mechanism):
         if hints is not None:
             if hints.expected_tool_duration_ms is not None:
                 session.expected_at = now + hints.expected_tool_duration_ms / 1000
+                if self.config.prefetch_ms > 0 and self.tree.tp_size == 1:
+                    self._expected_back[session.key()] = session
             if hints.cache_ttl_ms is not None:
                 session.keep_until = now + min(hints.cache_ttl_ms, self.config.max_keep_ms) / 1000
             session.done = bool(hints.done)
@@ -546,7 +556,10 @@ class SessionPersistence(mechanism.Mechanism):
 
     def before_prefill(self, scheduler, waiting: list, running: bool) -> list:
         """Restore the deferred requests' KV, in the order they came, while the holds have room;
-        the rest wait out of this batch (so the scheduler does not prefill their histories)."""
+        the rest wait out of this batch (so the scheduler does not prefill their histories). Then
+        bring back the sessions expected back about now (prefetch)."""
+        if self._expected_back:
+            self._prefetch()
         if not self._deferred:
             return []
         queued, back = set(waiting), []
@@ -571,6 +584,50 @@ class SessionPersistence(mechanism.Mechanism):
             if state.restored_tokens:
                 state.restore_ms += (time.perf_counter() - t0) * 1000
         return back
+
+    def _prefetch(self) -> None:
+        """Bring back the KV of each session whose hint says it returns within `prefetch_ms`, once,
+        if the tree lacks it and the pool has room; it is then ordered for eviction by its expected
+        return, which is about now. Its next turn then finds it in the tree (`prefetched_tokens`).
+        Off at TP > 1: the ranks' clocks would not decide it at the same step."""
+        now = time.monotonic()
+        for key, session in list(self._expected_back.items()):
+            if session.expected_at is None or session.finished_at is None:
+                self._expected_back.pop(key)
+            elif session.expected_at - self.config.prefetch_ms / 1000 <= now:
+                self._expected_back.pop(key)
+                session.prefetched = self._bring_back_idle(session)
+                PREFETCHED_TOKENS.inc(session.prefetched)
+
+    def _bring_back_idle(self, session: Session) -> int:
+        """Restore an idle session's stored path into the tree (whole pages); the tokens restored."""
+        tree = self.tree
+        with session.lock:
+            tokens, live, branches, extra_key = session.tokens, session.live, session.branches, session.extra_key
+        n = len(tokens) - len(tokens) % tree.page_size
+        if not n or extra_key == ANY_NAMESPACE or (tree.sentinel is None and (branches or live is not None)):
+            return 0  # no path, or one only a pruning server restores: left to its turn's admission
+        key = tree.key(tokens[:n], extra_key, None, branches)
+        match = tree.match(key)
+        have = match.device_prefix_len
+        if have >= n or tree.room() < n - have:
+            return 0
+        with session.lock:
+            record = session.record
+        if record is None:
+            try:
+                with session.io:
+                    record = self.files.read(session.tenant, session.session_id)
+            except StoreError:
+                return 0  # the turn's admission reads it again, and refuses it with the reason
+        if record.token_ids[:n] != list(tokens[:n]) or record.branches != branches:
+            return 0
+        keys, values = self.files.decode(record, have, n, dtype=tree.pool.get_key_buffer(tree.layers()[0]).dtype)
+        if not tree_fill.place(tree, key, match, keys, values, None if live is None else live[have:n]):
+            return 0
+        if self.config.eviction == "next_use":
+            self.tree.expect(tree.match(key).last_device_node, lambda now, session=session: self._next_use(session, now))
+        return n - have
 
     # --- release: capture the turn, write it off the request's path ------------------------------
 

@@ -35,6 +35,9 @@ class PersistConfig:
     # --radix-eviction-policy keeps)
     eviction: Literal["next_use", "last_use"] = "next_use"
     max_keep_ms: float = 300_000  # the longest `agent.cache_ttl_ms` honoured (a keep-for never blocks eviction)
+    # a session whose `agent.expected_tool_duration_ms` is this close is brought back into the pool
+    # before its turn arrives (prefetch; 0: off), when the pool has room
+    prefetch_ms: float = 250
 
     def validate(self, path: str) -> None:
         require(self.quota_bytes >= 0, f"{path}.quota_bytes", "an integer >= 0")
@@ -42,6 +45,7 @@ class PersistConfig:
         require(0.0 <= self.match_threshold <= 1.0, f"{path}.match_threshold", "a number in [0, 1]")
         require(0.0 <= self.hold_fraction <= 1.0, f"{path}.hold_fraction", "a number in [0, 1]")
         require(0.0 <= self.max_keep_ms <= MAX_HINT_MS, f"{path}.max_keep_ms", f"a number in [0, {MAX_HINT_MS}]")
+        require(0.0 <= self.prefetch_ms <= MAX_HINT_MS, f"{path}.prefetch_ms", f"a number in [0, {MAX_HINT_MS}]")
 
 
 AGENT_KEYS = ("expected_tool_duration_ms", "cache_ttl_ms", "done")
