@@ -109,6 +109,8 @@ def test_a_session_expected_back_is_restored_before_its_request_arrives(paged_se
     turns = [long_text("prefetch", 60) + " Note the last entry."]
     answer, usage, _ = chat(server, [SYSTEM, {"role": "user", "content": turns[0]}], "pf", max_tokens=8,
                             agent={"expected_tool_duration_ms": 400})
+    row = next(r for r in server.get("/sgl_memory/sessions?limit=1000").json()["sessions"] if r["session_id"] == "pf")
+    assert row["expected_back_s"] is not None and row["expected_back_s"] <= 0.4  # the inspector shows the hint
     flush(server)
     # the scheduler sleeps while it has nothing to do: another request keeps it stepping meanwhile
     busy = ThreadPoolExecutor(1).submit(chat, server, [SYSTEM, {"role": "user", "content": "Count from one to fifty."}],
