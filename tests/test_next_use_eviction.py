@@ -17,18 +17,9 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_memory.engine.radix_cache import SglMemoryRadixCache
+from test_radix_contract import RecordingAllocator
 from sgl_memory.persist.manager import Session, SessionPersistence
 from sgl_memory.persist.settings import AgentHints, PersistConfig
-
-
-class RecordingAllocator:
-    device = "cpu"
-
-    def __init__(self):
-        self.freed: list[int] = []
-
-    def free_segment(self, indices, start_pos=0):
-        self.freed.extend(int(i) for i in indices)
 
 
 def make(cls=SglMemoryRadixCache, policy="lru"):
