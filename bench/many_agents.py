@@ -72,7 +72,7 @@ PAUSES = {
 ANSWER_TOKENS = 16  # each request's answer is discarded (the trajectory is replayed), so kept short
 OVERSUBSCRIPTION = (1, 2, 4, 8)
 METHODS = ("sglang:lru", "sglang:slru", "sglang:priority", "sglang:tlru", "sglang:session", "ours:persist", "ours:last_use",
-           "ours:hints")  # fmt: skip
+           "ours:learned", "ours:hints")  # fmt: skip
 
 
 @dataclass
@@ -306,7 +306,7 @@ def command(method: str, model: str, pool: int, directory: Path) -> tuple[list[s
         extra = ["--enable-session-radix-cache"] if variant == "session" else ["--radix-eviction-policy", variant]
         return harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native", pool), "--enable-cache-report", *extra)
     config = directory / "memory.yaml"
-    eviction = "  eviction: last_use\n" if variant == "last_use" else ""
+    eviction = f"  eviction: {variant}\n" if variant in ("last_use", "learned") else ""
     config.write_text(f"persist:\n  enabled: true\n  dir: {directory / 'store'}\n{eviction}")
     return harness.our_command(model, "--max-total-tokens", str(pool), "--enable-cache-report", "--memory-config", str(config)), None
 

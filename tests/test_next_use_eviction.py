@@ -119,8 +119,20 @@ def manager(**config) -> SessionPersistence:
     return m
 
 
+def test_without_hints_the_default_orders_by_last_use_and_learns_nothing_into_it():
+    m = manager()
+    s = Session(None, "s")
+    for _ in range(2):
+        m._finished(s, None)
+        m._came_back(s)
+    m._finished(s, None)
+    assert m._next_use(s, s.finished_at + 3) == pytest.approx(s.finished_at + 6)  # as far ahead as its last use is behind
+    m._finished(s, AgentHints(expected_tool_duration_ms=2000))
+    assert m._next_use(s, s.finished_at) == pytest.approx(s.finished_at + 2)  # a hint still counts
+
+
 def test_next_use_from_hints_learned_gaps_and_last_use():
-    m = manager(max_keep_ms=5000)
+    m = manager(max_keep_ms=5000, eviction="learned")
     s = Session(None, "s")
     m._finished(s, None)
     t = s.finished_at

@@ -344,10 +344,12 @@ class SessionPersistence(mechanism.Mechanism):
 
     def _expected(self, session: Session) -> float | None:
         """When the idle session's next turn is expected (time.monotonic): its last turn's hint,
-        else that turn's end plus the gaps its turns came back after (this session's, else the
-        server's); None when nothing says."""
+        else, with `eviction: learned`, that turn's end plus the gaps its turns came back after
+        (this session's, else the server's); None when nothing says."""
         if session.expected_at is not None:
             return session.expected_at
+        if self.config.eviction != "learned":
+            return None
         gap = session.gap if session.gap is not None else self._gap
         return session.finished_at + gap if gap is not None and session.finished_at is not None else None
 
@@ -625,7 +627,7 @@ class SessionPersistence(mechanism.Mechanism):
         keys, values = self.files.decode(record, have, n, dtype=tree.pool.get_key_buffer(tree.layers()[0]).dtype)
         if not tree_fill.place(tree, key, match, keys, values, None if live is None else live[have:n]):
             return 0
-        if self.config.eviction == "next_use":
+        if self.config.eviction != "last_use":
             self.tree.expect(tree.match(key).last_device_node, lambda now, session=session: self._next_use(session, now))
         return n - have
 
@@ -657,7 +659,7 @@ class SessionPersistence(mechanism.Mechanism):
         path = tree_fill.held_path(self.tree, req)
         if not len(path):
             return
-        if self.config.eviction == "next_use":
+        if self.config.eviction != "last_use":
             self.tree.expect(path.node, lambda now, session=session: self._next_use(session, now))
         live = tree_fill.path_live(self.tree, path)
         live = None if bool(live.all()) else live

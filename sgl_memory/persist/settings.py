@@ -30,10 +30,11 @@ class PersistConfig:
     # the pool; a restore past it waits for room (the rest of the pool is for the requests that run)
     hold_fraction: float = 0.5
     # which idle sessions leave the pool first under pressure (their KV is in the warm or cold tier):
-    # next_use, the one expected back furthest ahead (the client's `agent` hints, else the gaps this
-    # session's turns came back after); last_use, SGLang's LRU (also what an operator's own
-    # --radix-eviction-policy keeps)
-    eviction: Literal["next_use", "last_use"] = "next_use"
+    # hints, the one its `agent` hints expect back furthest ahead (done first), the rest by last use;
+    # learned, the same with the gaps a session's turns came back after for a session without hints
+    # (bench/many_agents at 4x: no better than last use, TTFT p99 worse: not the default); last_use,
+    # SGLang's LRU, hints ignored (also what an operator's own --radix-eviction-policy keeps)
+    eviction: Literal["hints", "learned", "last_use"] = "hints"
     max_keep_ms: float = 300_000  # the longest `agent.cache_ttl_ms` honoured (a keep-for never blocks eviction)
     # a session whose `agent.expected_tool_duration_ms` is this close is brought back into the pool
     # before its turn arrives (prefetch; 0: off), when the pool has room
