@@ -367,6 +367,15 @@ class SessionPersistence(mechanism.Mechanism):
             return 2 * now - session.finished_at
         return when if when >= now else 2 * now - when
 
+    def _expect(self, node, session: Session) -> None:
+        """The tree orders the session's path ending at `node` by its next use (unless `last_use`)."""
+        if self.config.eviction != "last_use":
+            self.tree.expect(node, lambda now: self._next_use(session, now))
+
+    def _decode(self, record: SessionRecord, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the record's positions [start, end) in the pool's dtype."""
+        return self.files.decode(record, start, end, dtype=self.tree.pool.get_key_buffer(self.tree.layers()[0]).dtype)
+
     def _superseded(self, session: Session) -> bool:
         """Whether the session's file holds a generation this server neither read nor wrote."""
         with session.lock:
@@ -534,7 +543,7 @@ class SessionPersistence(mechanism.Mechanism):
         t0 = time.perf_counter()
         have = plan.match.device_prefix_len
         # a record is never changed in place (a turn makes a new one), so it decodes without the session's lock
-        keys, values = self.files.decode(plan.record, have, plan.reuse, dtype=tree.pool.get_key_buffer(tree.layers()[0]).dtype)
+        keys, values = self._decode(plan.record, have, plan.reuse)
         state.parts_ms["dequantize"] = (time.perf_counter() - t0) * 1000
         t0 = time.perf_counter()
         live = None if plan.live is None else plan.live[have:]
@@ -624,11 +633,10 @@ class SessionPersistence(mechanism.Mechanism):
                 return 0  # the turn's admission reads it again, and refuses it with the reason
         if record.token_ids[:n] != list(tokens[:n]) or record.branches != branches:
             return 0
-        keys, values = self.files.decode(record, have, n, dtype=tree.pool.get_key_buffer(tree.layers()[0]).dtype)
+        keys, values = self._decode(record, have, n)
         if not tree_fill.place(tree, key, match, keys, values, None if live is None else live[have:n]):
             return 0
-        if self.config.eviction != "last_use":
-            self.tree.expect(tree.match(key).last_device_node, lambda now, session=session: self._next_use(session, now))
+        self._expect(tree.match(key).last_device_node, session)
         return n - have
 
     # --- release: capture the turn, write it off the request's path ------------------------------
@@ -659,8 +667,7 @@ class SessionPersistence(mechanism.Mechanism):
         path = tree_fill.held_path(self.tree, req)
         if not len(path):
             return
-        if self.config.eviction != "last_use":
-            self.tree.expect(path.node, lambda now, session=session: self._next_use(session, now))
+        self._expect(path.node, session)
         live = tree_fill.path_live(self.tree, path)
         live = None if bool(live.all()) else live
         with session.lock:
