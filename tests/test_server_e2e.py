@@ -96,6 +96,26 @@ def test_same_long_prompt_twice_hits_the_radix_cache(plain_server):
     assert second["text"] == first["text"]
 
 
+def test_a_growing_chat_is_tokenized_as_the_template_does(plain_server):
+    """A full-history client's turns: the server encodes earlier messages from its segment cache
+    (engine/prompt_encode.py); the prompt ids are those of the chat template's own tokenization,
+    including text that spells a special token and a tool result."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
+    messages = [{"role": "system", "content": "You are terse. <|im_start|> is a token; so is <|endoftext|>."}]
+    for n in range(3):
+        messages.append({"role": "user", "content": f"Step {n}: ünïcode, code `f(x) = {n}*x`\n\n  and trailing space "})
+        r = plain_server.post(
+            "/v1/chat/completions",
+            {"model": "default", "messages": messages, "max_tokens": 1, "temperature": 0, "return_prompt_token_ids": True},
+        )
+        assert r.status_code == 200, r.text
+        expected = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        assert r.json()["choices"][0]["prompt_token_ids"] == expected
+        messages.append({"role": "assistant", "content": f"Done {n}."})
+
+
 def test_session_continues_from_previous_turn(plain_server):
     sid = plain_server.post("/open_session", {"capacity_of_str_len": 20000}).json()
     turn1 = plain_server.post(
