@@ -141,12 +141,14 @@ def restore_floor(root: Path, session_id: str) -> dict:
     with safe_open(str(next(root.glob("*/*/*.safetensors"))), "pt") as f:
         meta = f.metadata()  # every file of the store has this server's spec and format
     files = SessionFiles(root, CacheSpec(**json.loads(meta["spec"])), meta["quant"], meta["kivi"] == "True", int(meta["block_size"]))
-    file = files.path(None, session_id)
-    drop_from_page_cache([file])
+    head = files.path(None, session_id)
+    session_files = [head, *head.parent.glob(f"{head.stem}.*.chunk")]  # its head and chunks
+    drop_from_page_cache(session_files)
     t0 = time.perf_counter()
-    with open(file, "rb", buffering=0) as f:
-        while f.read(1 << 24):
-            pass
+    for file in session_files:
+        with open(file, "rb", buffering=0) as f:
+            while f.read(1 << 24):
+                pass
     read_s = time.perf_counter() - t0
     record = files.read(None, session_id)
     t0 = time.perf_counter()
@@ -156,7 +158,7 @@ def restore_floor(root: Path, session_id: str) -> dict:
     t0 = time.perf_counter()
     pool[0].copy_(keys), pool[1].copy_(values)
     write_s = time.perf_counter() - t0
-    size = file.stat().st_size
+    size = files.size(None, session_id)
     return {"bytes": size, "read_s": read_s, "disk_mb_per_s": size / read_s / 1e6, "dequantize_s": dequantize_s,
             "write_s": write_s, "floor_s": read_s + dequantize_s + write_s}  # fmt: skip
 
@@ -178,10 +180,10 @@ def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
         ok(writer.post("/flush_cache?timeout=600", {}), "/flush_cache")  # every write done
     finally:
         harness.stop(writer)
-    files = list((d / "store").glob("*/*/*.safetensors"))
+    files = list((d / "store").glob("*/*/*"))  # the sessions' heads and chunks
     stored_bytes = sum(p.stat().st_size for p in files)
     stored_tokens = 0
-    for file in files:
+    for file in (p for p in files if p.suffix == ".safetensors"):  # a head holds the path's token count
         with safe_open(str(file), "pt") as f:
             stored_tokens += int(f.metadata()["tokens"])
     floors = {n: restore_floor(d / "store", f"s{n}-0") for n in sessions}

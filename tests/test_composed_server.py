@@ -253,3 +253,39 @@ def test_another_tenant_or_session_gets_nothing_of_the_session(session, who):
     # its pool holds only its own first turn (about 45 tokens; the session's holds its turns)
     assert recall["retrieved_turns"] == [0] and recall["memory_blocks"] <= 4
     assert recall["query_memory_turns"] == 2
+
+
+@dataclass(frozen=True)
+class Twin(Case):
+    """One of two tenants that run the same session: one stays hot, the other is evicted."""
+
+    name: str = ""
+
+    @property
+    def tenant(self) -> str:
+        return f"composed-twin-{self.name}"
+
+
+def test_a_session_evicted_from_a_running_server_answers_as_one_that_stayed_hot(all_server):
+    """Every mechanism on, in one running server: a session whose KV left the tree (its pruned path,
+    QueryMemory and memory pool come back from the store's warm tier or its file) answers its next
+    turn as the same session that stayed in the tree: the same reused prefix, the same pruning, the
+    same memory pool, the same greedy tokens (the store is in the pool's dtype: the KV comes back
+    bit for bit)."""
+    mechanisms = CASES["all"].mechanisms
+    hot, evicted = Twin(mechanisms, 6, 5, "hot"), Twin(mechanisms, 6, 5, "evicted")
+    reference = run(all_server, hot, [SYSTEM], TURNS[:6])
+    messages = [SYSTEM]
+    first = run(all_server, evicted, messages, TURNS[:5])
+    assert [a for a, _, _ in first] == [a for a, _, _ in reference[:5]]
+    assert any(m["compression_events"] for _, _, m in first), "the history must outgrow the budget"
+    wait_written(all_server.dir / "store", evicted, 5, first[-1][1]["prompt_tokens"])
+    assert all_server.post("/flush_cache?timeout=600", {}).status_code == 200
+    answer, usage, metrics = run(all_server, evicted, messages, TURNS[5:6])[0]
+    ref_answer, ref_usage, ref = reference[5]
+    assert metrics["restored_from"] in ("warm", "disk") and metrics["restored_tokens"] > 0, metrics
+    assert usage["prompt_tokens_details"]["cached_tokens"] == ref_usage["prompt_tokens_details"]["cached_tokens"]
+    assert metrics["query_memory_turns"] == ref["query_memory_turns"] == 6
+    assert metrics["freed_slots"] == ref["freed_slots"] and metrics["live_kv_tokens"] == ref["live_kv_tokens"]
+    assert metrics["memory_blocks"] == ref["memory_blocks"] > 0
+    assert answer == ref_answer

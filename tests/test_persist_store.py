@@ -1,6 +1,7 @@
 """The session KV file store: round trips per quantization and pool dtype (bf16 and float32: the
-launcher picks the dtype from the CPU), refusal of damaged or foreign files, atomic writes under a
-killed writer, ids that cannot escape the store, tenant isolation."""
+launcher picks the dtype from the CPU), turns that write their new blocks only, refusal of damaged or
+foreign files, atomic writes under a killed writer, ids that cannot escape the store, tenant
+isolation."""
 
 from __future__ import annotations
 
@@ -172,19 +173,32 @@ def test_bytes_on_disk_per_quantization(tmp_path, pool):
     sizes = {}
     for quant in ("fp32", "bf16", "q8", "q4"):
         files = SessionFiles(tmp_path / quant, spec, quant=quant)
-        sizes[quant] = files.write(None, "s", files.record(range(tokens), "t", *kv(tokens, dtype=POOL_DTYPES[pool]))).stat().st_size
+        files.write(None, "s", files.record(range(tokens), "t", *kv(tokens, dtype=POOL_DTYPES[pool])))
+        sizes[quant] = files.size(None, "s")
     for quant, per_element in (("fp32", 4), ("bf16", 2), ("q8", 1 + 4 / 64), ("q4", 0.5 + 4 / 64)):
         # the tensors' bytes plus a header and token ids of a few KB
         assert elements * per_element <= sizes[quant] <= elements * per_element + 32 * 1024, (quant, sizes)
+
+
+def chunk_files(files, tenant, session_id) -> list:
+    head = files.path(tenant, session_id)
+    return sorted(head.parent.glob(f"{head.stem}.*.chunk"))
 
 
 def test_damaged_and_foreign_files_are_refused(tmp_path):
     files = SessionFiles(tmp_path, SPEC, quant="q4")
     path = files.write(None, "s", session(files))
     data = bytearray(path.read_bytes())
-    data[-100] ^= 0xFF  # a flipped bit in the tensor data
+    data[-100] ^= 0xFF  # a flipped bit in the head's tensor data (its token ids)
     path.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="checksum mismatch"):
+        files.read(None, "s")
+    files.write(None, "s", session(files))
+    (chunk,) = chunk_files(files, None, "s")
+    data = bytearray(chunk.read_bytes())
+    data[-100] ^= 0xFF  # a flipped bit in a block
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="checksum mismatch in its chunk"):
         files.read(None, "s")
     files.write(None, "s", session(files))
     path.write_bytes(path.read_bytes()[:5000])  # truncated
@@ -247,10 +261,12 @@ def test_a_writer_killed_mid_write_leaves_only_loadable_files(tmp_path):
         proc.wait()
         kv = files.read(None, "s")  # raises if a torn file sits under the session's name
         assert kv is None or len(kv.token_ids) == 60_000
-    # a store opened after the crashes removes the writers' temporary files
+    # a store opened after the crashes removes the writers' temporary files and the chunks no head names
     (files.path(None, "s").parent / "left-by-a-dead-writer.tmp").write_bytes(b"partial")
     assert SessionFiles(tmp_path, SPEC).removed_partial >= 1
     assert not list(tmp_path.glob("*/*/*.tmp"))
+    record = files.read(None, "s")
+    assert record is None or {p.name for p in chunk_files(files, None, "s")} == {c.name for c in record.chunks}
 
 
 def test_quota_evicts_least_recently_used(tmp_path):
@@ -259,10 +275,12 @@ def test_quota_evicts_least_recently_used(tmp_path):
         files.write(None, f"s{i}", session(files, tokens=256, seed=i))
         os.utime(files.path(None, f"s{i}"), (1000 + i, 1000 + i))
     files.read(None, "s0")  # s0 becomes the most recently used
-    size = files.path(None, "s1").stat().st_size
+    size = files.size(None, "s1")
     removed = files.enforce_quota(int(size * 2.5))
     assert removed == [files.path(None, "s1"), files.path(None, "s2")]
     assert files.read(None, "s0") is not None and files.read(None, "s3") is not None
+    assert not chunk_files(files, None, "s1") and files.size(None, "s1") == 0  # a session goes with its chunks
+    assert files.disk_bytes == files.size(None, "s0") + files.size(None, "s3")
 
 
 def test_a_fine_tune_with_the_same_config_is_another_model(tmp_path):
@@ -403,6 +421,8 @@ def test_servers_sharing_the_store_and_killed_at_random_lose_tear_or_mix_no_sess
     assert len(stored) == len(set(stored)), "two writers stored the same generation of a session"
     files = SessionFiles(tmp_path, SPEC, quant="bf16")
     assert not list(tmp_path.glob("*/*/*.tmp"))
+    named = {c.name for t in "ab" for i in range(4) if (r := files.read(t, f"s{i}")) is not None for c in r.chunks}
+    assert {p.name for p in tmp_path.glob("*/*/*.chunk")} == named  # no chunk of a dead writer is left
     for tenant in "ab":
         for sid in (f"s{i}" for i in range(4)):
             acked = [g for t, s, g in stored if (t, s) == (tenant, sid)]
@@ -414,3 +434,103 @@ def test_servers_sharing_the_store_and_killed_at_random_lose_tear_or_mix_no_sess
             assert record.token_ids[:2] == [code, record.generation]
             assert bool((files.decode(record)[0] == code).all())
     assert kills == 6
+
+
+def turns(files, keys, values, lengths, session_id="s"):
+    """A session's turns as the server writes them: each turn's path is the previous one's plus new
+    tokens, its KV from the block that holds the previous path's end; yields (record, chunk files
+    the write added)."""
+    record, before = None, set()
+    for n in lengths:
+        start = 0 if record is None else len(record.token_ids) // files.block_size * files.block_size
+        record = files.continued(record, list(range(n)), start, keys[:, start:n], values[:, start:n])
+        files.write(None, session_id, record, base=record.generation)
+        now = {p.name for p in chunk_files(files, None, session_id)}
+        yield record, now - before
+        before = now
+
+
+def test_a_turn_writes_the_blocks_it_added_and_reads_back_whole(tmp_path):
+    """30 turns of 20 tokens on 16-token blocks: every turn reads back as the session's KV (bit for
+    bit), the files on disk are the chunks the head names (about log2 of the blocks), and the
+    blocks written over the session are a fraction of rewriting the whole path each turn."""
+    files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
+    keys, values = kv(tokens=600)
+    written = whole = 0
+    for record, added in turns(files, keys, values, range(20, 601, 20)):
+        n = len(record.token_ids)
+        got = files.read(None, "s")
+        got_keys, got_values = files.decode(got)
+        assert got.token_ids == list(range(n)) and torch.equal(got_keys, keys[:, :n]) and torch.equal(got_values, values[:, :n])
+        assert {c.name for c in got.chunks} == {p.name for p in chunk_files(files, None, "s")}
+        assert len(got.chunks) <= (len(got.blocks)).bit_length() + 1
+        written += sum(c.count for c in got.chunks if c.name in added)
+        whole += len(got.blocks)
+        assert len(added) == 1  # one new chunk per turn (every turn adds tokens)
+    assert written <= whole / 3, (written, whole)
+
+
+def test_a_path_that_changes_inside_rewrites_from_the_change(tmp_path):
+    """A turn whose path differs from the stored one from some block on (a pruning event, an
+    edited history): the blocks before it stay where they are, the rest is written again, and the
+    chunks nothing names any more are removed."""
+    files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
+    keys, values = kv(tokens=400)
+    *_, (record, _) = turns(files, keys, values, [100, 200, 300])
+    other_keys, other_values = kv(tokens=400, seed=5)
+    record = files.continued(record, list(range(250)), 64, other_keys[:, 64:250], other_values[:, 64:250])
+    assert record.dirty == 4
+    files.write(None, "s", record, base=record.generation)
+    got_keys, _ = files.decode(files.read(None, "s"))
+    assert torch.equal(got_keys[:, :64], keys[:, :64]) and torch.equal(got_keys[:, 64:], other_keys[:, 64:250])
+    assert {p.name for p in chunk_files(files, None, "s")} == {c.name for c in record.chunks}
+
+
+def test_a_head_of_the_first_format_is_read_and_its_next_write_stores_every_block(tmp_path):
+    """A store written before chunks (format 1: the blocks in the session's one file) reads as it
+    did; the session's next turn writes a head of this format with all of its blocks in chunks."""
+    from safetensors.torch import save_file
+
+    from sgl_memory.persist import store
+
+    files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
+    keys, values = kv(tokens=100)
+    record = files.record(range(100), "t", keys, values)
+    path = files.write(None, "old", record)
+    (chunk,) = chunk_files(files, None, "old")
+    meta = {k: v for k, v in store.read_metadata(path).items() if k not in ("chunks", "checksum")}
+    meta["format_version"] = "1"
+    tensors = {**store.load_tensors(path.read_bytes()), **store.load_tensors(chunk.read_bytes())}
+    meta["checksum"] = store._checksum(tensors, meta)
+    chunk.unlink()
+    save_file(tensors, path, metadata=meta)
+    old = files.read(None, "old")
+    assert old.chunks == () and old.dirty == 0 and torch.equal(files.decode(old)[0], keys)
+    more_keys, more_values = kv(tokens=130, seed=3)
+    new = files.continued(old, list(range(130)), 96, more_keys[:, 96:], more_values[:, 96:])
+    files.write(None, "old", new, base=old.generation)
+    got = files.read(None, "old")
+    assert store.read_metadata(path)["format_version"] == str(store.FORMAT_VERSION)
+    assert torch.equal(files.decode(got)[0], torch.cat([keys[:, :96], more_keys[:, 96:]], dim=1))
+
+
+def test_a_reader_whose_head_was_replaced_meanwhile_reads_the_new_one(tmp_path, monkeypatch):
+    """A writer replaces the head and removes the chunks it no longer names between a reader's read
+    of the head and of a chunk: the reader reads the new head (never a missing or mixed path)."""
+    from sgl_memory.persist import store
+
+    files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
+    first, second = kv(tokens=64, seed=1), kv(tokens=64, seed=2)
+    files.write(None, "s", files.record(range(64), "t", *first))
+    read_blocks = SessionFiles._read_blocks
+    calls = []
+
+    def racing(self, path, meta, tensors):
+        calls.append(meta["generation"])
+        if len(calls) == 1:  # another server's turn lands between the head and its chunks
+            files.write(None, "s", files.record(range(64), "t", *second))
+        return read_blocks(self, path, meta, tensors)
+
+    monkeypatch.setattr(store.SessionFiles, "_read_blocks", racing)
+    got = files.read(None, "s")
+    assert calls == ["1", "2"] and torch.equal(files.decode(got)[0], second[0])

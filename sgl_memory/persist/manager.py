@@ -161,13 +161,6 @@ class Restore:
         return Restore(self.req, key, self.match, reuse, self.record, live, branches, self.source)
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:  # another server sharing the store removed it meanwhile
-        return 0
-
-
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 SAMPLE_BYTES = 1 << 16  # read at three offsets of every weight file
 
@@ -428,7 +421,7 @@ class SessionPersistence(mechanism.Mechanism):
             if record is None:
                 return None
             session.adopt(record)
-            session.on_disk, session.stored_bytes = True, _size(self.files.path(state.tenant, state.session_id))
+            session.on_disk, session.stored_bytes = True, self.files.size(state.tenant, state.session_id)
         self.tree.import_session(session.key(), record.state)
         record.state = {}  # the mechanisms hold it now; the warm tier keeps the path only
         return session
@@ -702,9 +695,8 @@ class SessionPersistence(mechanism.Mechanism):
     def _encode_pending(self, session: Session) -> None:
         """Fold the captured turns into the stored form; caller holds session.lock."""
         for c in session.pending:
-            old = session.record.blocks[: c.start // self.files.block_size] if session.record is not None and c.start else []
-            session.record = SessionRecord(c.tokens, "", old + self.files.encode(c.keys, c.values), self.config.quant,
-                                           self.config.kivi, self.files.block_size, c.extra_key, c.branches, c.live)  # fmt: skip
+            session.record = self.files.continued(session.record, c.tokens, c.start, c.keys, c.values,
+                                                  extra_key=c.extra_key, branches=c.branches, live=c.live)  # fmt: skip
         session.pending.clear()
 
     def _write(self, session: Session) -> None:
@@ -748,7 +740,7 @@ class SessionPersistence(mechanism.Mechanism):
             finally:
                 record.state, record.state_kv = {}, {}  # the mechanisms hold it; the warm tier keeps the path only
         session.on_disk, session.error = True, None
-        session.stored_bytes = _size(self.files.path(session.tenant, session.session_id))
+        session.stored_bytes = self.files.size(session.tenant, session.session_id)
         for path in self.files.enforce_quota(self.config.quota_bytes):
             logger.info("session store: quota %d bytes: removed %s", self.config.quota_bytes, path.name)
             for _, other in self.tree.sessions.slots(self.name):

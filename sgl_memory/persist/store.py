@@ -1,11 +1,21 @@
-"""The on-disk session KV store: one safetensors file per (tenant, session, model).
+"""The on-disk session KV store: per (tenant, session, model) a head file and the chunk files it names.
 
 A session's KV (keys and values of every layer along its token path) is cut into fixed-size blocks,
 the unit the later KV-memory retrieval shares; each block holds its layers stacked, quantized
-(quant.py) or as bf16 / fp32 values. One file per session keeps a turn's write a single atomic rename and a restore
-a single read; the file's metadata carries what a loader must check before trusting it: format
-version, model id and config hash, the cache spec, session and tenant, token ids, the rendered
-prompt text, quantization, its generation, and a sha256 over every tensor and the metadata itself.
+(quant.py) or as bf16 / fp32 values. The blocks lie in chunk files (safetensors), each a run of
+blocks written once and never changed; the head file (safetensors) holds the rest and is replaced
+by each turn's write with a single atomic rename. Its metadata carries what a loader must check
+before trusting it: format version, model id and config hash, the cache spec, session and tenant,
+token ids, the rendered prompt text, quantization, its generation, the chunks (name, first block,
+blocks, sha256), and a sha256 over every tensor of the head and the metadata itself.
+
+A turn writes the blocks its path changed or added as a new chunk, and a head that names it after
+the chunks it keeps; a later chunk's blocks stand for an earlier one's. So a turn's write follows
+its new tokens, not the session's history (a 16k-token history in Q8 is 100 MB: rewritten and
+hashed every turn, it cost more than the turn's own prefill). Chunks merge like a binary counter (a
+new chunk takes in the last one while it would be at least as large): a session of n blocks has
+about log2(n) chunks, and a block is rewritten about log2(n) times over the session's life. A head
+of format 1 (before chunks) holds its blocks itself and reads as before.
 
 File names are hashes of the ids, so no id can name a path outside the store directory.
 
@@ -13,7 +23,9 @@ Several servers may share one store (replicas behind a router, one taking over a
 A reader needs no lock: a file is written under a temporary name and renamed over the old one, and
 a reader takes the whole file in one read of one open file, so it sees the old file or the new one
 (safetensors' own reader opens the path a second time to map its data: a rename between the two
-opens gave it one file's header and the other's bytes). Writers of one session are ordered by its generation: a
+opens gave it one file's header and the other's bytes). Chunks are written before the head that
+names them; the chunks a new head no longer names are removed after its rename, so a reader that
+finds a chunk of the head it read gone reads the new head again. Writers of one session are ordered by its generation: a
 writer says which generation its record continues, and the rename happens under an exclusive lock
 on the session's directory only if the file is still at that generation (compare-and-swap). So a
 session's file is one linear history: two servers that both continue generation 5 cannot both
@@ -39,7 +51,10 @@ from safetensors.torch import save_file
 from sgl_memory.core.sessions import digest63
 from sgl_memory.persist.quant import BITS, GROUP, RAW, Quantized, dequantize, quantize
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: blocks in chunk files; 1: blocks in the head (still read)
+READABLE_VERSIONS = ("1", "2")
+CHUNK_SUFFIX = ".chunk"
+READ_ATTEMPTS = 3  # a head replaced between reading it and its chunks is read again
 
 
 class StoreError(RuntimeError):
@@ -68,6 +83,16 @@ class CacheSpec:
 ANY_NAMESPACE = "\x00any"
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A chunk file of a session: blocks first .. first + count - 1, and the file's sha256."""
+
+    name: str
+    first: int
+    count: int
+    digest: str
+
+
 @dataclass
 class SessionRecord:
     """A session's token path and its KV in stored (encoded) form, one dict of tensors per block of
@@ -93,6 +118,10 @@ class SessionRecord:
     # stored in the record's quantization like its blocks; the rest are stored exactly
     state_kv: dict[str, str] = field(default_factory=dict)
     generation: int = 0  # of the file it was read from or last written to; 0: never stored
+    # the chunks of that file, and the first block they do not hold as the record has it (blocks
+    # from there are written by the next write)
+    chunks: tuple[Chunk, ...] = ()
+    dirty: int = 0
 
     def nbytes(self) -> int:
         tensors = [t for block in self.blocks for t in block.values()] + list(self.state.values())
@@ -139,32 +168,65 @@ class SessionFiles:
         self.disk_bytes = 0  # of the session files, as of the last enforce_quota
 
     def _remove_partial_writes(self) -> int:
-        """Temporary files of writers that died before their rename: never loadable, only space.
-        A temporary file is named after its writer's pid; a live writer's (another server sharing
-        the store) is left alone."""
-        stale = [t for t in self.root.glob("*/*/*.tmp") if not _alive(t.name)] if self.root.exists() else []
-        for tmp in stale:
-            tmp.unlink(missing_ok=True)
+        """Temporary files and chunks of writers that died before their head's rename: never
+        loadable, only space. Both are named after their writer's pid; a live writer's (another
+        server sharing the store) are left alone, and so is every chunk a head names."""
+        if not self.root.exists():
+            return 0
+        stale = [t for t in self.root.glob("*/*/*.tmp") if not _alive(t.name)]
+        named = set()
+        for head in self.root.glob("*/*/*.safetensors"):
+            try:
+                named.update(c.name for c in _chunks(read_metadata(head)))
+            except Exception:  # unreadable: read() refuses it with the reason; its chunks stay
+                named.update(p.name for p in head.parent.glob(f"{head.stem}.*{CHUNK_SUFFIX}"))
+        stale += [c for c in self.root.glob(f"*/*/*{CHUNK_SUFFIX}") if c.name not in named and not _alive(c.name.split(".", 1)[1])]
+        for path in stale:
+            path.unlink(missing_ok=True)
         return len(stale)
 
     def enforce_quota(self, quota_bytes: int) -> list[Path]:
-        """Delete least recently used session files until the store fits in quota_bytes."""
-        files = []
-        for path in self.root.glob("*/*/*.safetensors"):
+        """Delete least recently used sessions (a head and its chunks) until the store fits in
+        quota_bytes. Returns the heads removed."""
+        sessions: dict[Path, list] = {}  # head path -> [head stat, bytes of its files]
+        for path in self.root.glob("*/*/*"):
             try:
-                files.append((path.stat(), path))
+                stat = path.stat()
             except FileNotFoundError:  # another server sharing the store removed it meanwhile
-                pass
-        files.sort(key=lambda f: f[0].st_mtime)
-        total = sum(stat.st_size for stat, _ in files)
+                continue
+            head = path.parent / (path.name.split(".", 1)[0] + ".safetensors")
+            entry = sessions.setdefault(head, [None, 0])
+            entry[1] += stat.st_size
+            if path == head:
+                entry[0] = stat
+        total = sum(size for _, size in sessions.values())
+        # a chunk without its head (a writer between the two, or one that died) is not a session
+        files = sorted(((stat, size, head) for head, (stat, size) in sessions.items() if stat is not None),
+                       key=lambda f: f[0].st_mtime)  # fmt: skip
         removed = []
         while files and total > quota_bytes:
-            stat, oldest = files.pop(0)
-            total -= stat.st_size
-            oldest.unlink(missing_ok=True)
+            _, size, oldest = files.pop(0)
+            total -= size
+            self._remove(oldest)
             removed.append(oldest)
         self.disk_bytes = total
         return removed
+
+    def _remove(self, head: Path) -> None:
+        head.unlink(missing_ok=True)
+        for chunk in head.parent.glob(f"{head.stem}.*{CHUNK_SUFFIX}"):
+            chunk.unlink(missing_ok=True)
+
+    def size(self, tenant: str | None, session_id: str) -> int:
+        """Bytes on disk of the session: its head and its chunk files."""
+        head = self.path(tenant, session_id)
+        total = 0
+        for path in [head, *head.parent.glob(f"{head.stem}.*{CHUNK_SUFFIX}")]:
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
 
     def path(self, tenant: str | None, session_id: str) -> Path:
         model = _digest(self.spec.model_id, self.spec.config_hash, self.spec.shard)
@@ -184,6 +246,20 @@ class SessionFiles:
 
     def record(self, token_ids: list[int], text: str, keys: torch.Tensor, values: torch.Tensor) -> SessionRecord:
         return SessionRecord(list(token_ids), text, self.encode(keys, values), self.quant, self.kivi, self.block_size)
+
+    def continued(self, previous: SessionRecord | None, token_ids: list[int], start: int, keys: torch.Tensor,
+                  values: torch.Tensor, **key) -> SessionRecord:  # fmt: skip
+        """The record of a path whose KV from token `start` (a block boundary) on is `keys` and
+        `values` and before it the previous record's (None: start is 0). The blocks before `start`
+        stay in the chunks they are in on disk: the next write writes the rest. `key`: the path's
+        extra_key, branches and live mask."""
+        kept = start // self.block_size
+        previous = previous if start else None
+        old = previous.blocks[:kept] if previous is not None else []
+        record = SessionRecord(token_ids, "", old + self.encode(keys, values), self.quant, self.kivi, self.block_size, **key)
+        if previous is not None:
+            record.generation, record.chunks, record.dirty = previous.generation, previous.chunks, min(previous.dirty, kept)
+        return record
 
     def _encode(self, name: str, x: torch.Tensor, axis: int) -> dict[str, torch.Tensor]:
         if self.quant in RAW:
@@ -226,38 +302,73 @@ class SessionFiles:
     # --- write -----------------------------------------------------------------------------------
 
     def write(self, tenant: str | None, session_id: str, record: SessionRecord, base: int | None = None) -> Path:
-        """Store the record as the session's file. `base`: the generation the record continues (0:
-        the session had no file); if another writer stored a different one since, nothing is
-        written and WriteConflict says so. None: replace whatever is there. A file that is missing
-        (removed for the quota) or unreadable never blocks a write. The record's `generation`
-        becomes the new file's."""
+        """Store the record as the session's head and chunks: the blocks from `record.dirty` on go
+        into a new chunk (with the chunks it takes in), the rest stay in the chunks the record
+        names. `base`: the generation the record continues (0: the session had no file); if
+        another writer stored a different one since, nothing is written and WriteConflict says so.
+        None: replace whatever is there (and write every block). A file that is missing (removed
+        for the quota) or unreadable never blocks a write. The record's `generation`, `chunks` and
+        `dirty` become the new head's."""
         path = self.path(tenant, session_id)
         generation = (base if base is not None else max(0, _generation(path))) + 1
-        tensors = {"token_ids": torch.tensor(record.token_ids, dtype=torch.int64)}
-        for b, block in enumerate(record.blocks):
-            tensors.update({f"b{b}.{name}": t for name, t in block.items()})
-        if record.live is not None:
-            tensors["live"] = record.live.to(torch.uint8)
-        layout = {}
-        for name, t in record.state.items():
-            kind = record.state_kv.get(name)
-            if kind is None or record.quant in RAW:  # unquantized: KV state stored as held (memory keys are float32)
-                tensors[f"s.{name}"] = t.contiguous()
-                continue
-            axis = 1 if kind == "k" and record.kivi else 3
-            encoded = self._encode(kind, t, axis)
-            tensors.update({f"q.{name}.{part.split('.', 1)[1]}": x for part, x in encoded.items()})
-            layout[name] = {"kind": kind, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "axis": axis}
-        meta = {
-            "format_version": str(FORMAT_VERSION), "tenant": tenant or "", "session_id": session_id,
-            "spec": json.dumps(asdict(self.spec)), "quant": record.quant, "kivi": str(record.kivi),
-            "block_size": str(record.block_size), "tokens": str(len(record.token_ids)), "text": record.text,
-            "extra_key": json.dumps(record.extra_key), "branches": json.dumps(record.branches), "state_kv": json.dumps(layout),
-            "generation": str(generation),
-        }  # fmt: skip
-        meta["checksum"] = _checksum(tensors, meta)
+        n = len(record.blocks)
+        start = min(record.dirty, n) if base is not None else 0
+        kept = [c for c in record.chunks if c.first < start]  # a chunk from `start` on is superseded
+        if start and (not kept or kept[0].first or any(not (path.parent / c.name).exists() for c in kept)):
+            start, kept = 0, []  # blocks before `start` in no chunk: a format-1 head's, or removed (the quota)
+        # binary merging: the new chunk takes in the last kept one while it is at least as large
+        while kept and n - start >= start - kept[-1].first:
+            start = kept.pop().first
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"w{os.getpid()}-", suffix=".tmp")
+        written = []
+        try:
+            if start < n:
+                written.append(self._write_chunk(path, generation, record.blocks, start, n))
+            chunks = (*kept, *written)
+            tensors = {"token_ids": torch.tensor(record.token_ids, dtype=torch.int64)}
+            if record.live is not None:
+                tensors["live"] = record.live.to(torch.uint8)
+            layout = {}
+            for name, t in record.state.items():
+                kind = record.state_kv.get(name)
+                if kind is None or record.quant in RAW:  # unquantized: KV state stored as held (memory keys are float32)
+                    tensors[f"s.{name}"] = t.contiguous()
+                    continue
+                axis = 1 if kind == "k" and record.kivi else 3
+                encoded = self._encode(kind, t, axis)
+                tensors.update({f"q.{name}.{part.split('.', 1)[1]}": x for part, x in encoded.items()})
+                layout[name] = {"kind": kind, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "axis": axis}
+            meta = {
+                "format_version": str(FORMAT_VERSION), "tenant": tenant or "", "session_id": session_id,
+                "spec": json.dumps(asdict(self.spec)), "quant": record.quant, "kivi": str(record.kivi),
+                "block_size": str(record.block_size), "tokens": str(len(record.token_ids)), "text": record.text,
+                "extra_key": json.dumps(record.extra_key), "branches": json.dumps(record.branches), "state_kv": json.dumps(layout),
+                "generation": str(generation), "chunks": json.dumps([[c.name, c.first, c.count, c.digest] for c in chunks]),
+            }  # fmt: skip
+            meta["checksum"] = _checksum(tensors, meta)
+            replaced = self._replace(path, tensors, meta, base)
+        except BaseException:
+            for chunk in written:
+                (path.parent / chunk.name).unlink(missing_ok=True)
+            raise
+        named = {c.name for c in chunks}
+        for name in replaced - named:  # the replaced head's chunks the new one does not name
+            (path.parent / name).unlink(missing_ok=True)
+        record.generation, record.chunks, record.dirty = generation, chunks, n
+        return path
+
+    def _write_chunk(self, head: Path, generation: int, blocks: list[dict[str, torch.Tensor]], first: int, stop: int) -> Chunk:
+        """Blocks first .. stop - 1 as a chunk file of the session, named after this writer."""
+        tensors = {f"b{b}.{name}": t for b in range(first, stop) for name, t in blocks[b].items()}
+        meta = {"format_version": str(FORMAT_VERSION), "first": str(first), "count": str(stop - first)}
+        meta["checksum"] = _checksum(tensors, meta)
+        name = f"{head.stem}.w{os.getpid()}-{generation}-{os.urandom(4).hex()}{CHUNK_SUFFIX}"
+        os.replace(self._save(head.parent, tensors, meta), head.parent / name)  # a name no other writer has
+        return Chunk(name, first, stop - first, meta["checksum"])
+
+    def _save(self, directory: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+        """The tensors as a safetensors file on disk under a temporary name (this writer's), returned."""
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"w{os.getpid()}-", suffix=".tmp")
         os.close(fd)
         try:
             try:
@@ -266,13 +377,29 @@ class SessionFiles:
                 raise OSError(str(exc)) from exc
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def _replace(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], base: int | None) -> set[str]:
+        """Write the head and rename it over the session's if the file is still at generation
+        `base`; returns the names of the chunks the replaced head named."""
+        tmp = self._save(path.parent, tensors, meta)
+        try:
             # the lock covers the check and the rename only (the slow part, writing, is done); it
             # is the directory's, so there is no lock file to leave behind, and the kernel drops it
             # with a writer that dies holding it
             dir_fd = os.open(path.parent, os.O_RDONLY)
             try:
                 fcntl.flock(dir_fd, fcntl.LOCK_EX)
-                current = _generation(path)
+                try:
+                    old = read_metadata(path)
+                except FileNotFoundError:
+                    old = {}
+                except Exception:  # unreadable: replaced; its chunks cannot be told from others'
+                    old = None
+                current = 0 if old == {} else -1 if old is None else int(old.get("generation", "0"))
                 if base is not None and current > 0 and current != base:
                     raise WriteConflict(f"{path.name}: another server stored generation {current} of the session; "
                                         f"this write continues generation {base}")  # fmt: skip
@@ -283,24 +410,32 @@ class SessionFiles:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        record.generation = generation
-        return path
+        return {c.name for c in _chunks(old)} if old else set()
 
     # --- read ------------------------------------------------------------------------------------
 
     def read(self, tenant: str | None, session_id: str) -> SessionRecord | None:
         """The session's record, or None when it has no file; StoreError when the file must not be used."""
         path = self.path(tenant, session_id)
-        try:
-            data = path.read_bytes()
-            meta, tensors = _metadata(data), load_tensors(data)
-        except FileNotFoundError:
-            return None  # never written, or removed (the quota, also another server's sharing the store)
-        except Exception as exc:  # truncated or not a safetensors file at all
-            raise StoreError(f"{path.name}: unreadable ({exc})") from None
-        self._check(path, meta, tensors, tenant, session_id)
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                data = path.read_bytes()
+                meta, tensors = _metadata(data), load_tensors(data)
+            except FileNotFoundError:
+                return None  # never written, or removed (the quota, also another server's sharing the store)
+            except Exception as exc:  # truncated or not a safetensors file at all
+                raise StoreError(f"{path.name}: unreadable ({exc})") from None
+            self._check(path, meta, tensors, tenant, session_id)
+            try:
+                blocks = self._read_blocks(path, meta, tensors)
+                chunks = _chunks(meta)
+                break
+            except FileNotFoundError:  # a writer replaced the head and removed a chunk it named
+                if attempt == READ_ATTEMPTS - 1:
+                    raise StoreError(f"{path.name}: a chunk it names is gone (the session is being rewritten)") from None
         os.utime(path)  # a read is a use: quota eviction is least recently used
-        blocks: dict[int, dict[str, torch.Tensor]] = {}
+        in_chunks = {b for c in chunks for b in range(c.first, c.first + c.count)}
+        dirty = next((b for b in range(len(blocks)) if b not in in_chunks), len(blocks))  # a format-1 head: 0
         state, encoded = {}, {}
         for name, t in tensors.items():
             if name.startswith("s."):
@@ -308,9 +443,6 @@ class SessionFiles:
             elif name.startswith("q."):
                 owner, part = name[2:].rsplit(".", 1)
                 encoded.setdefault(owner, {})[part] = t
-            elif name not in ("token_ids", "live"):
-                b, rest = name.split(".", 1)
-                blocks.setdefault(int(b[1:]), {})[rest] = t
         for name, spec in json.loads(meta.get("state_kv", "{}")).items():
             parts = {f"{spec['kind']}.{part}": t for part, t in encoded[name].items()}
             state[name] = self._decode(parts, spec["kind"], tuple(spec["shape"]), spec["axis"], meta["quant"],
@@ -320,14 +452,36 @@ class SessionFiles:
         legacy = json.loads(meta.get("branch", "null"))
         branches = tuple(map(tuple, json.loads(meta["branches"]))) if "branches" in meta else ((tuple(legacy),) if legacy else ())
         live = tensors["live"].to(torch.bool) if "live" in tensors else None
-        return SessionRecord(tensors["token_ids"].tolist(), meta["text"], [blocks[b] for b in sorted(blocks)],
+        return SessionRecord(tensors["token_ids"].tolist(), meta["text"], blocks,
                              meta["quant"], meta["kivi"] == "True", int(meta["block_size"]),
                              json.loads(meta["extra_key"]) if "extra_key" in meta else ANY_NAMESPACE,
-                             branches, live, state, generation=int(meta.get("generation", "0")))  # fmt: skip
+                             branches, live, state, generation=int(meta.get("generation", "0")),
+                             chunks=chunks, dirty=dirty)  # fmt: skip
+
+    def _read_blocks(self, path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The path's blocks: a format-1 head's own, then each chunk's in order (a later chunk's
+        block stands for an earlier one's). FileNotFoundError: a chunk the head names is gone."""
+        count = -(-int(meta["tokens"]) // int(meta["block_size"]))
+        blocks: dict[int, dict[str, torch.Tensor]] = {}
+        _add_blocks(blocks, tensors)
+        for chunk in _chunks(meta):
+            data = (path.parent / chunk.name).read_bytes()
+            try:
+                chunk_meta, chunk_tensors = _metadata(data), load_tensors(data)
+            except Exception as exc:
+                raise StoreError(f"{path.name}: its chunk {chunk.name} is unreadable ({exc})") from None
+            if chunk_meta.get("checksum") != chunk.digest or chunk.digest != _checksum(
+                chunk_tensors, {k: v for k, v in chunk_meta.items() if k != "checksum"}
+            ):
+                raise StoreError(f"{path.name}: checksum mismatch in its chunk {chunk.name} (corrupted file)")
+            _add_blocks(blocks, chunk_tensors)
+        if any(b not in blocks for b in range(count)):
+            raise StoreError(f"{path.name}: blocks of its path are missing")
+        return [blocks[b] for b in range(count)]
 
     def _check(self, path, meta, tensors, tenant, session_id) -> None:
-        if meta.get("format_version") != str(FORMAT_VERSION):
-            raise StoreError(f"{path.name}: format version {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+        if meta.get("format_version") not in READABLE_VERSIONS:
+            raise StoreError(f"{path.name}: format version {meta.get('format_version')!r}, expected one of {READABLE_VERSIONS}")
         if meta.get("checksum") != _checksum(tensors, {k: v for k, v in meta.items() if k != "checksum"}):
             raise StoreError(f"{path.name}: checksum mismatch (corrupted file)")
         written = json.loads(meta["spec"])
@@ -357,6 +511,20 @@ def read_metadata(path: Path) -> dict[str, str]:
     with open(path, "rb") as f:
         head = f.read(8)
         return _metadata(head + f.read(min(int.from_bytes(head, "little"), MAX_HEADER + 1)))
+
+
+def _chunks(meta: dict[str, str]) -> tuple[Chunk, ...]:
+    return tuple(Chunk(*c) for c in json.loads(meta.get("chunks", "[]")))
+
+
+def _add_blocks(blocks: dict[int, dict[str, torch.Tensor]], tensors: dict[str, torch.Tensor]) -> None:
+    """Tensors named b<block>.<part> into blocks by their block; a later call's block replaces."""
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name.startswith("b") and name[1 : name.find(".")].isdigit():
+            b, rest = name.split(".", 1)
+            found.setdefault(int(b[1:]), {})[rest] = t
+    blocks.update(found)
 
 
 def _generation(path: Path) -> int:
