@@ -268,7 +268,7 @@ class Twin(Case):
 
 def test_a_session_evicted_from_a_running_server_answers_as_one_that_stayed_hot(all_server):
     """Every mechanism on, in one running server: a session whose KV left the tree (its pruned path,
-    QueryMemory and memory pool come back from the store's warm tier or its file) answers its next
+    QueryMemory and memory pool come back from the store's host-memory tier or its file) answers its next
     turn as the same session that stayed in the tree: the same reused prefix, the same pruning, the
     same memory pool, the same greedy tokens (the store is in the pool's dtype: the KV comes back
     bit for bit)."""
@@ -283,7 +283,7 @@ def test_a_session_evicted_from_a_running_server_answers_as_one_that_stayed_hot(
     assert all_server.post("/flush_cache?timeout=600", {}).status_code == 200
     answer, usage, metrics = run(all_server, evicted, messages, TURNS[5:6])[0]
     ref_answer, ref_usage, ref = reference[5]
-    assert metrics["restored_from"] in ("warm", "disk") and metrics["restored_tokens"] > 0, metrics
+    assert metrics["restored_from"] in ("memory", "disk") and metrics["restored_tokens"] > 0, metrics
     assert usage["prompt_tokens_details"]["cached_tokens"] == ref_usage["prompt_tokens_details"]["cached_tokens"]
     assert metrics["query_memory_turns"] == ref["query_memory_turns"] == 6
     assert metrics["freed_slots"] == ref["freed_slots"] and metrics["live_kv_tokens"] == ref["live_kv_tokens"]
