@@ -11,16 +11,21 @@ answer and a new question (about 20-30 new tokens; the history is a radix hit), 
 each. Per turn: the client's latency, and the server's prefill forward of the turn (SGLang's
 `per_stage_req_latency_seconds{stage="prefill_forward"}`, from the batch's start to its result,
 read from /metrics around each turn). Overhead = latency - prefill forward; mean and 95% bootstrap
-interval over the turns. Side by side, in one run:
+interval over the turns, and over the turns after the first (with persistence the first hot turn
+runs while the store writes the whole history the cold turn left). Side by side, in one run:
 
 - plain SGLang (torch_native, its CPU default): its own prompt encode (the whole prompt each turn);
 - ours, no memory config: the chat prompt encoded in pieces, earlier messages from SGLang's segment
   cache (engine/prompt_encode.py);
 - ours with persistence on (Q8 store): what a persistent session adds per turn.
 
+And the store's own write of a turn at the longest length (no server; the model's KV shape, Q8):
+the turn's new blocks, as the store writes a turn, against the whole session, as it wrote every
+turn before chunk files; seconds and bytes written per turn.
+
 Writes bench/results/hot_turn.json and .png.
 
-    .venv/bin/python bench/hot_turn.py [--lengths 1024 4096 16384] [--turns 8]
+    .venv/bin/python bench/hot_turn.py [--lengths 1024 4096 16384] [--turns 8] [--servers ours ...]
 """
 
 from __future__ import annotations
@@ -68,11 +73,59 @@ def hot_turns(server, history: list[dict], turns: int, memory: dict | None) -> d
         new = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
         rows.append({"latency_s": seconds, "prefill_forward_s": forward, "overhead_s": seconds - forward,
                      "prompt_tokens": usage["prompt_tokens"], "new_tokens": new})  # fmt: skip
+    return {"turns": rows, **summarise(rows)}
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Mean and 95% interval over the turns, and over the turns after the first: with persistence
+    the first hot turn runs while the store writes the whole history the cold turn left (later
+    turns' writes are their new blocks)."""
     summary = {}
     for key in ("latency_s", "prefill_forward_s", "overhead_s"):
-        mean, lo, hi = bootstrap([[r[key]] for r in rows])
-        summary[key] = {"mean": mean, "ci95": [lo, hi]}
-    return {"turns": rows, **summary}
+        for name, part in ((key, rows), (f"{key}_after_first", rows[1:])):
+            mean, lo, hi = bootstrap([[r[key]] for r in part])
+            summary[name] = {"mean": mean, "ci95": [lo, hi]}
+    return summary
+
+
+def store_writes(model: str, tokens: int, turns: int, new_tokens: int, work: Path) -> dict:
+    """The store's write of a turn of a `tokens`-token session in Q8 (the model's KV shape, the
+    pool's dtype), side by side: the turn's new blocks (how the store writes a turn) against the
+    whole session (how it wrote every turn before chunks: `base=None` writes every block). Seconds
+    and bytes written per turn, after a first write of the history."""
+    import json
+    import time
+
+    import torch
+
+    from sgl_memory.persist.store import CacheSpec, SessionFiles
+
+    config = json.loads((models.model_dir(model) / "config.json").read_text())
+    heads = config["num_key_value_heads"]
+    spec = CacheSpec(model, "bench", config["num_hidden_layers"], heads, config["hidden_size"] // config["num_attention_heads"],
+                     cpu_dtype.choose().dtype, 1)  # fmt: skip
+    dtype = getattr(torch, spec.dtype)
+    total = tokens + turns * new_tokens
+    keys = torch.randn(spec.layers, total, heads, spec.head_dim).to(dtype)
+    values = torch.randn(spec.layers, total, heads, spec.head_dim).to(dtype)
+    out = {}
+    for mode in ("new blocks", "whole session"):
+        files = SessionFiles(work / mode.replace(" ", "-"), spec, quant="q8")
+        record = files.continued(None, list(range(tokens)), 0, keys[:, :tokens], values[:, :tokens])
+        files.write(None, "s", record, base=0)
+        seconds, written = [], []
+        for turn in range(1, turns + 1):
+            n = tokens + turn * new_tokens
+            start = len(record.token_ids) // files.block_size * files.block_size
+            record = files.continued(record, list(range(n)), start, keys[:, start:n], values[:, start:n])
+            before = {p.name: p.stat().st_size for p in files.root.glob("*/*/*")}
+            t0 = time.perf_counter()
+            files.write(None, "s", record, base=record.generation if mode == "new blocks" else None)
+            seconds.append(time.perf_counter() - t0)
+            written.append(sum(p.stat().st_size for p in files.root.glob("*/*/*") if before.get(p.name) != p.stat().st_size))
+        mean, lo, hi = bootstrap([[x] for x in seconds])
+        out[mode] = {"write_s": {"mean": mean, "ci95": [lo, hi]}, "bytes_per_turn": sum(written) / len(written), "turns": seconds}
+    return out
 
 
 def servers(model: str, work: Path) -> dict:
@@ -116,6 +169,8 @@ def main() -> None:
     ap.add_argument("--model", default=models.DEFAULT_MODEL)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--servers", nargs="*", default=None, help="a subset of the servers (default: all)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "hot_turn.json")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -127,7 +182,8 @@ def main() -> None:
               "sessions": {n: len(chat_ids(tokenizer, m)) for n, m in sessions.items()}, "servers": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hot-turn-") as tmp:
         work = Path(tmp)
-        for name, (command, env, memory) in tqdm(servers(args.model, work).items(), desc="servers"):
+        chosen = {k: v for k, v in servers(args.model, work).items() if args.servers is None or k in args.servers}
+        for name, (command, env, memory) in tqdm(chosen.items(), desc="servers"):
             server = harness.start(command, work / f"{name}.log", env)
             try:
                 result["servers"][name] = {
@@ -136,13 +192,22 @@ def main() -> None:
                 }
             finally:
                 harness.stop(server)
-            write_json(RESULTS / "hot_turn.json", result)
-    plot(result, RESULTS / "hot_turn.png")
+            write_json(args.out, result)
+        n = max(args.lengths)
+        result["store_writes"] = {"tokens": n, "new_tokens": 25, **store_writes(args.model, n, 8, 25, work)}
+        write_json(args.out, result)
+    if result["servers"]:
+        plot(result, args.out.with_suffix(".png"))
+    for mode in ("new blocks", "whole session"):
+        w = result["store_writes"][mode]
+        print(f"store write of a turn, {mode}: {w['write_s']['mean'] * 1000:.0f} ms [{w['write_s']['ci95'][0] * 1000:.0f}, "
+              f"{w['write_s']['ci95'][1] * 1000:.0f}], {w['bytes_per_turn'] / 1e6:.1f} MB")  # fmt: skip
     for name, rows in result["servers"].items():
         for n, row in rows.items():
-            o, f = row["overhead_s"], row["prefill_forward_s"]
+            o, later, f = row["overhead_s"], row["overhead_s_after_first"], row["prefill_forward_s"]
             print(f"{name:16s} {result['sessions'][n]:6d} tok: overhead {o['mean'] * 1000:6.1f} ms "
-                  f"[{o['ci95'][0] * 1000:.1f}, {o['ci95'][1] * 1000:.1f}], prefill {f['mean'] * 1000:6.1f} ms")  # fmt: skip
+                  f"[{o['ci95'][0] * 1000:.1f}, {o['ci95'][1] * 1000:.1f}], after the first turn {later['mean'] * 1000:6.1f} ms "
+                  f"[{later['ci95'][0] * 1000:.1f}, {later['ci95'][1] * 1000:.1f}], prefill {f['mean'] * 1000:6.1f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":
