@@ -141,8 +141,7 @@ def restore_floor(root: Path, session_id: str) -> dict:
     with safe_open(str(next(root.glob("*/*/*.safetensors"))), "pt") as f:
         meta = f.metadata()  # every file of the store has this server's spec and format
     files = SessionFiles(root, CacheSpec(**json.loads(meta["spec"])), meta["quant"], meta["kivi"] == "True", int(meta["block_size"]))
-    head = files.path(None, session_id)
-    session_files = [head, *head.parent.glob(f"{head.stem}.*.chunk")]  # its head and chunks
+    session_files = files.files(None, session_id)  # its head and chunks
     drop_from_page_cache(session_files)
     t0 = time.perf_counter()
     for file in session_files:

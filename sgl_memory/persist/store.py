@@ -179,7 +179,7 @@ class SessionFiles:
             try:
                 named.update(c.name for c in _chunks(read_metadata(head)))
             except Exception:  # unreadable: read() refuses it with the reason; its chunks stay
-                named.update(p.name for p in head.parent.glob(f"{head.stem}.*{CHUNK_SUFFIX}"))
+                named.update(p.name for p in _chunk_files(head))
         stale += [c for c in self.root.glob(f"*/*/*{CHUNK_SUFFIX}") if c.name not in named and not _alive(c.name.split(".", 1)[1])]
         for path in stale:
             path.unlink(missing_ok=True)
@@ -213,15 +213,18 @@ class SessionFiles:
         return removed
 
     def _remove(self, head: Path) -> None:
-        head.unlink(missing_ok=True)
-        for chunk in head.parent.glob(f"{head.stem}.*{CHUNK_SUFFIX}"):
-            chunk.unlink(missing_ok=True)
+        for path in [head, *_chunk_files(head)]:
+            path.unlink(missing_ok=True)
+
+    def files(self, tenant: str | None, session_id: str) -> list[Path]:
+        """The session's files on disk: its head (first, whether or not it exists) and its chunk files."""
+        head = self.path(tenant, session_id)
+        return [head, *_chunk_files(head)]
 
     def size(self, tenant: str | None, session_id: str) -> int:
         """Bytes on disk of the session: its head and its chunk files."""
-        head = self.path(tenant, session_id)
         total = 0
-        for path in [head, *head.parent.glob(f"{head.stem}.*{CHUNK_SUFFIX}")]:
+        for path in self.files(tenant, session_id):
             try:
                 total += path.stat().st_size
             except FileNotFoundError:
@@ -297,7 +300,7 @@ class SessionFiles:
     def generation(self, tenant: str | None, session_id: str) -> int:
         """The generation of the session's file: 0 when it has none, -1 when it cannot be read.
         Reads the file's header only."""
-        return _generation(self.path(tenant, session_id))
+        return _generation(_head_metadata(self.path(tenant, session_id)))
 
     # --- write -----------------------------------------------------------------------------------
 
@@ -310,7 +313,7 @@ class SessionFiles:
         for the quota) or unreadable never blocks a write. The record's `generation`, `chunks` and
         `dirty` become the new head's."""
         path = self.path(tenant, session_id)
-        generation = (base if base is not None else max(0, _generation(path))) + 1
+        generation = (base if base is not None else max(0, _generation(_head_metadata(path)))) + 1
         n = len(record.blocks)
         start = min(record.dirty, n) if base is not None else 0
         kept = [c for c in record.chunks if c.first < start]  # a chunk from `start` on is superseded
@@ -393,13 +396,8 @@ class SessionFiles:
             dir_fd = os.open(path.parent, os.O_RDONLY)
             try:
                 fcntl.flock(dir_fd, fcntl.LOCK_EX)
-                try:
-                    old = read_metadata(path)
-                except FileNotFoundError:
-                    old = {}
-                except Exception:  # unreadable: replaced; its chunks cannot be told from others'
-                    old = None
-                current = 0 if old == {} else -1 if old is None else int(old.get("generation", "0"))
+                old = _head_metadata(path)  # unreadable: replaced; its chunks cannot be told from others'
+                current = _generation(old)
                 if base is not None and current > 0 and current != base:
                     raise WriteConflict(f"{path.name}: another server stored generation {current} of the session; "
                                         f"this write continues generation {base}")  # fmt: skip
@@ -426,9 +424,9 @@ class SessionFiles:
             except Exception as exc:  # truncated or not a safetensors file at all
                 raise StoreError(f"{path.name}: unreadable ({exc})") from None
             self._check(path, meta, tensors, tenant, session_id)
+            chunks = _chunks(meta)
             try:
-                blocks = self._read_blocks(path, meta, tensors)
-                chunks = _chunks(meta)
+                blocks = self._read_blocks(path, meta, tensors, chunks)
                 break
             except FileNotFoundError:  # a writer replaced the head and removed a chunk it named
                 if attempt == READ_ATTEMPTS - 1:
@@ -458,13 +456,14 @@ class SessionFiles:
                              branches, live, state, generation=int(meta.get("generation", "0")),
                              chunks=chunks, dirty=dirty)  # fmt: skip
 
-    def _read_blocks(self, path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """The path's blocks: a format-1 head's own, then each chunk's in order (a later chunk's
-        block stands for an earlier one's). FileNotFoundError: a chunk the head names is gone."""
+    def _read_blocks(self, path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor],
+                     chunks: tuple[Chunk, ...]) -> list[dict[str, torch.Tensor]]:  # fmt: skip
+        """The path's blocks: a format-1 head's own, then each of its chunks' in order (a later
+        chunk's block stands for an earlier one's). FileNotFoundError: a chunk the head names is gone."""
         count = -(-int(meta["tokens"]) // int(meta["block_size"]))
         blocks: dict[int, dict[str, torch.Tensor]] = {}
         _add_blocks(blocks, tensors)
-        for chunk in _chunks(meta):
+        for chunk in chunks:
             data = (path.parent / chunk.name).read_bytes()
             try:
                 chunk_meta, chunk_tensors = _metadata(data), load_tensors(data)
@@ -527,13 +526,25 @@ def _add_blocks(blocks: dict[int, dict[str, torch.Tensor]], tensors: dict[str, t
     blocks.update(found)
 
 
-def _generation(path: Path) -> int:
+def _head_metadata(path: Path) -> dict[str, str] | None:
+    """A head's metadata: {} when there is none, None when it cannot be read (truncated, foreign or
+    not a safetensors file: read() refuses it with the reason)."""
     try:
-        return int(read_metadata(path).get("generation", "0"))  # a file from before generations: 0
+        return read_metadata(path)
     except FileNotFoundError:
-        return 0
-    except Exception:  # truncated, foreign or not a safetensors file: read() refuses it with the reason
-        return -1
+        return {}
+    except Exception:
+        return None
+
+
+def _generation(meta: dict[str, str] | None) -> int:
+    """0: no head, or one from before generations; -1: an unreadable one."""
+    return -1 if meta is None else int(meta.get("generation", "0"))
+
+
+def _chunk_files(head: Path) -> list[Path]:
+    """The chunk files on disk of the session whose head is `head` (named or not by it)."""
+    return list(head.parent.glob(f"{head.stem}.*{CHUNK_SUFFIX}"))
 
 
 def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
