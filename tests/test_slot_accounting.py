@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 from array import array
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,9 +147,15 @@ class Sim:
     def start(self):
         if not self.free_rows:
             return
+        self.prefill(self.admitted())
+
+    def admitted(self):
         req = self.request(f"r{self.next_rid}", *self.prompt())
         self.next_rid += 1
         self.tree.admit(None, req, of_request(req))  # the scheduler admits before it matches
+        return req
+
+    def prefill(self, req) -> bool:
         tokens = req.seq = array("q", req.origin_input_ids)  # a mechanism may rewrite them
         match = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:-1], req.extra_key), req=req))
         prefix = self.tree.path_device_indices(match.last_device_node)
@@ -157,7 +164,7 @@ class Sim:
         new = self.take(len(tokens) - len(prefix))
         if new is None:
             self.tree.unlock(req.lock)
-            return
+            return False
         req.kv.req_pool_idx = self.free_rows.pop()
         self.row(req)[: len(prefix)] = prefix.to(torch.int32)
         self.write(req, len(prefix), new)
@@ -170,6 +177,7 @@ class Sim:
         self.pruned += INTENT.get(req).events
         self.copied += INTENT.get(req).copied
         self.running.append(req)
+        return True
 
     def decode(self, req):
         slot = self.take(1)
@@ -223,6 +231,7 @@ class Sim:
         for req in self.running:
             row = self.row(req)[req.kv.cache_protected_len : len(req.seq)].tolist()
             private += [s for s in row if s != sentinel]
+        private += self.reserved()
         owners = free + tree_slots + private + [sentinel]
         assert sorted(owners) == list(range(1, POOL + 1)), "a slot is lost or owned twice"
         assert self.tree.evictable_size() + self.tree.protected_size() == len(tree_slots) + 1
@@ -239,6 +248,10 @@ class Sim:
 
     def placed_end(self, req) -> int:
         return 0
+
+    def reserved(self) -> list[int]:
+        """Slots taken for a restore being unpacked: its own until it lands in the tree."""
+        return []
 
     def check_pruned_paths(self, node, branched: bool):
         """A sentinel entry sits only at or after a branch key (intent/paths.py): a path that a
@@ -287,6 +300,7 @@ class AllSim(Sim):
         self.tree.mechanisms = sorted([*self.tree.mechanisms, persist, memory], key=lambda m: m.rank)
         self.persist, self.memory = persist, memory
         self.placed = self.restored = self.recorded_dead = 0
+        self.waiting: list[FakeReq] = []
         self.last: dict[int, list[int]] = {}  # session -> its last finished record turn's tokens
 
     def prompt(self) -> tuple[list[int], int]:
@@ -339,12 +353,34 @@ class AllSim(Sim):
         return FakeReq(rid, tokens, budget=self.rng.choice((2, 5, 9, 14)), **field)
 
     def start(self):
-        before = len(self.running)
-        super().start()
-        if len(self.running) > before:
-            req = self.running[-1]
-            self.placed += bool(MEMORY.get(req) and MEMORY.get(req).retrieved_blocks)
-            self.restored += bool(PERSIST.get(req) and PERSIST.get(req).restored_tokens)
+        """As the scheduler's step does: a request arrives and is admitted into the queue; the
+        mechanisms see the queue (persistence places what it unpacked since the last step, and holds
+        back the requests whose KV is still being unpacked); the first request not held back runs
+        (one a step: the sim's batch), or leaves the queue when the pool has no room for it."""
+        if len(self.waiting) < 3:
+            self.waiting.append(self.admitted())
+        scheduler = SimpleNamespace(waiting_queue=self.waiting)
+        held_back = set(self.tree.before_prefill(scheduler, running=bool(self.running)))
+        self.persist._unpacker.settle()  # so that the run does not depend on the thread's timing
+        ready = self.tree.held_first([r for r in self.waiting if r not in held_back])
+        if ready and self.free_rows:
+            req = ready[0]
+            self.waiting.remove(req)
+            if self.prefill(req):
+                self.placed += bool(MEMORY.get(req) and MEMORY.get(req).retrieved_blocks)
+                self.restored += bool(PERSIST.get(req) and PERSIST.get(req).restored_tokens)
+            else:
+                self.tree.on_drop(req)  # as SGLang's release of a request aborted in its queue
+        self.tree.after_prefill(scheduler, scheduled=bool(ready), idle=not self.running)
+
+    def reserved(self) -> list[int]:
+        return [s for job in self.persist._unpacker._jobs.values() for s in job.context[1].slots.tolist()]
+
+    def run(self, steps: int) -> None:
+        super().run(steps)
+        for req in self.waiting:  # the server stops: the queue is dropped
+            self.tree.on_drop(req)
+        self.waiting.clear()
 
     def placed_end(self, req) -> int:
         state = MEMORY.get(req)

@@ -56,37 +56,84 @@ def copy_within(tree: KVHost, dst: torch.Tensor, src: torch.Tensor) -> None:
         pool.get_value_buffer(layer)[dst] = pool.get_value_buffer(layer)[src]
 
 
-def place(tree: KVHost, key, match, keys, values, live: torch.Tensor | None = None) -> bool:
-    """Write keys/values [layers, n, heads, dim] for key[have:] (have = what `match` found) and insert
-    the whole key; False when no slots can be freed for them (the caller prefills instead). `live`
-    [n] (None: all live) marks the positions that hold KV; the others point at the tree's sentinel
-    slot, which the tree must have."""
-    have = match.device_prefix_len
-    n = len(key) - have
+@dataclass
+class Reserved:
+    """Slots taken for the KV of key[have:] (`reserve`), written (`write`, on any thread) before
+    the key goes into the tree (`insert`) or the slots go back (`release`). The matched part stays
+    locked in between."""
+
+    key: object
+    match: object
+    slots: torch.Tensor  # one per live position
+    live: torch.Tensor  # [len(key) - have] bool
+
+    def tokens(self) -> int:
+        return len(self.live)
+
+
+def reserve(tree: KVHost, key, match, live: torch.Tensor | None = None) -> Reserved | None:
+    """Slots for key[have:] (have = what `match` found), evicting if needed; None when no slots
+    can be freed for them (nothing is kept). `live` [n] (None: all live) marks the positions that
+    hold KV; the others will point at the tree's sentinel slot, which the tree must have."""
+    n = len(key) - match.device_prefix_len
     live = torch.ones(n, dtype=torch.bool) if live is None else live.to(torch.bool).cpu()
     if not bool(live.all()) and tree.sentinel is None:
         raise ValueError("a pruned path can only be placed into a tree with a sentinel slot")
-    pool = tree.pool
     tree.inc_lock_ref(match.last_device_node)  # eviction for the new slots must spare the matched part
+    slots = tree.alloc_slots(int(live.sum()))
+    if slots is None:
+        tree.dec_lock_ref(match.last_device_node)
+        return None
+    return Reserved(key, match, slots, live)
+
+
+def write(tree: KVHost, reserved: Reserved, keys, values) -> None:
+    """Write keys/values [layers, n, heads, dim] of key[have:] into the reserved slots. Touches no
+    tree state: a restore runs it off the scheduler's thread (nothing else owns those slots)."""
+    slots, live = reserved.slots, reserved.live
+    everything = bool(live.all())
+    # a fresh or quiet pool hands out one run of slots: a plain copy, not a scatter
+    run = len(slots) > 0 and bool((slots.diff() == 1).all())
+    rows = slice(int(slots[0]), int(slots[0]) + len(slots)) if run else slots
+    pool = tree.pool
+    for i, layer in enumerate(tree.layers()):
+        for buffer, kv in ((pool.get_key_buffer(layer), keys[i]), (pool.get_value_buffer(layer), values[i])):
+            buffer[rows] = (kv if everything else kv[live]).to(slots.device)
+
+
+def insert(tree: KVHost, reserved: Reserved) -> None:
+    """Insert the whole key (its matched part's slots, then the reserved ones) and unlock."""
+    have, live = reserved.match.device_prefix_len, reserved.live
     try:
-        slots = tree.alloc_slots(int(live.sum()))
-        if slots is None:
-            return False
-        everything = bool(live.all())
-        # a fresh or quiet pool hands out one run of slots: a plain copy, not a scatter
-        run = len(slots) > 0 and bool((slots.diff() == 1).all())
-        rows = slice(int(slots[0]), int(slots[0]) + len(slots)) if run else slots
-        for i, layer in enumerate(tree.layers()):
-            for buffer, kv in ((pool.get_key_buffer(layer), keys[i]), (pool.get_value_buffer(layer), values[i])):
-                buffer[rows] = (kv if everything else kv[live]).to(slots.device)
-        value = torch.full((n,), tree.sentinel if tree.sentinel is not None else -1, dtype=torch.int64)
-        value[live] = slots.to(torch.int64).cpu()
-        prefix = tree.path_slots(match.last_device_node)[:have].to(torch.int64)
-        held = tree.insert_path(key, torch.cat([prefix, value.to(prefix.device)]))
-        if held > have:  # cannot happen while the scheduler thread is ours; never leak
+        value = torch.full((len(live),), tree.sentinel if tree.sentinel is not None else -1, dtype=torch.int64)
+        value[live] = reserved.slots.to(torch.int64).cpu()
+        prefix = tree.path_slots(reserved.match.last_device_node)[:have].to(torch.int64)
+        held = tree.insert_path(reserved.key, torch.cat([prefix, value.to(prefix.device)]))
+        if held > have:  # another restore of the same path landed first: ours are duplicates
             tree.free_real(value[: held - have][live[: held - have]].to(prefix.device))
     finally:
-        tree.dec_lock_ref(match.last_device_node)
+        tree.dec_lock_ref(reserved.match.last_device_node)
+
+
+def release(tree: KVHost, reserved: Reserved) -> None:
+    """Give the reserved slots back unused, and unlock."""
+    tree.free_real(reserved.slots)
+    tree.dec_lock_ref(reserved.match.last_device_node)
+
+
+def place(tree: KVHost, key, match, keys, values, live: torch.Tensor | None = None) -> bool:
+    """Write keys/values [layers, n, heads, dim] for key[have:] (have = what `match` found) and insert
+    the whole key, all at once; False when no slots can be freed for them (the caller prefills
+    instead)."""
+    reserved = reserve(tree, key, match, live)
+    if reserved is None:
+        return False
+    try:
+        write(tree, reserved, keys, values)
+    except BaseException:
+        release(tree, reserved)
+        raise
+    insert(tree, reserved)
     return True
 
 

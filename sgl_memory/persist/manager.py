@@ -10,8 +10,10 @@ only the tokens from the first block the stored record does not already hold, so
 copy of its own tokens, not of the session. A writer thread encodes the copy into blocks (warm)
 and writes the file, off the request's path. At admission (`admit`, scheduler thread, before the
 request is queued) the prompt is matched against the session's path as text (textmatch.py); when
-the tree lacks part of what the prompt reuses, that part is decoded into fresh KV slots and
-inserted into the tree, so the scheduler's own prefix match finds it and prefills only the rest.
+the tree lacks part of what the prompt reuses, slots are reserved for that part, it is dequantized
+into them on a thread of its own while the request waits in the queue (unpack.py), and at a later
+scheduler step the path is inserted into the tree, so the scheduler's own prefix match finds it
+and prefills only the rest.
 
 Each session has two locks: `lock` guards its in-memory state (capture, encode, restore),
 `io` serialises its file writes and loads; different sessions proceed in parallel.
@@ -26,6 +28,7 @@ on (two servers serving one session at once) is refused and counted, never store
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -46,6 +49,7 @@ from sgl_memory.persist import textmatch
 from sgl_memory.persist.settings import AgentHints, PersistConfig
 from sgl_memory.persist.settings import parse_request as parse_agent_hints
 from sgl_memory.persist.store import ANY_NAMESPACE, CacheSpec, SessionFiles, SessionRecord, StoreError, WriteConflict
+from sgl_memory.persist.unpack import Unpacker
 from sgl_memory.core.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -110,8 +114,9 @@ class PersistTurn:
     session_id: str
     text_match: str | None = None
     restored_tokens: int = 0
-    restore_ms: float = 0.0
-    # where restore_ms went: the file (read and checked), the text match, dequantizing, the pool write
+    step_ms: float = 0.0  # the scheduler thread's time on the restore (every request waited for it)
+    off_step_ms: float = 0.0  # the unpack thread's (dequantizing and the pool write, at TP 1)
+    # where the restore's time went: the file (read and checked), the text match, dequantizing, the pool write
     parts_ms: dict[str, float] = field(default_factory=dict)
     restored_from: str | None = None
     refused: str | None = None
@@ -124,7 +129,9 @@ class PersistTurn:
 
     def metrics(self, error: str | None) -> dict:
         return {"text_match": self.text_match, "restored_tokens": self.restored_tokens,
-                "restore_ms": round(self.restore_ms, 3), "restored_from": self.restored_from,
+                "restore_ms": round(self.step_ms + self.off_step_ms, 3) if self.restored_tokens else 0.0,
+                "restore_step_ms": round(self.step_ms, 3) if self.restored_tokens else 0.0,
+                "restored_from": self.restored_from,
                 "prefetched_tokens": self.prefetched_tokens,
                 "restore_parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()} if self.restored_tokens else None,
                 "persist_refused": self.refused, "persist_error": error}  # fmt: skip
@@ -220,7 +227,7 @@ class SessionPersistence(mechanism.Mechanism):
     follows_internal = True  # an entry write or forget changes the session: its file keeps that
     # at TP > 1 each rank writes its own file; the ranks load and restore a session together or
     # not at all (rank_range in open, _load, _agree; tests/test_tp_server.py)
-    schema = mechanism.MetricsSchema(marker="text_match", summed=("restored_tokens", "restore_ms", "prefetched_tokens"), counted=("text_match",),
+    schema = mechanism.MetricsSchema(marker="text_match", summed=("restored_tokens", "restore_ms", "restore_step_ms", "prefetched_tokens"), counted=("text_match",),
                                      flagged=("persist_error", "persist_refused"))  # fmt: skip
 
     @classmethod
@@ -246,6 +253,9 @@ class SessionPersistence(mechanism.Mechanism):
         # sessions a hint says come back at a time: their KV is brought back just before (_prefetch)
         self._expected_back: dict[tuple, Session] = {}
         self._writer = Worker("sgl-memory-persist", self._write, lambda s: f"session {s.session_id!r} (tenant {s.tenant!r})")
+        # a request's restore is unpacked off the scheduler's step; at TP > 1 every rank must land a
+        # restore at the same step, so there it is unpacked in the step that places it
+        self._unpacker = Unpacker() if tree.tp_size == 1 else None
         if self.files.removed_partial:
             logger.info("session store: removed %d partial file(s) of writers that died", self.files.removed_partial)
         self._probe()
@@ -302,7 +312,7 @@ class SessionPersistence(mechanism.Mechanism):
             session = None
         if session is None:
             state.loaded = self._load(state) is not None
-        state.restore_ms = state.parts_ms["file"] = (time.perf_counter() - t0) * 1000
+        state.step_ms = state.parts_ms["file"] = (time.perf_counter() - t0) * 1000
 
     # --- eviction by next use --------------------------------------------------------------------
 
@@ -399,13 +409,11 @@ class SessionPersistence(mechanism.Mechanism):
                     plan = self._plan(req, session, state, "disk" if state.loaded else "memory")
         plan = self._agree(req, prompt, plan, state)
         if plan is not None and not self._bring_back(plan, state):
-            # restored before a later prefill batch, when the holds and the pool have room
+            # restored before a later prefill batch: unpacked by then, or when the holds and the pool have room
             self._deferred[req] = plan.source
-            DEFERRED.inc()
-        if state.restored_tokens:
-            state.restore_ms += (time.perf_counter() - t0) * 1000
-        else:
-            state.restore_ms = 0.0
+            if self._unpacker is None or not self._unpacker.running(req):
+                DEFERRED.inc()
+        state.step_ms += (time.perf_counter() - t0) * 1000
 
     def _load(self, state: PersistTurn) -> Session | None:
         """A session seen by an earlier server (or dropped from memory): its file, checked."""
@@ -521,9 +529,10 @@ class SessionPersistence(mechanism.Mechanism):
 
     def _bring_back(self, plan: Restore, state: PersistTurn, final: bool = False) -> bool:
         """Hold the request's reused prefix in the tree until it runs, restoring first what the tree
-        lacks of it. False, doing nothing, when the holds have no room for it (`_room_to_hold`) or
-        the pool has no free slots for it while requests run or are held that will free some: the
-        request then waits for its restore (before_prefill). `final`: nothing runs or is held that
+        lacks of it. False, with nothing held, when the holds have no room for it (`_room_to_hold`),
+        the pool has no free slots for it while requests run or are held that will free some, or
+        its restore was started on the unpack thread (it lands at a later step, `_land`): the
+        request then waits in the queue (before_prefill). `final`: nothing runs or is held that
         would free slots, so a request the pool has no room for is served by prefill instead."""
         tree = self.tree
         if not self._room_to_hold(plan.reuse):
@@ -532,36 +541,78 @@ class SessionPersistence(mechanism.Mechanism):
             tree.hold(plan.req, plan.match.last_device_node, plan.reuse)
             return True
         if not final and tree.room() < plan.missing:
-            return False  # checked before decoding: a request that waits for slots decodes once, when they are there
-        t0 = time.perf_counter()
+            return False  # checked before reserving: a request that waits for slots evicts nothing
         have = plan.match.device_prefix_len
-        # a record is never changed in place (a turn makes a new one), so it decodes without the session's lock
-        keys, values = self._decode(plan.record, have, plan.reuse)
-        state.parts_ms["dequantize"] = (time.perf_counter() - t0) * 1000
-        t0 = time.perf_counter()
-        live = None if plan.live is None else plan.live[have:]
-        placed = tree_fill.place(tree, plan.key, plan.match, keys, values, live)
-        state.parts_ms["pool_write"] = (time.perf_counter() - t0) * 1000
-        if not placed:
+        reserved = tree_fill.reserve(tree, plan.key, plan.match, None if plan.live is None else plan.live[have:])
+        if reserved is None:
             if not final:
                 return False  # the requests that run (or are held) will give their slots back
             logger.warning("session store: no free KV slots to restore %d tokens of session %r, and no request runs "
                            "or is held that would free some; prefilling instead", plan.missing, state.session_id)  # fmt: skip
             return True
-        tree.hold(plan.req, tree.match(plan.key).last_device_node, plan.reuse)
-        state.restored_tokens, state.restored_from = plan.missing, plan.source
+        # a record is never changed in place (a turn makes a new one): it is read without the session's lock
+        unpack = functools.partial(self._unpack, plan.record, have, plan.reuse, reserved)
+        if self._unpacker is not None and not final:
+            self._unpacker.start(plan.req, plan.reuse, (plan, reserved), unpack)
+            return False
+        try:
+            state.parts_ms.update(unpack())
+        except BaseException:
+            tree_fill.release(tree, reserved)
+            raise
+        self._landed(plan, reserved, state)
         return True
+
+    def _unpack(self, record: SessionRecord, start: int, stop: int, reserved: tree_fill.Reserved) -> dict[str, float]:
+        """Dequantize the record's positions [start, stop) into the reserved slots; the time of each part."""
+        t0 = time.perf_counter()
+        keys, values = self._decode(record, start, stop)
+        t1 = time.perf_counter()
+        tree_fill.write(self.tree, reserved, keys, values)
+        return {"dequantize": (t1 - t0) * 1000, "pool_write": (time.perf_counter() - t1) * 1000}
+
+    def _landed(self, plan: Restore, reserved: tree_fill.Reserved, state: PersistTurn) -> None:
+        """The restored path goes into the tree, held for its request."""
+        tree_fill.insert(self.tree, reserved)
+        self.tree.hold(plan.req, self.tree.match(plan.key).last_device_node, plan.reuse)
+        state.restored_tokens, state.restored_from = plan.missing, plan.source
+
+    def _land(self) -> None:
+        """Insert the restores the unpack thread finished into the tree, each held for its request,
+        whatever their requests' places in the queue: a finished restore's slots are the pool's
+        again only through the tree. A restore that failed gives its slots back; its request is
+        served by prefill."""
+        for job in self._unpacker.finished():
+            plan, reserved = job.context
+            state = TURNS.get(job.owner)
+            self._deferred.pop(job.owner, None)
+            try:
+                parts = job.future.result()
+            except Exception:
+                logger.exception("session store: restoring session %r failed; prefilling instead",
+                                 state.session_id if state is not None else None)  # fmt: skip
+                tree_fill.release(self.tree, reserved)
+                continue
+            t0 = time.perf_counter()
+            self._landed(plan, reserved, state)
+            state.parts_ms.update(parts)
+            state.off_step_ms += sum(parts.values())
+            state.step_ms += (time.perf_counter() - t0) * 1000
 
     def _room_to_hold(self, tokens: int) -> bool:
         """Whether the holds take `tokens` more: within `hold_fraction` of the pool, or nothing is
-        held (the first request waiting is never turned away)."""
-        held = self.tree.held_tokens()
+        held (the first request waiting is never turned away). A restore being unpacked counts as
+        held: it is, as soon as it lands."""
+        held = self.tree.held_tokens() + (self._unpacker.tokens() if self._unpacker is not None else 0)
         return not held or held + tokens <= self.config.hold_fraction * self.tree.pool_tokens
 
     def before_prefill(self, scheduler, waiting: list, running: bool) -> list:
-        """Restore the deferred requests' KV, in the order they came, while the holds have room;
-        the rest wait out of this batch (so the scheduler does not prefill their histories). Then
-        bring back the sessions expected back about now (prefetch)."""
+        """Land the restores unpacked since the last step; restore the deferred requests' KV, in
+        the order they came, while the holds have room; the rest, and those being unpacked, wait
+        out of this batch (so the scheduler does not prefill their histories). Then bring back the
+        sessions expected back about now (prefetch)."""
+        if self._unpacker is not None:
+            self._land()
         if self._expected_back:
             self._prefetch()
         if not self._deferred:
@@ -570,7 +621,10 @@ class SessionPersistence(mechanism.Mechanism):
         for req in list(self._deferred):
             state = TURNS.get(req)
             if req not in queued or req.finished() or state is None:
-                self._deferred.pop(req, None)  # aborted, or it left the queue another way
+                self._forget(req)  # aborted, or it left the queue another way
+                continue
+            if self._unpacker is not None and self._unpacker.running(req):
+                back.append(req)
                 continue
             if back or not self._room_to_hold(state.reuse):  # checked before any file is read
                 back.append(req)  # in arrival order: none is restored past one still waiting
@@ -585,8 +639,7 @@ class SessionPersistence(mechanism.Mechanism):
                 back.append(req)  # no free slots yet
                 continue
             self._deferred.pop(req)
-            if state.restored_tokens:
-                state.restore_ms += (time.perf_counter() - t0) * 1000
+            state.step_ms += (time.perf_counter() - t0) * 1000
         return back
 
     def _prefetch(self) -> None:
@@ -635,7 +688,14 @@ class SessionPersistence(mechanism.Mechanism):
     # --- release: capture the turn, write it off the request's path ------------------------------
 
     def on_drop(self, req) -> None:
+        self._forget(req)
+
+    def _forget(self, req) -> None:
+        """The request left the queue: a restore being unpacked for it ends and gives its slots back."""
         self._deferred.pop(req, None)
+        job = self._unpacker.abandon(req) if self._unpacker is not None else None
+        if job is not None:
+            tree_fill.release(self.tree, job.context[1])
 
     def on_release(self, req) -> None:
         """Capture the turn: the KV of the request's path that the stored record lacks, off the pool
@@ -643,7 +703,7 @@ class SessionPersistence(mechanism.Mechanism):
         state: PersistTurn | None = TURNS.get(req)
         if state is None:
             return
-        self._deferred.pop(req, None)
+        self._forget(req)
         session = self._session(state.tenant, state.session_id, create=True)
         metrics.attach(req, state.metrics(session.error))
         if not state.reads_only:
@@ -776,5 +836,6 @@ class SessionPersistence(mechanism.Mechanism):
                     "expected_back_s": round(when - now, 3) if when is not None and math.isfinite(when) else None}  # fmt: skip
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every captured turn is written (flush_cache calls this before it empties the tree)."""
-        return self._writer.drain(timeout)
+        """Wait until every captured turn is written and every restore started is unpacked
+        (flush_cache calls this before it empties the tree)."""
+        return self._writer.drain(timeout) and (self._unpacker is None or self._unpacker.settle(timeout))
