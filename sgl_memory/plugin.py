@@ -117,6 +117,9 @@ def register_backends() -> None:
 
 
 def load() -> None:
+    from sgl_memory.engine import startup
+
+    startup.quiet_import_errors()  # before SGLang's model registry is imported in this process
     specs = manifest()
     if _is_main_process():
         try:

@@ -38,8 +38,16 @@ def test_required_tool_call_fills_the_schema(qwen):
     assert isinstance(args, dict) and "paris" in args.get("city", "").lower()
 
 
-def test_launcher_chose_the_qwen_tool_parser(qwen):
-    assert "--tool-call-parser qwen25" in qwen.log()
+def test_launcher_chose_the_qwen_tool_parser_and_the_start_up_is_clean(qwen):
+    log = qwen.log()
+    assert "--tool-call-parser qwen " in log and "The tool_call_parser" not in log  # not a deprecated name
+    # a normal start: no traceback (SGLang's freeze_gc under --skip-server-warmup), no warnings of
+    # GPU-only modules, no stacked-hook warning; one banner line names what is served, before ready
+    for noise in ("Traceback", "freeze_gc failed", "Only CUDA", "Multiple AROUND hooks", "Ignore import error"):
+        assert noise not in log, noise
+    banner = next(line for line in log.splitlines() if "sgl-memory: serving" in line)
+    assert "qwen2.5-coder-0.5b-instruct" in banner and " at http://" in banner and "mechanisms:" in banner
+    assert log.index("sgl-memory: serving") < log.index("ready to roll")
 
 
 TOUCH = {

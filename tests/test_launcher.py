@@ -43,7 +43,7 @@ def test_cpu_defaults_and_our_backend(fake_model):
     assert flag_value(argv, "--radix-cache-backend") == "sgl_memory"
     assert flag_value(argv, "--device") == "cpu"
     assert flag_value(argv, "--attention-backend") == "sgl_memory_cpu"
-    assert flag_value(argv, "--tool-call-parser") == "qwen25"  # the default model is a Qwen
+    assert flag_value(argv, "--tool-call-parser") == "qwen"  # the default model is a Qwen
     assert "--disable-overlap-schedule" in argv and "--skip-server-warmup" in argv and "--sleep-on-idle" in argv
     assert flag_value(argv, "--cuda-graph-backend-decode") == "disabled"
     tokens = int(flag_value(argv, "--max-total-tokens"))

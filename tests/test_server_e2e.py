@@ -161,7 +161,7 @@ def test_the_server_reports_the_dtype_it_runs_in(plain_server):
     """/sgl_memory/info and the start-up log name the launcher's choice, and SGLang runs in it."""
     info = plain_server.get("/sgl_memory/info").json()["dtype"]
     assert info["dtype"] == SERVER_DTYPE and info["kv_cache_dtype"] == SERVER_DTYPE and info["reason"]
-    assert plain_server.get("/get_server_info").json()["dtype"] == SERVER_DTYPE
+    assert plain_server.get("/server_info").json()["dtype"] == SERVER_DTYPE
     assert f"sgl-memory: compute dtype {SERVER_DTYPE}, KV cache {SERVER_DTYPE} ({info['source']}: " in plain_server.log()
 
 
@@ -179,7 +179,7 @@ def test_a_cpu_without_bf16_hardware_serves_in_float32_by_itself(fp32_server):
     assert (info["dtype"], info["kv_cache_dtype"], info["source"], info["cpu_capability"]) == ("float32", "float32", "auto", "AVX2")
     assert "bf16 would convert through float32" in info["reason"]
     assert "sgl-memory: compute dtype float32, KV cache float32 (auto: " in srv.log()
-    assert srv.get("/get_server_info").json()["dtype"] == "float32"
+    assert srv.get("/server_info").json()["dtype"] == "float32"
     body = {"input_ids": prompt, "sampling_params": GREEDY, "return_logprob": True}
     out = srv.post("/generate", body).json()
     assert "Paris" in out["text"]

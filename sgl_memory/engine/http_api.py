@@ -31,6 +31,7 @@ from sgl_memory.core import mechanism, prometheus
 from sgl_memory.core.config import MemoryConfig, SessionSources, from_env
 from sgl_memory.core.request import FIELD, SpecError, check_id, check_served, encode, parse
 from sgl_memory.core.metrics import STATS
+from sgl_memory.engine import front
 from sgl_memory.engine.front import TokenizerEngine
 from sgl_memory.engine.hooks import SESSIONS_KEY
 
@@ -380,15 +381,17 @@ def refuse_unservable_input(manager, obj, input_ids, *args, **kwargs):
 MALFORMED = (TypeError, IndexError, KeyError, AttributeError)
 
 
-async def malformed_is_a_400(original, manager, obj, request=None):
-    """AROUND hook on TokenizerManager.generate_request (outside engine/front.py's). Until the
-    first output comes back, the request is being normalised, tokenised and validated: a shape of
-    input SGLang's code does not expect (an empty list of sampling params, a list where an object
-    goes) then surfaces as a TypeError, IndexError, KeyError or AttributeError, which SGLang answers
-    with a 500. It is the client's error: a ValueError, which SGLang answers with a 400."""
+async def generate_hook(original, manager, obj, request=None):
+    """AROUND hook on TokenizerManager.generate_request: the mechanisms' look at the request
+    (engine/front.py's generate_hook), inside one rule for what goes wrong. Until the first output
+    comes back, the request is being normalised, tokenised and validated: a shape of input SGLang's
+    code does not expect (an empty list of sampling params, a list where an object goes) then
+    surfaces as a TypeError, IndexError, KeyError or AttributeError, which SGLang answers with a
+    500. It is the client's error: a ValueError, which SGLang answers with a 400. (One hook, not
+    two on one target: SGLang warns at every start that stacked AROUND hooks may skip each other.)"""
     started = False
     try:
-        async for out in original(manager, obj, request):
+        async for out in front.generate_hook(original, manager, obj, request):
             started = True
             yield out
     except MALFORMED as exc:
