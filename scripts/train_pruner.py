@@ -50,7 +50,7 @@ from bench import harness  # noqa: E402
 from sgl_memory.intent.head import HeadShape, PrunerHead, backbone_spec  # noqa: E402
 
 FAMILIES = ("bfcl", "bcp", "textworld", "locomo")
-BUDGET = {"bfcl": 64, "bcp": 512, "textworld": 256, "locomo": 1024}  # history budgets of the README's fidelity tables
+BUDGET = {"bfcl": 64, "bcp": 512, "textworld": 256, "locomo": 1024}  # history budgets of the fidelity tables (docs/intent.md)
 LOOKAHEAD = 5  # a point's labels: the values of its next five gold actions (itself included)
 
 

@@ -91,19 +91,19 @@ def test_a_declared_conflict_is_refused_where_the_tree_is_built(tmp_path, monkey
 
 
 def scale_matrix() -> dict[str, tuple[bool, bool]]:
-    """The README's table of what each mechanism refuses: name -> (page size > 1, TP > 1)."""
+    """The deployment docs' table of what each mechanism refuses: name -> (page size > 1, TP > 1)."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("### Tensor parallelism and page size", 1)[1].split("\n#", 1)[0]
+    text = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text()
+    section = text.split("## Tensor parallelism and page size", 1)[1].split("\n#", 1)[0]
     rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| `")]
     return {name.strip(" `"): (page.strip().startswith("refused"), tp.strip().startswith("refused")) for name, page, tp in rows}
 
 
 @pytest.mark.parametrize("tp_size, page_size", [(2, 1), (1, 16), (2, 16)])
 def test_a_mechanism_not_correct_at_a_tp_or_page_size_stops_start_up_with_its_reason(tmp_path, tp_size, page_size):
-    """Each mechanism alone: start-up refuses TP 2 or page size 16 exactly where the README's
-    table says it does, naming the mechanism; the tree's constructor refuses it too."""
+    """Each mechanism alone: start-up refuses TP 2 or page size 16 exactly where the deployment
+    docs' table says it does, naming the mechanism; the tree's constructor refuses it too."""
     from types import SimpleNamespace
 
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams

@@ -3,7 +3,7 @@ the selectors, the scorers (the learned head's inputs come off the GPU), key re-
 
 Each check computes the same thing from the same inputs on the host (float64 or the CPU path the
 rest of the suite verifies) and on a CUDA device. Skipped where there is no CUDA device: this
-machine's CI has none, so they run when a session is lent one (see README "GPU checks")."""
+machine's CI has none, so they run when a session is lent one (see "GPU checks" in docs/testing.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The package's layer rule, read from the source's import statements (see the README's layer table):
+"""The package's layer rule, read from the source's import statements (see the layer table in docs/architecture.md):
 
 - core/ (the floor) imports nothing of sgl-memory but itself, and no SGLang;
 - a mechanism package imports only core/ (and itself), and no SGLang;

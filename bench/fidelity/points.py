@@ -221,7 +221,7 @@ SOURCES = {"bfcl": bfcl, "bcp": bcp, "locomo": locomo, "textworld": textworld}
 
 def add_size_options(ap) -> None:
     """The options that size each workload's trajectories (bench/fidelity's and
-    scripts/train_pruner's), with the sizes of the README's fidelity tables as defaults."""
+    scripts/train_pruner's), with the sizes of the fidelity tables (docs/intent.md) as defaults."""
     ap.add_argument("--bfcl-per-category", type=int, default=30)
     ap.add_argument("--bcp-questions", type=int, default=14, help="per LoCoMo dev conversation (about 3.2 points each)")
     ap.add_argument("--locomo-conversations", type=int, nargs="+", default=[0, 1, 2])

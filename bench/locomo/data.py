@@ -42,7 +42,7 @@ class Question:
 def load(path: Path = DATA) -> list[dict]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"the LoCoMo development conversations are not at {path}: set SGLMEMORY_LOCOMO to their "
-                                "locomo_dev7.json (see the README, 'Outside the repository')")  # fmt: skip
+                                "locomo_dev7.json (see the README, 'Data outside the repository')")  # fmt: skip
     return json.loads(Path(path).read_text())
 
 

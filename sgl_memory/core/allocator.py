@@ -6,7 +6,7 @@ on free. By default the threshold is dynamic: freeing such a chunk raises it to 
 where freed memory mostly stays with the process. KV memory makes and frees such blocks all the
 time (a block's keys and values, 100 KB to 1 MB each; pools dropped and rebuilt under
 `memory.pool_bytes`), and the scheduler's RSS kept climbing with the pools at their cap. Setting
-the threshold explicitly turns the adjustment off. Measured by `scripts/soak.py` (README "Soak").
+the threshold explicitly turns the adjustment off. Measured by `scripts/soak.py` (docs/security.md).
 """
 
 from __future__ import annotations

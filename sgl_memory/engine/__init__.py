@@ -1,1 +1,1 @@
-"""The engine: the one part of sgl-memory that touches SGLang internals (see the README's layer table)."""
+"""The engine: the one part of sgl-memory that touches SGLang internals (see the layer table in docs/architecture.md)."""

@@ -114,7 +114,7 @@ def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
 @register
 class MemoryPoolScorer(Scorer):
     """The QueryMemory rule's scores max-pooled along positions (`kernel`); the server's default
-    (bench/fidelity, README: ahead of the rule as published on BFCL, TextWorld and the BCP-shaped
+    (bench/fidelity, docs/intent.md: ahead of the rule as published on BFCL, TextWorld and the BCP-shaped
     workload, not separated from it on LoCoMo)."""
 
     name = "memory_pool"
