@@ -9,6 +9,7 @@ real server's answers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import re
 from pathlib import Path
@@ -63,6 +64,27 @@ def test_the_docs_site_builds_strict(tmp_path):
     run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_every_config_key_has_its_line_and_the_reference_matches_the_code():
+    """docs/configuration-reference.md is what the settings dataclasses say now: a key without a
+    line of meaning, or a default, bound or key changed in the code but not regenerated, fails."""
+    from sgl_memory import config_reference
+
+    unsaid = [f"{name}.{k.name}" for name, (_, keys) in config_reference.sections().items() for k in keys if not k.meaning]
+    assert not unsaid, f"config keys without a line of meaning (a comment beside or above the field): {unsaid}"
+    committed = config_reference.OUT.read_text()
+    assert committed == config_reference.render(), "run: python -m sgl_memory.config_reference"
+    # read back independently of the generator: each section's row of each field shows the
+    # dataclass's own default
+    from sgl_memory.core import mechanism
+
+    for cls in mechanism.ordered():
+        part = committed.split(f"## `{cls.name}`", 1)[1].split("\n## ", 1)[0]
+        rows = {cells[0].strip("| `"): cells[2].strip() for cells in (line.split(" | ") for line in part.splitlines() if line.startswith("| `"))}
+        for f in dataclasses.fields(cls.settings):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            assert rows[f.name] == (f"`{str(default).lower()}`" if isinstance(default, bool) else f"`{default!r}`"), (cls.name, f.name)
 
 
 def readme_example() -> str:

@@ -16,7 +16,7 @@ from sgl_memory.core.spans import RoleFamily
 class IntentConfig:
     """Cross-turn intent pruning (IntentKV): see sgl_memory/intent/README.md."""
 
-    enabled: bool = False
+    enabled: bool = False  # a request whose live prompt exceeds the budget is pruned after its prefill
     budget: int = 2048  # prompt positions kept live per request after its prefill (see budget_mode)
     # total: the budget counts the forced set (system prefix, latest message) too; history: it
     # counts only the compressible history between them, the forced set is kept on top (IntentKV's
@@ -24,14 +24,17 @@ class IntentConfig:
     # adaptive: a history budget per session that follows it (intent/sessions.py AdaptiveBudget),
     # starting at `budget`, within [budget_floor, budget_ceiling]
     budget_mode: Literal["total", "history", "adaptive"] = "total"
-    budget_floor: int = 128
-    budget_ceiling: int = 8192
+    budget_floor: int = 128  # the least an adaptive budget shrinks to
+    budget_ceiling: int = 8192  # the most an adaptive budget grows to
     grow_at: float = 0.3  # the scorer's mass on the candidates left out above which the budget grows
     shrink_at: float = 0.9  # the share of the last event's kept history kept again above which it shrinks
     budget_step: float = 1.25  # the factor of one change
     # forced: the system prompt (an agent's tool docs sit there) always stays live; compressible: it
     # competes with the history for the budget, only the latest message is forced
     system_prompt: Literal["forced", "compressible"] = "forced"
+    # which history positions stay live: the QueryMemory rule max-pooled over `kernel` positions
+    # (memory_pool), as published (memory), this turn's query alone (query), the rule plus the learned
+    # head (learned), or a baseline (streaming_llm, snapkv, h2o, random)
     scorer: Literal["memory", "memory_pool", "query", "learned", "streaming_llm", "snapkv", "h2o", "random"] = "memory_pool"
     # learned (Phase 2, intent/head.py): the head's safetensors file; "" = the head shipped for the
     # served model (sgl_memory/intent/heads/), if there is one
@@ -40,6 +43,8 @@ class IntentConfig:
     # training data: every compression event of scorer learned writes the head's inputs and the
     # prompt's tokens there, one safetensors file per request (scripts/train_pruner.py reads them)
     trace_dir: str = ""
+    # dead_slot: pruned positions point at a sentinel slot and the pruned path stays reusable in the
+    # radix tree; compact: kept KV re-packed and re-rotated (the published baselines' path, no reuse)
     layout: Literal["dead_slot", "compact"] = "dead_slot"
     decay: float = 0.9  # QueryMemory EMA weight of the past
     session_capacity: int = 1024  # QueryMemory entries kept (LRU)

@@ -17,12 +17,12 @@ class KeepConfig:
     """Recomputation of the placed memory blocks that matter (KEEP, and CacheBlend as its baseline):
     see sgl_memory/keep/README.md."""
 
-    enabled: bool = False
+    enabled: bool = False  # allow memory.recompute keep / cacheblend (a request or the memory section asks for them)
     # share of the placed segments (keep) or tokens (cacheblend) recomputed at layer 1; layer 0
     # recomputes all of them, and layer l the share ratio ** (1 + decay * (l - 1) / (layers - 2)),
     # each layer's set inside the one before (a row dropped at a layer has no hidden state after it)
     ratio: float = 0.3
-    decay: float = 0.5
+    decay: float = 0.5  # how fast the recomputed share shrinks with depth (in the ratio formula above)
     hops: int = 4  # importance propagation rounds of keep (1: the new turn's attention alone)
     # drop the rows no later layer recomputes from the hidden states (the speed-up, on backends that
     # attend a row layout); false: write the placed KV over them at full cost (the same attention)

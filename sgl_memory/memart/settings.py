@@ -15,13 +15,15 @@ from sgl_memory.core.spans import RoleFamily
 class MemArtConfig:
     """KV memory blocks retrieved per request (MemArt): see sgl_memory/memart/README.md."""
 
-    enabled: bool = False
-    block_size: int = 16
+    enabled: bool = False  # record sessions' turns into their memory pools and serve memory-mode requests
+    block_size: int = 16  # tokens per memory block (with cut: lines a block also ends at a line end)
     top_k: int = 1024  # ranked blocks considered; placed_tokens decides what is placed
-    norm: Literal["softmax", "rr"] = "softmax"
-    agg: Literal["sum", "max"] = "max"
+    norm: Literal["softmax", "rr"] = "softmax"  # each query token's block scores normalised: softmax, or reciprocal rank (rr)
+    agg: Literal["sum", "max"] = "max"  # a block's score over the query tokens: their sum or their max
     capacity_blocks: int = 4096  # per session; beyond it the eviction policy drops (or merges) blocks
     pool_bytes: int = 4 << 30  # host memory of all sessions' pools; least recently used sessions go first
+    # past capacity_blocks: drop the least recently retrieved (lru) or oldest (fifo) block, or merge
+    # the neighbouring pair that stands for the fewest session tokens into one (merge)
     eviction: Literal["lru", "fifo", "merge"] = "lru"
     scoring: Literal["exact", "aabb"] = "exact"  # a block's logit: its best key's, or the AABB bound
     score_layers: float = 0.5  # the share of layers, from the first, whose queries score blocks
@@ -45,8 +47,8 @@ class MemArtConfig:
     # MiniLM sentence embeddings (an entry joins the nearest group at cosine >= group_threshold); a
     # group unchanged for static_after writes gets a joint KV and is retrieved as one unit
     groups: bool = True
-    group_threshold: float = 0.4
-    static_after: int = 3
+    group_threshold: float = 0.4  # the cosine at which an entry joins the nearest group
+    static_after: int = 3  # writes a group stays unchanged before it gets a joint KV
     # a full-history session request (no `memory` object) whose history is longer than this many
     # tokens is served in memory mode: its last `window` tokens of messages stay in the prompt, the
     # older turns come back from the session's memory (memart/window.py); 0: off

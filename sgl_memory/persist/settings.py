@@ -16,8 +16,8 @@ MAX_HINT_MS = 24 * 3600 * 1000  # a day: the longest tool duration or keep-for a
 class PersistConfig:
     """Per-session persistent KV store: see sgl_memory/persist/README.md."""
 
-    enabled: bool = False
-    dir: str = "~/.cache/sgl-memory/sessions"
+    enabled: bool = False  # store sessions' KV and restore it when the tree lacks it (sessions named by an id)
+    dir: str = "~/.cache/sgl-memory/sessions"  # the session store: one folder per model, one head file and its chunks per session
     # q8 by default: a Q4 restore changed half of the session's greedy answers (bench/persist_restart);
     # bf16 / fp32: unquantized (the pool's dtype: exact)
     quant: Literal["q4", "q8", "bf16", "fp32"] = "q8"

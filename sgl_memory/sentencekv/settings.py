@@ -23,7 +23,7 @@ class SentenceKVConfig:
     sgl_memory/sentencekv/README.md. The paper's values where it gives them (budget, keep_factor,
     window); the others are ours, said so below."""
 
-    enabled: bool = False
+    enabled: bool = False  # decode steps read retrieved sentences instead of every prompt position
     # tau: the most prompt tokens a decode step reads from the retrieved sentences (paper: 1024)
     budget: int = 1024
     # r: the prefill keeps the ceil(r * budget) highest-scoring prompt tokens as the semantic pool
@@ -33,12 +33,12 @@ class SentenceKVConfig:
     # always read, besides the window itself: the first tokens (attention sinks) and the prompt's
     # last `recent` rows (ours: the paper leaves both unsaid; 4 sinks as StreamingLLM, the window)
     sinks: int = 4
-    recent: int = 32
+    recent: int = 32  # the prompt's last rows always read (see sinks)
     # ours: also always read the prompt's first message when it is a system message (an agent's tool
     # schemas and call format, which a decode step's retrieval may not bring back), found by the
     # chat template's role markers of the `roles` family
     system: bool = False
-    roles: RoleFamily = "chatml"
+    roles: RoleFamily = "chatml"  # the chat template family whose role markers find the system message
     max_sentence: int = 64  # a sentence longer than this is cut into pieces of it (ours: the paper has no cap)
     # the tokens whose text ends a sentence (a trailing space ignored): ours, the paper names
     # periods and question marks
@@ -48,7 +48,7 @@ class SentenceKVConfig:
     # (every prompt token stays readable), pages of `page_size` positions instead of sentences,
     # scored by the step's own query against each page's element-wise key bounds (Tang et al.)
     selection: Literal["sentence", "page"] = "sentence"
-    page_size: int = 16
+    page_size: int = 16  # positions per page of selection: page
 
     def validate(self, path: str) -> None:
         require(1 <= self.budget <= MAX_BUDGET, f"{path}.budget", f"an integer in [1, {MAX_BUDGET}]")

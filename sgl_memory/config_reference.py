@@ -1,0 +1,193 @@
+"""The configuration reference (docs/configuration-reference.md), generated from the code it
+describes: each registered mechanism's settings dataclass gives the keys, their types and defaults
+and, from the comment beside or above each field, its meaning; `validate()` gives the bounds it
+enforces; the mechanism's request part gives the keys a request may override.
+
+    python -m sgl_memory.config_reference            # rewrite docs/configuration-reference.md
+    python -m sgl_memory.config_reference --check    # exit 1 if the file differs from the code
+
+tests/test_docs.py fails when a key has no line of meaning or the committed file is stale.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import io
+import sys
+import textwrap
+import tokenize
+import typing
+from pathlib import Path
+
+from sgl_memory.core import mechanism
+from sgl_memory.core.config import SessionSources
+from sgl_memory.core.request import FIELD, RequestPart
+
+OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration-reference.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    name: str
+    type: str
+    default: str
+    allowed: str  # choices or bounds; "" when any value of the type is accepted
+    request: str  # where a request overrides it ("" when it cannot)
+    meaning: str
+
+
+def meanings(cls: type) -> dict[str, str]:
+    """Each field's comment: the one on its line, else the comment lines right above it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT and "fmt:" not in tok.string:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    out = {}
+    for node in ast.parse(source).body[0].body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        text = comments.get(node.lineno) if not lines[node.lineno - 1].lstrip().startswith("#") else None
+        if text is None:
+            above, row = [], node.lineno - 1
+            while row in comments and lines[row - 1].lstrip().startswith("#"):
+                above.insert(0, comments[row])
+                row -= 1
+            text = " ".join(above)
+        out[node.target.id] = text
+    return out
+
+
+def _literal_text(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):  # an f-string: its text with each {expression} shown by its source
+        return "".join(v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}" for v in node.values)
+    return None
+
+
+def bounds(cls: type) -> dict[str, str]:
+    """What `validate()` requires of each key: the `allowed` text of its `require` calls (a loop
+    over names gives each of them the same text)."""
+    if "validate" not in vars(cls):
+        return {}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.validate)))
+    module_globals = vars(sys.modules[cls.__module__])
+    out: dict[str, str] = {}
+
+    def visit(node, loop_names=()):
+        if isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple):
+            names = tuple(e.value for e in node.iter.elts if isinstance(e, ast.Constant))
+            for child in node.body:
+                visit(child, names)
+            return
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "require" and len(node.args) == 3:
+            key, allowed = _literal_text(node.args[1]), _literal_text(node.args[2])
+            if key is not None and allowed is not None:
+                for name, value in module_globals.items():  # module constants named in the text
+                    if isinstance(value, (int, float)) and "{" + name + "}" in allowed:
+                        allowed = allowed.replace("{" + name + "}", str(value))
+                for part in key.split(".", 1)[1].split(" / ") if "." in key else ():
+                    for name in loop_names if part == "{name}" else (part,):
+                        out[name] = allowed
+        for child in ast.iter_child_nodes(node):
+            visit(child, loop_names)
+
+    visit(tree)
+    return out
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "string"
+    if tp is bool:
+        return "bool"
+    if tp in (int, float, str):
+        return {int: "integer", float: "number", str: "string"}[tp]
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _allowed(tp, bound: str) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return ", ".join(f"`{v}`" for v in typing.get_args(tp))
+    alias = getattr(tp, "__value__", None)  # a `type X = Literal[...]` alias (RoleFamily)
+    if alias is not None and typing.get_origin(alias) is typing.Literal:
+        return ", ".join(f"`{v}`" for v in typing.get_args(alias))
+    return bound
+
+
+def request_paths(cls: type[mechanism.Mechanism]) -> dict[str, str]:
+    """Config keys a request may override, and where in the `sgl_memory` field: the request part's
+    fields that are also the section's, at the top level of the field when the mechanism reads them
+    there, else in the mechanism's own object."""
+    module = sys.modules[cls.settings.__module__]
+    parts = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, RequestPart) and c is not RequestPart]
+    keys = {f.name for f in dataclasses.fields(cls.settings)}
+    out = {}
+    for part in parts:
+        for f in dataclasses.fields(part):
+            if f.name in keys:
+                at = f.name if f.name in cls.fields else f"{cls.fields[0]}.{f.name}" if len(cls.fields) == 1 else None
+                if at is not None:
+                    out[f.name] = f"`{FIELD}.{at}`"
+    return out
+
+
+def section(settings: type, requests: dict[str, str]) -> list[Key]:
+    hints = typing.get_type_hints(settings)
+    said, bound = meanings(settings), bounds(settings)
+    keys = []
+    for f in dataclasses.fields(settings):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        keys.append(Key(f.name, _type_name(hints[f.name]), f"`{default!r}`" if not isinstance(default, bool) else f"`{str(default).lower()}`",
+                        _allowed(hints[f.name], bound.get(f.name, "")), requests.get(f.name, ""), said.get(f.name, "")))  # fmt: skip
+    return keys
+
+
+def sections() -> dict[str, tuple[str, list[Key]]]:
+    """Section name -> (what it configures, its keys), in the mechanisms' order, then `sessions`."""
+    mechanism.discover()
+    out = {}
+    for cls in mechanism.ordered():
+        doc = (cls.settings.__doc__ or "").strip().splitlines()[0]
+        out[cls.name] = (doc, section(cls.settings, request_paths(cls)))
+    out["sessions"] = ((SessionSources.__doc__ or "").strip().replace("\n    ", " "), section(SessionSources, {}))
+    return out
+
+
+def render() -> str:
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the code by `python -m sgl_memory.config_reference` (do not edit by hand;",
+        "`tests/test_docs.py` fails when this page and the code differ). How the file is loaded and",
+        "checked: [configuration](configuration.md). Every key is optional; a section left out takes",
+        "these defaults.",
+        "",
+    ]
+    for name, (doc, keys) in sections().items():
+        lines += [f"## `{name}`", "", doc, "", "| key | type | default | allowed | per request | meaning |", "|---|---|---|---|---|---|"]
+        for k in keys:
+            cells = [f"`{k.name}`", k.type, k.default, k.allowed, k.request, k.meaning]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} differs from the code: run python -m sgl_memory.config_reference", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(OUT)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
