@@ -103,4 +103,6 @@ def test_the_readme_first_agent_runs_as_written(all_server):
         exec(compile(code, "README.md", "exec"), {})
     first, second = out.getvalue().strip().splitlines()
     assert "'text_match': None" in first  # a new session
-    assert "'text_match': 'extend'" in second or "'text_match': 'exact'" in second  # the same session, recognised by the header
+    # the same session, recognised by the header alone: its stored path matched (a sampled answer
+    # that re-tokenizes differently diverges from it, still the session's)
+    assert any(f"'text_match': '{outcome}'" in second for outcome in ("exact", "extend", "diverge"))
