@@ -32,8 +32,9 @@ pause, `done` on a session's last step).
 
 Per run: job completion time (the first request sent to the last answer), TTFT per request (p50,
 p99), tokens prefilled (prompt minus cached, summed) over the ideal (the distinct token prefixes of
-every request: a shared system prompt counts once), tokens restored from the store and the restores' time, all of it and the scheduler step's part (ours), requests
-that failed and requests slower than `--stall-s`. Intervals: 95% bootstrap over seeds.
+every request: a shared system prompt counts once), tokens restored from the store and the
+restores' time, all of it and the scheduler step's part (ours), requests that failed and requests
+slower than `--stall-s`. Intervals: 95% bootstrap over seeds.
 Writes bench/results/many_agents.json and .png.
 
     .venv/bin/python -m bench.many_agents --quick          (two methods, 1x and 4x, one seed: ~10 min here)

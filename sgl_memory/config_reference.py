@@ -113,9 +113,6 @@ def _type_name(tp) -> str:
 def _allowed(tp, bound: str) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return ", ".join(f"`{v}`" for v in typing.get_args(tp))
-    alias = getattr(tp, "__value__", None)  # a `type X = Literal[...]` alias (RoleFamily)
-    if alias is not None and typing.get_origin(alias) is typing.Literal:
-        return ", ".join(f"`{v}`" for v in typing.get_args(alias))
     return bound
 
 

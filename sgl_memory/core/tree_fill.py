@@ -67,9 +67,6 @@ class Reserved:
     slots: torch.Tensor  # one per live position
     live: torch.Tensor  # [len(key) - have] bool
 
-    def tokens(self) -> int:
-        return len(self.live)
-
 
 def reserve(tree: KVHost, key, match, live: torch.Tensor | None = None) -> Reserved | None:
     """Slots for key[have:] (have = what `match` found), evicting if needed; None when no slots
