@@ -122,7 +122,9 @@ def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple
 
 
 def ours(model: str, *flags: str) -> tuple[list[str], None]:
-    return harness.our_command(model, *flags), None
+    """Our server with every mechanism off (`--plain`: persistence is on by default): what the
+    plugin costs by itself."""
+    return harness.our_command(model, "--plain", *flags), None
 
 
 FULL_BUDGET = 1 << 30  # a budget no request reaches: our server's full cache

@@ -15,8 +15,8 @@ interval over the turns, and over the turns after the first (with persistence th
 runs while the store writes the whole history the cold turn left). Side by side, in one run:
 
 - plain SGLang (torch_native, its CPU default): its own prompt encode (the whole prompt each turn);
-- ours, no memory config: the chat prompt encoded in pieces, earlier messages from SGLang's segment
-  cache (engine/prompt_encode.py);
+- ours, `--plain` (no mechanism): the chat prompt encoded in pieces, earlier messages from SGLang's
+  segment cache (engine/prompt_encode.py);
 - ours with persistence on (Q8 store): what a persistent session adds per turn.
 
 And the store's own write of a turn at the longest length (no server; the model's KV shape, Q8):
@@ -134,7 +134,7 @@ def servers(model: str, work: Path) -> dict:
     plain, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native", POOL_TOKENS), "--enable-cache-report", "--enable-metrics")
     return {
         "plain-sglang": (plain, env, None),
-        "ours": (harness.our_command(model, *pool), None, None),
+        "ours": (harness.our_command(model, *pool, "--plain"), None, None),
         "ours-persist-q8": (harness.our_command(model, *pool, "--memory-config", str(store_config(work, "q8"))), None, {}),
     }
 

@@ -90,7 +90,8 @@ def config(method: str, budget: int, store: Path, capacity: int) -> str:
         "persist": f"persist:\n  enabled: true\n  dir: {store}\n",
     }
     names = ["intent", "persist", "memory"] if method.startswith("all") else [method]
-    return "".join(sections[n] for n in names)
+    # persistence is on by default: intent and memory alone run without it
+    return "".join(sections[n] for n in names) + ("" if "persist" in names else "persist:\n  enabled: false\n")
 
 
 def start(method: str, model: str, work: Path, budget: int, capacity: int):

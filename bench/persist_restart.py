@@ -386,7 +386,7 @@ def main() -> None:
             if step.startswith("store-"):
                 result["ttft"][step] = run_store(args.model, step[6:], sessions, work, answers)
             elif step == "ours-cold":
-                cmd = harness.our_command(args.model)
+                cmd = harness.our_command(args.model, "--plain")  # no store: persistence is on by default
                 result["ttft"][step] = run_cold(cmd, None, sessions, answers, work / "cold.log", memory=True)
             elif step == "plain-sglang-cold":
                 cmd, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"), "--enable-cache-report")

@@ -3,7 +3,10 @@
 Takes every `sglang.launch_server` flag unchanged, plus:
   --model NAME          a catalogue model (fetched on first use) or a path; default: the embedded
                         default model. `--model-path` works as in SGLang.
-  --memory-config FILE  sgl-memory YAML config (see configs/example.yaml).
+  --memory-config FILE  sgl-memory YAML config (see configs/example.yaml). Without one the server
+                        runs every section's defaults: session persistence on (agent-ready), the
+                        other mechanisms off.
+  --plain               every mechanism off, persistence included: SGLang's own behaviour.
 
 On a machine without a GPU it fills in the CPU defaults the user did not set: CPU engine,
 `--device cpu`, the compute dtype the CPU runs fastest (sgl_memory/cpu_dtype.py: bf16 with AMX or
@@ -106,15 +109,23 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", "--model-path", dest="model", default=models.DEFAULT_MODEL)
     parser.add_argument("--memory-config", default=None)
+    parser.add_argument("--plain", action="store_true")
     ours, rest = parser.parse_known_args(argv)
+    if ours.plain and ours.memory_config:
+        raise LaunchError("--plain serves with every mechanism off; it takes no --memory-config")
 
     from sgl_memory.engine import radix_cache
     from sgl_memory.engine.attention import cpu_backend
 
-    cfg = memory_config.load(ours.memory_config)
+    cfg = memory_config.plain() if ours.plain else memory_config.load(ours.memory_config)
     radix_cache.check_config(cfg)  # the tree checks again where it is built; here it fails before start-up
+    # SGLang's child processes read the config from these (memory_config.from_env); none inherited
+    os.environ.pop(memory_config.CONFIG_ENV, None)
+    os.environ.pop(memory_config.PLAIN_ENV, None)
     if ours.memory_config:
         os.environ[memory_config.CONFIG_ENV] = str(Path(ours.memory_config).resolve())
+    if ours.plain:
+        os.environ[memory_config.PLAIN_ENV] = "1"
 
     model_path = models.resolve(ours.model)
     out = ["--model-path", str(model_path), *rest]

@@ -77,6 +77,9 @@ class Spec:
             path = models.model_dir(self.model)
             command, plain_env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native", POOL_TOKENS), *flags)
             return command, env | {k: plain_env[k] for k in ("SGLANG_USE_CPU_ENGINE", "SGLANG_PLUGINS")}
+        # the session store a config leaves to its default (`plain`, `qwen`: the user's cache
+        # directory) is the server's own, never the user's
+        env["XDG_CACHE_HOME"] = str(directory / "cache")
         if self.config:
             (directory / "memory.yaml").write_text(self.config.replace("{dir}", str(directory)))
             flags = ["--memory-config", str(directory / "memory.yaml"), *flags]
@@ -133,7 +136,8 @@ TP_FLAGS = ("--dtype", "float32")
 TP_UNSET = ("SGLANG_CPU_OMP_THREADS_BIND", *AVX2_ONLY)
 
 CATALOGUE: dict[str, Spec] = {
-    "plain": Spec("the README's default way: our launcher, no memory config (end to end, hardening, the dtype report)"),
+    "plain": Spec("the README's default way: our launcher, no memory config, so persistence on in the user's cache "
+                  "directory (end to end, hardening, the dtype report, the agent-ready default)"),
     "all": Spec("every mechanism on in one server, in the launcher's dtype: composed, memory, persistence, SentenceKV, "
                 "determinism, replicas; tenants from x-tenant-id, the Responses API's store, one served model name "
                 "for the router", config=ALL,
@@ -145,7 +149,7 @@ CATALOGUE: dict[str, Spec] = {
                    flags=("--dtype", "float32")),  # fmt: skip
     # the agent benchmark's sections (bench/agent/run.py; tests/test_agent.py checks them)
     "qwen": Spec("the default model: the agent harness, its smoke tests, KV memory's default unit (lines)",
-                 model=models.DEFAULT_MODEL, config="intent:\n  enabled: true\n  budget_floor: 16\nmemory:\n  enabled: true\n"),  # fmt: skip
+                 model=models.DEFAULT_MODEL, config="intent:\n  enabled: true\n  budget_floor: 16\nmemory:\n  enabled: true\npersist:\n  enabled: false\n"),  # fmt: skip
     "qwen_tp1": Spec("the default model in float32 at TP 1: the TP test's reference (every head on one rank), and a "
                      "session restored from disk in the default format (Q8; no warm tier: a restore reads the file)",
                      model=models.DEFAULT_MODEL, config=tp_config("  warm_bytes: 0\n"), flags=(*TP_FLAGS, "--tp-size", "1"),

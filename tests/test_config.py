@@ -126,7 +126,8 @@ def test_a_mechanism_not_correct_at_a_tp_or_page_size_stops_start_up_with_its_re
         params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=page_size)
         with pytest.raises(config.ConfigError, match=f"^{name} "):
             SglMemoryRadixCache(params, cfg, SimpleNamespace(tp_size=tp_size))  # the TP size of SGLang's build context
-    check_scale(config.MemoryConfig(), 8, 64)  # every mechanism off: nothing to refuse
+    check_scale(config.plain(), 8, 64)  # every mechanism off: nothing to refuse
+    check_scale(config.MemoryConfig(), 8, 64)  # nor the default (persistence on) at any TP and page size
 
 
 def test_named_options_are_the_registries(tmp_path):

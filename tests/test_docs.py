@@ -94,10 +94,10 @@ def readme_example() -> str:
 
 
 @pytest.mark.server
-def test_the_readme_first_agent_runs_as_written(all_server):
-    """On the pool's server with persistence on (`all`): only the address and the session id (one
-    of its own) differ from the README's text."""
-    code = readme_example().replace("http://127.0.0.1:30000/v1", all_server.url + "/v1").replace('"agent-1"', '"readme-first-agent"')
+def test_the_readme_first_agent_runs_as_written(plain_server):
+    """On the pool's server with no memory config (`plain`, the README's `scripts/serve.sh`): only
+    the address and the session id (one of its own) differ from the README's text."""
+    code = readme_example().replace("http://127.0.0.1:30000/v1", plain_server.url + "/v1").replace('"agent-1"', '"readme-first-agent"')
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {})

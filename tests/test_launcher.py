@@ -1,5 +1,6 @@
 """The launcher's flag handling: our flags out, CPU defaults in, the user's own flags untouched."""
 
+import dataclasses
 import json
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from servers import TEST_MODEL
 from sgl_memory import cpu_dtype, launch_server, models
 from sgl_memory.core import config
+from sgl_memory.persist.settings import PersistConfig
 
 # /proc/cpuinfo flags lines of the three kinds of CPU the project's machines have been
 AMX_XEON = "fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8"
@@ -28,6 +30,7 @@ def fake_model(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "resolve", lambda name: d)
     monkeypatch.setattr(launch_server, "_has_gpu", lambda: False)
     monkeypatch.setenv(config.CONFIG_ENV, "")  # so teardown restores whatever build_argv exports
+    monkeypatch.setenv(config.PLAIN_ENV, "")
     monkeypatch.setenv(cpu_dtype.CHOICE_ENV, "")
     monkeypatch.delenv(cpu_dtype.ENV, raising=False)  # a suite run forced to one dtype sets it
     return d
@@ -80,6 +83,37 @@ def test_memory_config_is_exported_for_child_processes(fake_model, tmp_path, mon
 
     assert config.from_env() == cfg and os.environ[config.CONFIG_ENV] == str(p.resolve())
     assert "--memory-config" not in launch_server.build_argv(["--memory-config", str(p)])[0]
+
+
+def test_the_default_is_agent_ready_and_plain_turns_every_mechanism_off(fake_model):
+    """No config: every section's defaults, persistence on (sessions stored, tiers by next use), the
+    rest off. `--plain`: every section off, in the launcher and in SGLang's processes alike."""
+    _, cfg = launch_server.build_argv([])
+    assert [name for name, s in cfg.sections.items() if s.enabled] == ["persist"]
+    assert cfg.persist.eviction == "hints" and config.from_env() == cfg
+    _, plain = launch_server.build_argv(["--plain"])
+    assert not any(s.enabled for s in plain.sections.values())
+    assert config.from_env() == plain
+    # the rest of each section is its default: only the switch differs
+    assert plain.persist == dataclasses.replace(cfg.persist, enabled=False)
+    _, again = launch_server.build_argv([])  # a later launch in this process inherits no --plain
+    assert config.from_env() == again == cfg
+
+
+def test_plain_takes_no_memory_config(fake_model, tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("intent:\n  enabled: true\n")
+    with pytest.raises(launch_server.LaunchError, match="--plain"):
+        launch_server.build_argv(["--plain", "--memory-config", str(p)])
+
+
+def test_the_default_store_is_in_the_users_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert PersistConfig().store_dir() == tmp_path / "xdg" / "sgl-memory" / "sessions"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert PersistConfig().store_dir() == tmp_path / "home" / ".cache" / "sgl-memory" / "sessions"
+    assert PersistConfig(dir="~/s").store_dir() == tmp_path / "home" / "s"
 
 
 def test_a_process_keeps_the_config_it_started_with_when_the_file_changes(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """End to end against the real SGLang server started through our launcher (SmolLM2-135M): the
-suite's `plain` server (no memory config, the README's default way), the float32 server's choice
+suite's `plain` server (no memory config, the README's default way: persistence on), the float32 server's choice
 of dtype on an AVX2-only CPU, and how every server the suite stopped went."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import requests
 
 import subprocess
 import sys
@@ -145,6 +146,34 @@ def test_bad_request_is_a_4xx_and_server_keeps_serving(plain_server):
     r = plain_server.post("/v1/chat/completions", {"model": "default", "messages": "not a list"})
     assert 400 <= r.status_code < 500
     assert plain_server.post("/generate", {"text": "Hi", "sampling_params": GREEDY}).status_code == 200
+
+
+def test_the_default_serves_agent_sessions_with_persistence(plain_server):
+    """No memory config: the banner says session persistence is on by default and where its store
+    is (the user's cache directory: the pool gives each server an XDG_CACHE_HOME of its own). A
+    session named by the x-session-id header alone is stored there, and its next turn, after its KV
+    left the pool, is restored from the warm tier and prefills only its new tokens."""
+    banner = next(line for line in plain_server.log().splitlines() if "sgl-memory: serving" in line)
+    store = plain_server.dir / "cache" / "sgl-memory" / "sessions"
+    assert "mechanisms: persist (the default; --plain serves without);" in banner and banner.endswith(f"store {store}")
+
+    def turn(messages):
+        r = requests.post(plain_server.url + "/v1/chat/completions", headers={"x-session-id": "default-agent"},
+                          json={"model": "default", "messages": messages, "max_tokens": 8, "temperature": 0}, timeout=600)  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    messages = [{"role": "system", "content": "You are a terse assistant."},
+                {"role": "user", "content": "My locker code is 4417. " * 16 + "Say OK."}]  # fmt: skip
+    first = turn(messages)
+    assert first["sgl_memory"]["text_match"] is None  # a new session, seen by persistence
+    assert plain_server.post("/flush_cache?timeout=60", {}).status_code == 200  # its KV leaves the pool
+    assert len(list(store.glob("*/*/*.safetensors"))) == 1  # the turn's file, written before the flush
+    messages += [first["choices"][0]["message"], {"role": "user", "content": "What is my locker code?"}]
+    second = turn(messages)
+    restored, prompt = second["sgl_memory"]["restored_tokens"], first["usage"]["prompt_tokens"]
+    assert second["sgl_memory"]["text_match"] in ("exact", "extend") and second["sgl_memory"]["restored_from"] == "memory"
+    assert restored >= prompt and second["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt
 
 
 def test_bad_memory_config_stops_startup_with_a_message(tmp_path):

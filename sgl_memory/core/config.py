@@ -21,6 +21,7 @@ import yaml
 from sgl_memory.core import mechanism
 
 CONFIG_ENV = "SGLMEMORY_CONFIG"  # how the launcher hands the file to SGLang's child processes
+PLAIN_ENV = "SGLMEMORY_PLAIN"  # and `--plain`: every mechanism off
 MAX_BUDGET = (1 << 31) - 1  # beyond any context length; keeps every metric inside 64-bit JSON integers
 
 
@@ -172,7 +173,14 @@ def from_dict(data: dict | None) -> MemoryConfig:
     return config
 
 
+def plain() -> MemoryConfig:
+    """Every mechanism off (`--plain`): the server answers as plain SGLang does."""
+    mechanism.discover(())
+    return MemoryConfig(**{name: dataclasses.replace(cls.settings(), enabled=False) for name, cls in mechanism.REGISTRY.items()})
+
+
 def load(path: str | os.PathLike | None) -> MemoryConfig:
+    """The config in the file at `path`; no file: every section's defaults."""
     if path is None:
         return MemoryConfig()
     p = Path(path)
@@ -195,9 +203,9 @@ def from_env() -> MemoryConfig:
     once per process: a server serves the config it started with. Read again per request, a file
     edited (or rewritten by another run) while the server runs made the HTTP process refuse what
     its scheduler serves."""
-    return _load_once(os.environ.get(CONFIG_ENV) or None)
+    return _load_once(os.environ.get(CONFIG_ENV) or None, bool(os.environ.get(PLAIN_ENV)))
 
 
 @functools.cache
-def _load_once(path: str | None) -> MemoryConfig:
-    return load(path)
+def _load_once(path: str | None, plain_mode: bool) -> MemoryConfig:
+    return plain() if plain_mode else load(path)

@@ -16,12 +16,13 @@ lines to debug, in every process (the plugin calls it first).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import requests
 
 from sgl_memory import cpu_dtype
-from sgl_memory.core.config import from_env
+from sgl_memory.core.config import CONFIG_ENV, PLAIN_ENV, from_env
 
 logger = logging.getLogger("sgl_memory")
 
@@ -48,14 +49,19 @@ def quiet_import_errors() -> None:
 
 
 def banner(server_args) -> str:
-    """One line: the model, its dtype, the mechanisms on, the session store and the URL."""
+    """One line: the model, its dtype, the mechanisms on (and where that choice came from), the
+    session store and the URL."""
     config = from_env()
     on = [name for name, section in config.sections.items() if getattr(section, "enabled", False)]
     choice = cpu_dtype.announced()
     dtype = choice.dtype if choice is not None else server_args.dtype
     persist = config.sections.get("persist")
-    store = f"store {persist.dir}" if persist is not None and persist.enabled else "no session store"
+    store = f"store {persist.store_dir()}" if persist is not None and persist.enabled else "no session store"
     mechanisms = ", ".join(on) if on else "none (plain SGLang behaviour)"
+    if os.environ.get(PLAIN_ENV):
+        mechanisms += " (--plain)"
+    elif not os.environ.get(CONFIG_ENV):
+        mechanisms += " (the default; --plain serves without)"
     name = server_args.served_model_name or server_args.model_path
     return f"sgl-memory: serving {name} ({dtype}) at {server_args.url()}; mechanisms: {mechanisms}; {store}"
 

@@ -241,7 +241,7 @@ class SessionPersistence(mechanism.Mechanism):
 
     def __init__(self, config: PersistConfig, tree, spec: CacheSpec):
         self.config, self.tree, self.spec = config, tree, spec
-        self.files = SessionFiles(config.dir, spec, quant=config.quant, kivi=config.kivi)
+        self.files = SessionFiles(config.store_dir(), spec, quant=config.quant, kivi=config.kivi)
         # a session stays in memory while it holds turns that are nowhere else (not yet written, or
         # a write failed); the rest are re-read from disk when they come back
         tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda s: bool(s.pending) or s.state_changed or (bool(s.tokens) and not s.on_disk))
@@ -265,7 +265,7 @@ class SessionPersistence(mechanism.Mechanism):
         if ctx is None:
             raise ValueError("session persistence needs the scheduler's build context (model and pool layout)")
         spec = cache_spec(ctx.model_config, ctx.server_args, tree, ctx.tp_rank, ctx.tp_size)
-        logger.info("session store: %s (%s, quant %s)", Path(config.dir).expanduser(), spec.model_id, config.quant)
+        logger.info("session store: %s (%s, quant %s)", config.store_dir(), spec.model_id, config.quant)
         return cls(config, tree, spec)
 
     def _probe(self) -> None:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from sgl_memory.core.config import require
@@ -16,8 +18,12 @@ MAX_HINT_MS = 24 * 3600 * 1000  # a day: the longest tool duration or keep-for a
 class PersistConfig:
     """Per-session persistent KV store: see sgl_memory/persist/README.md."""
 
-    enabled: bool = False  # store sessions' KV and restore it when the tree lacks it (sessions named by an id)
-    dir: str = "~/.cache/sgl-memory/sessions"  # the session store: one folder per model, one head file and its chunks per session
+    # store sessions' KV and restore it when the tree lacks it (sessions named by an id); on by
+    # default: it changes no answer beyond the restore's measured agreement (docs/persistence.md)
+    enabled: bool = True
+    # the session store, one folder per model, one head file and its chunks per session; empty: the
+    # user's cache directory, $XDG_CACHE_HOME/sgl-memory/sessions (else ~/.cache/sgl-memory/sessions)
+    dir: str = ""
     # q8 by default: a Q4 restore changed half of the session's greedy answers (bench/persist_restart);
     # bf16 / fp32: unquantized (the pool's dtype: exact)
     quant: Literal["q4", "q8", "bf16", "fp32"] = "q8"
@@ -39,6 +45,12 @@ class PersistConfig:
     # a session whose `agent.expected_tool_duration_ms` is this close is brought back into the pool
     # before its turn arrives (prefetch; 0: off), when the pool has room
     prefetch_ms: float = 250
+
+    def store_dir(self) -> Path:
+        """The session store's folder: `dir`, or the user's cache directory's."""
+        if self.dir:
+            return Path(self.dir).expanduser()
+        return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "sgl-memory" / "sessions"
 
     def validate(self, path: str) -> None:
         require(self.quota_bytes >= 0, f"{path}.quota_bytes", "an integer >= 0")
