@@ -167,6 +167,15 @@ def test_the_session_is_pruned_to_its_budget_every_turn(session):
     assert late["prompt_tokens_details"]["cached_tokens"] > late["prompt_tokens"] // 2
 
 
+def test_every_metric_a_turn_reports_is_in_the_request_reference(session):
+    """docs/requests.md lists each mechanism's response keys: a key the server sends and the page
+    lacks fails here (every mechanism of the case reported on these turns)."""
+    from test_docs import documented_response_keys
+
+    seen = {key for _, _, m in [*session.first, session.reference] for key in m}
+    assert seen - documented_response_keys() == set()
+
+
 def test_the_stored_session_holds_the_pruned_path_its_live_mask_and_the_other_mechanisms_state(session):
     with safe_open(str(session.stored), "pt") as f:
         names = set(f.keys())

@@ -106,3 +106,47 @@ def test_the_readme_first_agent_runs_as_written(plain_server):
     # the same session, recognised by the header alone: its stored path matched (a sampled answer
     # that re-tokenizes differently diverges from it, still the session's)
     assert any(f"'text_match': '{outcome}'" in second for outcome in ("exact", "extend", "diverge"))
+
+
+# --- the request reference (docs/requests.md) against the server's own parser ---------------------
+
+REQUESTS = ROOT / "docs" / "requests.md"
+
+
+def table_keys(heading: str) -> list[str]:
+    """The backticked names in the first column of the table under `heading`."""
+    text = REQUESTS.read_text()
+    section = text[text.index(heading) :].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [name for row in rows for name in re.findall(r"`([^`]+)`", row.split(" | ")[0])]
+
+
+def allowed_keys(raw: dict, where: str) -> set[str]:
+    """What the parser accepts at `where`: its refusal of an unknown key lists the allowed ones."""
+    from sgl_memory.core import request
+
+    with pytest.raises(request.SpecError, match=rf"^{re.escape(where)}: unknown field\(s\)") as refused:
+        request.parse(raw)
+    return set(str(refused.value).split("; allowed: ")[1].split(", "))
+
+
+def documented_response_keys() -> set[str]:
+    text = REQUESTS.read_text()
+    section = text[text.index("## The response's") :]
+    return {name for row in section.splitlines() if row.startswith("| [") for name in re.findall(r"`([a-z_]+)`", row.split(" | ")[1])}
+
+
+def test_the_request_reference_lists_every_key_the_parser_takes_and_no_other():
+    from sgl_memory.core.request import FIELD
+
+    assert set(table_keys("## The field's keys")) == allowed_keys({"not-a-key": 1}, FIELD)
+    documented = table_keys("### Objects")
+    for name in ("memory", "keep", "sentencekv", "agent"):
+        inside = {key.split(".", 1)[1] for key in documented if key.startswith(name + ".")}
+        assert inside == allowed_keys({"session_id": "s", name: {"not-a-key": 1}}, f"{FIELD}.{name}"), name
+
+
+def test_the_request_reference_names_the_headers_the_server_reads():
+    from sgl_memory.engine.http_api import SESSION_HEADER, TENANT_HEADER
+
+    assert {SESSION_HEADER, TENANT_HEADER} <= {h.lower() for h in table_keys("## Headers")}

@@ -432,12 +432,12 @@ def test_a_client_extra_key_never_contains_the_namespace_separator(key):
 
 
 def test_a_mechanism_the_server_runs_without_is_refused_naming_its_key():
-    from sgl_memory.core.config import MemoryConfig
+    from sgl_memory.core.config import MemoryConfig, plain
     from sgl_memory.intent.settings import IntentConfig
     from sgl_memory.memart.settings import MemArtConfig
     from sgl_memory.core.request import check_served
 
-    off = MemoryConfig()
+    off = plain()
     for raw, key in (({"budget": 9}, "intent.enabled"), ({"scorer": "h2o", "layout": "compact"}, "intent.enabled"),
                      ({"session_id": "s", "memory": {}}, "memory.enabled")):  # fmt: skip
         with pytest.raises(SpecError, match=key):

@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory.core import tree_fill
-from sgl_memory.core.config import MemoryConfig
+from sgl_memory.core.config import plain
 from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 from sgl_memory.persist.unpack import Unpacker
 from test_slot_accounting import FakeKvPool
@@ -30,7 +30,7 @@ def tree():
     pool = FakeKvPool(POOL)
     alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", pool, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1)
-    return SglMemoryRadixCache(params, MemoryConfig()), pool, alloc
+    return SglMemoryRadixCache(params, plain()), pool, alloc
 
 
 def kv_of(tokens):

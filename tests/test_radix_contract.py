@@ -195,16 +195,16 @@ def real_allocator(page_size):
 
 
 def mode_config(mode, tmp_path):
-    from sgl_memory.core.config import MemoryConfig
+    from sgl_memory.core.config import plain
     from sgl_memory.intent.settings import IntentConfig
     from sgl_memory.persist.settings import PersistConfig
     from sgl_memory.memart.settings import MemArtConfig
 
     return {
-        "off": MemoryConfig(),
-        "intent": MemoryConfig(intent=IntentConfig(enabled=True)),
-        "persist": MemoryConfig(persist=PersistConfig(enabled=True, dir=str(tmp_path / "store"))),
-        "memory": MemoryConfig(memory=MemArtConfig(enabled=True)),
+        "off": plain(),
+        "intent": plain(intent=IntentConfig(enabled=True)),
+        "persist": plain(persist=PersistConfig(enabled=True, dir=str(tmp_path / "store"))),
+        "memory": plain(memory=MemArtConfig(enabled=True)),
     }[mode]
 
 

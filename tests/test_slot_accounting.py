@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_memory.engine.admission import ADMITTED
-from sgl_memory.core.config import MemoryConfig
+from sgl_memory.core.config import plain
 from sgl_memory.intent.pruner import REQUESTS as INTENT
 from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.memart.manager import TURNS as MEMORY
@@ -106,7 +106,7 @@ class Sim:
         self.kv = FakeKvPool(POOL)
         self.alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", self.kv, need_sort=False)
         self.rtt = ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
-        config = MemoryConfig(intent=IntentConfig(enabled=True, query_tail=2, session_prefix_tokens=4))
+        config = plain(intent=IntentConfig(enabled=True, query_tail=2, session_prefix_tokens=4))
         params = CacheInitParams(disable=False, req_to_token_pool=self.rtt, token_to_kv_pool_allocator=self.alloc, page_size=1)
         self.tree = SglMemoryRadixCache(params, config)
         self.pruner = self.tree.mechanism("intent")

@@ -173,10 +173,12 @@ def from_dict(data: dict | None) -> MemoryConfig:
     return config
 
 
-def plain() -> MemoryConfig:
-    """Every mechanism off (`--plain`): the server answers as plain SGLang does."""
+def plain(**sections) -> MemoryConfig:
+    """Every mechanism off (`--plain`): the server answers as plain SGLang does; `sections` given
+    replace theirs (one mechanism on alone)."""
     mechanism.discover(())
-    return MemoryConfig(**{name: dataclasses.replace(cls.settings(), enabled=False) for name, cls in mechanism.REGISTRY.items()})
+    off = {name: dataclasses.replace(cls.settings(), enabled=False) for name, cls in mechanism.REGISTRY.items()}
+    return MemoryConfig(**(off | sections))
 
 
 def load(path: str | os.PathLike | None) -> MemoryConfig:

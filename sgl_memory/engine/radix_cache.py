@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_memory.core import mechanism, prometheus
 from sgl_memory.engine import runtime
-from sgl_memory.core.config import ConfigError, MemoryConfig, from_env
+from sgl_memory.core.config import ConfigError, MemoryConfig, from_env, plain
 from sgl_memory.core.mechanism import Mechanism
 from sgl_memory.core.sessions import SessionRegistry
 from sgl_memory.core.slots import Slot
@@ -142,7 +142,7 @@ class SglMemoryRadixCache(RadixCache):
         self.sessions = SessionRegistry()  # every mechanism's per-session state, one slot each
         self.tp_size = ctx.tp_size if ctx is not None else 1
         super().__init__(params)
-        self.memory_config = config or MemoryConfig()
+        self.memory_config = config or plain()  # no config: no mechanism (the server passes its own)
         if self.disable:
             return
         check_config(self.memory_config)
