@@ -1,12 +1,14 @@
 """The configuration reference (docs/configuration-reference.md), generated from the code it
 describes: each registered mechanism's settings dataclass gives the keys, their types and defaults
 and, from the comment beside or above each field, its meaning; `validate()` gives the bounds it
-enforces; the mechanism's request part gives the keys a request may override.
+enforces; the mechanism's request part gives the keys a request may override. Also the deployment
+page's table of the TP and page sizes each mechanism serves, from what each declares
+(`tp_refusal`, `page_refusal`), between its SCALE_BEGIN and SCALE_END markers.
 
-    python -m sgl_memory.config_reference            # rewrite docs/configuration-reference.md
-    python -m sgl_memory.config_reference --check    # exit 1 if the file differs from the code
+    python -m sgl_memory.config_reference            # rewrite both
+    python -m sgl_memory.config_reference --check    # exit 1 if either differs from the code
 
-tests/test_docs.py fails when a key has no line of meaning or the committed file is stale.
+tests/test_docs.py fails when a key has no line of meaning or a generated text is stale.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from sgl_memory.core import mechanism
 from sgl_memory.core.config import SessionSources
 from sgl_memory.core.request import FIELD, RequestPart
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "configuration-reference.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+OUT = DOCS / "configuration-reference.md"
+DEPLOYMENT = DOCS / "deployment.md"
+SCALE_BEGIN = "<!-- generated: python -m sgl_memory.config_reference -->"
+SCALE_END = "<!-- end of generated -->"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,15 +180,33 @@ def render() -> str:
     return "\n".join(lines)
 
 
+def scale_table() -> str:
+    """What each mechanism refuses, as the deployment page shows it."""
+    mechanism.discover()
+    rows = ["| mechanism | page size > 1 | TP > 1 |", "|---|---|---|"]
+    for cls in mechanism.ordered():
+        cells = ["runs" if why is None else f"refused: {why}" for why in mechanism.scale_refusals(cls)]
+        rows.append(f"| `{cls.name}` | {cells[0]} | {cells[1]} |")
+    return "\n".join(rows)
+
+
+def with_scale_table(page: str) -> str:
+    """The deployment page with its generated table replaced by the current one."""
+    head, rest = page.split(SCALE_BEGIN, 1)
+    return f"{head}{SCALE_BEGIN}\n{scale_table()}\n{SCALE_END}{rest.split(SCALE_END, 1)[1]}"
+
+
 def main(argv: list[str]) -> int:
-    text = render()
+    outputs = {OUT: render(), DEPLOYMENT: with_scale_table(DEPLOYMENT.read_text())}
     if "--check" in argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} differs from the code: run python -m sgl_memory.config_reference", file=sys.stderr)
+        stale = [str(path) for path, text in outputs.items() if not path.exists() or path.read_text() != text]
+        if stale:
+            print(f"{', '.join(stale)} differ from the code: run python -m sgl_memory.config_reference", file=sys.stderr)
             return 1
         return 0
-    OUT.write_text(text)
-    print(OUT)
+    for path, text in outputs.items():
+        path.write_text(text)
+        print(path)
     return 0
 
 

@@ -75,6 +75,8 @@ def test_every_config_key_has_its_line_and_the_reference_matches_the_code():
     assert not unsaid, f"config keys without a line of meaning (a comment beside or above the field): {unsaid}"
     committed = config_reference.OUT.read_text()
     assert committed == config_reference.render(), "run: python -m sgl_memory.config_reference"
+    deployment = config_reference.DEPLOYMENT.read_text()
+    assert deployment == config_reference.with_scale_table(deployment), "run: python -m sgl_memory.config_reference"
     # read back independently of the generator: each section's row of each field shows the
     # dataclass's own default
     from sgl_memory.core import mechanism

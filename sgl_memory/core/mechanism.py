@@ -233,15 +233,20 @@ def enabled(config) -> list[str]:
     return [cls.name for cls in ordered() if config.section(cls.name).enabled]
 
 
+def scale_refusals(cls: type[Mechanism]) -> tuple[str | None, str | None]:
+    """Why the mechanism refuses a page size > 1 and a TP size > 1 (None: it serves it)."""
+    page = cls.page_refusal or ("it points single positions at the tree's sentinel slot" if cls.needs_sentinel else None)
+    return page, cls.tp_refusal
+
+
 def scale_problems(config, tp_size: int, page_size: int) -> list[str]:
     """Why the enabled mechanisms cannot serve a server of this tensor-parallel size and page size,
     one line each (empty: they can)."""
     found = []
     for name in enabled(config):
-        cls = REGISTRY[name]
-        if tp_size > 1 and cls.tp_refusal:
-            found.append(f"{name} is not correct under tensor parallelism yet (TP size {tp_size}): {cls.tp_refusal}")
-        page = cls.page_refusal or ("it points single positions at the tree's sentinel slot" if cls.needs_sentinel else None)
+        page, tp = scale_refusals(REGISTRY[name])
+        if tp_size > 1 and tp:
+            found.append(f"{name} is not correct under tensor parallelism yet (TP size {tp_size}): {tp}")
         if page_size > 1 and page:
             found.append(f"{name} needs page size 1 (got {page_size}): {page}")
     return found
