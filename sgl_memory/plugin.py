@@ -3,17 +3,22 @@
 It registers the `sgl_memory` radix-cache backend and applies the hook manifest
 (`patches/hooks.yaml`, shipped as `sgl_memory.patches`). In the server's main process it first checks
 that every target of the manifest, and every other contact point with SGLang's code
-(`patches/contacts.yaml`: the methods our subclasses override, the internals the engine reads),
+(`patches/contacts.yaml`: the methods our subclasses override, the internals the engine reads,
+the fields of SGLang's request and scheduler our packages touch),
 exists in the installed SGLang and refuses to start otherwise: a silently missing hook or a renamed
 method would serve requests without the behaviour the user asked for.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.resources
+import inspect
 import multiprocessing
 import pkgutil
 import sys
+import textwrap
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,7 +40,7 @@ class HookSpec:
 @dataclass(frozen=True)
 class Contact:
     target: str
-    kind: Literal["override", "wrap", "use", "api"]
+    kind: Literal["override", "wrap", "use", "api", "field"]
     by: str  # the module or class of ours that holds it
     why: str
 
@@ -62,11 +67,34 @@ def _installed_sglang() -> str:
     return version("sglang")
 
 
+@functools.cache
+def _assigned(cls: type) -> frozenset[str]:
+    """The attributes the class's own code assigns on `self` (`self.x = ...`, `self.x: T = ...`,
+    `(self.x, self.y) = ...`)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    return frozenset(n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                     and isinstance(n.value, ast.Name) and n.value.id == "self")  # fmt: skip
+
+
+def has_field(cls: type, name: str) -> bool:
+    """Whether instances of `cls` have the attribute `name`: a class member (method, property) or
+    one the code of it or of an SGLang base assigns."""
+    return any(name in vars(base) or (base.__module__.startswith("sglang") and name in _assigned(base)) for base in cls.__mro__)
+
+
 def missing_targets(specs: list) -> list:
     missing = []
     for spec in specs:
         try:
-            pkgutil.resolve_name(spec.target)
+            if getattr(spec, "kind", None) == "field":
+                owner, name = spec.target.rsplit(".", 1)
+                if not has_field(pkgutil.resolve_name(owner), name):
+                    missing.append(spec)
+            else:
+                pkgutil.resolve_name(spec.target)
         except (ImportError, AttributeError, ValueError):
             missing.append(spec)
     return missing

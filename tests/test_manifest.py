@@ -1,7 +1,8 @@
 """The manifest of contact points with SGLang (patches/hooks.yaml, patches/contacts.yaml) is the
 code's: every method our subclasses override, every allocator method the tree's view stands in
-for, and every private SGLang name the package uses is listed, each listed one exists in the
-installed SGLang (the start-up check), and nothing is listed that the code does not do."""
+for, every private SGLang name the package uses, and every field of SGLang's request and scheduler
+the core floor and the mechanisms touch is listed, each listed one exists in the installed SGLang
+(the start-up check), and nothing is listed that the code does not do."""
 
 from __future__ import annotations
 
@@ -30,13 +31,47 @@ def test_every_hook_and_contact_exists_in_the_installed_sglang():
     plugin.check_patch_set()
     for c in plugin.contacts():
         assert pkgutil.resolve_name(c.by), c.by
-        assert c.kind in ("override", "wrap", "use", "api") and c.why
+        assert c.kind in ("override", "wrap", "use", "api", "field") and c.why
 
 
 def test_a_contact_that_is_gone_is_refused_at_start_up():
     gone = plugin.Contact("sglang.srt.mem_cache.radix_cache.RadixCache._no_such_method", "override", "x", "test")
     with pytest.raises(plugin.PatchSetError, match=r"RadixCache\._no_such_method \(a override by x; test\)"):
         plugin.check_patch_set(touched=plugin.contacts() + [gone])
+
+
+def test_a_field_that_is_gone_is_refused_at_start_up():
+    from sglang.srt.managers.schedule_batch import Req
+
+    gone = plugin.Contact("sglang.srt.managers.schedule_batch.Req.no_such_field", "field", "sgl_memory.persist", "test")
+    with pytest.raises(plugin.PatchSetError, match=r"Req\.no_such_field \(a field by sgl_memory\.persist; test\)"):
+        plugin.check_patch_set(touched=plugin.contacts() + [gone])
+    # found where SGLang assigns it, as a method, or not at all
+    assert plugin.has_field(Req, "origin_input_ids") and plugin.has_field(Req, "finished")
+    assert not plugin.has_field(Req, "origin_input") and not plugin.has_field(Req, "no_such_field")
+
+
+# The packages whose code sees SGLang's request and scheduler through the names a hook gives them
+# (`req`, `scheduler`): the core floor and each mechanism (engine/ is SGLang's side and lists its
+# contacts by kind above)
+FLOOR_AND_MECHANISMS = ("core", "intent", "memart", "keep", "persist", "sentencekv")
+SGLANG_OBJECTS = {"req": "sglang.srt.managers.schedule_batch.Req", "scheduler": "sglang.srt.managers.scheduler.Scheduler"}
+
+
+def test_every_field_of_sglangs_request_and_scheduler_a_mechanism_touches_is_listed():
+    """`req.<name>`, `scheduler.<name>` and `getattr(req, "<name>")` in the core floor and the
+    mechanisms, per package, are exactly the listed fields: an SGLang upgrade that renames one
+    stops start-up instead of serving a request without what the mechanism read."""
+    found = set()
+    for package in FLOOR_AND_MECHANISMS:
+        for path in (PACKAGE / package).glob("*.py"):
+            for n in ast.walk(ast.parse(path.read_text())):
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in SGLANG_OBJECTS:
+                    found.add((f"sgl_memory.{package}", f"{SGLANG_OBJECTS[n.value.id]}.{n.attr}"))
+                elif (isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr" and len(n.args) >= 2
+                      and isinstance(n.args[0], ast.Name) and n.args[0].id in SGLANG_OBJECTS and isinstance(n.args[1], ast.Constant)):
+                    found.add((f"sgl_memory.{package}", f"{SGLANG_OBJECTS[n.args[0].id]}.{n.args[1].value}"))  # fmt: skip
+    assert found == listed("field")
 
 
 def sglang_member(cls: type, name: str) -> str | None:
