@@ -32,7 +32,6 @@ from sgl_memory.core.config import MemoryConfig, SessionSources, from_env
 from sgl_memory.core.request import FIELD, SpecError, check_id, check_served, encode, parse
 from sgl_memory.core.metrics import STATS
 from sgl_memory.engine import front
-from sgl_memory.engine.front import TokenizerEngine
 from sgl_memory.engine.hooks import SESSIONS_KEY
 
 NATIVE = "/generate"
@@ -74,7 +73,7 @@ def mount(server_args, *args, **kwargs):
     async def sgl_memory_stats():
         return STATS.snapshot()
 
-    engine = TokenizerEngine()
+    engine = front.TokenizerEngine()
 
     @app.get("/sgl_memory/sessions")
     async def sgl_memory_sessions(request: Request):
