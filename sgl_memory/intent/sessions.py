@@ -1,5 +1,5 @@
 """Which session a request belongs to, and that session's QueryMemory (its slot in the tree's
-session registry, sgl_memory/sessions.py).
+session registry, sgl_memory/core/sessions.py).
 
 QueryMemory (IntentKV eq. 2) is one post-RoPE query row per layer and query head, updated once per
 request as an EMA of the mean query over the actionable span and projected back to unit norm along
