@@ -389,3 +389,27 @@ def test_sentinel_safe_allocator_forwards_each_free_variant():
         ("free_full_segments", [([9], 31)], None),
     ]  # fmt: skip
     assert view.real_freed == 4 * 5 + 2 + 1
+
+
+def test_two_mechanisms_that_both_edit_a_row_or_branch_a_path_are_refused():
+    """Composition is by rule, not by order: at most one mechanism edits a request's row at its
+    checkpoint and at most one branches its path; the tree raises naming both when two do (the
+    second's edit would silently replace the first's), and hands on the one that does."""
+    from types import SimpleNamespace
+
+    cache, _ = make_cache(SglMemoryRadixCache)
+
+    def mechanism(name, edit=None, branches=()):
+        return SimpleNamespace(name=name, on_checkpoint=lambda req, tree: edit, branches=lambda req: branches)
+
+    req = object()
+    cache.mechanisms = [mechanism("a", edit="row edit"), mechanism("b"), mechanism("c", edit="another")]
+    with pytest.raises(RuntimeError, match="^a and c each edits the request's row"):
+        cache.checkpoint(req, up_to=0)
+    cache.mechanisms = [mechanism("a", branches=((0, 1),)), mechanism("b", branches=((2, 3),))]
+    with pytest.raises(RuntimeError, match="^a and b each branches the request's path"):
+        cache.branches(req)
+    cache.mechanisms = [mechanism("a"), mechanism("b", branches=((2, 3),))]
+    assert cache.branches(req) == ((2, 3),)
+    cache.mechanisms = []
+    assert cache.branches(req) == ()

@@ -153,12 +153,15 @@ class Mechanism(ABC):
 
     def branches(self, req):
         """Where the request's key in the tree takes branch ids instead of its tokens
-        (kvhost.Branches; () for a plain path): the tree inserts its row under that key."""
+        (kvhost.Branches; () for a plain path): the tree inserts its row under that key. At most one
+        mechanism branches a given request's path (the tree raises if two do)."""
         return ()
 
     def on_checkpoint(self, req, tree):
         """At the end of the request's prefill, before its row is inserted into the tree. Returns a
-        row edit (see intent/layouts.py) or None to leave the row as it is."""
+        row edit (see intent/layouts.py) or None to leave the row as it is. Every mechanism is
+        called, by rank; at most one returns an edit for a given request (the tree raises if two
+        do: their edits would not compose)."""
         return None
 
     def on_release(self, req) -> None:

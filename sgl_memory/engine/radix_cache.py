@@ -206,7 +206,7 @@ class SglMemoryRadixCache(RadixCache):
     def branches(self, req) -> Branches:
         """Where the request's key in the tree takes branch ids instead of its tokens (tree_fill.py);
         () for a plain path."""
-        return next((b for m in self.mechanisms if (b := m.branches(req))), ())
+        return only_one(((m.name, m.branches(req)) for m in self.mechanisms), "branches the request's path") or ()
 
     def _insert_cache(self, req, token_ids, **kwargs):
         return super()._insert_cache(req, with_branches(token_ids, self.branches(req)), **kwargs)
@@ -225,9 +225,9 @@ class SglMemoryRadixCache(RadixCache):
             m.admit(scheduler, req, spec)
 
     def checkpoint(self, req, *, up_to: int):
-        edit = None
-        for m in self.mechanisms:
-            edit = m.on_checkpoint(req, self) or edit
+        # every mechanism sees the checkpoint (KV memory copies the prompt off before intent prunes
+        # it), and at most one edits the row
+        edit = only_one([(m.name, m.on_checkpoint(req, self)) for m in self.mechanisms], "edits the request's row")
         if edit is not None and edit.private:
             # compact: the re-packed row is private to the request and stays out of the tree
             req.skip_radix_cache_insert = True
@@ -506,6 +506,16 @@ class SglMemoryRadixCache(RadixCache):
             if result.num_tokens_evicted == 0:
                 break
         return EvictResult(num_tokens_evicted=view.real_freed - start)
+
+
+def only_one(answers, what: str):
+    """The one non-empty answer of (mechanism, answer) pairs, or None. Two mechanisms that both
+    answer for one request (edit its row, branch its path) do not compose: an error in the
+    mechanisms, not in the request."""
+    given = [(name, answer) for name, answer in answers if answer]
+    if len(given) > 1:
+        raise RuntimeError(f"{' and '.join(name for name, _ in given)} each {what}; at most one mechanism may")
+    return given[0][1] if given else None
 
 
 def find_branches(root, key: RadixKey, ids_of: Callable[[np.ndarray], np.ndarray]) -> Branches:
