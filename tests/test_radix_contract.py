@@ -400,7 +400,8 @@ def test_two_mechanisms_that_both_edit_a_row_or_branch_a_path_are_refused():
     cache, _ = make_cache(SglMemoryRadixCache)
 
     def mechanism(name, edit=None, branches=()):
-        return SimpleNamespace(name=name, on_checkpoint=lambda req, tree: edit, branches=lambda req: branches)
+        return SimpleNamespace(name=name, on_checkpoint=lambda req, tree: edit, branches=lambda req: branches,
+                               branch_ids=lambda req: (lambda ids: ids) if branches else None, match_limit=lambda req: None)  # fmt: skip
 
     req = object()
     cache.mechanisms = [mechanism("a", edit="row edit"), mechanism("b"), mechanism("c", edit="another")]
@@ -409,6 +410,8 @@ def test_two_mechanisms_that_both_edit_a_row_or_branch_a_path_are_refused():
     cache.mechanisms = [mechanism("a", branches=((0, 1),)), mechanism("b", branches=((2, 3),))]
     with pytest.raises(RuntimeError, match="^a and b each branches the request's path"):
         cache.branches(req)
+    with pytest.raises(RuntimeError, match="^a and b each branches the request's path"):
+        cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3]), req=req))
     cache.mechanisms = [mechanism("a"), mechanism("b", branches=((2, 3),))]
     assert cache.branches(req) == ((2, 3),)
     cache.mechanisms = []

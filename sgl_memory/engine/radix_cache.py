@@ -192,16 +192,18 @@ class SglMemoryRadixCache(RadixCache):
             limit = min(limits) if key.limit is None else min(key.limit, *limits)
             key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit, cache_salt=key.cache_salt)
             params = dataclasses.replace(params, key=key)
-        for m in self.mechanisms if params.req is not None and not self.disable else ():
-            ids_of = m.branch_ids(params.req)
-            if ids_of is not None:
-                # the request matches its own branches of the path (tree_fill.py), every one of them
-                branches = find_branches(self.root_node, key, ids_of)
-                key.token_ids = with_branches(key.token_ids, branches)
-                result = super().match_prefix(dataclasses.replace(params, key=key))
-                m.on_match(params.req, tuple(b for b in branches if b[0] < result.device_prefix_len))
-                return result
-        return super().match_prefix(params)
+        mechanisms = self.mechanisms if params.req is not None and not self.disable else ()
+        owner = only_one([(m.name, (m, ids)) for m in mechanisms if (ids := m.branch_ids(params.req)) is not None],
+                         "branches the request's path")  # fmt: skip
+        if owner is None:
+            return super().match_prefix(params)
+        m, ids_of = owner
+        # the request matches its own branches of the path (tree_fill.py), every one of them
+        branches = find_branches(self.root_node, key, ids_of)
+        key.token_ids = with_branches(key.token_ids, branches)
+        result = super().match_prefix(dataclasses.replace(params, key=key))
+        m.on_match(params.req, tuple(b for b in branches if b[0] < result.device_prefix_len))
+        return result
 
     def branches(self, req) -> Branches:
         """Where the request's key in the tree takes branch ids instead of its tokens (tree_fill.py);
