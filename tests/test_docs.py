@@ -96,18 +96,21 @@ def readme_example() -> str:
 
 
 @pytest.mark.server
-def test_the_readme_first_agent_runs_as_written(plain_server):
-    """On the pool's server with no memory config (`plain`, the README's `scripts/serve.sh`): only
-    the address and the session id (one of its own) differ from the README's text."""
-    code = readme_example().replace("http://127.0.0.1:30000/v1", plain_server.url + "/v1").replace('"agent-1"', '"readme-first-agent"')
+def test_the_readme_first_agent_runs_as_written(all_server):
+    """On the pool's server with persistence on (`all`; the default server's persistence is
+    tests/test_server_e2e.py's, and on the `plain` server this chat's template prefix, cached, would
+    change how the later tests' bf16 prompts are prefilled): only the address and the session id
+    (one of its own) differ from the README's text."""
+    code = readme_example().replace("http://127.0.0.1:30000/v1", all_server.url + "/v1").replace('"agent-1"', '"readme-first-agent"')
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {})
-    first, second = out.getvalue().strip().splitlines()
-    assert "'text_match': None" in first  # a new session
+    # each turn prints its answer (sampled: it may span lines) and then its metrics
+    first, second = re.findall(r"'text_match': (None|'[a-z]+')", out.getvalue())
+    assert first == "None"  # a new session
     # the same session, recognised by the header alone: its stored path matched (a sampled answer
     # that re-tokenizes differently diverges from it, still the session's)
-    assert any(f"'text_match': '{outcome}'" in second for outcome in ("exact", "extend", "diverge"))
+    assert second in ("'exact'", "'extend'", "'diverge'")
 
 
 # --- the request reference (docs/requests.md) against the server's own parser ---------------------

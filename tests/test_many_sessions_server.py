@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from servers import SERVER_DTYPE
 from test_persist_server import SYSTEM, chat, flush, history, long_text
 
 pytestmark = pytest.mark.server
@@ -28,7 +29,12 @@ def test_restored_history_stays_until_its_request_runs_and_answers_as_if_it_had_
     """The sessions come back at once after a flush (each restores its history from the exact store,
     most of them deferred until the holds have room); the reference is each session's same turn
     right after its first, one at a time, while the tree still held it (another tenant: its own
-    path). Same KV, same rows prefilled: the same answers."""
+    path). Same KV, same rows prefilled: the same answers. Compared where the server computes in
+    float32: in bf16 a prompt's rows round with how and where they were computed, and the reference
+    turns differ from the first ones there even when both prefill their whole prompt (on an
+    AVX512-BF16 EPYC "The last entry is 28." against "11.", at 3bcf03b as since; docs/getting-started.md).
+    A bf16 server's exact restore answering as the session would have is
+    tests/test_persist_server.py's restart test, which compares requests prefilled alike."""
     server = paged_server
     first = {}
     for i in range(SESSIONS):
@@ -53,7 +59,7 @@ def test_restored_history_stays_until_its_request_runs_and_answers_as_if_it_had_
         assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, (i, metrics)
         # ... and was still in the tree when its request ran: only the new turn was prefilled
         assert cached >= history_tokens, (i, cached, history_tokens, metrics)
-    for i in range(SESSIONS):
+    for i in range(SESSIONS if SERVER_DTYPE == "float32" else 0):
         turns, answer, _ = first[i]
         hot_first, _, _ = chat(server, [SYSTEM, {"role": "user", "content": turns[0]}], f"many{i}", tenant="hot", max_tokens=8)
         assert hot_first == answer
