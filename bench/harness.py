@@ -23,6 +23,8 @@ import psutil
 import requests
 
 START_TIMEOUT_S = 300
+# persistence is on by default: a bench of another mechanism adds this to its config to run it alone
+PERSIST_OFF = "persist:\n  enabled: false\n"
 
 
 @dataclass

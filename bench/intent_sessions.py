@@ -174,7 +174,7 @@ def main() -> None:
             finally:
                 harness.stop(server)
         config = Path(tmp) / "memory.yaml"
-        config.write_text("intent:\n  enabled: true\npersist:\n  enabled: false\n")  # persistence is on by default: intent alone
+        config.write_text("intent:\n  enabled: true\n" + harness.PERSIST_OFF)
         server = harness.start(harness.our_command(args.model, "--memory-config", str(config)), Path(tmp) / "ours.log")
         try:
             for name, memory in tqdm(pruning_methods(args.budgets), desc="configurations"):

@@ -175,7 +175,7 @@ def server_config(directory: Path, groups: bool) -> Path:
     path = directory / f"keep-textworld{'' if groups else '-no-groups'}.yaml"
     path.write_text(f"memory:\n  enabled: true\n  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
                     f"  groups: {str(groups).lower()}\n  static_after: 3\n"
-                    "keep:\n  enabled: true\npersist:\n  enabled: false\n")  # fmt: skip
+                    "keep:\n  enabled: true\n" + harness.PERSIST_OFF)  # fmt: skip
     return path
 
 

@@ -56,7 +56,7 @@ def config(directory: Path, name: str, keep: dict) -> Path:
     lines = "".join(f"  {k}: {v}\n" for k, v in keep.items())
     # top_k blocks of 16 tokens placed alone: TTFT is measured against the number of blocks
     path.write_text(f"memory:\n  enabled: true\n  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n  capacity_blocks: 4096\n"
-                    f"keep:\n  enabled: true\n{lines}persist:\n  enabled: false\n")  # fmt: skip
+                    f"keep:\n  enabled: true\n{lines}" + harness.PERSIST_OFF)  # fmt: skip
     return path
 
 

@@ -91,7 +91,7 @@ def config(method: str, budget: int, store: Path, capacity: int) -> str:
     }
     names = ["intent", "persist", "memory"] if method.startswith("all") else [method]
     # persistence is on by default: intent and memory alone run without it
-    return "".join(sections[n] for n in names) + ("" if "persist" in names else "persist:\n  enabled: false\n")
+    return "".join(sections[n] for n in names) + ("" if "persist" in names else harness.PERSIST_OFF)
 
 
 def start(method: str, model: str, work: Path, budget: int, capacity: int):

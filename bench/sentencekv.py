@@ -237,7 +237,7 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="sentencekv-bench-"))  # the servers' logs and config, not results
     print(f"server logs: {log_dir}", flush=True)
     config = log_dir / "sentencekv.memory.yaml"
-    config.write_text("sentencekv:\n  enabled: true\nintent:\n  enabled: true\n  budget: 1073741824\npersist:\n  enabled: false\n")
+    config.write_text("sentencekv:\n  enabled: true\nintent:\n  enabled: true\n  budget: 1073741824\n" + harness.PERSIST_OFF)
     named = methods(args.budget, args.keep_factor)
     server = harness.start(harness.our_command(args.model, "--memory-config", str(config), "--max-total-tokens", total),
                            log_dir / "sentencekv.ours.log")  # fmt: skip

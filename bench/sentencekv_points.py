@@ -99,7 +99,7 @@ def run(args) -> list[dict]:
     total = str(2 * (longest + args.max_new_tokens) + 64)  # room for the longest prompt and what the tree still holds
     log_dir = Path(tempfile.mkdtemp(prefix="sentencekv-points-"))  # the server's log and config, not results
     config = log_dir / "sentencekv.memory.yaml"
-    config.write_text("sentencekv:\n  enabled: true\npersist:\n  enabled: false\n")  # persistence is on by default
+    config.write_text("sentencekv:\n  enabled: true\n" + harness.PERSIST_OFF)
     print(f"{scored} points of {len(trajectories)} trajectories, "
           f"longest {longest} tokens; server log: {log_dir}", flush=True)  # fmt: skip
     rows = []

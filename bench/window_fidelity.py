@@ -68,7 +68,7 @@ def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="window-fidelity-"))
     config = work / "memory.yaml"
     config.write_text(f"memory:\n  enabled: true\n  placement: after_system\n  window: {args.window}\n  placed_tokens: {args.placed_tokens}\n"
-                      "persist:\n  enabled: false\n")  # persistence is on by default: the window alone
+                      + harness.PERSIST_OFF)
     server = harness.start(harness.our_command(args.model, "--memory-config", str(config), "--max-total-tokens", "32768"), work / "server.log")
     points = []
     try:

@@ -149,7 +149,7 @@ CATALOGUE: dict[str, Spec] = {
                    flags=("--dtype", "float32")),  # fmt: skip
     # the agent benchmark's sections (bench/agent/run.py; tests/test_agent.py checks them)
     "qwen": Spec("the default model: the agent harness, its smoke tests, KV memory's default unit (lines)",
-                 model=models.DEFAULT_MODEL, config="intent:\n  enabled: true\n  budget_floor: 16\nmemory:\n  enabled: true\npersist:\n  enabled: false\n"),  # fmt: skip
+                 model=models.DEFAULT_MODEL, config="intent:\n  enabled: true\n  budget_floor: 16\nmemory:\n  enabled: true\n" + harness.PERSIST_OFF),  # fmt: skip
     "qwen_tp1": Spec("the default model in float32 at TP 1: the TP test's reference (every head on one rank), and a "
                      "session restored from disk in the default format (Q8; no warm tier: a restore reads the file)",
                      model=models.DEFAULT_MODEL, config=tp_config("  warm_bytes: 0\n"), flags=(*TP_FLAGS, "--tp-size", "1"),

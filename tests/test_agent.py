@@ -33,12 +33,12 @@ SNIPPET = 48
 def server(qwen_server):
     """The default model (the test model's chat template renders no tools), with the agent
     benchmark's intent and KV memory sections and persistence off as its servers run (bench/agent/run.py:
-    INTENT_CONFIG, MEMORY_CONFIG, PERSIST_OFF)."""
+    INTENT_CONFIG, MEMORY_CONFIG, harness.PERSIST_OFF)."""
     import yaml
 
     from sgl_memory.core import config
 
-    want = config.from_dict(yaml.safe_load(run.INTENT_CONFIG + run.MEMORY_CONFIG + run.PERSIST_OFF)).as_dict()
+    want = config.from_dict(yaml.safe_load(run.INTENT_CONFIG + run.MEMORY_CONFIG + harness.PERSIST_OFF)).as_dict()
     served = qwen_server.get("/sgl_memory/info").json()["config"]
     assert all(served[name] == want[name] for name in ("intent", "memory", "persist"))
     return qwen_server

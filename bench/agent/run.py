@@ -45,7 +45,6 @@ WORKLOADS = ("bfcl", "bcp")
 # the adaptive methods' floor sits below the smallest fixed budget so their budget can move both ways
 INTENT_CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
 MEMORY_CONFIG = "memory:\n  enabled: true\n"
-PERSIST_OFF = "persist:\n  enabled: false\n"  # persistence is on by default: each server runs its mechanism alone
 REFERENCE = "full cache"  # our server without pruning: what next-action agreement compares with
 # KV memory: each request carries the system prompt (the tool docs), the last user message and the
 # last --memory-window exchanges; the session's memory places its most relevant earlier blocks after
@@ -226,7 +225,7 @@ def start(kind: str, model: str, work: Path):
         parser = ["--tool-call-parser", spec.tool_call_parser] if spec and spec.tool_call_parser else []
         cmd, env = harness.plain_sglang(model_path, *harness.cpu_flags(model_path, "torch_native"), "--enable-cache-report", *parser)
         return harness.start(cmd, work / "plain.log", env=env)
-    (work / "memory.yaml").write_text((INTENT_CONFIG if kind == "intent" else MEMORY_CONFIG) + PERSIST_OFF)
+    (work / "memory.yaml").write_text((INTENT_CONFIG if kind == "intent" else MEMORY_CONFIG) + harness.PERSIST_OFF)
     return harness.start(harness.our_command(model, "--memory-config", str(work / "memory.yaml")), work / f"{kind}.log")
 
 

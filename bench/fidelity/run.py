@@ -72,8 +72,7 @@ MEMORY_CONFIG = CONFIG + "memory:\n  enabled: true\n  cut: lines\nkeep:\n  enabl
 # a restored session's methods: the store's format is the server's, one server per format (its
 # directory is added per run: a fresh store, so every restore is of this run's writes)
 PERSISTED = ("q4", "q8", "bf16")
-PERSIST_OFF = "persist:\n  enabled: false\n"  # persistence is on by default: the other servers run without it
-SERVERS = {"intent": CONFIG + PERSIST_OFF, "memory": MEMORY_CONFIG + PERSIST_OFF,
+SERVERS = {"intent": CONFIG + harness.PERSIST_OFF, "memory": MEMORY_CONFIG + harness.PERSIST_OFF,
            **{f"persist {q}": CONFIG + f"persist:\n  enabled: true\n  quant: {q}\n" for q in PERSISTED}}  # fmt: skip
 BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
 INTENT = ("memory", "memory_pool", "query", "learned")

@@ -237,7 +237,7 @@ def server_config(directory: Path, block_size: int, top_k: int, memory_on: bool,
         f"  norm: {MAIN_NORM}\n  agg: {MAIN_AGG}\n  capacity_blocks: {capacity_blocks}\n  cut: {cut}\n"
         "  unit: block\n  placed_tokens: 0\n"  # top_k blocks of block_size, as every variant here counts them
         f"keep:\n  enabled: {str(memory_on).lower()}\n  compact: {str(compact).lower()}\n"  # the recompute variants' repairs
-        "persist:\n  enabled: false\n"  # on by default: memory alone
+        + harness.PERSIST_OFF
     )
     return path
 

@@ -34,7 +34,7 @@ from bench import harness
 
 from . import sessions as S
 
-CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\npersist:\n  enabled: false\n"  # persistence is on by default: intent alone
+CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n" + harness.PERSIST_OFF
 SCORERS = ("memory", "memory_pool", "query", "learned", "snapkv", "h2o", "streaming_llm", "random")
 DEFAULT = "memory"  # IntentKV's rule as published: every scorer is paired against it
 HOPS = (1, 2, 1, 3)  # half one hop
