@@ -23,7 +23,7 @@ import tokenize
 import typing
 from pathlib import Path
 
-from sgl_memory.core import mechanism
+from sgl_memory.core import composition, mechanism
 from sgl_memory.core.config import SessionSources
 from sgl_memory.core.request import FIELD, RequestPart
 
@@ -185,7 +185,7 @@ def scale_table() -> str:
     mechanism.discover()
     rows = ["| mechanism | page size > 1 | TP > 1 |", "|---|---|---|"]
     for cls in mechanism.ordered():
-        cells = ["runs" if why is None else f"refused: {why}" for why in mechanism.scale_refusals(cls)]
+        cells = ["runs" if why is None else f"refused: {why}" for why in composition.scale_refusals(cls)]
         rows.append(f"| `{cls.name}` | {cells[0]} | {cells[1]} |")
     return "\n".join(rows)
 

@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+from sgl_memory.core import composition
 from sgl_memory.core import config as memory_config
 from sgl_memory import cpu_dtype, models
 
@@ -118,7 +119,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
     from sgl_memory.engine.attention import cpu_backend
 
     cfg = memory_config.plain() if ours.plain else memory_config.load(ours.memory_config)
-    radix_cache.check_config(cfg)  # the tree checks again where it is built; here it fails before start-up
+    composition.check(cfg)  # the tree checks again where it is built; here it fails before start-up
     # SGLang's child processes read the config from these (memory_config.from_env); none inherited
     os.environ.pop(memory_config.CONFIG_ENV, None)
     os.environ.pop(memory_config.PLAIN_ENV, None)
@@ -185,7 +186,6 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    from sgl_memory.engine import radix_cache
 
     load_plugins()
     choice = cpu_dtype.announced()
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     print("sgl-memory: sglang " + " ".join(sglang_argv), file=sys.stderr, flush=True)
     server_args = prepare_server_args(sglang_argv)
     try:  # SGLang has resolved the page size (a backend may raise it): refuse before anything starts
-        radix_cache.check_scale(cfg, server_args.tp_size, server_args.page_size or 1)
+        composition.check(cfg, server_args.tp_size, server_args.page_size or 1)
     except memory_config.ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -62,7 +62,7 @@ def test_missing_file_is_a_config_error(tmp_path):
 
 def test_every_combination_of_the_three_mechanisms_is_accepted(tmp_path):
     """intent, persist and memory compose: no pair and not all three is refused at start-up."""
-    from sgl_memory.engine.radix_cache import check_config
+    from sgl_memory.core.composition import check as check_config
 
     names = ("intent", "persist", "memory")
     combos = [(a,) for a in names] + [(a, b) for i, a in enumerate(names) for b in names[i + 1 :]] + [names]
@@ -77,7 +77,8 @@ def test_a_declared_conflict_is_refused_where_the_tree_is_built(tmp_path, monkey
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from sgl_memory.core import mechanism
-    from sgl_memory.engine.radix_cache import SglMemoryRadixCache, check_config
+    from sgl_memory.core.composition import check as check_config
+    from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 
     check_config(config.MemoryConfig())  # imports (registers) every mechanism
     monkeypatch.setattr(mechanism.REGISTRY["memory"], "conflicts", {"intent": "a reason"})
@@ -109,25 +110,26 @@ def test_a_mechanism_not_correct_at_a_tp_or_page_size_stops_start_up_with_its_re
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from sgl_memory.core import mechanism
-    from sgl_memory.engine.radix_cache import SglMemoryRadixCache, check_config, check_scale
+    from sgl_memory.core.composition import check
+    from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 
-    check_config(config.MemoryConfig())  # imports (registers) every mechanism
+    check(config.MemoryConfig())  # imports (registers) every mechanism
     matrix = scale_matrix()
     assert set(matrix) == set(mechanism.REGISTRY)
     for name, (page_refused, tp_refused) in matrix.items():
         cfg = config.load(write(tmp_path, f"{name}:\n  enabled: true\n"))
         refused = (page_size > 1 and page_refused) + (tp_size > 1 and tp_refused)
         if not refused:
-            check_scale(cfg, tp_size, page_size)
+            check(cfg, tp_size, page_size)
             continue
         with pytest.raises(config.ConfigError) as exc:
-            check_scale(cfg, tp_size, page_size)
+            check(cfg, tp_size, page_size)
         assert str(exc.value).count(f"{name} ") == refused, str(exc.value)
         params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=page_size)
         with pytest.raises(config.ConfigError, match=f"^{name} "):
             SglMemoryRadixCache(params, cfg, SimpleNamespace(tp_size=tp_size))  # the TP size of SGLang's build context
-    check_scale(config.plain(), 8, 64)  # every mechanism off: nothing to refuse
-    check_scale(config.MemoryConfig(), 8, 64)  # nor the default (persistence on) at any TP and page size
+    check(config.plain(), 8, 64)  # every mechanism off: nothing to refuse
+    check(config.MemoryConfig(), 8, 64)  # nor the default (persistence on) at any TP and page size
 
 
 def test_named_options_are_the_registries(tmp_path):

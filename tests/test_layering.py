@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from sgl_memory.core import mechanism
+
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_memory"
-MECHANISMS = {"intent", "persist", "memart", "keep", "sentencekv"}
+# the mechanism packages, as discovery finds them (a package's `__init__` names its mechanism's module)
+MECHANISMS = {module.split(".")[1] for module in mechanism.builtin()}
 KERNELS = {"kernels"}  # compute kernels (Triton, kernels/ in the repository): no SGLang, usable from any floor
 ROOT = {"SGLANG_VERSION", "__version__"}  # the package's own __init__
 PLATFORM = {"cpu_compat", "cpu_dtype"}  # the CPU platform layer, imported at interpreter start (a .pth)
@@ -73,6 +76,10 @@ def test_the_rule_is_not_vacuous():
     assert "sglang" in imports(PACKAGE / "engine" / "radix_cache.py")[1]
     assert {"core", "memart"} <= imports(PACKAGE / "memart" / "manager.py")[0]
     assert MECHANISMS == {p.parent.name for p in PACKAGE.glob("*/__init__.py")} - {"core", "engine", "patches", "kernels"}
+    # and each registers one mechanism, from its own package
+    mechanism.discover()
+    registered = {cls.__module__.split(".")[1] for cls in mechanism.REGISTRY.values() if cls.__module__.startswith("sgl_memory.")}
+    assert registered == MECHANISMS
 
 
 def test_every_package_ships():

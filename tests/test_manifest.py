@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from test_layering import MECHANISMS
+
 from sgl_memory import plugin
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_memory"
@@ -54,7 +56,7 @@ def test_a_field_that_is_gone_is_refused_at_start_up():
 # The packages whose code sees SGLang's request and scheduler through the names a hook gives them
 # (`req`, `scheduler`): the core floor and each mechanism (engine/ is SGLang's side and lists its
 # contacts by kind above)
-FLOOR_AND_MECHANISMS = ("core", "intent", "memart", "keep", "persist", "sentencekv")
+FLOOR_AND_MECHANISMS = ("core", *sorted(MECHANISMS))
 SGLANG_OBJECTS = {"req": "sglang.srt.managers.schedule_batch.Req", "scheduler": "sglang.srt.managers.scheduler.Scheduler"}
 
 

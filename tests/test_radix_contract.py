@@ -391,28 +391,27 @@ def test_sentinel_safe_allocator_forwards_each_free_variant():
     assert view.real_freed == 4 * 5 + 2 + 1
 
 
-def test_two_mechanisms_that_both_edit_a_row_or_branch_a_path_are_refused():
-    """Composition is by rule, not by order: at most one mechanism edits a request's row at its
-    checkpoint and at most one branches its path; the tree raises naming both when two do (the
-    second's edit would silently replace the first's), and hands on the one that does."""
-    from types import SimpleNamespace
+def test_the_tree_applies_the_composition_rules_to_rows_and_paths():
+    """Composition is by rule, not by order (core/composition.py, tests/test_composition.py): the
+    tree asks its composition, so two mechanisms that both edit a request's row at its checkpoint,
+    or both branch its path, stop the tree naming both (the second's edit would silently replace
+    the first's), and the one that does is handed on."""
+    from test_composition import fake
+
+    from sgl_memory.core.composition import Composition
 
     cache, _ = make_cache(SglMemoryRadixCache)
-
-    def mechanism(name, edit=None, branches=()):
-        return SimpleNamespace(name=name, on_checkpoint=lambda req, tree: edit, branches=lambda req: branches,
-                               branch_ids=lambda req: (lambda ids: ids) if branches else None, match_limit=lambda req: None)  # fmt: skip
-
     req = object()
-    cache.mechanisms = [mechanism("a", edit="row edit"), mechanism("b"), mechanism("c", edit="another")]
+    cache.composition = Composition([fake("a", on_checkpoint="row edit"), fake("b"), fake("c", on_checkpoint="another")])
     with pytest.raises(RuntimeError, match="^a and c each edits the request's row"):
         cache.checkpoint(req, up_to=0)
-    cache.mechanisms = [mechanism("a", branches=((0, 1),)), mechanism("b", branches=((2, 3),))]
+    ids = lambda ids: ids  # noqa: E731
+    cache.composition = Composition([fake("a", branches=((0, 1),), branch_ids=ids), fake("b", branches=((2, 3),), branch_ids=ids)])
     with pytest.raises(RuntimeError, match="^a and b each branches the request's path"):
         cache.branches(req)
     with pytest.raises(RuntimeError, match="^a and b each branches the request's path"):
         cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3]), req=req))
-    cache.mechanisms = [mechanism("a"), mechanism("b", branches=((2, 3),))]
+    cache.composition = Composition([fake("a"), fake("b", branches=((2, 3),))])
     assert cache.branches(req) == ((2, 3),)
-    cache.mechanisms = []
+    cache.composition = Composition([])
     assert cache.branches(req) == ()

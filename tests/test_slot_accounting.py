@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
+from sgl_memory.core.composition import Composition
 from sgl_memory.engine.admission import ADMITTED
 from sgl_memory.core.config import plain
 from sgl_memory.intent.pruner import REQUESTS as INTENT
@@ -297,7 +298,7 @@ class AllSim(Sim):
         persist.tokenizer = Chars()
         memory = MemArtManager(MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree, Rope(head_dim=2, theta=10000.0))
         memory.markers = RoleMarkers(None, {})
-        self.tree.mechanisms = sorted([*self.tree.mechanisms, persist, memory], key=lambda m: m.rank)
+        self.tree.composition = Composition([*self.tree.mechanisms, persist, memory])
         self.persist, self.memory = persist, memory
         self.placed = self.restored = self.recorded_dead = 0
         self.waiting: list[FakeReq] = []

@@ -1,10 +1,11 @@
-"""One tap on the attention layers' inputs during prefill, which mechanisms subscribe to.
+"""One tap on the attention layers' inputs during prefill, which mechanisms subscribe to
+(Mechanism.subscriber).
 
 Intent pruning reads the post-RoPE query rows of its requests' prompts (QueryMemory, SnapKV's
 window); KV memory reads a probe prompt's queries, keys and values. Both need them as every
 attention layer receives them, whatever the backend, so the engine's one hook on the attention
-layers (engine/hooks.py) hands each extend forward to `feed`, which passes it to the subscribers
-that have a request in it.
+layers (engine/hooks.py) hands each extend forward and the composition's subscribers to `feed`,
+which passes it to those that have a request in it.
 
 The batch packs the new tokens of its requests one after another: request i's query, key and value
 rows start where request i-1's end, and its first new token sits at position prefix_len (what the
@@ -120,19 +121,13 @@ class QueryCapture:
         return torch.stack([self.windows[i] for i in sorted(self.windows)]) if self.windows else torch.zeros(0)
 
 
-_SUBSCRIBERS: dict[str, Subscriber] = {}
 # per forward batch: the row layout rows.py made (the rows the layers compute, once rows are
 # dropped), and each subscriber's binding of the rows, made once per layout version
 ROW_LAYOUT: Slot = Slot("row layout")
 BOUND: Slot[tuple[int, list]] = Slot("capture bindings")
 
 
-def subscribe(name: str, subscriber: Subscriber) -> None:
-    """One subscriber per name: a rebuilt tree's mechanism replaces the old one's."""
-    _SUBSCRIBERS[name] = subscriber
-
-
-def feed(layer, q, k, v, forward_batch) -> None:
+def feed(subscribers: list[Subscriber], layer, q, k, v, forward_batch) -> None:
     """One attention layer's inputs of a forward: each subscriber's rows of an extend forward."""
     if not forward_batch.rids or forward_batch.forward_mode.is_decode():
         return None  # decode steps, every layer of every token: nothing to capture
@@ -140,7 +135,7 @@ def feed(layer, q, k, v, forward_batch) -> None:
     version = layout.version if layout is not None else 0
     held = BOUND.get(forward_batch)
     if held is None or held[0] != version:  # once per forward and row layout
-        active = [s for s in _SUBSCRIBERS.values() if s.capturing()]
+        active = [s for s in subscribers if s.capturing()]
         rows = (layout.current() if layout is not None else extend_rows(forward_batch)) if active else []
         held = BOUND.set(forward_batch, (version, [(s, s.bind(rows)) for s in active]))
     bound = held[1]

@@ -1,10 +1,11 @@
 """Which cached positions a decode step attends, per layer: the seam for decode-time retrieval.
 
 A mechanism that chooses, at every decode step and layer, the part of a request's KV its new token
-reads (SentenceKV: the kept positions plus the sentences the step's query retrieves) registers a
-`StepReads` for the request. The engine's attention backend asks it before each layer's decode
-attention and reads exactly those positions of the request's slot map (the sentinel's left out);
-requests without one read every position, as before. The KV not read stays in the pool.
+reads (SentenceKV: the kept positions plus the sentences the step's query retrieves) answers
+`Mechanism.step_reads` with a `StepReads` for the request. The engine's attention backend asks the
+composition for them once per decode forward, asks each before its layer's decode attention and
+reads exactly those positions of the request's slot map (the sentinel's left out); requests
+without one read every position, as before. The KV not read stays in the pool.
 """
 
 from __future__ import annotations
@@ -21,7 +22,3 @@ class StepReads(Protocol):
         q: the step's post-RoPE query at this layer [heads, head_dim]; token: the step's input token
         id; length: the sequence length with the step's token. Called for layers 0, 1, ... in order
         within a step."""
-
-
-# request id -> its reads; set by the mechanism once the request's prefill ended, popped at release
-READS: dict[str, StepReads] = {}

@@ -133,3 +133,11 @@ class KVHost(Protocol):
         """Every mechanism's state of the session (but `skip`'s): tensors and which of them are KV."""
 
     def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def position_shift(self, rid: str) -> int:
+        """How far the request's model positions run from SGLang's (Mechanism.position_shift of the
+        mechanism that re-packed its row; 0: none)."""
+
+    def placed_kv(self, req) -> Any:
+        """The KV a mechanism placed among the request's new tokens for a repair (reuse.ReusedKV,
+        Mechanism.placed_kv), or None."""

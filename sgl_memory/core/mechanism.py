@@ -6,27 +6,35 @@ declares everything the server layers need from it, so that adding a mechanism e
 file: its config section (`settings`), where it runs among the others (`rank`), the keys of the
 `sgl_memory` request field it owns (`fields`, `parse_request`, `check_request`), its per-request
 metrics (`schema`, `observe`), its HTTP routes (`mount`) and what it does to requests on their
-way in (`before_generate`, with the engine API of front.py). The tree (radix_cache.py) builds the
-enabled ones by rank and calls them at the points of a request's life below. Per-request state
-lives in the mechanism or in a `slots.Slot` beside SGLang's request, never on it; no
-mechanism imports another.
+way in (`before_generate`, with the engine API of front.py), and what it does inside the forward
+(`subscriber`, `dropper`, `position_shift`, `step_reads`, `placed_kv`). The tree (radix_cache.py)
+builds the enabled ones into a `composition.Composition`, which calls them at the points of a
+request's life below and combines their answers by the rules written there. Per-request state
+lives in the mechanism or in a `slots.Slot` beside SGLang's request, never on it; no mechanism
+imports another, and a mechanism reaches another's answer only through the tree (kvhost.KVHost).
 
-Mechanisms are found by importing their modules: `BUILTIN` lists the ones that ship with
-sgl-memory, and a config's `plugins:` names more (any importable module that registers one).
+Mechanisms are found by importing their modules: each package of sgl-memory that holds one names
+its module in its `__init__` (`MECHANISM`), so a new mechanism is a new package and no list
+elsewhere names it; a config's `plugins:` names more (any importable module that registers one).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-# The mechanisms that ship with sgl-memory: importing a module registers its mechanism.
-BUILTIN = ("sgl_memory.memart.manager", "sgl_memory.keep.manager", "sgl_memory.persist.manager", "sgl_memory.intent.pruner",
-           "sgl_memory.sentencekv.manager")
+if TYPE_CHECKING:
+    from sgl_memory.core.capture import Subscriber
+    from sgl_memory.core.decode import StepReads
+    from sgl_memory.core.reuse import ReusedKV
+    from sgl_memory.core.rows import RowDropper
 
 REGISTRY: dict[str, type[Mechanism]] = {}
 
@@ -44,6 +52,19 @@ class MetricsSchema:
     flagged: tuple[str, ...] = ()  # set (truthy) on a request that went wrong (stats `flags`)
 
 
+@dataclass
+class RowEdit:
+    """What a mechanism did to a request's slot-map row at its checkpoint (Mechanism.on_checkpoint):
+    positions pointed at the tree's sentinel slot, slots given back, and whether the row may still
+    enter the tree."""
+
+    dropped: torch.Tensor  # positions now pointing at the sentinel
+    freed: int
+    copied: int = 0  # kept slots of a shared path copied into the row's own (intent's dead_slot)
+    position_shift: int = 0  # a re-packed row: model position = SGLang position + shift (Mechanism.position_shift)
+    private: bool = False  # the row no longer matches its tokens' positions: the tree keeps it out
+
+
 class Mechanism(ABC):
     name: ClassVar[str]
     # Where the mechanism's admission runs among the others (lower first): the order in which they
@@ -53,11 +74,11 @@ class Mechanism(ABC):
     settings: ClassVar[type]  # its config section: a frozen dataclass with an `enabled` field and defaults
     fields: ClassVar[tuple[str, ...]] = ()  # the keys of the `sgl_memory` request field it owns
     schema: ClassVar[MetricsSchema] = MetricsSchema()
-    # other mechanism -> why the two cannot run in one server (yet); checked at start-up (radix_cache.check_config)
+    # other mechanism -> why the two cannot run in one server (yet); checked at start-up (composition.check)
     conflicts: ClassVar[dict[str, str]] = {}
     needs_sentinel: ClassVar[bool] = False  # points positions of rows at the tree's sentinel slot (page size 1)
     # why it is not correct under tensor parallelism yet (None: it is), and why it needs page size 1
-    # (None: any page size); start-up refuses such a server with the reason (scale_problems)
+    # (None: any page size); start-up refuses such a server with the reason (composition.check)
     tp_refusal: ClassVar[str | None] = None
     page_refusal: ClassVar[str | None] = None
     # the server's own passes for another mechanism (request.RequestPart.internal) are not admitted
@@ -157,9 +178,10 @@ class Mechanism(ABC):
         mechanism branches a given request's path (the tree raises if two do)."""
         return ()
 
-    def on_checkpoint(self, req, tree):
-        """At the end of the request's prefill, before its row is inserted into the tree. Returns a
-        row edit (see intent/layouts.py) or None to leave the row as it is. Every mechanism is
+    def on_checkpoint(self, req, tree) -> RowEdit | None:
+        """At the end of the request's prefill, before its row is inserted into the tree. Returns the
+        RowEdit it made (edits are made in place, through the tree's `row(req)`) or None when it left
+        the row as it is. Every mechanism is
         called, by rank; at most one returns an edit for a given request (the tree raises if two
         do: their edits would not compose)."""
         return None
@@ -172,6 +194,33 @@ class Mechanism(ABC):
         """The request was aborted before it held a KV row (in the waiting queue, or refused by
         SGLang after admission): the tree never releases it, so `on_release` does not run. Drop
         the per-request state `admit` kept outside the req."""
+
+    # --- inside the model's forward (scheduler process): asked by the engine through the composition --
+
+    def subscriber(self) -> Subscriber | None:
+        """What this mechanism reads of the attention layers' inputs during prefill (capture.py), or
+        None. Asked once, when the tree is built."""
+        return None
+
+    def dropper(self) -> RowDropper | None:
+        """What says which prefill rows later layers stop computing (rows.py), or None. Asked once,
+        when the tree is built; a dropper is also a subscriber (it takes the rows it recomputes)."""
+        return None
+
+    def position_shift(self, rid: str) -> int:
+        """How far the request's model positions run from SGLang's (a layout that re-packed its KV
+        moved them); 0: not at all. Asked for every request of every forward: keep it a lookup."""
+        return 0
+
+    def step_reads(self, rid: str) -> StepReads | None:
+        """The positions each decode step of the request reads, per layer (decode.py); None: every
+        position. Asked once per decode forward and request: keep it a lookup."""
+        return None
+
+    def placed_kv(self, req) -> ReusedKV | None:
+        """The KV this mechanism placed among the request's new tokens for a repair (reuse.py), which
+        the repairing mechanism asks the tree for (KVHost.placed_kv); None: none."""
+        return None
 
     def export_session(self, key) -> dict[str, torch.Tensor]:
         """What this mechanism holds for the session (tenant, id) that a later server needs to
@@ -220,9 +269,23 @@ def register(name: str):
     return wrap
 
 
+@functools.cache
+def builtin() -> tuple[str, ...]:
+    """The modules of the mechanisms that ship with sgl-memory: for each package beside the core
+    floor whose `__init__` sets `MECHANISM`, that module of the package."""
+    top = __name__.split(".")[0]
+    found = []
+    for info in pkgutil.iter_modules([str(Path(__file__).resolve().parents[1])]):
+        if info.ispkg:
+            package = importlib.import_module(f"{top}.{info.name}")
+            if hasattr(package, "MECHANISM"):
+                found.append(f"{package.__name__}.{package.MECHANISM}")
+    return tuple(found)
+
+
 def discover(plugins: tuple[str, ...] = ()) -> None:
     """Import the built-in mechanisms and the `plugins` modules, which registers them."""
-    for module in BUILTIN + tuple(plugins):
+    for module in builtin() + tuple(plugins):
         importlib.import_module(module)
 
 
@@ -234,34 +297,3 @@ def ordered() -> list[type[Mechanism]]:
 def enabled(config) -> list[str]:
     """The mechanisms a config switches on, by rank."""
     return [cls.name for cls in ordered() if config.section(cls.name).enabled]
-
-
-def scale_refusals(cls: type[Mechanism]) -> tuple[str | None, str | None]:
-    """Why the mechanism refuses a page size > 1 and a TP size > 1 (None: it serves it)."""
-    page = cls.page_refusal or ("it points single positions at the tree's sentinel slot" if cls.needs_sentinel else None)
-    return page, cls.tp_refusal
-
-
-def scale_problems(config, tp_size: int, page_size: int) -> list[str]:
-    """Why the enabled mechanisms cannot serve a server of this tensor-parallel size and page size,
-    one line each (empty: they can)."""
-    found = []
-    for name in enabled(config):
-        page, tp = scale_refusals(REGISTRY[name])
-        if tp_size > 1 and tp:
-            found.append(f"{name} is not correct under tensor parallelism yet (TP size {tp_size}): {tp}")
-        if page_size > 1 and page:
-            found.append(f"{name} needs page size 1 (got {page_size}): {page}")
-    return found
-
-
-def conflicts(config) -> list[str]:
-    """Why the enabled mechanisms cannot run together, one line per pair (empty: they can)."""
-    names = enabled(config)
-    found = []
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            why = REGISTRY[a].conflicts.get(b) or REGISTRY[b].conflicts.get(a)
-            if why:
-                found.append(f"{a}.enabled and {b}.enabled together are not supported yet: {why}")
-    return found

@@ -3,9 +3,9 @@ for the one that repairs it (keep), so that neither imports the other.
 
 KV memory places blocks whose KV was computed in other contexts. Reused as a prefix hit, that KV
 is never recomputed ("full reuse"). When the request asks for a repair, memory makes the blocks'
-tokens part of the request's prefill instead and keeps a `ReusedKV` in the request's `REUSED` slot: the keep
-mechanism then writes the placed KV over the rows it decides not to recompute, layer by layer,
-inside the forward (keep/README.md).
+tokens part of the request's prefill instead and answers `Mechanism.placed_kv` with a `ReusedKV`:
+the keep mechanism asks the tree for it (KVHost.placed_kv) and writes the placed KV over the rows it
+decides not to recompute, layer by layer, inside the forward (keep/README.md).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from sgl_memory.core.slots import Slot
 
 # The repairs of placed KV a request may ask for, and the mechanism that carries out each: the
 # placer checks that it runs (memart/settings.py), the repairer registers under that name.
@@ -37,5 +35,3 @@ class ReusedKV:
         """[M] the segment index of each placed token."""
         return torch.repeat_interleave(torch.arange(len(self.segments)), torch.tensor(self.segments))
 
-
-REUSED: Slot[ReusedKV] = Slot("reused KV")  # per request: set by the placer, read by the repairer

@@ -7,8 +7,8 @@ states is where the time goes down: every later layer's projections, MLP and att
 over fewer rows.
 
 A forward packs the new tokens of its requests one after another (capture.ExtendRows). The layout
-holds which of those rows the current layer computes. After each layer the registered droppers
-(keep) say which rows the next layer still needs; the engine (engine/layers.py) cuts the layer's
+holds which of those rows the current layer computes. After each layer the mechanisms' droppers
+(Mechanism.dropper: keep) say which rows the next layer still needs; the engine (engine/layers.py) cuts the layer's
 output and residual to them and, before each layer, the positions and the KV write locations.
 
 Only the attention backend that reads the layout (`supports_row_layout`, our CPU backend) can attend
@@ -71,19 +71,5 @@ class RowDropper(Protocol):
         layer's) that no later layer computes; requests not named keep their rows."""
 
 
-DROPPERS: dict[str, RowDropper] = {}
-
-
-def register_dropper(name: str, dropper: RowDropper) -> None:
-    """One dropper per name: a rebuilt tree's mechanism replaces the old one's."""
-    DROPPERS[name] = dropper
-
-
 def layout(forward_batch) -> RowLayout | None:
     return capture.ROW_LAYOUT.get(forward_batch)
-
-
-# Requests whose model positions run at position + shift, whatever the backend: a layout that
-# re-packed a request's KV (intent's `compact`) moved its positions; the engine's forward hook
-# applies the shift. request id -> shift.
-POSITION_SHIFTS: dict[str, int] = {}

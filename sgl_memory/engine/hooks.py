@@ -8,22 +8,24 @@ from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
 from sgl_memory.core import capture, metrics, prometheus
 from sgl_memory.core.request import FIELD
-from sgl_memory.core.rows import POSITION_SHIFTS
 from sgl_memory.engine import runtime
 
 SESSIONS_KEY = "sgl_memory_sessions"  # the scheduler's internal state: what GET /sgl_memory/sessions pages
 
 
 def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
-    """BEFORE hook on RadixAttention.forward: the layer's inputs to the capture subscribers."""
-    capture.feed(layer, q, k, v, forward_batch)
+    """BEFORE hook on RadixAttention.forward: the layer's inputs to the mechanisms' capture subscribers."""
+    composed = runtime.composition()
+    if composed is not None and composed.subscribers:
+        capture.feed(composed.subscribers, layer, q, k, v, forward_batch)
     return None
 
 
 def shift_positions_hook(forward_batch, *args, **kwargs):
-    """AFTER hook on ForwardBatch.init_new: requests whose KV a layout re-packed (rows.POSITION_SHIFTS)
-    run at position + shift, whatever the attention backend."""
-    if not POSITION_SHIFTS or not forward_batch.rids:
+    """AFTER hook on ForwardBatch.init_new: requests whose KV a layout re-packed run at position +
+    shift (Mechanism.position_shift), whatever the attention backend."""
+    composed = runtime.composition()
+    if composed is None or not composed.shifts_positions or not forward_batch.rids:
         return None
     if forward_batch.forward_mode.is_decode():
         lens = [1] * len(forward_batch.rids)
@@ -31,7 +33,7 @@ def shift_positions_hook(forward_batch, *args, **kwargs):
         lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
     start = 0
     for rid, n in zip(forward_batch.rids, lens):
-        shift = POSITION_SHIFTS.get(rid)
+        shift = composed.position_shift(rid)
         if shift:
             forward_batch.positions[start : start + n] += shift
         start += n

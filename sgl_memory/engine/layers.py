@@ -1,7 +1,7 @@
 """Rows a prefill stops computing between decoder layers (core/rows.py): the AROUND hook on the
 served models' decoder layers that applies a forward's row layout (patches/hooks.yaml).
 
-After each layer the registered droppers say which rows the next layer still needs; the hook cuts
+After each layer the mechanisms' droppers (Mechanism.dropper) say which rows the next layer still needs; the hook cuts
 the layer's output and residual to them through SGLang's residual stream (the hand-off it uses for
 micro-batches), and before each layer it cuts the positions and the KV write locations to match.
 After the last layer the rows come back to their places (zeros where dropped), so the final norm
@@ -16,10 +16,11 @@ from sglang.srt.model_executor.forward_context import get_attn_backend
 
 from sgl_memory.core import capture
 from sgl_memory.core.capture import extend_rows
-from sgl_memory.core.rows import DROPPERS, RowLayout, layout
+from sgl_memory.core.rows import RowLayout, layout
+from sgl_memory.engine import runtime
 
 
-def _kept_from(forward_batch) -> dict[str, int] | None:
+def _kept_from(forward_batch, droppers: list) -> dict[str, int] | None:
     """Per request, the first position no row may be dropped from: what the capture subscribers
     that are not droppers read of it (capture.Subscriber.first_read; 0 where one reads every row).
     None: no row of this forward may be dropped (the backend does not attend a row layout, or rows
@@ -30,7 +31,7 @@ def _kept_from(forward_batch) -> dict[str, int] | None:
         return None  # rows in flight to other ranks
     kept: dict[str, int] = {}
     for subscriber, parts in (capture.BOUND.get(forward_batch) or (0, []))[1]:
-        if subscriber in DROPPERS.values():
+        if subscriber in droppers:
             continue
         for part in parts:
             first = subscriber.first_read(part) if hasattr(subscriber, "first_read") else None
@@ -84,7 +85,9 @@ def _last_layer() -> int | None:
 def layer_hook(original, layer, positions, hidden_states, forward_batch, *args, **kwargs):
     """AROUND hook on a decoder layer's forward: the layer runs over the rows the layout keeps."""
     mode = forward_batch.forward_mode
-    if not DROPPERS or not mode.is_extend() or not forward_batch.rids:
+    composed = runtime.composition()
+    droppers = composed.droppers if composed is not None else ()
+    if not droppers or not mode.is_extend() or not forward_batch.rids:
         return original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
     layer_id = layer.self_attn.attn.layer_id
     rows = layout(forward_batch)
@@ -102,11 +105,11 @@ def layer_hook(original, layer, positions, hidden_states, forward_batch, *args, 
         forward_batch.out_cache_loc = full_loc
     if layer_id == _last_layer():
         return out if rows.index is None else _restore(forward_batch, out, rows)
-    kept_from = _kept_from(forward_batch)
+    kept_from = _kept_from(forward_batch, droppers)
     if kept_from is None:
         return out
     kept = rows.kept.clone()
-    for dropper in DROPPERS.values():
+    for dropper in droppers:
         for rid, dropped in dropper.dropped(rows.current(), layer_id).items():
             full = next(r for r in rows.full if r.rid == rid)
             dropped = dropped.cpu()

@@ -13,12 +13,11 @@ it to that). With intent pruning on, the tree also owns the dead-slot substrate 
 - the compression event runs in `checkpoint` at the end of a request's prefill, before its row is
   inserted, so the tree stores the pruned row and the next turn reuses it.
 
-The memory mechanisms (core/mechanism.py) are built by the tree from the config, by rank,
-and the tree is their only owner: it admits a request through each (admission.py calls `admit`),
-gives each its checkpoint and its release, and drains their workers before flush_cache empties
-it. It knows none of them by name: a mechanism whose paths must not be shared says so through
-`branch_ids` (tree_fill.py, branches), one whose request reads its own prefill through
-`match_limit`, and one that edits a request's row through `on_checkpoint`.
+The memory mechanisms (core/mechanism.py) are built by the tree from the config into one
+`Composition` (core/composition.py, where the order of their hooks and the rules that combine their
+answers are written), and the tree is its only owner: it admits a request through it (admission.py),
+gives it each checkpoint and release, and drains it before flush_cache empties the tree. The
+engine's forward hooks reach it through runtime.tree(). The tree knows no mechanism by name.
 """
 
 from __future__ import annotations
@@ -37,9 +36,10 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, Ins
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy, LRUStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sgl_memory.core import mechanism, prometheus
+from sgl_memory.core import composition, mechanism, prometheus
 from sgl_memory.engine import runtime
-from sgl_memory.core.config import ConfigError, MemoryConfig, from_env, plain
+from sgl_memory.core.composition import Composition
+from sgl_memory.core.config import MemoryConfig, from_env, plain
 from sgl_memory.core.mechanism import Mechanism
 from sgl_memory.core.sessions import SessionRegistry
 from sgl_memory.core.slots import Slot
@@ -138,26 +138,28 @@ class SglMemoryRadixCache(RadixCache):
     def __init__(self, params, config: MemoryConfig | None = None, ctx=None):
         self._dead_evictable = self._dead_protected = 0
         self._holds: dict[object, tuple[object, int]] = {}  # waiting request -> (node held for it, tokens)
-        self.mechanisms: list[Mechanism] = []
+        self.composition = Composition([])
         self.sessions = SessionRegistry()  # every mechanism's per-session state, one slot each
         self.tp_size = ctx.tp_size if ctx is not None else 1
         super().__init__(params)
         self.memory_config = config or plain()  # no config: no mechanism (the server passes its own)
         if self.disable:
             return
-        check_config(self.memory_config)
-        check_scale(self.memory_config, self.tp_size, self.page_size)
-        for name in mechanism.enabled(self.memory_config):
-            cls = mechanism.REGISTRY[name]
-            if cls.needs_sentinel and self._allocator is None:
-                self._allocator = self.token_to_kv_pool_allocator
-                self.token_to_kv_pool_allocator = SentinelSafeAllocator(self._allocator, self)
-                self._take_sentinel()
-            self.mechanisms.append(cls.build(self.memory_config.section(name), self, ctx))
+        composition.check(self.memory_config, self.tp_size, self.page_size)
+        classes = [mechanism.REGISTRY[name] for name in mechanism.enabled(self.memory_config)]
+        if any(cls.needs_sentinel for cls in classes):  # before they are built: they read it
+            self._allocator = self.token_to_kv_pool_allocator
+            self.token_to_kv_pool_allocator = SentinelSafeAllocator(self._allocator, self)
+            self._take_sentinel()
+        self.composition = Composition([cls.build(self.memory_config.section(cls.name), self, ctx) for cls in classes])
         runtime.bind(self)
 
+    @property
+    def mechanisms(self) -> list[Mechanism]:
+        return self.composition.mechanisms
+
     def mechanism(self, name: str) -> Mechanism | None:
-        return next((m for m in self.mechanisms if m.name == name), None)
+        return self.composition.get(name)
 
     # --- the sentinel ---------------------------------------------------------------------------
 
@@ -174,8 +176,7 @@ class SglMemoryRadixCache(RadixCache):
         logger.info("dead-slot substrate: sentinel KV slot %d", self.sentinel)
 
     def reset(self):
-        for m in self.mechanisms:
-            m.drain()  # flush_cache: captured turns reach their stores before the tree empties
+        self.composition.drain()  # flush_cache: captured turns reach their stores before the tree empties
         super().reset()
         self._dead_evictable = self._dead_protected = 0
         self._holds.clear()  # flush_cache runs with no request waiting: the nodes are gone with the tree
@@ -187,14 +188,12 @@ class SglMemoryRadixCache(RadixCache):
             self._take_sentinel()
         key = params.key
         # rows a mechanism reads as they are computed are prefilled again, so they are the request's own
-        limits = [n for m in self.mechanisms if (n := m.match_limit(params.req)) is not None] if params.req is not None else []
-        if limits:
-            limit = min(limits) if key.limit is None else min(key.limit, *limits)
+        limit = self.composition.match_limit(params.req) if params.req is not None else None
+        if limit is not None:
+            limit = limit if key.limit is None else min(key.limit, limit)
             key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit, cache_salt=key.cache_salt)
             params = dataclasses.replace(params, key=key)
-        mechanisms = self.mechanisms if params.req is not None and not self.disable else ()
-        owner = only_one([(m.name, (m, ids)) for m in mechanisms if (ids := m.branch_ids(params.req)) is not None],
-                         "branches the request's path")  # fmt: skip
+        owner = self.composition.branch_ids(params.req) if params.req is not None and not self.disable else None
         if owner is None:
             return super().match_prefix(params)
         m, ids_of = owner
@@ -208,7 +207,7 @@ class SglMemoryRadixCache(RadixCache):
     def branches(self, req) -> Branches:
         """Where the request's key in the tree takes branch ids instead of its tokens (tree_fill.py);
         () for a plain path."""
-        return only_one(((m.name, m.branches(req)) for m in self.mechanisms), "branches the request's path") or ()
+        return self.composition.branches(req)
 
     def _insert_cache(self, req, token_ids, **kwargs):
         return super()._insert_cache(req, with_branches(token_ids, self.branches(req)), **kwargs)
@@ -218,18 +217,10 @@ class SglMemoryRadixCache(RadixCache):
     def admit(self, scheduler, req, spec) -> None:
         if spec.readonly:
             req.skip_radix_cache_insert = True  # no checkpoint: no event, and nothing of it stays in the tree
-        admitting = [m for m in self.mechanisms if spec.admits(m)]
-        for m in admitting:
-            m.open(scheduler, req, spec)
-        for m in admitting:
-            if req.finished():
-                return  # an earlier mechanism refused it
-            m.admit(scheduler, req, spec)
+        self.composition.admit(scheduler, req, spec)
 
     def checkpoint(self, req, *, up_to: int):
-        # every mechanism sees the checkpoint (KV memory copies the prompt off before intent prunes
-        # it), and at most one edits the row
-        edit = only_one([(m.name, m.on_checkpoint(req, self)) for m in self.mechanisms], "edits the request's row")
+        edit = self.composition.checkpoint(req, self)
         if edit is not None and edit.private:
             # compact: the re-packed row is private to the request and stays out of the tree
             req.skip_radix_cache_insert = True
@@ -262,31 +253,24 @@ class SglMemoryRadixCache(RadixCache):
 
     def on_drop(self, req) -> None:
         self.release_hold(req)
-        for m in self.mechanisms:
-            m.on_drop(req)
+        self.composition.drop(req)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         self.release_hold(req)
         super().on_release(req, checkpointed=checkpointed)
-        for m in self.mechanisms:
-            m.on_release(req)
+        self.composition.release(req)
 
     def export_session(self, key, skip: Mechanism | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Every mechanism's state of the session (but `skip`'s), its tensors named
-        `<mechanism>.<name>`, and which of them hold KV (Mechanism.kv_state)."""
-        out, kv = {}, {}
-        for m in self.mechanisms:
-            if m is not skip:
-                out.update({f"{m.name}.{name}": t for name, t in m.export_session(key).items()})
-                kv.update({f"{m.name}.{name}": kind for name, kind in m.kv_state.items() if f"{m.name}.{name}" in out})
-        return out, kv
+        return self.composition.export_session(key, skip)
 
     def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
-        """Hand each enabled mechanism its part of an exported state (a disabled one's is ignored)."""
-        for m in self.mechanisms:
-            own = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == m.name}
-            if own:
-                m.import_session(key, own)
+        self.composition.import_session(key, tensors)
+
+    def position_shift(self, rid: str) -> int:
+        return self.composition.position_shift(rid)
+
+    def placed_kv(self, req):
+        return self.composition.placed_kv(req)
 
     def describe_sessions(self) -> list[dict]:
         """Every session this server holds, least recently used first: its tenant, id and last use,
@@ -294,10 +278,7 @@ class SglMemoryRadixCache(RadixCache):
         out = []
         for (tenant, session_id), used, slots in self.sessions.snapshot():
             row = {"tenant": tenant or None, "session_id": session_id, "last_use": round(used, 3)}
-            for m in self.mechanisms:
-                if m.name in slots:
-                    row.update(m.describe_session(slots[m.name]))
-            out.append(row)
+            out.append(row | self.composition.describe_session(slots))
         return out
 
     # --- the scheduler's prefill pass (admission.py's hooks) ---------------------------------------
@@ -306,10 +287,9 @@ class SglMemoryRadixCache(RadixCache):
         """Before the scheduler forms a prefill batch (each step of its loop, queue empty or not):
         each mechanism's turn at the waiting queue (Mechanism.before_prefill). Returns the requests
         that must not run in this batch."""
-        if not self.mechanisms or self.disable:
+        if not self.composition or self.disable:
             return []
-        waiting = scheduler.waiting_queue
-        return [req for m in self.mechanisms for req in m.before_prefill(scheduler, waiting, running)]
+        return self.composition.before_prefill(scheduler, scheduler.waiting_queue, running)
 
     def held_first(self, waiting: list) -> list:
         """The waiting queue with the requests the tree holds KV for first, each part in its order:
@@ -510,16 +490,6 @@ class SglMemoryRadixCache(RadixCache):
         return EvictResult(num_tokens_evicted=view.real_freed - start)
 
 
-def only_one(answers, what: str):
-    """The one non-empty answer of (mechanism, answer) pairs, or None. Two mechanisms that both
-    answer for one request (edit its row, branch its path) do not compose: an error in the
-    mechanisms, not in the request."""
-    given = [(name, answer) for name, answer in answers if answer]
-    if len(given) > 1:
-        raise RuntimeError(f"{' and '.join(name for name, _ in given)} each {what}; at most one mechanism may")
-    return given[0][1] if given else None
-
-
 def find_branches(root, key: RadixKey, ids_of: Callable[[np.ndarray], np.ndarray]) -> Branches:
     """The branches on `key`'s path in the tree below `root` (tree_fill.py): where the tree holds
     the branch id (`ids_of`: token ids, int64, to the id each takes at a branch) of the key's
@@ -548,24 +518,6 @@ def find_branches(root, key: RadixKey, ids_of: Callable[[np.ndarray], np.ndarray
             break
         node, pos = child, pos + matched
     return tuple(found)
-
-
-def check_config(config: MemoryConfig) -> None:
-    """The start-up guard: a ConfigError naming every pair of enabled mechanisms that cannot run
-    together. Called where the tree is built (so a plain `sglang.launch_server` with the plugin gets
-    it) and by our launcher before anything starts."""
-    problems = mechanism.conflicts(config)
-    if problems:
-        raise ConfigError("; ".join(problems))
-
-
-def check_scale(config: MemoryConfig, tp_size: int, page_size: int) -> None:
-    """A ConfigError naming every enabled mechanism that is not correct at this tensor-parallel
-    size or page size (mechanism.scale_problems). Called where the tree is built, with the values
-    SGLang resolved, and by our launcher once it has resolved them too."""
-    problems = mechanism.scale_problems(config, tp_size, page_size)
-    if problems:
-        raise ConfigError("; ".join(problems))
 
 
 class PoolTooSmall(RuntimeError):

@@ -1,8 +1,8 @@
 """The one handle on this process's sgl-memory state, for hooks that run outside the radix tree.
 
 SGLang builds one tree per scheduler process; ours binds itself here when it is built. The attention
-backends read the sentinel slot through it, and the forward-batch hooks read a mechanism's
-per-request state; everything else reaches the mechanisms through the tree itself.
+backends read the sentinel slot through it, and the forward hooks the mechanisms' composition
+(what they capture, drop, shift and read); everything else reaches the mechanisms through the tree.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def sentinel() -> int | None:
     return getattr(_TREE, "sentinel", None)
 
 
-def mechanism(name: str):
-    """The enabled mechanism of that name, or None."""
-    return _TREE.mechanism(name) if _TREE is not None else None
+def composition():
+    """The enabled mechanisms of this process's tree (core/composition.py), or None before one is
+    built or when the tree is disabled."""
+    return None if _TREE is None or _TREE.disable else _TREE.composition

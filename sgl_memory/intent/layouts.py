@@ -12,10 +12,9 @@ Its KV no longer matches its tokens' positions, so the request is kept out of th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from sgl_memory.core.mechanism import RowEdit
 from sgl_memory.core.rope import Rope
 
 LAYOUTS = ("dead_slot", "compact")
@@ -28,17 +27,6 @@ def freeable(dropped_slots: torch.Tensor, kept_slots: torch.Tensor, sentinel: in
     slots = dropped_slots[dropped_slots != sentinel]
     slots = slots[~torch.isin(slots, kept_slots)]
     return torch.unique(slots)
-
-
-@dataclass
-class RowEdit:
-    """What a layout did to one row: positions redirected and slots given back."""
-
-    dropped: torch.Tensor  # positions now pointing at the sentinel
-    freed: int
-    copied: int = 0  # dead_slot: kept slots of the shared path copied into the pruned path's own
-    position_shift: int = 0  # compact: model position = SGLang position + shift
-    private: bool = False  # the row no longer matches its tokens' positions: keep it out of the tree
 
 
 def apply_dead_slot(row: torch.Tensor, kept: torch.Tensor, length: int, protected: int, sentinel: int, free) -> RowEdit:

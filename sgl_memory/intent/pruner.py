@@ -19,13 +19,13 @@ from sgl_memory.core import capture, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.core.capture import ExtendRows, QueryCapture
 from sgl_memory.intent import scorers
 from sgl_memory.intent.head import PrunerHead, backbone_spec, find_head
-from sgl_memory.intent.layouts import RowEdit, apply_compact, apply_dead_slot
+from sgl_memory.core.mechanism import RowEdit
+from sgl_memory.intent.layouts import apply_compact, apply_dead_slot
 from sgl_memory.intent.paths import branch_id, branch_ids, namespace
 from sgl_memory.core.kvhost import Branches
 from sgl_memory.intent import settings as section
 from sgl_memory.intent.settings import IntentConfig, IntentRequest
 from sgl_memory.core.request import FIELD, MemorySpec, SpecError
-from sgl_memory.core.rows import POSITION_SHIFTS
 from sgl_memory.core.slots import Slot
 from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.core.spans import RoleMarkers, Spans, find_spans
@@ -108,6 +108,7 @@ class IntentPruner(mechanism.Mechanism):
         self.markers: RoleMarkers | None = None
         self.rope = None
         self.captures: dict[str, QueryCapture] = {}
+        self.shifts: dict[str, int] = {}  # rid -> its positions' shift, for a request whose row was compacted
 
     @classmethod
     def build(cls, config: IntentConfig, tree, ctx) -> IntentPruner:
@@ -116,9 +117,13 @@ class IntentPruner(mechanism.Mechanism):
         if head is None and config.scorer == "learned":
             raise ValueError("intent.scorer learned needs a head: set intent.head to a head file (scripts/train_pruner.py "
                              "writes one); no head ships for the served model")  # fmt: skip
-        pruner = cls(config, tree, head)
-        capture.subscribe(cls.name, pruner)
-        return pruner
+        return cls(config, tree, head)
+
+    def subscriber(self) -> IntentPruner:
+        return self  # it reads its requests' query rows
+
+    def position_shift(self, rid: str) -> int:
+        return self.shifts.get(rid, 0)
 
     # --- the session's QueryMemory, kept with the session by persistence -------------------------
 
@@ -381,7 +386,7 @@ class IntentPruner(mechanism.Mechanism):
             logger.warning("intent pruning: no free KV slots to compact request %s; left unpruned", req.rid)
             return None
         req.kv.cache_protected_len = 0  # every slot of the re-packed row is the request's own now
-        POSITION_SHIFTS[req.rid] = edit.position_shift  # the engine runs its positions shifted
+        self.shifts[req.rid] = edit.position_shift  # the engine runs its positions shifted
         return edit
 
     def _apply_dead_slot(self, req, tree, row, kept, live, protected) -> RowEdit | None:
@@ -420,7 +425,7 @@ class IntentPruner(mechanism.Mechanism):
 
     def on_drop(self, req) -> None:
         self.captures.pop(req.rid, None)
-        POSITION_SHIFTS.pop(req.rid, None)
+        self.shifts.pop(req.rid, None)
 
     def on_release(self, req) -> None:
         self.on_drop(req)

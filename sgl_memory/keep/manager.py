@@ -27,8 +27,7 @@ from sgl_memory.keep import settings as section
 from sgl_memory.keep.settings import KeepConfig, KeepRequest
 from sgl_memory.keep.loading import LayerLoader
 from sgl_memory.keep.select import REGISTRY, LayerView, Selector, ratio_at
-from sgl_memory.core.reuse import REUSED, ReusedKV
-from sgl_memory.core.rows import register_dropper
+from sgl_memory.core.reuse import ReusedKV
 
 logger = logging.getLogger(__name__)
 
@@ -177,13 +176,16 @@ class KeepManager(mechanism.Mechanism):
 
     @classmethod
     def build(cls, config: KeepConfig, tree, ctx) -> KeepManager:
-        manager = cls(config, tree)
-        capture.subscribe(cls.name, manager)
-        register_dropper(cls.name, manager)  # a request may drop rows (keep.compact) whatever the server's default
-        return manager
+        return cls(config, tree)
+
+    def subscriber(self) -> KeepManager:
+        return self  # it takes the placed rows it recomputes
+
+    def dropper(self) -> KeepManager:
+        return self  # a request may drop rows (keep.compact) whatever the server's default
 
     def admit(self, scheduler, req, spec) -> None:
-        reuse: ReusedKV | None = REUSED.get(req)
+        reuse: ReusedKV | None = self.tree.placed_kv(req)
         if reuse is None:
             return
         asked: KeepRequest = spec.part(self.name) or KeepRequest()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_memory.core import allocator, capture, mechanism, metrics, prometheus, tree_fill
+from sgl_memory.core import allocator, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.core.capture import ExtendRows
 from sgl_memory.memart import writes
 from sgl_memory.memart.probe import send_probe
@@ -44,7 +44,7 @@ from sgl_memory.memart import settings as section
 from sgl_memory.memart.settings import MemArtConfig, MemArtRequest
 from sgl_memory.core.request import MemorySpec
 from sgl_memory.core.kvhost import namespace
-from sgl_memory.core.reuse import REPAIRS, REUSED, ReusedKV
+from sgl_memory.core.reuse import REPAIRS, ReusedKV
 from sgl_memory.core.rope import Rope
 from sgl_memory.core.slots import Slot
 from sgl_memory.core.spans import RoleMarkers, after_answer, find_spans
@@ -156,6 +156,7 @@ class MemArtManager(mechanism.Mechanism):
         tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda pool: pool.busy())
         self.probes: OrderedDict[str, Probe] = OrderedDict()
         self.probing: dict[str, Probe] = {}  # rid -> probe being prefilled
+        self.placed: dict[str, ReusedKV] = {}  # rid -> KV placed for a repair (keep), until its release
         self.markers: RoleMarkers | None = None
         self.line_ends: frozenset[int] | None = None  # memory.cut lines: from the tokenizer, at the first request
         self._lock = threading.Lock()
@@ -166,10 +167,15 @@ class MemArtManager(mechanism.Mechanism):
         if ctx is None:
             raise ValueError("KV memory needs the scheduler's build context (the model's RoPE)")
         manager = cls(config, tree, Rope.from_hf_config(ctx.model_config.hf_config))
-        capture.subscribe(cls.name, manager)
         allocator.fix_mmap_threshold()  # blocks and pools come and go: their memory must go back
         logger.info("KV memory: blocks of %d tokens, top_k %d, %s-%s", config.block_size, config.top_k, config.norm, config.agg)
         return manager
+
+    def subscriber(self) -> MemArtManager:
+        return self  # it reads its probes' queries, keys and values
+
+    def placed_kv(self, req) -> ReusedKV | None:
+        return self.placed.get(req.rid)
 
     def drain(self, timeout: float | None = None) -> bool:
         return self._worker.drain(timeout)
@@ -361,7 +367,7 @@ class MemArtManager(mechanism.Mechanism):
         if state.recompute in REPAIRS:
             keys, values = assemble(blocks, self.rope, at=system)
             lines = (query.unit or self.config.unit) == "line"  # a placed line is one segment
-            REUSED.set(req, ReusedKV(system, keys, values, memory.segments(blocks, units, lines), state.recompute))
+            self.placed[req.rid] = ReusedKV(system, keys, values, memory.segments(blocks, units, lines), state.recompute)
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         # SGLang resolved the client's logprob_start_len against the prompt it sent (it also caps
@@ -415,8 +421,10 @@ class MemArtManager(mechanism.Mechanism):
 
     def on_drop(self, req) -> None:
         self.probing.pop(req.rid, None)
+        self.placed.pop(req.rid, None)
 
     def on_release(self, req) -> None:
+        self.placed.pop(req.rid, None)
         state: MemArtTurn | None = TURNS.get(req)
         if state is None:
             return

@@ -1,2 +1,4 @@
 """Persistent per-session KV: quantization (quant.py), the file store (store.py), text-level prefix
 matching (textmatch.py) and the scheduler-side tiers, capture and restore (manager.py)."""
+
+MECHANISM = "manager"  # the module that registers this package's mechanism (core/mechanism.discover imports it)

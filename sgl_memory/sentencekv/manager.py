@@ -16,12 +16,10 @@ import time
 import numpy as np
 import torch
 
-from sgl_memory.core import capture, mechanism, metrics, prometheus
+from sgl_memory.core import mechanism, metrics, prometheus
 from sgl_memory.core.attention import attention_probs
 from sgl_memory.core.capture import ExtendRows, QueryCapture
-from sgl_memory.core.decode import READS
 from sgl_memory.core.request import MemorySpec
-from sgl_memory.core.rows import POSITION_SHIFTS
 from sgl_memory.core.slots import Slot
 from sgl_memory.core.spans import RoleMarkers, find_spans
 from sgl_memory.sentencekv import settings as section
@@ -69,6 +67,7 @@ class SentenceKV(mechanism.Mechanism):
         self.ends: np.ndarray | None = None  # per token id: ends a sentence (from the tokenizer, at first use)
         self.markers = RoleMarkers(None, {})  # the chat template's role markers (from the tokenizer, at first use)
         self.captures: dict[str, QueryCapture] = {}
+        self.reads: dict[str, SentenceReads] = {}  # rid -> its decode reads, from its prefill's end to its release
 
     @classmethod
     def build(cls, config: SentenceKVConfig, tree, ctx) -> SentenceKV:
@@ -81,9 +80,13 @@ class SentenceKV(mechanism.Mechanism):
         if getattr(args, "enable_mixed_chunk", False):
             # a mixed batch's decode rows are planned as an extend: they would read every position
             raise ValueError("sentencekv reads its positions in decode batches only; --enable-mixed-chunk puts decode steps in mixed ones")
-        mech = cls(config)
-        capture.subscribe(cls.name, mech)
-        return mech
+        return cls(config)
+
+    def subscriber(self) -> SentenceKV:
+        return self  # it reads its requests' observation windows
+
+    def step_reads(self, rid: str) -> SentenceReads | None:
+        return self.reads.get(rid)
 
     # --- admission --------------------------------------------------------------------------------
 
@@ -135,7 +138,7 @@ class SentenceKV(mechanism.Mechanism):
             return None
         PLANS.pop(req)
         query_capture = self.captures.pop(req.rid, None)
-        if req.rid in POSITION_SHIFTS:
+        if tree.position_shift(req.rid):
             DONE.set(req, {"sentencekv_skipped": "compact layout"})  # its row no longer holds the prompt by position
             return None
         window = query_capture.q_window() if query_capture is not None else torch.zeros(0)
@@ -148,7 +151,7 @@ class SentenceKV(mechanism.Mechanism):
             DONE.set(req, {"sentencekv_skipped": "short prompt"})  # every live token is read anyway
             return None
         DONE.set(req, {"sentences": sentences, "kept_tokens": kept, "sentencekv_ms": (time.perf_counter() - t0) * 1000})
-        READS[req.rid] = reads
+        self.reads[req.rid] = reads
         return None
 
     def _reads(self, req, tree, cfg: SentenceKVConfig, window: torch.Tensor) -> tuple[SentenceReads | None, int, int]:
@@ -193,10 +196,10 @@ class SentenceKV(mechanism.Mechanism):
         PLANS.pop(req)
         OWN_WINDOW.pop(req)
         self.captures.pop(req.rid, None)
-        READS.pop(req.rid, None)
+        self.reads.pop(req.rid, None)
 
     def on_release(self, req) -> None:
-        reads = READS.pop(req.rid, None)
+        reads = self.reads.pop(req.rid, None)
         self.on_drop(req)
         done = DONE.pop(req)
         if done is None:

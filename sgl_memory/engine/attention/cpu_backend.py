@@ -28,7 +28,6 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from sgl_memory.core.decode import READS
 from sgl_memory.core.rows import layout as row_layout
 from sgl_memory.engine import runtime
 from sgl_memory.engine.attention.kv_source import KvSource, locate
@@ -153,9 +152,11 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
         sentinel = runtime.sentinel()
         self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens), sentinel)
         self.planned_tokens = sum(new_lens)
-        if mode == ForwardMode.DECODE and READS:
+        composed = runtime.composition()
+        if mode == ForwardMode.DECODE and composed is not None and composed.reads_steps:
             tokens = forward_batch.input_ids.tolist()
-            self.step_reads = {i: (READS[rid], rows[i], seq_lens[i], tokens[i]) for i, rid in enumerate(forward_batch.rids or ()) if rid in READS}
+            reads = [composed.step_reads(rid) for rid in forward_batch.rids or ()]
+            self.step_reads = {i: (r, rows[i], seq_lens[i], tokens[i]) for i, r in enumerate(reads) if r is not None}
 
     def _planned(self, query, encoder_lens, is_cross_attn, sliding_window_size) -> bool:
         windowed = sliding_window_size is not None and sliding_window_size > -1

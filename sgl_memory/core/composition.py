@@ -1,0 +1,188 @@
+"""The enabled mechanisms of one server, composed: the one place that says in which order their
+hooks run and how their answers combine.
+
+The tree (engine/radix_cache.py) builds one `Composition` from the config once it has checked
+that the enabled mechanisms can run together at its tensor-parallel size and page size (`check`),
+and the engine asks the composition, never a mechanism by name and never a module-level registry.
+
+The rules, one per hook (Mechanism's docstrings say what each hook is):
+
+| hook | who is asked | how the answers combine |
+| --- | --- | --- |
+| `open`, `admit` | the mechanisms the request admits, by rank; every `open` before the first `admit` | in turn; an abort stops the rest |
+| `before_prefill` | every mechanism, by rank | the union of the requests held back |
+| `match_limit` | every mechanism | the least limit |
+| `branch_ids`, `branches` | every mechanism | at most one answers for a request (else an error) |
+| `on_checkpoint` | every mechanism, by rank | every one runs; at most one returns a row edit (else an error) |
+| `on_release`, `on_drop`, `drain` | every mechanism, by rank | in turn |
+| `subscriber` | once, at build | every subscriber is fed each prefill forward |
+| `dropper` | once, at build | a row is dropped when any dropper drops it and no other subscriber reads it |
+| `position_shift`, `step_reads`, `placed_kv` | the mechanisms that define the hook | at most one answers for a request (else an error) |
+| `export_session`, `import_session`, `describe_session` | every mechanism | each under its own name |
+
+"At most one" rules fail loudly: two mechanisms that both edit a row (or branch a path, or choose
+a decode step's reads) for one request do not compose, which is an error in the mechanisms, not in
+the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from sgl_memory.core.config import ConfigError
+from sgl_memory.core.mechanism import REGISTRY, Mechanism, enabled
+
+
+def only_one(answers: Iterable[tuple[str, Any]], what: str):
+    """The one non-empty answer of (mechanism name, answer) pairs, or None; two raise naming both."""
+    given = [(name, answer) for name, answer in answers if answer]
+    if len(given) > 1:
+        raise RuntimeError(f"{' and '.join(name for name, _ in given)} each {what}; at most one mechanism may")
+    return given[0][1] if given else None
+
+
+def scale_refusals(cls: type[Mechanism]) -> tuple[str | None, str | None]:
+    """Why the mechanism refuses a page size > 1 and a TP size > 1 (None: it serves it)."""
+    page = cls.page_refusal or ("it points single positions at the tree's sentinel slot" if cls.needs_sentinel else None)
+    return page, cls.tp_refusal
+
+
+def problems(config, tp_size: int = 1, page_size: int = 1) -> list[str]:
+    """Why the enabled mechanisms cannot run together, or not at this tensor-parallel size and page
+    size, one line each (empty: they can)."""
+    names = enabled(config)
+    found = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            why = REGISTRY[a].conflicts.get(b) or REGISTRY[b].conflicts.get(a)
+            if why:
+                found.append(f"{a}.enabled and {b}.enabled together are not supported yet: {why}")
+    for name in names:
+        page, tp = scale_refusals(REGISTRY[name])
+        if tp_size > 1 and tp:
+            found.append(f"{name} is not correct under tensor parallelism yet (TP size {tp_size}): {tp}")
+        if page_size > 1 and page:
+            found.append(f"{name} needs page size 1 (got {page_size}): {page}")
+    return found
+
+
+def check(config, tp_size: int = 1, page_size: int = 1) -> None:
+    """The start-up guard: a ConfigError naming every problem (`problems`). The tree calls it with
+    the sizes SGLang resolved; our launcher calls it before anything starts, and again once it has
+    resolved them."""
+    found = problems(config, tp_size, page_size)
+    if found:
+        raise ConfigError("; ".join(found))
+
+
+def _defines(m: Mechanism, hook: str) -> bool:
+    return getattr(type(m), hook) is not getattr(Mechanism, hook)
+
+
+class Composition:
+    """The built mechanisms of one tree, by rank, and the rules of the module docstring."""
+
+    def __init__(self, mechanisms: list[Mechanism]):
+        self.mechanisms = sorted(mechanisms, key=lambda m: (m.rank, m.name))
+        self.subscribers = [s for m in self.mechanisms if (s := m.subscriber()) is not None]
+        self.droppers = [d for m in self.mechanisms if (d := m.dropper()) is not None]
+        # asked per forward and request: only the mechanisms that answer at all
+        self._shifting = [m for m in self.mechanisms if _defines(m, "position_shift")]
+        self._reading = [m for m in self.mechanisms if _defines(m, "step_reads")]
+        self._placing = [m for m in self.mechanisms if _defines(m, "placed_kv")]
+
+    def __bool__(self) -> bool:
+        return bool(self.mechanisms)
+
+    def get(self, name: str) -> Mechanism | None:
+        return next((m for m in self.mechanisms if m.name == name), None)
+
+    # --- a request's life ---------------------------------------------------------------------------
+
+    def admit(self, scheduler, req, spec) -> None:
+        admitting = [m for m in self.mechanisms if spec.admits(m)]
+        for m in admitting:
+            m.open(scheduler, req, spec)
+        for m in admitting:
+            if req.finished():
+                return  # an earlier mechanism refused it
+            m.admit(scheduler, req, spec)
+
+    def before_prefill(self, scheduler, waiting: list, running: bool) -> list:
+        return [req for m in self.mechanisms for req in m.before_prefill(scheduler, waiting, running)]
+
+    def match_limit(self, req) -> int | None:
+        limits = [n for m in self.mechanisms if (n := m.match_limit(req)) is not None]
+        return min(limits) if limits else None
+
+    def branch_ids(self, req) -> tuple[Mechanism, Any] | None:
+        """The mechanism that branches the request's path and its branch-id function, or None."""
+        return only_one([(m.name, (m, ids)) for m in self.mechanisms if (ids := m.branch_ids(req)) is not None],
+                        "branches the request's path")  # fmt: skip
+
+    def branches(self, req):
+        return only_one(((m.name, m.branches(req)) for m in self.mechanisms), "branches the request's path") or ()
+
+    def checkpoint(self, req, tree):
+        # every mechanism sees the checkpoint (KV memory copies the prompt off before intent prunes it)
+        return only_one([(m.name, m.on_checkpoint(req, tree)) for m in self.mechanisms], "edits the request's row")
+
+    def release(self, req) -> None:
+        for m in self.mechanisms:
+            m.on_release(req)
+
+    def drop(self, req) -> None:
+        for m in self.mechanisms:
+            m.on_drop(req)
+
+    def drain(self) -> None:
+        for m in self.mechanisms:
+            m.drain()
+
+    # --- inside the forward -------------------------------------------------------------------------
+
+    def position_shift(self, rid: str) -> int:
+        return only_one(((m.name, m.position_shift(rid)) for m in self._shifting), "shifts the request's positions") or 0
+
+    def step_reads(self, rid: str):
+        return only_one(((m.name, m.step_reads(rid)) for m in self._reading), "chooses the request's decode reads")
+
+    def placed_kv(self, req):
+        return only_one(((m.name, m.placed_kv(req)) for m in self._placing), "places KV for the request's repair")
+
+    @property
+    def reads_steps(self) -> bool:
+        return bool(self._reading)
+
+    @property
+    def shifts_positions(self) -> bool:
+        return bool(self._shifting)
+
+    # --- sessions ------------------------------------------------------------------------------------
+
+    def export_session(self, key, skip: Mechanism | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Every mechanism's state of the session (but `skip`'s), its tensors named
+        `<mechanism>.<name>`, and which of them hold KV (Mechanism.kv_state)."""
+        out, kv = {}, {}
+        for m in self.mechanisms:
+            if m is not skip:
+                out.update({f"{m.name}.{name}": t for name, t in m.export_session(key).items()})
+                kv.update({f"{m.name}.{name}": kind for name, kind in m.kv_state.items() if f"{m.name}.{name}" in out})
+        return out, kv
+
+    def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
+        """Hand each mechanism its part of an exported state (a disabled one's is ignored)."""
+        for m in self.mechanisms:
+            own = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == m.name}
+            if own:
+                m.import_session(key, own)
+
+    def describe_session(self, slots: dict) -> dict:
+        row = {}
+        for m in self.mechanisms:
+            if m.name in slots:
+                row.update(m.describe_session(slots[m.name]))
+        return row
