@@ -55,6 +55,24 @@ def pool() -> servers.Pool:
     return POOL
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _integrity(request):
+    """After each module, every server of ours it used that is still up is checked whole
+    (GET /sgl_memory/integrity: every KV slot owned once, every running row pointing at owned
+    slots, the tree's size counts equal to its nodes): a fault shows in the module that made it."""
+    yield
+    if POOL is None:
+        return
+    module = request.node.nodeid.split("::")[0]
+    used = {name for m, needs in zip(POOL.modules, POOL.needs) if m == module for name in needs}
+    for name in sorted(used):
+        server = POOL.live.get(name)
+        if server is None or POOL.catalogue[name].plain or server.proc.poll() is not None:
+            continue
+        r = server.get("/sgl_memory/integrity")
+        assert r.status_code == 200 and r.json()["whole"], f"server {name} after {module}: {r.text}"
+
+
 def _uses(item) -> frozenset[str]:
     names = set(getattr(item, "fixturenames", ()))
     return frozenset(n for n in servers.CATALOGUE if servers.fixture_name(n) in names)

@@ -11,7 +11,7 @@ from sgl_memory.core.composition import Composition
 from sgl_memory.core.mechanism import Mechanism
 
 
-def fake(name: str, rank: int = 0, log: list | None = None, **answers) -> Mechanism:
+def fake(name: str, order: int = 0, log: list | None = None, **answers) -> Mechanism:
     """A mechanism named `name` whose hooks in `answers` return the value given (and note their
     call in `log`); the others are the contract's defaults."""
 
@@ -24,7 +24,7 @@ def fake(name: str, rank: int = 0, log: list | None = None, **answers) -> Mechan
         return method
 
     attrs = {hook: answer(hook, value) for hook, value in answers.items()}
-    cls = type(f"Fake_{name}", (Mechanism,), {"rank": rank, "settings": object, "build": classmethod(lambda c, *a: c()), **attrs})
+    cls = type(f"Fake_{name}", (Mechanism,), {"order": order, "settings": object, "build": classmethod(lambda c, *a: c()), **attrs})
     cls.name = name
     return cls()
 
@@ -37,10 +37,10 @@ class Req:
         return self.aborted
 
 
-def test_hooks_run_by_rank_and_every_open_before_the_first_admit():
+def test_hooks_run_in_order_and_every_open_before_the_first_admit():
     log = []
     spec = type("Spec", (), {"admits": lambda self, m: m.name != "skipped"})()
-    mechanisms = [fake(n, rank, log, open=None, admit=None, on_release=None) for n, rank in (("c", 30), ("a", 10), ("b", 20), ("skipped", 0))]
+    mechanisms = [fake(n, order, log, open=None, admit=None, on_release=None) for n, order in (("c", 30), ("a", 10), ("b", 20), ("skipped", 0))]
     composed = Composition(mechanisms)
     assert [m.name for m in composed.mechanisms] == ["skipped", "a", "b", "c"]
     composed.admit(None, Req(), spec)
@@ -54,7 +54,7 @@ def test_an_admission_that_aborts_the_request_stops_the_later_ones():
     log, req = [], Req()
 
     class Refusing(Mechanism):
-        rank, settings = 10, object
+        order, settings = 10, object
         name = "refusing"
 
         @classmethod
@@ -110,7 +110,7 @@ def test_session_state_goes_to_each_mechanism_under_its_own_name():
     got = {}
 
     class Keeper(Mechanism):
-        rank, settings, kv_state = 0, object, {"keys": "k"}
+        order, settings, kv_state = 0, object, {"keys": "k"}
 
         @classmethod
         def build(cls, *a):
@@ -137,7 +137,7 @@ def test_the_start_up_check_names_every_problem(monkeypatch):
     monkeypatch.setattr(mechanism.REGISTRY["memory"], "conflicts", {"intent": "a reason"})
     cfg = config.from_dict({"intent": {"enabled": True}, "memory": {"enabled": True}})
     found = composition.problems(cfg, tp_size=2, page_size=16)
-    assert "memory.enabled and intent.enabled together are not supported yet: a reason" in found  # by rank
+    assert "memory.enabled and intent.enabled together are not supported yet: a reason" in found  # by order
     assert any(p.startswith("intent needs page size 1 (got 16)") for p in found)
     with pytest.raises(config.ConfigError, match="together are not supported yet: a reason"):
         composition.check(cfg)

@@ -22,7 +22,7 @@ from test_keep_units import view as keep_view  # noqa: E402
 
 from sgl_memory.intent import scorers  # noqa: E402
 from sgl_memory.keep.loading import LOADINGS, LayerLoader  # noqa: E402
-from sgl_memory.keep.select import REGISTRY, LayerView  # noqa: E402
+from sgl_memory.keep.select import SELECTORS, LayerView  # noqa: E402
 from sgl_memory.kernels.aabb_score import aabb_scores, aabb_scores_torch  # noqa: E402
 from sgl_memory.kernels.compact_kv_indices import drop_sentinel_, drop_sentinel_reference  # noqa: E402
 from sgl_memory.kernels.step_kv_indices import step_kv_indices, step_kv_indices_reference  # noqa: E402
@@ -105,13 +105,13 @@ def on_gpu(v: LayerView) -> LayerView:
     return replace(v, **{f.name: getattr(v, f.name).to(CUDA) for f in fields(v) if isinstance(getattr(v, f.name), torch.Tensor)})
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(SELECTORS))
 def test_every_selector_picks_on_the_gpu_what_it_picks_on_the_host(name):
     for seed in range(4):
         cand = torch.rand(49, generator=torch.Generator().manual_seed(seed)) < 0.8
         for n in (1, 2, 10):
-            host = REGISTRY[name]().select(keep_view(seed, candidates=cand), n)
-            gpu = REGISTRY[name]().select(on_gpu(keep_view(seed, candidates=cand)), n)
+            host = SELECTORS[name]().select(keep_view(seed, candidates=cand), n)
+            gpu = SELECTORS[name]().select(on_gpu(keep_view(seed, candidates=cand)), n)
             assert torch.equal(gpu.cpu(), host), (seed, n)
 
 

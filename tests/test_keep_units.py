@@ -11,7 +11,7 @@ import torch
 
 from sgl_memory.core import config, request
 from sgl_memory.keep.loading import LOADINGS, LayerLoader
-from sgl_memory.keep.select import REGISTRY, KVDeviation, LayerView, MultiHop, ratio_at
+from sgl_memory.keep.select import SELECTORS, KVDeviation, LayerView, MultiHop, ratio_at
 
 
 def view(seed: int, sizes=(5, 16, 3, 9, 16), turn=7, heads=4, kv_heads=2, dim=8, candidates=None) -> LayerView:
@@ -118,12 +118,12 @@ def test_cacheblend_selects_the_largest_kv_deviations_among_the_candidates(seed)
     assert sorted(got.nonzero().squeeze(1).tolist()) == sorted(want)
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(SELECTORS))
 def test_every_selector_stays_inside_its_candidates(name):
     cand = torch.zeros(49, dtype=torch.bool)
     cand[21:49] = True  # segments 2, 3 and 4
     v = view(7, candidates=cand)
-    selector = REGISTRY[name]()
+    selector = SELECTORS[name]()
     for n in (0, 1, 2, 100):
         got = selector.select(v, n)
         assert not bool((got & ~cand).any())

@@ -1,6 +1,8 @@
 """A mechanism added from outside the package (tests/toy_mechanism.py) runs in the real server:
 its config section, request key, validation, metrics, Prometheus series and route all come from
-its own module, named in the config's `plugins:` list; no file of sgl_memory names it."""
+its own module, named in the config's `plugins:` list; no file of sgl_memory names it. Inside the
+forward it captures a layer's rows, edits a request's row and chooses a decode step's reads, each
+checked against SGLang's own accounting or a masked attention in transformers."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sgl_memory.core import config, mechanism, prometheus, request
 from sgl_memory.core.request import SpecError
@@ -39,7 +42,7 @@ def test_a_plugin_brings_its_section_request_key_and_checks(toy_registered):
     cfg = toy_registered
     assert cfg.toy.enabled and cfg.toy.max_note == 3 and cfg.plugins == ("toy_mechanism",)
     assert cfg.as_dict()["toy"] == {"enabled": True, "max_note": 3}
-    assert [cls.name for cls in mechanism.ordered()][-1] == "toy"  # rank 50: after every built-in
+    assert [cls.name for cls in mechanism.ordered()][-1] == "toy"  # order 50: after every built-in
     spec = request.parse({"session_id": "s", "toy": {"note": "ab"}})
     assert spec.part("toy").note == "ab" and spec.asked == {"toy": ("toy",)}
     request.check_served(spec, cfg)
@@ -58,7 +61,7 @@ def test_a_second_mechanism_cannot_take_a_key_another_owns(toy_registered):
 
         @mechanism.register("toy2")
         class Clash(mechanism.Mechanism):
-            rank, settings, fields = 60, type(toy_registered.toy), ("budget",)
+            order, settings, fields = 60, type(toy_registered.toy), ("budget",)
 
             @classmethod
             def build(cls, config, tree, ctx):
@@ -124,3 +127,87 @@ def test_the_server_serves_a_plugin_mechanism_beside_the_built_in_ones(toy_serve
     assert sample(after, "sgl_memory_toy_requests_total") - sample(before, "sgl_memory_toy_requests_total") == 4
     grew = sample(after, "sgl_memory_requests_total", mechanism="toy") - sample(before, "sgl_memory_requests_total", mechanism="toy")
     assert grew == 4
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The served model in transformers, float32, eager attention (it takes a 4-D mask), and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from servers import TEST_MODEL
+    from sgl_memory import models
+
+    path = models.model_dir(TEST_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def first_step_logprobs(model, ids: list[int], first: int, visible: list[int] | None) -> torch.Tensor:
+    """log-softmax of the token after ids + [first] where that last row attends only the positions
+    `visible` (None: every one); every earlier row is plainly causal, as the server's prefill."""
+    seq = torch.tensor([ids + [first]])
+    n = seq.shape[1]
+    mask = torch.zeros(1, 1, n, n).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    if visible is not None:
+        mask[0, 0, -1] = float("-inf")
+        mask[0, 0, -1, visible] = 0.0
+    with torch.no_grad():
+        logits = model(seq, attention_mask=mask).logits[0, -1]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def first_step(server, ids: list[int], toy: dict) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A toy request decoding two tokens: its response, and the top log-probabilities of its first
+    decode step (the second token) with their token ids."""
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": 10, "sgl_memory": {"toy": toy}}  # fmt: skip
+    r = server.post("/generate", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    top = out["meta_info"]["output_top_logprobs"][1]
+    return out, torch.tensor([lp for lp, _, *_ in top], dtype=torch.float64), torch.tensor([t for _, t, *_ in top])
+
+
+def story(topic: str) -> str:
+    return f"Notes on {topic}. " + " ".join(f"Entry {i}: the {topic} log says item {i * 13 % 29} moved to shelf {i % 5}." for i in range(12))
+
+
+@pytest.mark.server
+def test_a_plugin_captures_rows_edits_a_row_and_chooses_decode_reads(toy_server, reference):
+    """The toy's three forward hooks, in the real server, with no file of sgl_memory naming it:
+    its capture saw exactly the rows SGLang says it prefilled; its row edit hid positions from the
+    decode as a masked attention hides them; its decode reads gave a window attention's answer."""
+    model, tok = reference
+    # capture: the rows layer 0 computed are the prompt's uncached ones (SGLang's cached_tokens)
+    ids = tok(story("warehouse") + " Which shelf holds item 7? Answer:")["input_ids"]
+    for _ in range(2):  # the second finds the first's prefix in the tree
+        out, _, _ = first_step(toy_server, ids, {})
+        meta = out["meta_info"]
+        m = meta["sgl_memory"]
+        assert (m["toy_rows_from"], m["toy_rows"]) == (meta["cached_tokens"], meta["prompt_tokens"] - meta["cached_tokens"])
+    assert meta["cached_tokens"] > 0
+    earlier = ids
+    # row edit: positions 10..39 point at the sentinel from the checkpoint on
+    ids = tok(story("library") + " Which shelf holds item 7? Answer:")["input_ids"]
+    hide = (10, 40)
+    out, got, top = first_step(toy_server, ids, {"hide": list(hide)})
+    first, n = out["output_ids"][0], len(ids) + 1
+    want = first_step_logprobs(model, ids, first, [p for p in range(n) if not hide[0] <= p < hide[1]])
+    torch.testing.assert_close(got, want[top], atol=2e-3, rtol=0)
+    assert (got - first_step_logprobs(model, ids, first, None)[top]).abs().max() > 0.05  # hiding changed it: the test can fail
+    # a private edit keeps the row out of the tree: the same prompt again finds only what it shares
+    # with the earlier prompt
+    again = generate(toy_server, ids)
+    assert again["meta_info"]["cached_tokens"] == next(i for i, (a, b) in enumerate(zip(ids, earlier)) if a != b)
+    # decode reads: the first decode step reads the last 16 positions only
+    ids = tok(story("garage") + " Which shelf holds item 7? Answer:")["input_ids"]
+    out, got, top = first_step(toy_server, ids, {"last": 16})
+    first, n = out["output_ids"][0], len(ids) + 1
+    want = first_step_logprobs(model, ids, first, list(range(n - 16, n)))
+    torch.testing.assert_close(got, want[top], atol=2e-3, rtol=0)
+    assert (got - first_step_logprobs(model, ids, first, None)[top]).abs().max() > 0.05
+    # their checks, with the key named
+    for toy, needle in (({"hide": [5, 2]}, "toy.hide must be"), ({"last": 0}, "toy.last must be"),
+                        ({"hide": [0, 10_000]}, "toy.hide: the prompt has")):  # fmt: skip
+        r = toy_server.post("/generate", {"input_ids": ids, "sgl_memory": {"toy": toy}})
+        assert r.status_code == 400 and needle in r.text, r.text

@@ -238,6 +238,8 @@ class Sim:
         assert self.tree.evictable_size() + self.tree.protected_size() == len(tree_slots) + 1
         assert self.alloc.available_size() + self.tree.evictable_size() + self.tree.protected_size() + len(private) == POOL
         self.check_pruned_paths(self.tree.root_node, branched=False)
+        # the server's own integrity check (engine/radix_cache.py) agrees with the one above
+        assert self.tree.check_integrity([r.kv for r in self.running]) == []
         for req in self.running:
             row = self.row(req)[: len(req.seq)].long()
             live = (row != sentinel).nonzero().flatten()
@@ -276,6 +278,37 @@ def test_random_prune_evict_finish_cycles_conserve_slots(seed):
     assert sim.alloc.available_size() == POOL - 1  # everything back but the sentinel
 
 
+def test_the_integrity_check_finds_each_kind_of_fault():
+    """check_integrity, which the tests run on every server after each module (and a debug setting
+    before every batch), names each fault planted in a tree that was whole: a slot the tree holds
+    also on the free list, a slot nobody owns, a running row pointing at a free slot, a tree size
+    count that its nodes do not add up to."""
+    sim = Sim(0)
+    for _ in range(120):
+        sim.step()
+    while not any(r.kv.cache_protected_len for r in sim.running):  # a request reading a path of the tree
+        sim.start()
+    owners = [r.kv for r in sim.running]
+    assert sim.tree.check_integrity(owners) == []
+    tree_slot = int(next(s for s in sim.tree.all_values_flatten().tolist() if s != sim.tree.sentinel))
+    sim.alloc.free_pages = torch.cat([sim.alloc.free_pages, torch.tensor([tree_slot])])
+    assert any("held by both the tree and the free list" in p for p in sim.tree.check_integrity(owners))
+    sim.alloc.free_pages = sim.alloc.free_pages[:-1]
+    lost, sim.alloc.free_pages = int(sim.alloc.free_pages[0]), sim.alloc.free_pages[1:]
+    assert any(p.startswith("1 page(s) owned by nobody") for p in sim.tree.check_integrity(owners))
+    sim.alloc.free_pages = torch.cat([torch.tensor([lost]), sim.alloc.free_pages])
+    req = next(r for r in sim.running if r.kv.cache_protected_len)
+    at = 0  # in its prefix: the tree's, not its own
+    held, sim.row(req)[at] = int(sim.row(req)[at]), lost
+    found = sim.tree.check_integrity(owners)
+    assert any("position(s) point at a page nobody owns" in p for p in found), found
+    sim.row(req)[at] = held
+    sim.tree.evictable_size_ += 1
+    assert any(p.startswith("the tree counts") for p in sim.tree.check_integrity(owners))
+    sim.tree.evictable_size_ -= 1
+    assert sim.tree.check_integrity(owners) == []
+
+
 class Chars:
     """A tokenizer of one character per token, for persistence's text match."""
 
@@ -287,7 +320,7 @@ class Chars:
 
 
 class AllSim(Sim):
-    """Intent, persistence and KV memory in one tree, as the server builds them (by rank), over
+    """Intent, persistence and KV memory in one tree, as the server builds them (by order), over
     sessions named after the shared prefixes: record turns, memory-mode turns with a hand-made
     query pass, restores of evicted paths from the host-memory tier."""
 

@@ -109,7 +109,7 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
         q, index = blocks(rank)
         scores.update({how: score_blocks(q, index, *how, reduce=reduce) for how in BLOCK_SCORING})
         scores["turn_attention"] = keep_select.turn_attention(layer_view(rank, reduce))
-        scores.update({name: keep_select.REGISTRY[name]().select(layer_view(rank, reduce), n) for name, n in KEEP_SELECTIONS.items()})
+        scores.update({name: keep_select.SELECTORS[name]().select(layer_view(rank, reduce), n) for name, n in KEEP_SELECTIONS.items()})
         # what persistence agrees on: each rank's own counts and digests
         scores["rank_range"] = radix_cache.SglMemoryRadixCache.rank_range(tree, [rank, 5, -3 * rank, 2**62 + rank])
     torch.save(scores, out)
@@ -163,7 +163,7 @@ def test_every_rank_ranks_memory_blocks_as_one_rank_with_every_head_does(ranks, 
 
 @pytest.mark.parametrize("name", sorted(KEEP_SELECTIONS))
 def test_every_rank_recomputes_the_rows_one_rank_with_every_head_would(ranks, name):
-    reference = keep_select.REGISTRY[name]().select(layer_view(), KEEP_SELECTIONS[name])
+    reference = keep_select.SELECTORS[name]().select(layer_view(), KEEP_SELECTIONS[name])
     assert 0 < int(reference.sum()) < PLACED  # a choice, not all or nothing
     for rank in ranks:
         assert torch.equal(rank[name], reference)

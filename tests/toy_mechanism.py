@@ -7,11 +7,22 @@ It owns its config section, its request key, its metrics schema, a Prometheus co
 On the HTTP side it counts the requests with a toy field as they come in (before_generate), and a
 note "echo" makes it send a pass of its own (note "pass") over the same prompt first, through the
 engine API a mechanism gets (core/front.py).
+
+Inside the forward it uses every hook a mechanism has there, through the contract alone:
+- a capture subscriber: the prompt rows of each toy request that layer 0 computed (where they
+  start and how many), reported as `toy_rows_from` and `toy_rows`;
+- a row edit: `hide: [a, b]` points prompt positions a..b-1 of the request's row at the tree's
+  sentinel slot at its checkpoint (their own slots given back), so its decode steps do not read
+  them; the row then stays out of the tree (a private edit);
+- decode-time reads: `last: W` makes each decode step read only the last W positions of its
+  sequence (its own token among them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from sgl_memory.core import mechanism, metrics, prometheus
 from sgl_memory.core.config import require
@@ -31,6 +42,18 @@ class ToyConfig:
 @dataclass(frozen=True)
 class ToyRequest(RequestPart):
     note: str = ""
+    hide: tuple[int, int] | None = None
+    last: int | None = None
+
+
+class LastPositions:
+    """A decode step's reads (core/decode.StepReads): the last `count` positions of the sequence."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def positions(self, layer: int, q: torch.Tensor, token: int, length: int) -> torch.Tensor:
+        return torch.arange(max(0, length - self.count), length)
 
 
 SEEN: Slot[dict] = Slot("toy")
@@ -39,27 +62,41 @@ REQUESTS = prometheus.counter("toy_requests", "Requests the toy mechanism counte
 
 @mechanism.register("toy")
 class ToyMechanism(mechanism.Mechanism):
-    rank = 50  # after every built-in: it sees the prompt they made
+    order = 50  # after every built-in: it sees the prompt they made
+    needs_sentinel = True  # `hide` points positions at the tree's sentinel slot
     settings = ToyConfig
     fields = ("toy",)
     schema = mechanism.MetricsSchema(marker="toy_prompt_tokens", summed=("toy_prompt_tokens",), counted=("toy_note",))
 
     def __init__(self, config: ToyConfig):
         self.config = config
+        self.rows: dict[str, list[int]] = {}  # rid -> [first position, rows] layer 0 computed
+        self.reads: dict[str, LastPositions] = {}
 
     @classmethod
     def build(cls, config, tree, ctx) -> ToyMechanism:
         return cls(config)
 
+    def subscriber(self) -> ToyMechanism:
+        return self
+
+    def step_reads(self, rid: str) -> LastPositions | None:
+        return self.reads.get(rid)
+
     @classmethod
     def parse_request(cls, raw: dict, internal: bool) -> ToyRequest | None:
-        body, where = object_at(raw, "toy", ("note",))
+        body, where = object_at(raw, "toy", ("note", "hide", "last"))
         if body is None:
             return None
-        note = body.get("note", "")
+        note, hide, last = body.get("note", ""), body.get("hide"), body.get("last")
         if not isinstance(note, str):
             raise SpecError(f"{where}.note must be a string, got {note!r}")
-        return ToyRequest(note)
+        if hide is not None and not (isinstance(hide, list) and len(hide) == 2 and all(isinstance(x, int) for x in hide)
+                                     and 0 <= hide[0] < hide[1]):  # fmt: skip
+            raise SpecError(f"{where}.hide must be [start, end] with 0 <= start < end, got {hide!r}")
+        if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
+            raise SpecError(f"{where}.last must be an integer >= 1, got {last!r}")
+        return ToyRequest(note, tuple(hide) if hide is not None else None, last)
 
     @classmethod
     def check_request(cls, part: ToyRequest, config) -> None:
@@ -92,9 +129,55 @@ class ToyMechanism(mechanism.Mechanism):
         part = spec.part(self.name)
         if part is not None:
             ids = list(req.origin_input_ids)
-            SEEN.set(req, {"toy_prompt_tokens": len(ids), "toy_first_token": ids[0], "toy_note": part.note})
+            if part.hide is not None and part.hide[1] >= len(ids):
+                req.set_finish_with_abort(f"{FIELD}.toy.hide: the prompt has {len(ids)} tokens; its last is never hidden")
+                return
+            SEEN.set(req, {"toy_prompt_tokens": len(ids), "toy_first_token": ids[0], "toy_note": part.note, "part": part})
+            self.rows[req.rid] = [-1, 0]
+
+    # --- the capture subscriber (core/capture.Subscriber) ----------------------------------------
+
+    def capturing(self) -> bool:
+        return bool(self.rows)
+
+    def bind(self, rows) -> list:
+        return [(self.rows[r.rid], r) for r in rows if r.rid in self.rows]
+
+    def first_read(self, part) -> int | None:
+        return None  # it counts every row
+
+    def take(self, bound, layer, q, k, v) -> None:
+        if layer.layer_id == 0:
+            for counts, r in bound:
+                counts[0] = r.prefix if counts[0] < 0 else counts[0]
+                counts[1] += r.count
+
+    # --- the row edit, the decode reads --------------------------------------------------------
+
+    def on_checkpoint(self, req, tree) -> mechanism.RowEdit | None:
+        seen = SEEN.get(req)
+        if seen is None or req.finished():
+            return None
+        part: ToyRequest = seen["part"]
+        if part.last is not None:
+            self.reads[req.rid] = LastPositions(part.last)
+        if part.hide is None:
+            return None
+        row = tree.row(req)
+        dropped = torch.arange(*part.hide)
+        own = dropped[dropped >= req.kv.cache_protected_len]  # the tree's slots stay the tree's
+        tree.free_real(row[own].to(torch.int64))
+        row[dropped] = tree.sentinel
+        return mechanism.RowEdit(dropped, own.numel(), private=True)
+
+    def on_drop(self, req) -> None:
+        SEEN.pop(req)
+        self.rows.pop(req.rid, None)
+        self.reads.pop(req.rid, None)
 
     def on_release(self, req) -> None:
-        seen = SEEN.pop(req)
+        seen, rows = SEEN.pop(req), self.rows.pop(req.rid, None)
+        self.reads.pop(req.rid, None)
         if seen is not None:
-            metrics.attach(req, seen)
+            seen.pop("part")
+            metrics.attach(req, seen | {"toy_rows_from": rows[0], "toy_rows": rows[1]})

@@ -9,12 +9,12 @@ The rules, one per hook (Mechanism's docstrings say what each hook is):
 
 | hook | who is asked | how the answers combine |
 | --- | --- | --- |
-| `open`, `admit` | the mechanisms the request admits, by rank; every `open` before the first `admit` | in turn; an abort stops the rest |
-| `before_prefill` | every mechanism, by rank | the union of the requests held back |
+| `open`, `admit` | the mechanisms the request admits, by order; every `open` before the first `admit` | in turn; an abort stops the rest |
+| `before_prefill` | every mechanism, by order | the union of the requests held back |
 | `match_limit` | every mechanism | the least limit |
 | `branch_ids`, `branches` | every mechanism | at most one answers for a request (else an error) |
-| `on_checkpoint` | every mechanism, by rank | every one runs; at most one returns a row edit (else an error) |
-| `on_release`, `on_drop`, `drain` | every mechanism, by rank | in turn |
+| `on_checkpoint` | every mechanism, by order | every one runs; at most one returns a row edit (else an error) |
+| `on_release`, `on_drop`, `drain` | every mechanism, by order | in turn |
 | `subscriber` | once, at build | every subscriber is fed each prefill forward |
 | `dropper` | once, at build | a row is dropped when any dropper drops it and no other subscriber reads it |
 | `position_shift`, `step_reads`, `placed_kv` | the mechanisms that define the hook | at most one answers for a request (else an error) |
@@ -83,10 +83,10 @@ def _defines(m: Mechanism, hook: str) -> bool:
 
 
 class Composition:
-    """The built mechanisms of one tree, by rank, and the rules of the module docstring."""
+    """The built mechanisms of one tree, by order, and the rules of the module docstring."""
 
     def __init__(self, mechanisms: list[Mechanism]):
-        self.mechanisms = sorted(mechanisms, key=lambda m: (m.rank, m.name))
+        self.mechanisms = sorted(mechanisms, key=lambda m: (m.order, m.name))
         self.subscribers = [s for m in self.mechanisms if (s := m.subscriber()) is not None]
         self.droppers = [d for m in self.mechanisms if (d := m.dropper()) is not None]
         # asked per forward and request: only the mechanisms that answer at all

@@ -3,7 +3,7 @@
 A mechanism (intent pruning, session persistence, KV memory, KEEP, and the ones to come) is one
 package with one class that subclasses `Mechanism` and registers under its name. The class
 declares everything the server layers need from it, so that adding a mechanism edits no shared
-file: its config section (`settings`), where it runs among the others (`rank`), the keys of the
+file: its config section (`settings`), where it runs among the others (`order`), the keys of the
 `sgl_memory` request field it owns (`fields`, `parse_request`, `check_request`), its per-request
 metrics (`schema`, `observe`), its HTTP routes (`mount`) and what it does to requests on their
 way in (`before_generate`, with the engine API of front.py), and what it does inside the forward
@@ -70,7 +70,7 @@ class Mechanism(ABC):
     # Where the mechanism's admission runs among the others (lower first): the order in which they
     # rewrite a request's tokens. Checkpoint and release run in the same order. Each mechanism's
     # value says why it sits there (every `open` runs before the first `admit`).
-    rank: ClassVar[int]
+    order: ClassVar[int]
     settings: ClassVar[type]  # its config section: a frozen dataclass with an `enabled` field and defaults
     fields: ClassVar[tuple[str, ...]] = ()  # the keys of the `sgl_memory` request field it owns
     schema: ClassVar[MetricsSchema] = MetricsSchema()
@@ -138,10 +138,10 @@ class Mechanism(ABC):
         """Before any mechanism admits the request (scheduler thread): bring its session into this
         server's memory. Persistence loads a session seen by an earlier server from its file and
         hands the other mechanisms their part (the tree's import_session), so that every admission,
-        whatever its rank, sees the session's state."""
+        whatever its order, sees the session's state."""
 
     def admit(self, scheduler, req, spec) -> None:
-        """Before the request is queued (scheduler thread), after the mechanisms of lower rank.
+        """Before the request is queued (scheduler thread), after the mechanisms of lower order.
         May rewrite `req.origin_input_ids` and `req.extra_key` (through `namespace`), keep its
         per-request state, put KV into the tree (tree_fill.place), or abort the request with a
         client error."""
@@ -182,7 +182,7 @@ class Mechanism(ABC):
         """At the end of the request's prefill, before its row is inserted into the tree. Returns the
         RowEdit it made (edits are made in place, through the tree's `row(req)`) or None when it left
         the row as it is. Every mechanism is
-        called, by rank; at most one returns an edit for a given request (the tree raises if two
+        called, by order; at most one returns an edit for a given request (the tree raises if two
         do: their edits would not compose)."""
         return None
 
@@ -255,7 +255,7 @@ def register(name: str):
     def wrap(cls: type[Mechanism]) -> type[Mechanism]:
         if name in RESERVED_NAMES:
             raise ValueError(f"mechanism {name!r}: the name is a config key of its own ({', '.join(RESERVED_NAMES)})")
-        for attr in ("rank", "settings"):
+        for attr in ("order", "settings"):
             if not hasattr(cls, attr):
                 raise TypeError(f"mechanism {name!r} declares no {attr}")
         taken = {f: m.name for m in REGISTRY.values() if m.name != name for f in m.fields}
@@ -290,10 +290,10 @@ def discover(plugins: tuple[str, ...] = ()) -> None:
 
 
 def ordered() -> list[type[Mechanism]]:
-    """Every registered mechanism, by rank (the name breaks ties)."""
-    return sorted(REGISTRY.values(), key=lambda cls: (cls.rank, cls.name))
+    """Every registered mechanism, by order (the name breaks ties)."""
+    return sorted(REGISTRY.values(), key=lambda cls: (cls.order, cls.name))
 
 
 def enabled(config) -> list[str]:
-    """The mechanisms a config switches on, by rank."""
+    """The mechanisms a config switches on, by order."""
     return [cls.name for cls in ordered() if config.section(cls.name).enabled]

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_memory.core.kvhost import Branches, KVHost
+from sgl_memory.core.slots import Slot
 
 def with_branches(token_ids, branches: Branches):
     """The key ids of a path with these branches (those beyond its end left out): a
@@ -68,6 +69,17 @@ class Reserved:
     live: torch.Tensor  # [len(key) - have] bool
 
 
+# per tree: the slots reserved and not yet inserted or given back (reservation id -> slots): nothing
+# else owns them meanwhile, so the tree's integrity check counts them as owned
+RESERVATIONS: Slot[dict[int, torch.Tensor]] = Slot("reserved slots")
+
+
+def reserved_slots(tree: KVHost) -> torch.Tensor:
+    """Every slot reserved in `tree` now (int64, on the host)."""
+    held = list(RESERVATIONS.get(tree, {}).values())
+    return torch.cat(held).to(torch.int64).cpu() if held else torch.zeros(0, dtype=torch.int64)
+
+
 def reserve(tree: KVHost, key, match, live: torch.Tensor | None = None) -> Reserved | None:
     """Slots for key[have:] (have = what `match` found), evicting if needed; None when no slots
     can be freed for them (nothing is kept). `live` [n] (None: all live) marks the positions that
@@ -81,7 +93,9 @@ def reserve(tree: KVHost, key, match, live: torch.Tensor | None = None) -> Reser
     if slots is None:
         tree.dec_lock_ref(match.last_device_node)
         return None
-    return Reserved(key, match, slots, live)
+    reserved = Reserved(key, match, slots, live)
+    (RESERVATIONS.get(tree) or RESERVATIONS.set(tree, {}))[id(reserved)] = slots
+    return reserved
 
 
 def write(tree: KVHost, reserved: Reserved, keys, values) -> None:
@@ -101,6 +115,7 @@ def write(tree: KVHost, reserved: Reserved, keys, values) -> None:
 def insert(tree: KVHost, reserved: Reserved) -> None:
     """Insert the whole key (its matched part's slots, then the reserved ones) and unlock."""
     have, live = reserved.match.device_prefix_len, reserved.live
+    RESERVATIONS.get(tree, {}).pop(id(reserved), None)
     try:
         value = torch.full((len(live),), tree.sentinel if tree.sentinel is not None else -1, dtype=torch.int64)
         value[live] = reserved.slots.to(torch.int64).cpu()
@@ -114,6 +129,7 @@ def insert(tree: KVHost, reserved: Reserved) -> None:
 
 def release(tree: KVHost, reserved: Reserved) -> None:
     """Give the reserved slots back unused, and unlock."""
+    RESERVATIONS.get(tree, {}).pop(id(reserved), None)
     tree.free_real(reserved.slots)
     tree.dec_lock_ref(reserved.match.last_device_node)
 

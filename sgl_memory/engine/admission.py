@@ -6,19 +6,25 @@ client may send an `extra_key` of its own, so before anything is appended the cl
 escaped to a string without NUL (`client_namespace`): no client value can then spell one of ours,
 and the tenant namespace comes from `sgl_memory.tenant` alone. The field is parsed once, here (a
 bad one is a 400), and the tree admits the request through each of its mechanisms with the parsed
-spec, by rank (the order in which they rewrite the prompt)."""
+spec, by order (the order in which they rewrite the prompt)."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 from sgl_memory.core import prometheus
 from sgl_memory.core.config import MemoryConfig
 from sgl_memory.core.kvhost import namespace
 from sgl_memory.core.request import SpecError, check_served, of_request
 from sgl_memory.core.slots import Slot
+from sgl_memory.engine.radix_cache import row_owners
 
 ADMITTED: Slot[bool] = Slot("admitted")  # a request this hook saw (a retracted one comes back through it)
+# The debug setting: the tree's integrity (radix_cache.check_integrity) checked before every batch
+# is formed, the scheduler stopped at the first problem. It reads the whole tree each time.
+CHECK_INTEGRITY_ENV = "SGLMEMORY_CHECK_INTEGRITY"
+CHECK_EVERY_STEP = os.environ.get(CHECK_INTEGRITY_ENV) == "1"
 
 
 @functools.cache
@@ -75,6 +81,10 @@ def prefill_hook(original, scheduler, running_batch, *args, **kwargs):
     come first (tree.held_first). The queue then goes back to its order, and the tree lets go of
     the holds of the requests that left it (tree.after_prefill)."""
     tree = scheduler.tree_cache
+    if CHECK_EVERY_STEP and not getattr(tree, "disable", True) and hasattr(tree, "check_integrity"):
+        problems = tree.check_integrity(row_owners(scheduler))
+        if problems:
+            raise RuntimeError(f"{CHECK_INTEGRITY_ENV}: the tree's integrity failed before a batch: {'; '.join(problems)}")
     if not getattr(tree, "mechanisms", None):
         return original(scheduler, running_batch, *args, **kwargs)
     # the batch that runs now (the last prefill merged in), not scheduler.running_batch, which lags it

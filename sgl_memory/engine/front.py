@@ -107,8 +107,8 @@ class TokenizerEngine:
 
 async def generate_hook(original, manager, obj, request=None):
     """TokenizerManager.generate_request, as the AROUND hook (http_api.generate_hook) calls it:
-    every mechanism that looks at incoming requests (Mechanism.before_generate) sees this one, by
-    rank, before it goes out; the mechanisms' own passes go as they are."""
+    every mechanism that looks at incoming requests (Mechanism.before_generate) sees this one, in
+    order, before it goes out; the mechanisms' own passes go as they are."""
     if isinstance(obj, GenerateReqInput) and not _OWN_PASS.get():
         engine, incoming = TokenizerEngine(manager), IncomingRequest(obj)
         for cls in mechanism.ordered():

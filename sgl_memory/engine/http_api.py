@@ -13,7 +13,9 @@
 - a request whose shape SGLang's input processing cannot handle is a 400, not a 500;
 - OpenAI responses get the request's metrics as a top-level `sgl_memory` object (native responses
   carry them in `meta_info`);
-- `GET /sgl_memory/sessions`: the sessions the server holds, paged, no contents (`list_sessions`).
+- `GET /sgl_memory/sessions`: the sessions the server holds, paged, no contents (`list_sessions`);
+- `GET /sgl_memory/integrity`: the tree's integrity problems (radix_cache.check_integrity), none
+  when it is whole: an operator's (and the tests') check that every KV slot is owned once.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from sgl_memory.core.config import MemoryConfig, SessionSources, from_env
 from sgl_memory.core.request import FIELD, SpecError, check_id, check_served, encode, parse
 from sgl_memory.core.metrics import STATS
 from sgl_memory.engine import front
-from sgl_memory.engine.hooks import SESSIONS_KEY
+from sgl_memory.engine.hooks import INTEGRITY_KEY, SESSIONS_KEY
 
 NATIVE = "/generate"
 RESPONSES = "/v1/responses"
@@ -84,6 +86,12 @@ def mount(server_args, *args, **kwargs):
             return JSONResponse(error_body(status, str(exc)), status_code=status)
         states = await engine.manager.get_internal_state()
         return list_sessions(states[0].get(SESSIONS_KEY, []) if states else [], *page)
+
+    @app.get("/sgl_memory/integrity")
+    async def sgl_memory_integrity():
+        states = await engine.manager.get_internal_state()
+        problems = [p for state in states or () for p in state.get(INTEGRITY_KEY, [])]
+        return {"whole": not problems, "problems": problems}
     for cls in mechanism.ordered():
         cls.mount(app, config, engine)
     app.add_middleware(MemoryFieldMiddleware, config=config)

@@ -75,7 +75,7 @@ SCORING_SECONDS = prometheus.histogram("scoring_seconds", "IntentKV scoring time
 
 @mechanism.register("intent")
 class IntentPruner(mechanism.Mechanism):
-    rank = 40  # after the mechanisms that rewrite the tokens: it finds its forced spans and session in the final ones
+    order = 40  # after the mechanisms that rewrite the tokens: it finds its forced spans and session in the final ones
     settings = IntentConfig
     fields = section.FIELDS
     parse_request = staticmethod(section.parse_request)

@@ -26,7 +26,7 @@ from sgl_memory.core.capture import ExtendRows
 from sgl_memory.keep import settings as section
 from sgl_memory.keep.settings import KeepConfig, KeepRequest
 from sgl_memory.keep.loading import LayerLoader
-from sgl_memory.keep.select import REGISTRY, LayerView, Selector, ratio_at
+from sgl_memory.keep.select import SELECTORS, LayerView, Selector, ratio_at
 from sgl_memory.core.reuse import ReusedKV
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ SELECT_SECONDS = prometheus.histogram("keep_select_seconds", "KEEP's selection t
 class KeepManager(mechanism.Mechanism):
     # after memory: it repairs the blocks memory placed among the request's prefill tokens
     # (reuse.py), and its capture subscriber writes their KV before intent's reads the layer
-    rank = 20
+    order = 20
     settings = KeepConfig
     fields = ("keep",)
     parse_request = staticmethod(section.parse_request)
@@ -190,7 +190,7 @@ class KeepManager(mechanism.Mechanism):
             return
         asked: KeepRequest = spec.part(self.name) or KeepRequest()
         hops = asked.hops or self.config.hops
-        selector = REGISTRY[reuse.method](hops=hops) if reuse.method == "keep" else REGISTRY[reuse.method]()
+        selector = SELECTORS[reuse.method](hops=hops) if reuse.method == "keep" else SELECTORS[reuse.method]()
         ratio = self.config.ratio if asked.ratio is None else asked.ratio
         compact = self.config.compact if asked.compact is None else asked.compact
         self.blends[req.rid] = Blend(reuse, selector, ratio, self.config.decay, self.layers, len(req.origin_input_ids),

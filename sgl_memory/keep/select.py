@@ -36,13 +36,13 @@ class LayerView:
     reduce: Reduce = one_rank  # the tree's reduce_heads
 
 
-REGISTRY: dict[str, type[Selector]] = {}
+SELECTORS: dict[str, type[Selector]] = {}
 
 
 def register(name: str):
     def wrap(cls):
         cls.name = name
-        REGISTRY[name] = cls
+        SELECTORS[name] = cls
         return cls
 
     return wrap

@@ -116,7 +116,7 @@ class MemArtManager(mechanism.Mechanism):
     # first: it puts retrieved blocks before a memory-mode request's prompt, under a key of their
     # own; at checkpoint it copies a turn's prompt before intent prunes the row (what pruning drops
     # stays recallable), and at release queues the turn before persistence writes the session
-    rank = 10
+    order = 10
     settings = MemArtConfig
     fields = ("memory",)
     # its request object and config checks (settings.py)
@@ -400,7 +400,7 @@ class MemArtManager(mechanism.Mechanism):
 
     def on_checkpoint(self, req, tree):
         """Copy the turn's prompt part off the pool at the end of its prefill, before intent (later
-        by rank) prunes the row: what pruning drops from the request stays recallable as KV."""
+        by order) prunes the row: what pruning drops from the request stays recallable as KV."""
         state: MemArtTurn | None = TURNS.get(req)
         if state is not None and state.mode == "probe":
             probe = self.probing.get(req.rid)

@@ -220,7 +220,7 @@ class SessionPersistence(mechanism.Mechanism):
     # after memory and keep, before intent: its text-level match may replace a full-history
     # prompt's ids with the stored session's, and it restores their KV; intent then finds its
     # spans in the final tokens. At release it writes the session after memory queued its turn.
-    rank = 30
+    order = 30
     settings = PersistConfig
     fields = ("agent",)
     parse_request = staticmethod(parse_agent_hints)
@@ -778,7 +778,7 @@ class SessionPersistence(mechanism.Mechanism):
             record = session.record
             record.text = self._decode_text(record.token_ids) if self.tokenizer is not None else ""
             # what the other mechanisms hold for the session now (this turn's included: release
-            # runs them first, by rank, or their state changed before the turn ended)
+            # runs them first, by order, or their state changed before the turn ended)
             record.state, record.state_kv = self.tree.export_session(session.key(), skip=self)
             if session.tokens is record.token_ids:  # no newer turn: the next admission needs this text
                 session.text = record.text

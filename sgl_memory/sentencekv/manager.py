@@ -43,7 +43,7 @@ SELECT_SECONDS = prometheus.histogram("sentencekv_select_seconds", "SentenceKV's
 class SentenceKV(mechanism.Mechanism):
     # after intent pruning: a row it pruned is read through the sentinel-free slots, and its
     # compact layout (positions moved) is served with the full cache instead
-    rank = 45
+    order = 45
     settings = SentenceKVConfig
     fields = ("sentencekv",)
     tp_refusal = "each rank would choose the sentences from its own KV heads' scores"
