@@ -6,7 +6,8 @@ context; then the decode throughput of 8 concurrent requests over 2k-token conte
 the floor of a one-token forward on this machine: weights read once plus the context's KV, over the
 measured read bandwidth. Writes bench/results/attention_backend.json and .png.
 
-    .venv/bin/python bench/attention_backend.py [--model qwen2.5-coder-0.5b-instruct] [--lengths 1024 4096 8192 10240 16384]
+    .venv/bin/python bench/attention_backend.py [--model qwen2.5-coder-0.5b-instruct]
+        [--lengths 1024 4096 8192 10240 16384]
 """
 
 from __future__ import annotations
@@ -74,8 +75,12 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("cold_prefill_s", "cold prefill (s)"), ("full_hit_s", "full radix hit (s)"),
-               ("extend_64_s", f"extend {NEW_TOKENS} on cached prefix (s)"), ("decode_tok_per_s", "decode tok/s")]  # fmt: skip
+    metrics = [
+        ("cold_prefill_s", "cold prefill (s)"),
+        ("full_hit_s", "full radix hit (s)"),
+        ("extend_64_s", f"extend {NEW_TOKENS} on cached prefix (s)"),
+        ("decode_tok_per_s", "decode tok/s"),
+    ]
     fig, axes = plt.subplots(1, len(metrics), figsize=(17, 3.8))
     for name, rows in result["variants"].items():
         ls = sorted(int(k) for k in rows)
@@ -107,13 +112,19 @@ def main() -> None:
         "sgl_memory_cpu (ours)": ours(args.model, *cpu_flags(model_path, "sgl_memory_cpu")),
     }
     bandwidth = read_bandwidth_gbs()
-    result = {"model": args.model, "read_bandwidth_gbs": bandwidth, "variants": {},
-              "floor_one_token_s": {str(n): s for n, s in floors(model_path, args.lengths, bandwidth).items()}}  # fmt: skip
+    result = {
+        "model": args.model,
+        "read_bandwidth_gbs": bandwidth,
+        "variants": {},
+        "floor_one_token_s": {str(n): s for n, s in floors(model_path, args.lengths, bandwidth).items()},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name, (cmd, env) in tqdm(variants.items(), desc="servers"):
             server = harness.start(cmd, Path(tmp) / "server.log", env=env)
             try:
-                result["variants"][name] = {str(n): row for n, row in measure(server, tokenizer, args.lengths, args.seed).items()}
+                result["variants"][name] = {
+                    str(n): row for n, row in measure(server, tokenizer, args.lengths, args.seed).items()
+                }
                 result.setdefault("batched_decode_tok_per_s", {})[name] = batched_decode(server, tokenizer, args.seed)
             finally:
                 harness.stop(server)
@@ -127,7 +138,12 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     write_json(RESULTS / "attention_backend.json", result)
     plot(result, RESULTS / "attention_backend.png")
-    print(json.dumps({k: result[k] for k in ("ours_over_plain_speedup", "ours_hit_over_floor", "batched_decode_tok_per_s")}, indent=2))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("ours_over_plain_speedup", "ours_hit_over_floor", "batched_decode_tok_per_s")},
+            indent=2,
+        )
+    )
     print(json.dumps({n: mine[n]["hit_speedup_over_cold"] for n in mine}, indent=2))
 
 

@@ -37,8 +37,12 @@ def commit() -> str:
     Results files do not count: a run rewrites its own, and an earlier run's uncommitted results
     change no code."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!bench/results"], cwd=ROOT).returncode != 0
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":!bench/results"], cwd=ROOT).returncode != 0
+        )
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -102,7 +106,8 @@ def generate(server, input_ids: list[int], max_new_tokens: int, timeout: float =
 
 
 def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple[str, float, dict]:
-    """Greedy streamed /generate: (text, TTFT in s, the final meta_info); the server's headers sent (a router's routing key)."""
+    """Greedy streamed /generate: (text, TTFT in s, the final meta_info); the server's headers sent (a
+    router's routing key)."""
     body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
     if field is not None:
         body["sgl_memory"] = field
@@ -151,8 +156,11 @@ def kv_costs(metrics: dict | None, prompt_tokens: int, output_tokens: int) -> di
     m = metrics or {}
     steps = max(output_tokens - 1, 0)
     raw = m.get("raw_kv_reads", steps * prompt_tokens + steps * (steps + 1) // 2)
-    return {"live_kv_tokens": m.get("live_kv_tokens", prompt_tokens + output_tokens), "raw_kv_reads": raw,
-            "eff_kv_reads": m.get("eff_kv_reads", raw)}  # fmt: skip
+    return {
+        "live_kv_tokens": m.get("live_kv_tokens", prompt_tokens + output_tokens),
+        "raw_kv_reads": raw,
+        "eff_kv_reads": m.get("eff_kv_reads", raw),
+    }
 
 
 def read_bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 5) -> float:
@@ -165,7 +173,9 @@ def read_bandwidth_gbs(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     return nbytes * repeats / (time.perf_counter() - t0) / 1e9
 
 
-def bootstrap(clusters: list[list[float]], seed: int = 0, level: float = 0.95, resamples: int = 2000) -> tuple[float, float, float]:
+def bootstrap(
+    clusters: list[list[float]], seed: int = 0, level: float = 0.95, resamples: int = 2000
+) -> tuple[float, float, float]:
     """The mean over every value and its percentile bootstrap interval, resampling whole clusters
     (values of one session are not independent draws; independent values are clusters of one)."""
     sums = [(sum(c), len(c)) for c in clusters if c]

@@ -62,7 +62,9 @@ print(json.dumps(out))
 
 
 def gemm_gflops(env: dict) -> dict:
-    run = subprocess.run([sys.executable, "-c", GEMM], env=dict(os.environ, **env), capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", GEMM], env=dict(os.environ, **env), capture_output=True, text=True, check=True
+    )
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -73,15 +75,22 @@ def measure(server, tokenizer, lengths, seed) -> dict:
         ids = prompt_of_length(tokenizer, n, seed + n)  # cached by the first cold prefill
         hit = generate(server, ids, 1)["e2e_latency"]
         decode = generate(server, ids, DECODE_TOKENS)["e2e_latency"]
-        out[n] = {"cold_prefill_s": colds, "prefill_tok_per_s": n / (sum(colds) / len(colds)),
-                  "full_hit_s": hit, "decode_tok_per_s": (DECODE_TOKENS - 1) / max(decode - hit, 1e-9)}  # fmt: skip
+        out[n] = {
+            "cold_prefill_s": colds,
+            "prefill_tok_per_s": n / (sum(colds) / len(colds)),
+            "full_hit_s": hit,
+            "decode_tok_per_s": (DECODE_TOKENS - 1) / max(decode - hit, 1e-9),
+        }
     return out
 
 
 def speedups(a: dict, b: dict) -> dict:
     """a's tokens/s over b's, per metric and length."""
-    return {f"{metric.split('_')[0]} @{n}": a["by_length"][n][metric] / b["by_length"][n][metric]
-            for metric in ("prefill_tok_per_s", "decode_tok_per_s") for n in a["by_length"]}  # fmt: skip
+    return {
+        f"{metric.split('_')[0]} @{n}": a["by_length"][n][metric] / b["by_length"][n][metric]
+        for metric in ("prefill_tok_per_s", "decode_tok_per_s")
+        for n in a["by_length"]
+    }
 
 
 def command(engine: str, model: str, model_path, dtype, kv_dtype) -> tuple[list[str], dict | None]:
@@ -111,19 +120,42 @@ def table(result: dict) -> str:
 
 
 def write_md(result: dict, path: Path) -> None:
-    lines = [f"# Compute dtype per CPU ({result['model']}, {result['cores']} cores)", "",
-             f"CPU: {result['cpu_model']}; torch {result['torch']}.", "",
-             "| CPU | torch capability | bf16 flags | launcher's choice | why |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Compute dtype per CPU ({result['model']}, {result['cores']} cores)",
+        "",
+        f"CPU: {result['cpu_model']}; torch {result['torch']}.",
+        "",
+        "| CPU | torch capability | bf16 flags | launcher's choice | why |",
+        "|---|---|---|---|---|",
+    ]
     for name, c in result["cpus"].items():
         ch = c["choice"]
-        lines.append(f"| {name} | {ch['cpu_capability']} | {', '.join(ch['bf16_flags']) or 'none'} | {ch['dtype']} | {ch['reason']} |")
-    lines += ["", "MLP matmul (F.linear 512 x 896 by 4864 x 896, and one row), GFLOP/s:", "",
-              "| CPU | float32 m=512 | bf16 m=512 | float32 m=1 | bf16 m=1 |", "|---|---|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"| {name} | {ch['cpu_capability']} | {', '.join(ch['bf16_flags']) or 'none'} "
+            f"| {ch['dtype']} | {ch['reason']} |"
+        )
+    lines += [
+        "",
+        "MLP matmul (F.linear 512 x 896 by 4864 x 896, and one row), GFLOP/s:",
+        "",
+        "| CPU | float32 m=512 | bf16 m=512 | float32 m=1 | bf16 m=1 |",
+        "|---|---|---|---|---|",
+    ]
     for name, c in result["cpus"].items():
         g = c["gemm"]
-        lines.append(f"| {name} | {g['float32 m=512']:.1f} | {g['bfloat16 m=512']:.1f} | {g['float32 m=1']:.1f} | {g['bfloat16 m=1']:.1f} |")
-    lines += ["", "Servers (greedy, one request at a time; prefill: the mean of two fresh prompts):", "", table(result), "",
-              "Ratios (the launcher's choice over the other dtype, same CPU, ours):", ""]  # fmt: skip
+        lines.append(
+            f"| {name} | {g['float32 m=512']:.1f} | {g['bfloat16 m=512']:.1f} "
+            f"| {g['float32 m=1']:.1f} | {g['bfloat16 m=1']:.1f} |"
+        )
+    lines += [
+        "",
+        "Servers (greedy, one request at a time; prefill: the mean of two fresh prompts):",
+        "",
+        table(result),
+        "",
+        "Ratios (the launcher's choice over the other dtype, same CPU, ours):",
+        "",
+    ]
     for name, r in result["ratios"].items():
         lines.append(f"- {name}: " + "; ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     path.write_text("\n".join(lines) + "\n")
@@ -160,11 +192,22 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     import torch
 
-    result = {"model": args.model, "lengths": args.lengths, "cores": os.cpu_count(), "cpu_model": cpu_model(),
-              "torch": torch.__version__, "cpus": {}, "variants": {}}  # fmt: skip
+    result = {
+        "model": args.model,
+        "lengths": args.lengths,
+        "cores": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "torch": torch.__version__,
+        "cpus": {},
+        "variants": {},
+    }
     for name, env in CPUS.items():
         gemm = gemm_gflops(env)  # its capability is torch's under that CPU's environment
-        result["cpus"][name] = {"env": env, "choice": vars(cpu_dtype.choose_auto(gemm["capability"], cpu_dtype.cpu_flags())), "gemm": gemm}
+        result["cpus"][name] = {
+            "env": env,
+            "choice": vars(cpu_dtype.choose_auto(gemm["capability"], cpu_dtype.cpu_flags())),
+            "gemm": gemm,
+        }
     runs = [(cpu, v) for v in VARIANTS for cpu in v[4]]
     with tempfile.TemporaryDirectory() as tmp:
         for cpu, (name, engine, dtype, kv_dtype, _) in tqdm(runs, desc="servers"):
@@ -178,16 +221,24 @@ def main() -> None:
                 by_length = measure(server, tokenizer, args.lengths, args.seed)
             finally:
                 harness.stop(server)
-            result["variants"][key] = {"cpu": cpu, "name": name, "engine": engine, "dtype": info["dtype"],
-                                       "kv_cache_dtype": info["kv_cache_dtype"],
-                                       "by_length": {str(n): r for n, r in by_length.items()}}  # fmt: skip
+            result["variants"][key] = {
+                "cpu": cpu,
+                "name": name,
+                "engine": engine,
+                "dtype": info["dtype"],
+                "kv_cache_dtype": info["kv_cache_dtype"],
+                "by_length": {str(n): r for n, r in by_length.items()},
+            }
     runs, result["ratios"] = result["variants"], {}
     for cpu, c in result["cpus"].items():
         chosen = "bf16" if c["choice"]["dtype"] == "bfloat16" else "float32"
         other = "float32" if chosen == "bf16" else "bf16"
-        result["ratios"][f"{cpu}, {chosen} over {other}"] = speedups(runs[f"{cpu}: ours {chosen}"], runs[f"{cpu}: ours {other}"])
+        result["ratios"][f"{cpu}, {chosen} over {other}"] = speedups(
+            runs[f"{cpu}: ours {chosen}"], runs[f"{cpu}: ours {other}"]
+        )
     result["ratios"]["this CPU, float32 with a bf16 KV pool over a float32 pool"] = speedups(
-        runs["this CPU: ours float32, bf16 KV"], runs["this CPU: ours float32"])
+        runs["this CPU: ours float32, bf16 KV"], runs["this CPU: ours float32"]
+    )
     RESULTS.mkdir(exist_ok=True)
     write_json(RESULTS / "cpu_dtype.json", result)
     write_md(result, RESULTS / "cpu_dtype.md")

@@ -50,9 +50,16 @@ def step_breakdown(trace: dict) -> dict:
         raise RuntimeError("the trace holds no decode step (SGLang's step[DECODE ...] annotation)")
     tid = steps[0]["tid"]
     spans = [(s["ts"], s["ts"] + s["dur"]) for s in steps]
-    inside = sorted((e for e in events if e["tid"] == tid and e.get("cat") == "cpu_op"
-                     and any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans)),
-                    key=lambda e: (e["ts"], -e["dur"]))  # fmt: skip
+    inside = sorted(
+        (
+            e
+            for e in events
+            if e["tid"] == tid
+            and e.get("cat") == "cpu_op"
+            and any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans)
+        ),
+        key=lambda e: (e["ts"], -e["dur"]),
+    )
     top, own = collections.Counter(), collections.Counter()
     open_ops: list[dict] = []
     for e in inside:
@@ -93,8 +100,24 @@ def own_share(server, ids: list[int], out: Path) -> float | None:
     decode.start()
     time.sleep(1)
     raw = out / "spy.txt"
-    subprocess.run([str(spy), "record", "--pid", str(scheduler.pid), "--duration", "4", "--rate", "200", "--format", "raw",
-                    "-o", str(raw)], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            str(spy),
+            "record",
+            "--pid",
+            str(scheduler.pid),
+            "--duration",
+            "4",
+            "--rate",
+            "200",
+            "--format",
+            "raw",
+            "-o",
+            str(raw),
+        ],
+        check=True,
+        capture_output=True,
+    )
     decode.join()
     total = own = 0
     for line in raw.read_text().splitlines():
@@ -109,7 +132,13 @@ def profile(server, tokenizer, n: int, seed: int, out: Path) -> dict:
     generate(server, ids, 1)  # the prompt into the cache: what follows is decode
     timed = generate(server, ids, DECODE_TOKENS)["e2e_latency"] - generate(server, ids, 1)["e2e_latency"]
     out.mkdir(parents=True)
-    body = {"output_dir": str(out), "num_steps": PROFILE_STEPS, "activities": ["CPU"], "with_stack": False, "record_shapes": False}
+    body = {
+        "output_dir": str(out),
+        "num_steps": PROFILE_STEPS,
+        "activities": ["CPU"],
+        "with_stack": False,
+        "record_shapes": False,
+    }
     r = server.post("/start_profile", body)
     if r.status_code != 200:
         raise RuntimeError(f"/start_profile: {r.status_code} {r.text[:200]}")
@@ -120,8 +149,11 @@ def profile(server, tokenizer, n: int, seed: int, out: Path) -> dict:
     if not found:
         raise RuntimeError(f"no trace in {out}")
     time.sleep(2)  # written whole
-    return {"decode_tok_per_s": (DECODE_TOKENS - 1) / timed, **step_breakdown(json.load(gzip.open(found[0]))),
-            "own_python_share": own_share(server, ids, out)}
+    return {
+        "decode_tok_per_s": (DECODE_TOKENS - 1) / timed,
+        **step_breakdown(json.load(gzip.open(found[0]))),
+        "own_python_share": own_share(server, ids, out),
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -132,8 +164,12 @@ def plot(result: dict, path: Path) -> None:
 
     lengths = result["lengths"]
     fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4), squeeze=False)
-    parts = [("matmul_ms", "matrix products"), ("attention_ms", "attention"), ("other_ops_ms", "other torch ops"),
-             ("outside_ops_ms", "outside torch ops (Python, gaps)")]  # fmt: skip
+    parts = [
+        ("matmul_ms", "matrix products"),
+        ("attention_ms", "attention"),
+        ("other_ops_ms", "other torch ops"),
+        ("outside_ops_ms", "outside torch ops (Python, gaps)"),
+    ]
     for ax, n in zip(axes[0], lengths):
         names = list(result["variants"])
         bottom = [0.0] * len(names)
@@ -141,7 +177,9 @@ def plot(result: dict, path: Path) -> None:
             values = [result["variants"][v][str(n)][key] for v in names]
             ax.bar(range(len(names)), values, bottom=bottom, label=label)
             bottom = [b + v for b, v in zip(bottom, values)]
-        ax.axhline(result["floor_one_token_s"][str(n)] * 1000, color="k", ls="--", label="floor: weights + KV read once")
+        ax.axhline(
+            result["floor_one_token_s"][str(n)] * 1000, color="k", ls="--", label="floor: weights + KV read once"
+        )
         ax.set_xticks(range(len(names)), [v.replace(" (", "\n(") for v in names], fontsize=8)
         ax.set_ylabel("ms per decode step")
         ax.set_title(f"{n}-token context")
@@ -164,21 +202,37 @@ def main() -> None:
         "sgl-memory (sgl_memory_cpu, default)": ours(args.model, *cpu_flags(model_path, "sgl_memory_cpu")),
     }
     bandwidth = read_bandwidth_gbs()
-    result = {"model": args.model, "lengths": args.lengths, "read_bandwidth_gbs": bandwidth, "variants": {},
-              "floor_one_token_s": {str(n): s for n, s in floors(model_path, args.lengths, bandwidth).items()}}  # fmt: skip
+    result = {
+        "model": args.model,
+        "lengths": args.lengths,
+        "read_bandwidth_gbs": bandwidth,
+        "variants": {},
+        "floor_one_token_s": {str(n): s for n, s in floors(model_path, args.lengths, bandwidth).items()},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, (cmd, env)) in enumerate(tqdm(variants.items(), desc="servers")):
             server = harness.start(cmd, Path(tmp) / f"server{i}.log", env=env)
             try:
-                result["variants"][name] = {str(n): profile(server, tokenizer, n, args.seed, Path(tmp) / f"trace{i}-{n}") for n in args.lengths}
+                result["variants"][name] = {
+                    str(n): profile(server, tokenizer, n, args.seed, Path(tmp) / f"trace{i}-{n}") for n in args.lengths
+                }
             finally:
                 harness.stop(server)
     plain = result["variants"]["plain sglang (torch_native)"]
-    result["over_plain"] = {name: {n: {"step": rows[n]["step_ms"] / plain[n]["step_ms"],
-                                       "outside_ops": rows[n]["outside_ops_ms"] / plain[n]["outside_ops_ms"]} for n in rows}
-                            for name, rows in result["variants"].items()}  # fmt: skip
-    result["step_over_floor"] = {name: {n: rows[n]["step_ms"] / 1000 / result["floor_one_token_s"][n] for n in rows}
-                                 for name, rows in result["variants"].items()}  # fmt: skip
+    result["over_plain"] = {
+        name: {
+            n: {
+                "step": rows[n]["step_ms"] / plain[n]["step_ms"],
+                "outside_ops": rows[n]["outside_ops_ms"] / plain[n]["outside_ops_ms"],
+            }
+            for n in rows
+        }
+        for name, rows in result["variants"].items()
+    }
+    result["step_over_floor"] = {
+        name: {n: rows[n]["step_ms"] / 1000 / result["floor_one_token_s"][n] for n in rows}
+        for name, rows in result["variants"].items()
+    }
     RESULTS.mkdir(exist_ok=True)
     write_json(RESULTS / "decode_profile.json", result)
     plot(result, RESULTS / "decode_profile.png")

@@ -63,8 +63,13 @@ def block_scoring(tokens: int, blocks: int) -> dict:
             logits = torch.einsum("thd,nhd->thn", q[layer].float(), k.float())
             logits.view(tokens, HEADS, blocks, BLOCK).amax(-1)
 
-    return {"tokens": tokens, "blocks": blocks, "triton_ms": timed(lambda: aabb_scores_triton(q, lo, hi)),
-            "torch_ms": timed(lambda: aabb_scores_torch(q, lo, hi)), "exact_keys_ms": timed(exact, repeats=5)}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "blocks": blocks,
+        "triton_ms": timed(lambda: aabb_scores_triton(q, lo, hi)),
+        "torch_ms": timed(lambda: aabb_scores_torch(q, lo, hi)),
+        "exact_keys_ms": timed(exact, repeats=5),
+    }
 
 
 def compaction(requests: int, slots: int, pruned: float) -> dict:
@@ -83,7 +88,13 @@ def compaction(requests: int, slots: int, pruned: float) -> dict:
         live[1:] = keep.cumsum(0)
         return live[indptr.long()].to(indptr.dtype), base[keep]  # the mask's gather syncs on its size
 
-    return {"requests": requests, "slots": slots, "pruned": pruned, "triton_ms": timed(kernel), "torch_mask_ms": timed(masked)}
+    return {
+        "requests": requests,
+        "slots": slots,
+        "pruned": pruned,
+        "triton_ms": timed(kernel),
+        "torch_mask_ms": timed(masked),
+    }
 
 
 def step_lists(requests: int, width: int, read: float) -> dict:
@@ -101,8 +112,13 @@ def step_lists(requests: int, width: int, read: float) -> dict:
         slots = req_to_token[rows.long()]
         return read_counts(req_to_token, rows, seq_lens, reads, sentinel), slots[reads & (slots != sentinel)]
 
-    return {"requests": requests, "width": width, "read": read, "triton_ms": timed(lambda: step_kv_indices(req_to_token, rows, seq_lens, reads, sentinel, out)),
-            "torch_mask_ms": timed(masked)}  # fmt: skip
+    return {
+        "requests": requests,
+        "width": width,
+        "read": read,
+        "triton_ms": timed(lambda: step_kv_indices(req_to_token, rows, seq_lens, reads, sentinel, out)),
+        "torch_mask_ms": timed(masked),
+    }
 
 
 def loading(rows: int, recompute: float) -> dict:
@@ -158,16 +174,37 @@ def plot(result: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     panels = [
-        ("block scoring (ms)", result["block_scoring"], lambda r: f"T{r['tokens']} N{r['blocks']}", ["triton_ms", "torch_ms", "exact_keys_ms"]),
-        ("sentinel compaction (ms)", result["compaction"], lambda r: f"{r['requests']}x{r['slots']}", ["triton_ms", "torch_mask_ms"]),
-        ("SentenceKV step lists (ms)", result["step_lists"], lambda r: f"{r['requests']}x{r['width']}", ["triton_ms", "torch_mask_ms"]),
-        ("KEEP layer loading (ms per forward)", result["loading"], lambda r: f"{r['rows']} rows",
-         ["on_gpu_ms", *(f"{m}_ms" for m in LOADINGS)]),
-    ]  # fmt: skip
+        (
+            "block scoring (ms)",
+            result["block_scoring"],
+            lambda r: f"T{r['tokens']} N{r['blocks']}",
+            ["triton_ms", "torch_ms", "exact_keys_ms"],
+        ),
+        (
+            "sentinel compaction (ms)",
+            result["compaction"],
+            lambda r: f"{r['requests']}x{r['slots']}",
+            ["triton_ms", "torch_mask_ms"],
+        ),
+        (
+            "SentenceKV step lists (ms)",
+            result["step_lists"],
+            lambda r: f"{r['requests']}x{r['width']}",
+            ["triton_ms", "torch_mask_ms"],
+        ),
+        (
+            "KEEP layer loading (ms per forward)",
+            result["loading"],
+            lambda r: f"{r['rows']} rows",
+            ["on_gpu_ms", *(f"{m}_ms" for m in LOADINGS)],
+        ),
+    ]
     for ax, (title, rows, label, keys) in zip(axes, panels):
         width = 0.8 / len(keys)
         for i, key in enumerate(keys):
-            ax.bar([x + i * width for x in range(len(rows))], [r[key] for r in rows], width, label=key.removesuffix("_ms"))
+            ax.bar(
+                [x + i * width for x in range(len(rows))], [r[key] for r in rows], width, label=key.removesuffix("_ms")
+            )
         ax.set_xticks([x + width * (len(keys) - 1) / 2 for x in range(len(rows))], [label(r) for r in rows])
         ax.set_yscale("log")
         ax.set_title(title)

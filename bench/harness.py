@@ -87,9 +87,22 @@ def start_router(workers: list[Server], log_path: Path, *flags: str, timeout: fl
     routing-key header (sgl_memory.core.sessions.ROUTING_HEADER) keeps each session on one replica;
     a request to a replica that is gone is retried on another. Its metrics listen on a port of their
     own (29000 unless told: two routers would collide)."""
-    command = [sys.executable, "-m", "smg.launch_router", "--worker-urls", *(w.url for w in workers),
-               "--policy", "consistent_hashing", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-               "--log-level", "warn", *flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "smg.launch_router",
+        "--worker-urls",
+        *(w.url for w in workers),
+        "--policy",
+        "consistent_hashing",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warn",
+        *flags,
+    ]
     router = start(command, log_path)
     deadline = time.monotonic() + timeout
     while True:
@@ -98,7 +111,10 @@ def start_router(workers: list[Server], log_path: Path, *flags: str, timeout: fl
             return router
         if time.monotonic() > deadline:
             stop(router)
-            raise RuntimeError(f"the router registered {sorted(ready)} of {[w.url for w in workers]} in {timeout} s:\n{router.log()[-2000:]}")
+            raise RuntimeError(
+                f"the router registered {sorted(ready)} of {[w.url for w in workers]} in {timeout} s:\n"
+                f"{router.log()[-2000:]}"
+            )
         time.sleep(0.2)
 
 
@@ -112,8 +128,19 @@ def cpu_flags(model_path, attention_backend: str, pool_tokens: int | None = None
     from sgl_memory import cpu_dtype, launch_server
 
     pool = pool_tokens or launch_server.default_max_total_tokens(model_path)
-    return ["--device", "cpu", "--attention-backend", attention_backend, "--disable-overlap-schedule", "--skip-server-warmup",
-            "--sleep-on-idle", "--dtype", cpu_dtype.choose().dtype, "--max-total-tokens", str(pool)]  # fmt: skip
+    return [
+        "--device",
+        "cpu",
+        "--attention-backend",
+        attention_backend,
+        "--disable-overlap-schedule",
+        "--skip-server-warmup",
+        "--sleep-on-idle",
+        "--dtype",
+        cpu_dtype.choose().dtype,
+        "--max-total-tokens",
+        str(pool),
+    ]
 
 
 def plain_sglang(model_path, *flags: str) -> tuple[list[str], dict]:
@@ -146,7 +173,11 @@ def _listens(proc: subprocess.Popen, port: int) -> bool:
     try:
         root = psutil.Process(proc.pid)
         family = [root, *root.children(recursive=True)]
-        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for p in family for c in p.net_connections("tcp"))
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+            for p in family
+            for c in p.net_connections("tcp")
+        )
     except psutil.NoSuchProcess:
         return False
 
@@ -176,7 +207,9 @@ class Starting:
     def __init__(self, command: list[str], log_path: Path, env: dict | None, attempts: int = 3):
         self.command, self.log_path, self.env, self.attempts = command, log_path, env, attempts
         self.server, self.port, self.t0 = self._spawn()
-        self.answered_at: float | None = None  # when it first answered, seen by a watcher thread (a start's real length)
+        self.answered_at: float | None = (
+            None  # when it first answered, seen by a watcher thread (a start's real length)
+        )
         threading.Thread(target=self._watch, args=(self.server, self.port), daemon=True).start()
 
     def _answers(self, server: Server, port: int) -> bool:
@@ -219,7 +252,9 @@ class Starting:
                 threading.Thread(target=self._watch, args=(self.server, self.port), daemon=True).start()
             if self._wait():
                 return self.server
-        raise RuntimeError(f"server could not bind a free port in {self.attempts} attempts:\n{self.server.log()[-2000:]}")
+        raise RuntimeError(
+            f"server could not bind a free port in {self.attempts} attempts:\n{self.server.log()[-2000:]}"
+        )
 
     def abandon(self) -> None:
         stop(self.server, timeout=30)
@@ -258,8 +293,10 @@ def _check_pool(server: Server, command: list[str]) -> None:
     got = server.get("/server_info").json()["max_total_num_tokens"]
     if got < asked:
         stop(server)
-        raise RuntimeError(f"the server's KV pool holds {got} tokens, not the {asked} it was started with "
-                           f"(too little free memory):\n{server.log()[-2000:]}")  # fmt: skip
+        raise RuntimeError(
+            f"the server's KV pool holds {got} tokens, not the {asked} it was started with "
+            f"(too little free memory):\n{server.log()[-2000:]}"
+        )
 
 
 def stop(server: Server, timeout: float = 60) -> list[psutil.Process]:

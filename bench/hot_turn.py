@@ -64,15 +64,25 @@ def hot_turns(server, history: list[dict], turns: int, memory: dict | None) -> d
     answer = chat(server, history, 16, memory)[0]  # the history's prefill (cold)
     messages, rows = list(history), []
     for n in range(turns):
-        messages = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UPS[n % len(FOLLOW_UPS)]}]
+        messages = messages + [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": FOLLOW_UPS[n % len(FOLLOW_UPS)]},
+        ]
         before = prefill_forward(server)
         answer, usage, _, seconds = chat(server, messages, 1, memory)
         after = prefill_forward(server)
         assert after[1] - before[1] == 1, "one prefill per turn"
         forward = after[0] - before[0]
         new = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
-        rows.append({"latency_s": seconds, "prefill_forward_s": forward, "overhead_s": seconds - forward,
-                     "prompt_tokens": usage["prompt_tokens"], "new_tokens": new})  # fmt: skip
+        rows.append(
+            {
+                "latency_s": seconds,
+                "prefill_forward_s": forward,
+                "overhead_s": seconds - forward,
+                "prompt_tokens": usage["prompt_tokens"],
+                "new_tokens": new,
+            }
+        )
     return {"turns": rows, **summarise(rows)}
 
 
@@ -102,8 +112,15 @@ def store_writes(model: str, tokens: int, turns: int, new_tokens: int, work: Pat
 
     config = json.loads((models.model_dir(model) / "config.json").read_text())
     heads = config["num_key_value_heads"]
-    spec = CacheSpec(model, "bench", config["num_hidden_layers"], heads, config["hidden_size"] // config["num_attention_heads"],
-                     cpu_dtype.choose().dtype, 1)  # fmt: skip
+    spec = CacheSpec(
+        model,
+        "bench",
+        config["num_hidden_layers"],
+        heads,
+        config["hidden_size"] // config["num_attention_heads"],
+        cpu_dtype.choose().dtype,
+        1,
+    )
     dtype = getattr(torch, spec.dtype)
     total = tokens + turns * new_tokens
     keys = torch.randn(spec.layers, total, heads, spec.head_dim).to(dtype)
@@ -122,20 +139,32 @@ def store_writes(model: str, tokens: int, turns: int, new_tokens: int, work: Pat
             t0 = time.perf_counter()
             files.write(None, "s", record, base=record.generation if mode == "new blocks" else None)
             seconds.append(time.perf_counter() - t0)
-            written.append(sum(p.stat().st_size for p in files.root.glob("*/*/*") if before.get(p.name) != p.stat().st_size))
+            written.append(
+                sum(p.stat().st_size for p in files.root.glob("*/*/*") if before.get(p.name) != p.stat().st_size)
+            )
         mean, lo, hi = bootstrap([[x] for x in seconds])
-        out[mode] = {"write_s": {"mean": mean, "ci95": [lo, hi]}, "bytes_per_turn": sum(written) / len(written), "turns": seconds}
+        out[mode] = {
+            "write_s": {"mean": mean, "ci95": [lo, hi]},
+            "bytes_per_turn": sum(written) / len(written),
+            "turns": seconds,
+        }
     return out
 
 
 def servers(model: str, work: Path) -> dict:
     path = models.model_dir(model)
     pool = ["--max-total-tokens", str(POOL_TOKENS), "--enable-metrics"]
-    plain, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native", POOL_TOKENS), "--enable-cache-report", "--enable-metrics")
+    plain, env = harness.plain_sglang(
+        path, *harness.cpu_flags(path, "torch_native", POOL_TOKENS), "--enable-cache-report", "--enable-metrics"
+    )
     return {
         "plain-sglang": (plain, env, None),
         "ours": (harness.our_command(model, *pool, "--plain"), None, None),
-        "ours-persist-q8": (harness.our_command(model, *pool, "--memory-config", str(store_config(work, "q8"))), None, {}),
+        "ours-persist-q8": (
+            harness.our_command(model, *pool, "--memory-config", str(store_config(work, "q8"))),
+            None,
+            {},
+        ),
     }
 
 
@@ -153,8 +182,10 @@ def plot(result: dict, path: Path) -> None:
         rows = result["servers"][name]
         xs = [i + j * width for i in range(len(lengths))]
         means = [rows[n]["overhead_s"]["mean"] * 1000 for n in lengths]
-        errs = [[m - rows[n]["overhead_s"]["ci95"][0] * 1000 for m, n in zip(means, lengths)],
-                [rows[n]["overhead_s"]["ci95"][1] * 1000 - m for m, n in zip(means, lengths)]]  # fmt: skip
+        errs = [
+            [m - rows[n]["overhead_s"]["ci95"][0] * 1000 for m, n in zip(means, lengths)],
+            [rows[n]["overhead_s"]["ci95"][1] * 1000 - m for m, n in zip(means, lengths)],
+        ]
         ax.bar(xs, means, width, yerr=errs, label=name)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(lengths))], [f"{result['sessions'][n]} tok" for n in lengths])
     ax.set_ylabel("hot turn besides its prefill (ms)")
@@ -178,8 +209,14 @@ def main() -> None:
     conversations = data.load()
     turns = dialogue(conversations[0]) + dialogue(conversations[1])
     sessions = {str(n): session_of_length(tokenizer, turns, n) for n in args.lengths}
-    result = {"model": args.model, "pool_dtype": cpu_dtype.choose().dtype, "turns": args.turns, **provenance(),
-              "sessions": {n: len(chat_ids(tokenizer, m)) for n, m in sessions.items()}, "servers": {}}  # fmt: skip
+    result = {
+        "model": args.model,
+        "pool_dtype": cpu_dtype.choose().dtype,
+        "turns": args.turns,
+        **provenance(),
+        "sessions": {n: len(chat_ids(tokenizer, m)) for n, m in sessions.items()},
+        "servers": {},
+    }
     with tempfile.TemporaryDirectory(prefix="hot-turn-") as tmp:
         work = Path(tmp)
         chosen = {k: v for k, v in servers(args.model, work).items() if args.servers is None or k in args.servers}
@@ -187,7 +224,9 @@ def main() -> None:
             server = harness.start(command, work / f"{name}.log", env)
             try:
                 result["servers"][name] = {
-                    n: hot_turns(server, history, args.turns, {"session_id": f"hot-{n}"} if memory is not None else None)
+                    n: hot_turns(
+                        server, history, args.turns, {"session_id": f"hot-{n}"} if memory is not None else None
+                    )
                     for n, history in tqdm(sessions.items(), desc=name, leave=False)
                 }
             finally:
@@ -200,14 +239,20 @@ def main() -> None:
         plot(result, args.out.with_suffix(".png"))
     for mode in ("new blocks", "whole session"):
         w = result["store_writes"][mode]
-        print(f"store write of a turn, {mode}: {w['write_s']['mean'] * 1000:.0f} ms [{w['write_s']['ci95'][0] * 1000:.0f}, "
-              f"{w['write_s']['ci95'][1] * 1000:.0f}], {w['bytes_per_turn'] / 1e6:.1f} MB")  # fmt: skip
+        print(
+            f"store write of a turn, {mode}: {w['write_s']['mean'] * 1000:.0f} ms "
+            f"[{w['write_s']['ci95'][0] * 1000:.0f}, {w['write_s']['ci95'][1] * 1000:.0f}], "
+            f"{w['bytes_per_turn'] / 1e6:.1f} MB"
+        )
     for name, rows in result["servers"].items():
         for n, row in rows.items():
             o, later, f = row["overhead_s"], row["overhead_s_after_first"], row["prefill_forward_s"]
-            print(f"{name:16s} {result['sessions'][n]:6d} tok: overhead {o['mean'] * 1000:6.1f} ms "
-                  f"[{o['ci95'][0] * 1000:.1f}, {o['ci95'][1] * 1000:.1f}], after the first turn {later['mean'] * 1000:6.1f} ms "
-                  f"[{later['ci95'][0] * 1000:.1f}, {later['ci95'][1] * 1000:.1f}], prefill {f['mean'] * 1000:6.1f} ms")  # fmt: skip
+            print(
+                f"{name:16s} {result['sessions'][n]:6d} tok: overhead {o['mean'] * 1000:6.1f} ms "
+                f"[{o['ci95'][0] * 1000:.1f}, {o['ci95'][1] * 1000:.1f}], "
+                f"after the first turn {later['mean'] * 1000:6.1f} ms "
+                f"[{later['ci95'][0] * 1000:.1f}, {later['ci95'][1] * 1000:.1f}], prefill {f['mean'] * 1000:6.1f} ms"
+            )
 
 
 if __name__ == "__main__":

@@ -43,22 +43,29 @@ def trajectory(session: int, turns: int, seed: int) -> list[list[dict]]:
     rng = random.Random(seed * 1000 + session)
     facts: list[tuple[str, str, int]] = []
     messages = [
-        {"role": "system", "content": "You are a code-audit agent. Use the read_file tool, keep track of owners and "
-                                      "line counts, and answer questions briefly."},
+        {
+            "role": "system",
+            "content": "You are a code-audit agent. Use the read_file tool, keep track of owners and "
+            "line counts, and answer questions briefly.",
+        },
         {"role": "user", "content": f"Task {session}: audit the repository and answer my questions as you go."},
-    ]  # fmt: skip
+    ]
     requests, answer = [], ""
     for turn in range(turns):
         name = f"{rng.choice(FILES)}_{turn}.py"
         owner, lines = rng.choice(OWNERS), rng.randint(10, 999)
         facts.append((name, owner, lines))
         body = "\n".join(
-            f"{i:03d}: def {rng.choice(FILES)}_{rng.randint(0, 99)}(x): return x * {rng.randint(2, 9)}  # {rng.choice(OWNERS)}"
+            f"{i:03d}: def {rng.choice(FILES)}_{rng.randint(0, 99)}(x): "
+            f"return x * {rng.randint(2, 9)}  # {rng.choice(OWNERS)}"
             for i in range(12)
         )
         messages += [
             {"role": "assistant", "content": f'{answer}read_file(path="{name}")'},
-            {"role": "user", "content": f"<tool_response>\nfile {name}, owner {owner}, {lines} lines\n{body}\n</tool_response>"},
+            {
+                "role": "user",
+                "content": f"<tool_response>\nfile {name}, owner {owner}, {lines} lines\n{body}\n</tool_response>",
+            },
         ]
         asked = rng.choice(facts)
         question = {"role": "user", "content": f"Who owns {asked[0]} and how many lines does it have?"}
@@ -74,8 +81,12 @@ def run_config(server, prompts: list[list[list[int]]], memory: dict | None, tag:
     rows, t0 = [], time.perf_counter()
     for s, turns in enumerate(prompts):
         for ids in turns:
-            body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": TOP,
-                    "sampling_params": {"temperature": 0, "max_new_tokens": GEN_TOKENS, "ignore_eos": True}}  # fmt: skip
+            body = {
+                "input_ids": ids,
+                "return_logprob": True,
+                "top_logprobs_num": TOP,
+                "sampling_params": {"temperature": 0, "max_new_tokens": GEN_TOKENS, "ignore_eos": True},
+            }
             if memory is not None:
                 # a session id of the configuration's name in the characters ids may use
                 body["sgl_memory"] = dict(memory, session_id=re.sub(r"[^A-Za-z0-9._:@+=-]", "-", f"{tag}-{s}"))
@@ -83,12 +94,16 @@ def run_config(server, prompts: list[list[list[int]]], memory: dict | None, tag:
             r.raise_for_status()
             out = r.json()
             meta = out["meta_info"]
-            rows.append({
-                "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta["cached_tokens"],
-                "latency_s": meta["e2e_latency"], "output_ids": out["output_ids"],
-                "top1": {str(t): lp for lp, t, *_ in meta["output_top_logprobs"][1]},
-                "sgl_memory": meta.get("sgl_memory"),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "prompt_tokens": meta["prompt_tokens"],
+                    "cached_tokens": meta["cached_tokens"],
+                    "latency_s": meta["e2e_latency"],
+                    "output_ids": out["output_ids"],
+                    "top1": {str(t): lp for lp, t, *_ in meta["output_top_logprobs"][1]},
+                    "sgl_memory": meta.get("sgl_memory"),
+                }
+            )
     return {"wall_s": time.perf_counter() - t0, "requests": rows}
 
 
@@ -126,21 +141,36 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(result["summary"])
-    panels = [("prefix_hit_rate", "prefix-hit rate"), ("eff_kv_reads", "effective KV reads"),
-              ("mean_live_kv_tokens", "mean live KV tokens"), ("wall_s", "wall time (s)"),
-              ("greedy_agreement", "greedy agreement with full cache"), ("next_token_kl", "next-token KL vs full cache")]  # fmt: skip
+    panels = [
+        ("prefix_hit_rate", "prefix-hit rate"),
+        ("eff_kv_reads", "effective KV reads"),
+        ("mean_live_kv_tokens", "mean live KV tokens"),
+        ("wall_s", "wall time (s)"),
+        ("greedy_agreement", "greedy agreement with full cache"),
+        ("next_token_kl", "next-token KL vs full cache"),
+    ]
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3 * len(panels)), sharex=True)
     for ax, (key, title) in zip(axes, panels):
         values = [result["summary"][n].get(key, 0.0) for n in names]
-        colors = ["tab:gray" if "full" in n else "tab:green" if "intentkv" in n else
-                  "tab:blue" if "dead_slot" in n else "tab:red" for n in names]  # fmt: skip
+        colors = [
+            "tab:gray"
+            if "full" in n
+            else "tab:green"
+            if "intentkv" in n
+            else "tab:blue"
+            if "dead_slot" in n
+            else "tab:red"
+            for n in names
+        ]
         ax.bar(range(len(names)), values, color=colors)
         ax.set_title(title)
         if key == "next_token_kl":
             ax.set_yscale("symlog", linthresh=1e-6)  # spans 1e-6 .. 0.2
     axes[-1].set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=8)
-    fig.suptitle(f"IntentKV on {result['model']}: {result['sessions']} sessions x {result['turns']} turns "
-                 "(red: compact, blue: dead_slot, green: IntentKV)")  # fmt: skip
+    fig.suptitle(
+        f"IntentKV on {result['model']}: {result['sessions']} sessions x {result['turns']} turns "
+        "(red: compact, blue: dead_slot, green: IntentKV)"
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
 
@@ -160,9 +190,12 @@ def main() -> None:
     model_path = models.fetch(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = [
-        [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in trajectory(s, args.turns, args.seed)]
+        [
+            tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for m in trajectory(s, args.turns, args.seed)
+        ]
         for s in range(args.sessions)
-    ]  # fmt: skip
+    ]
     prompt_lens = [len(ids) for turns in prompts for ids in turns]
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,11 +216,15 @@ def main() -> None:
             harness.stop(server)
     reference = runs["full cache"]
     result = {
-        "model": args.model, "sessions": args.sessions, "turns": args.turns, "budgets": args.budgets,
-        "gen_tokens": GEN_TOKENS, "prompt_tokens": {"mean": sum(prompt_lens) / len(prompt_lens), "max": max(prompt_lens)},
+        "model": args.model,
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "budgets": args.budgets,
+        "gen_tokens": GEN_TOKENS,
+        "prompt_tokens": {"mean": sum(prompt_lens) / len(prompt_lens), "max": max(prompt_lens)},
         "summary": {name: summarise(run, reference, prompt_lens) for name, run in runs.items()},
         "runs": runs,
-    }  # fmt: skip
+    }
     full = result["summary"]["full cache"]
     for s in result["summary"].values():
         s["wall_vs_full"] = s["wall_s"] / full["wall_s"]
@@ -195,7 +232,14 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     write_json(RESULTS / "intent_sessions.json", result)
     plot(result, RESULTS / "intent_sessions.png")
-    keys = ("prefix_hit_rate", "mean_live_kv_tokens", "eff_reads_vs_full", "wall_vs_full", "greedy_agreement", "next_token_kl")
+    keys = (
+        "prefix_hit_rate",
+        "mean_live_kv_tokens",
+        "eff_reads_vs_full",
+        "wall_vs_full",
+        "greedy_agreement",
+        "next_token_kl",
+    )
     for name, s in result["summary"].items():
         print(f"{name:38s} " + "  ".join(f"{k}={s.get(k, float('nan')):.4g}" for k in keys))
 

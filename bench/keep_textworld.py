@@ -4,8 +4,9 @@ The agent's memory is what it observed, written through the memory entries API
 (`POST /sgl_memory/memory/write`, sgl_memory/memart/writes.py): one entry per object's place, per
 container's state, per ingredient's condition and per map link it has seen (updated by key when the
 world changes: dynamic), the recipe once read, each step it took with its outcome, and the
-subgoals it finished (the last three never rewritten: their groups turn static and get a joint KV). At every step a memory-mode request carries only the
-current observation and the valid commands; the server places the retrieved entries before it.
+subgoals it finished (the last three never rewritten: their groups turn static and get a joint KV).
+At every step a memory-mode request carries only the current observation and the valid commands; the
+server places the retrieved entries before it.
 
 Games: `tw-cooking` (recipe 2, take 2, go 6, open, cook, cut; fixed seeds), generated offline by
 TextWorld's own Inform7 compiler. Play is teacher-forced along the game's walkthrough, so every
@@ -52,8 +53,10 @@ METHODS = {
 SWEEP = ("none", "full", "cacheblend", "keep")
 CONDITIONS = ("chopped", "sliced", "diced", "cooked", "fried", "roasted", "grilled", "burned", "raw")
 DIRECTIONS = ("north_of", "south_of", "east_of", "west_of")
-SYSTEM = ("You are playing a text adventure game. {objective} Your memory holds what you observed earlier. "
-          "Answer with exactly one of the valid commands and nothing else.")  # fmt: skip
+SYSTEM = (
+    "You are playing a text adventure game. {objective} Your memory holds what you observed earlier. "
+    "Answer with exactly one of the valid commands and nothing else."
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,9 +64,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default=models.DEFAULT_MODEL)
     ap.add_argument("--games", type=int, default=6)
     ap.add_argument("--seed", type=int, default=100, help="game seeds are seed, seed+1, ...")
-    ap.add_argument("--top-k", type=int, default=16, help="retrieved blocks per step (entries and static groups come whole)")
+    ap.add_argument(
+        "--top-k", type=int, default=16, help="retrieved blocks per step (entries and static groups come whole)"
+    )
     ap.add_argument("--ratio", type=float, default=0.3, help="keep and cacheblend: the share recomputed at layer 1")
-    ap.add_argument("--sweep", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="retrieved blocks for the TTFT curve")
+    ap.add_argument(
+        "--sweep", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="retrieved blocks for the TTFT curve"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "keep_textworld.json")
     return ap.parse_args(argv)
 
@@ -81,7 +88,17 @@ def make_game(seed: int, directory: Path) -> str:
         return str(path)
     options = textworld.GameOptions()
     options.seeds, options.path, options.force_recompile = seed, str(path), True
-    settings = {"recipe": 2, "take": 2, "go": 6, "open": True, "cook": True, "cut": True, "drop": False, "recipe_seed": 0, "split": None}
+    settings = {
+        "recipe": 2,
+        "take": 2,
+        "go": 6,
+        "open": True,
+        "cook": True,
+        "cut": True,
+        "drop": False,
+        "recipe_seed": 0,
+        "split": None,
+    }
     _, make, _ = CHALLENGES["tw-cooking"]
     return compile_game(make(settings=settings, options=options), options)
 
@@ -90,8 +107,15 @@ def start(gamefile: str):
     import textworld
     from textworld import EnvInfos
 
-    infos = EnvInfos(admissible_commands=True, objective=True, description=True, facts=True, score=True, max_score=True,
-                     extras=["walkthrough"])  # fmt: skip
+    infos = EnvInfos(
+        admissible_commands=True,
+        objective=True,
+        description=True,
+        facts=True,
+        score=True,
+        max_score=True,
+        extras=["walkthrough"],
+    )
     return textworld.start(gamefile, request_infos=infos)
 
 
@@ -112,7 +136,9 @@ def fact_entries(facts, seen: set[str]) -> dict[str, str]:
     out, conditions = {}, {}
     for fact in facts:
         names = [entity(a) for a in fact.arguments]
-        if any(n in ("P", "RECIPE") or n.startswith("ingredient_") for n in names) or not all(n in seen or n == "I" for n in names):
+        if any(n in ("P", "RECIPE") or n.startswith("ingredient_") for n in names) or not all(
+            n in seen or n == "I" for n in names
+        ):
             continue
         name = fact.name
         if name in ("at", "in", "on") and len(names) == 2:
@@ -165,17 +191,25 @@ def ask(server, ids: list[int], session: str, method: tuple[dict, dict] | None, 
     text, meta, _ = generate(server, ids, 10, field)
     m = meta.get("sgl_memory") or {}
     segments = (m.get("retrieved_entries") or 0) + (m.get("retrieved_static_groups") or 0)
-    return {"answer": text, "ttft_s": meta["ttft_s"], "prefill_tokens": m.get("prefill_tokens", meta.get("prompt_tokens")),
-            "memory_kv_tokens": m.get("memory_kv_tokens", 0), "recomputed_tokens": m.get("recomputed_tokens", 0),
-            "retrieved_blocks": m.get("retrieved_blocks", 0), "segments": segments,
-            "static_groups_placed": m.get("retrieved_static_groups", 0)}  # fmt: skip
+    return {
+        "answer": text,
+        "ttft_s": meta["ttft_s"],
+        "prefill_tokens": m.get("prefill_tokens", meta.get("prompt_tokens")),
+        "memory_kv_tokens": m.get("memory_kv_tokens", 0),
+        "recomputed_tokens": m.get("recomputed_tokens", 0),
+        "retrieved_blocks": m.get("retrieved_blocks", 0),
+        "segments": segments,
+        "static_groups_placed": m.get("retrieved_static_groups", 0),
+    }
 
 
 def server_config(directory: Path, groups: bool) -> Path:
     path = directory / f"keep-textworld{'' if groups else '-no-groups'}.yaml"
-    path.write_text(f"memory:\n  enabled: true\n  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
-                    f"  groups: {str(groups).lower()}\n  static_after: 3\n"
-                    "keep:\n  enabled: true\n" + harness.PERSIST_OFF)  # fmt: skip
+    path.write_text(
+        f"memory:\n  enabled: true\n  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
+        f"  groups: {str(groups).lower()}\n  static_after: 3\n"
+        "keep:\n  enabled: true\n" + harness.PERSIST_OFF
+    )
     return path
 
 
@@ -195,18 +229,34 @@ def play(server, tokenizer, gamefile: str, methods: dict, args, bar, sweep: bool
             book = write(server, session, entries)["book"]
             written.update(entries)
         user = f"{text}\n\nValid commands: {', '.join(state['admissible_commands'])}\n\nWhat is the best next command?"
-        ids = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
+        ids = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         for name, method in methods.items():
             out = ask(server, ids, session, method, args.top_k, args.ratio)
             command = choose_command(out.pop("answer"), state["admissible_commands"])
-            steps.append({"method": name, "step": step, "target": target, "command": command, "correct": command == target,
-                          "memory_entries": len(written), "static_groups": book["static_groups"], **out})  # fmt: skip
+            steps.append(
+                {
+                    "method": name,
+                    "step": step,
+                    "target": target,
+                    "command": command,
+                    "correct": command == target,
+                    "memory_entries": len(written),
+                    "static_groups": book["static_groups"],
+                    **out,
+                }
+            )
             bar.update()
         if sweep and step == len(walkthrough) - 1:
             for top_k in args.sweep:
                 for name in SWEEP:
-                    curve.append({"method": name, "top_k": top_k, **ask(server, ids, session, METHODS[name], top_k, args.ratio)})
+                    curve.append(
+                        {"method": name, "top_k": top_k, **ask(server, ids, session, METHODS[name], top_k, args.ratio)}
+                    )
         state, new_score, _ = env.step(target)
         feedback = clean(state.feedback)
         # what it did, one entry per step: never rewritten, so these groups turn static
@@ -230,10 +280,18 @@ def summarize(steps: list[dict]) -> list[dict]:
     for name in dict.fromkeys(s["method"] for s in steps):
         mine = [s for s in steps if s["method"] == name]
         med = lambda k: statistics.median(s[k] or 0 for s in mine)  # noqa: E731
-        rows.append({"method": name, "tasks": len(mine), "next_action_acc": round(sum(s["correct"] for s in mine) / len(mine), 4),
-                     "ttft_s": round(med("ttft_s"), 4), "prefill_tokens": med("prefill_tokens"),
-                     "recomputed_tokens": med("recomputed_tokens"), "memory_kv_tokens": med("memory_kv_tokens"),
-                     "segments": med("segments")})  # fmt: skip
+        rows.append(
+            {
+                "method": name,
+                "tasks": len(mine),
+                "next_action_acc": round(sum(s["correct"] for s in mine) / len(mine), 4),
+                "ttft_s": round(med("ttft_s"), 4),
+                "prefill_tokens": med("prefill_tokens"),
+                "recomputed_tokens": med("recomputed_tokens"),
+                "memory_kv_tokens": med("memory_kv_tokens"),
+                "segments": med("segments"),
+            }
+        )
     return rows
 
 
@@ -249,7 +307,10 @@ def plot(result: dict, path: Path) -> None:
     ax1.bar(x, [r["next_action_acc"] for r in rows], color="tab:blue")
     ax1.set_xticks(list(x), [f"{r['method']}\nTTFT {r['ttft_s']:.2f}s" for r in rows], fontsize=8)
     ax1.set_ylabel("next-action accuracy")
-    ax1.set_title(f"{result['settings']['games']} cooking games, {rows[0]['tasks']} steps, top {result['settings']['top_k']} blocks")
+    ax1.set_title(
+        f"{result['settings']['games']} cooking games, {rows[0]['tasks']} steps, "
+        f"top {result['settings']['top_k']} blocks"
+    )
     for name in SWEEP:
         pts = {}
         for r in result["curve"]:
@@ -280,8 +341,10 @@ def main(argv=None) -> None:
     steps, curve = [], []
     with tqdm(total=total, desc="requests", disable=None) as bar:
         for groups, methods in ((True, METHODS), (False, {"keep_no_groups": METHODS["keep"]})):
-            server = harness.start(harness.our_command(args.model, "--memory-config", str(server_config(work, groups))),
-                                   work / f"server-{'groups' if groups else 'no-groups'}.log")  # fmt: skip
+            server = harness.start(
+                harness.our_command(args.model, "--memory-config", str(server_config(work, groups))),
+                work / f"server-{'groups' if groups else 'no-groups'}.log",
+            )
             try:
                 for i, game in enumerate(games):
                     s, c = play(server, tokenizer, game, methods, args, bar, sweep=groups)
@@ -289,15 +352,25 @@ def main(argv=None) -> None:
                     curve += [{**r, "game": i} for r in c]
             finally:
                 harness.stop(server)
-    settings = {"model": args.model, "games": args.games, "seeds": [args.seed + i for i in range(args.games)], "top_k": args.top_k,
-                "ratio": args.ratio, "walkthrough_steps": lengths, "block_size": 16, "static_after": 3}  # fmt: skip
+    settings = {
+        "model": args.model,
+        "games": args.games,
+        "seeds": [args.seed + i for i in range(args.games)],
+        "top_k": args.top_k,
+        "ratio": args.ratio,
+        "walkthrough_steps": lengths,
+        "block_size": 16,
+        "static_after": 3,
+    }
     result = {"settings": settings, "rows": summarize(steps), "curve": curve, "steps": steps}
     write_json(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print(f"{'method':>15} {'acc':>6} {'TTFT s':>7} {'prefill':>8} {'recomputed':>10} {'segments':>8}")
     for r in result["rows"]:
-        print(f"{r['method']:>15} {r['next_action_acc']:6.3f} {r['ttft_s']:7.3f} {r['prefill_tokens']:8.0f} "
-              f"{r['recomputed_tokens']:10.0f} {r['segments']:8.1f}")  # fmt: skip
+        print(
+            f"{r['method']:>15} {r['next_action_acc']:6.3f} {r['ttft_s']:7.3f} {r['prefill_tokens']:8.0f} "
+            f"{r['recomputed_tokens']:10.0f} {r['segments']:8.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,11 @@ def config(directory: Path, name: str, keep: dict) -> Path:
     path = directory / f"keep-ttft-{name}.yaml"
     lines = "".join(f"  {k}: {v}\n" for k, v in keep.items())
     # top_k blocks of 16 tokens placed alone: TTFT is measured against the number of blocks
-    path.write_text(f"memory:\n  enabled: true\n  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n  capacity_blocks: 4096\n"
-                    f"keep:\n  enabled: true\n{lines}" + harness.PERSIST_OFF)  # fmt: skip
+    path.write_text(
+        f"memory:\n  enabled: true\n  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
+        f"  capacity_blocks: 4096\n"
+        f"keep:\n  enabled: true\n{lines}" + harness.PERSIST_OFF
+    )
     return path
 
 
@@ -69,13 +72,20 @@ def ask(server, ids, sid: str, method: str, top_k: int, ratio: float) -> dict:
         field["keep"] = {"ratio": ratio}
     _, meta, _ = generate(server, ids, 8, field, extra_key=f"keep-ttft-{uuid.uuid4().hex}")
     m = meta.get("sgl_memory") or {}
-    return {"ttft_s": meta["ttft_s"], "cached_tokens": meta.get("cached_tokens"), "prefill_tokens": m.get("prefill_tokens"),
-            "memory_kv_tokens": m.get("memory_kv_tokens"),
-            "recomputed_tokens": m.get("recomputed_tokens"), "recompute_share": m.get("recompute_share"),
-            **{k: m.get(k) for k in ("load_ms", "load_wait_ms", "load_overlap", "load_bytes", "recompute_ms")}}  # fmt: skip
+    return {
+        "ttft_s": meta["ttft_s"],
+        "cached_tokens": meta.get("cached_tokens"),
+        "prefill_tokens": m.get("prefill_tokens"),
+        "memory_kv_tokens": m.get("memory_kv_tokens"),
+        "recomputed_tokens": m.get("recomputed_tokens"),
+        "recompute_share": m.get("recompute_share"),
+        **{k: m.get(k) for k in ("load_ms", "load_wait_ms", "load_overlap", "load_bytes", "recompute_ms")},
+    }
 
 
-def serve(args, path: Path, ingest: list[int], questions: list[list[int]], plan: list[tuple[str, int]], bar) -> list[dict]:
+def serve(
+    args, path: Path, ingest: list[int], questions: list[list[int]], plan: list[tuple[str, int]], bar
+) -> list[dict]:
     """One server: ingest the transcript, warm up, then every (method, top_k) of `plan` per question."""
     server = harness.start(harness.our_command(args.model, "--memory-config", str(path)), path.with_suffix(".log"))
     try:
@@ -85,7 +95,14 @@ def serve(args, path: Path, ingest: list[int], questions: list[list[int]], plan:
         rows = []
         for i, ids in enumerate(questions):
             for method, top_k in plan:
-                rows.append({"question": i, "method": method, "segments": top_k, **ask(server, ids, sid, method, top_k, args.ratio)})
+                rows.append(
+                    {
+                        "question": i,
+                        "method": method,
+                        "segments": top_k,
+                        **ask(server, ids, sid, method, top_k, args.ratio),
+                    }
+                )
                 bar.update()
         return rows
     finally:
@@ -101,8 +118,18 @@ def summarize(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in keys), []).append(r)
-    names = ("ttft_s", "cached_tokens", "prefill_tokens", "memory_kv_tokens", "recomputed_tokens", "recompute_share", "load_ms",
-             "load_wait_ms", "load_overlap", "recompute_ms")  # fmt: skip
+    names = (
+        "ttft_s",
+        "cached_tokens",
+        "prefill_tokens",
+        "memory_kv_tokens",
+        "recomputed_tokens",
+        "recompute_share",
+        "load_ms",
+        "load_wait_ms",
+        "load_overlap",
+        "recompute_ms",
+    )
     return [{**dict(zip(keys, k)), "tasks": len(g), **{n: median(g, n) for n in names}} for k, g in groups.items()]
 
 
@@ -125,9 +152,15 @@ def plot(result: dict, path: Path) -> None:
     ax2.bar([i - 0.2 for i in x], [r["load_ms"] or 0 for r in rows], 0.4, label="loader busy (ms)")
     ax2.bar([i + 0.2 for i in x], [r["load_wait_ms"] or 0 for r in rows], 0.4, label="forward waited (ms)")
     ax2.set_xticks(list(x), [f"{r['loading']}\nTTFT {r['ttft_s']:.2f}s" for r in rows])
-    ax2.set_title(f"placed KV behind a {result['settings']['bandwidth'] / 1e6:.0f} MB/s tier, KEEP at {result['settings']['loading_segments']} blocks")
+    ax2.set_title(
+        f"placed KV behind a {result['settings']['bandwidth'] / 1e6:.0f} MB/s tier, "
+        f"KEEP at {result['settings']['loading_segments']} blocks"
+    )
     ax2.legend()
-    fig.suptitle(f"KEEP vs full recompute, CacheBlend, full reuse: {result['settings']['model']}, median of {result['settings']['questions']} questions")
+    fig.suptitle(
+        f"KEEP vs full recompute, CacheBlend, full reuse: {result['settings']['model']}, "
+        f"median of {result['settings']['questions']} questions"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -154,18 +187,34 @@ def main(argv=None) -> None:
             path = config(logs, loading, {"ratio": args.ratio, "loading": loading, "tier_bandwidth": args.bandwidth})
             rows = serve(args, path, ingest, questions, [("keep", args.loading_segments)], bar)
             load_rows += [{**r, "loading": loading} for r in rows]
-    settings = {"model": args.model, "questions": len(questions), "transcript_tokens": len(ingest), "ratio": args.ratio,
-                "bandwidth": args.bandwidth, "loading_segments": args.loading_segments, "max_new_tokens": 8}  # fmt: skip
-    result = {"settings": settings, "segments": summarize(seg_rows, ("method", "segments")),
-              "loading": summarize(load_rows, ("loading",)), "requests": seg_rows + load_rows}  # fmt: skip
+    settings = {
+        "model": args.model,
+        "questions": len(questions),
+        "transcript_tokens": len(ingest),
+        "ratio": args.ratio,
+        "bandwidth": args.bandwidth,
+        "loading_segments": args.loading_segments,
+        "max_new_tokens": 8,
+    }
+    result = {
+        "settings": settings,
+        "segments": summarize(seg_rows, ("method", "segments")),
+        "loading": summarize(load_rows, ("loading",)),
+        "requests": seg_rows + load_rows,
+    }
     write_json(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print(f"{'method':>10} {'segments':>8} {'TTFT s':>7} {'prefill':>8} {'cached':>7} {'recomp share':>12}")
     for r in result["segments"]:
-        print(f"{r['method']:>10} {r['segments']:>8} {r['ttft_s']:7.3f} {r['prefill_tokens']:8.0f} {r['cached_tokens'] or 0:7.0f} "
-              f"{r['recompute_share'] or 0:12.3f}")
+        print(
+            f"{r['method']:>10} {r['segments']:>8} {r['ttft_s']:7.3f} {r['prefill_tokens']:8.0f} "
+            f"{r['cached_tokens'] or 0:7.0f} {r['recompute_share'] or 0:12.3f}"
+        )
     for r in result["loading"]:
-        print(f"{r['loading']:>10} TTFT {r['ttft_s']:.3f} s, loader {r['load_ms']:.0f} ms, waited {r['load_wait_ms']:.0f} ms, hidden {r['load_overlap']}")
+        print(
+            f"{r['loading']:>10} TTFT {r['ttft_s']:.3f} s, loader {r['load_ms']:.0f} ms, "
+            f"waited {r['load_wait_ms']:.0f} ms, hidden {r['load_overlap']}"
+        )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,10 @@ from locomo.metrics import token_f1
 from sgl_memory import models
 from bench import harness
 
-SYSTEM = "You are a memory assistant. Acknowledge each part of the conversation in a few words; answer questions about it in a short phrase."
+SYSTEM = (
+    "You are a memory assistant. Acknowledge each part of the conversation in a few words; "
+    "answer questions about it in a short phrase."
+)
 METHODS = ("plain", "intent", "memory", "all", "all+restart", "all-cap-lru", "all-cap-merge")
 ACK_TOKENS, ANSWER_TOKENS = 8, 16
 
@@ -63,13 +66,20 @@ def session(turn_count: int, every: int, min_age: int) -> list[dict]:
     out, line, used = [], 0, set()
     while len(out) < turn_count and line < len(lines):
         if len(out) % every == every - 1:
-            ready = [q for q in questions if q.qa_index not in used and q.evidence
-                     and all(e in shown_at and shown_at[e] <= len(out) - min_age for e in q.evidence)]  # fmt: skip
+            ready = [
+                q
+                for q in questions
+                if q.qa_index not in used
+                and q.evidence
+                and all(e in shown_at and shown_at[e] <= len(out) - min_age for e in q.evidence)
+            ]
             if ready:
                 q = ready[0]
                 used.add(q.qa_index)
                 evidence = sorted({shown_at[e] for e in q.evidence})
-                out.append({"text": f"Question: {q.question}", "question": True, "answer": q.answer, "evidence": evidence})
+                out.append(
+                    {"text": f"Question: {q.question}", "question": True, "answer": q.answer, "evidence": evidence}
+                )
                 continue
         pair = lines[line : line + 2]
         line += 2
@@ -81,7 +91,9 @@ def session(turn_count: int, every: int, min_age: int) -> list[dict]:
 
 
 def config(method: str, budget: int, store: Path, capacity: int) -> str:
-    memory = "memory:\n  enabled: true\n  block_size: 16\n  top_k: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
+    memory = (
+        "memory:\n  enabled: true\n  block_size: 16\n  top_k: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
+    )
     if method.startswith("all-cap-"):
         memory += f"  capacity_blocks: {capacity}\n  eviction: {method.removeprefix('all-cap-')}\n"
     sections = {
@@ -138,7 +150,9 @@ def run_method(method: str, turns: list[dict], tokenizer, args, work: Path) -> l
                 messages = [history[0], user]
             else:
                 messages = [history[0]] + history[1:][-2 * args.window :] + [user]
-            ids = list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+            ids = list(
+                tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+            )
             max_tokens = ANSWER_TOKENS if turn["question"] else ACK_TOKENS
             if len(ids) + max_tokens > context:
                 rows.append({"method": method, "turn": i, "overflow": True})
@@ -154,17 +168,28 @@ def run_method(method: str, turns: list[dict], tokenizer, args, work: Path) -> l
                 rows.append({"method": method, "turn": i, "overflow": True, "error": str(exc)[:300]})
                 break
             ours = meta.get("sgl_memory") or {}
-            row = {"method": method, "turn": i, "question": turn["question"], "ttft_s": ttft,
-                   "prompt_tokens": meta["prompt_tokens"], "cached_tokens": meta.get("cached_tokens", 0),
-                   "probe_tokens": ours.get("probe_tokens", 0),
-                   "live_kv_tokens": ours.get("live_kv_tokens", meta["prompt_tokens"] + meta["completion_tokens"]),
-                   "retrieved_blocks": ours.get("retrieved_blocks"), "restored_tokens": ours.get("restored_tokens")}  # fmt: skip
+            row = {
+                "method": method,
+                "turn": i,
+                "question": turn["question"],
+                "ttft_s": ttft,
+                "prompt_tokens": meta["prompt_tokens"],
+                "cached_tokens": meta.get("cached_tokens", 0),
+                "probe_tokens": ours.get("probe_tokens", 0),
+                "live_kv_tokens": ours.get("live_kv_tokens", meta["prompt_tokens"] + meta["completion_tokens"]),
+                "retrieved_blocks": ours.get("retrieved_blocks"),
+                "restored_tokens": ours.get("restored_tokens"),
+            }
             row["prefill_tokens"] = row["prompt_tokens"] - row["cached_tokens"] + row["probe_tokens"]
             row["pool_bytes"] = pool_gauge(server, "bytes") if method != "plain" else 0
             row["pool_tokens"] = pool_gauge(server, "tokens") if method != "plain" else 0
             if turn["question"]:
                 row["f1"] = token_f1(text, turn["answer"])
-                held = set(ours.get("retrieved_turns") or []) if method not in ("plain", "intent") else set(turn["evidence"])
+                held = (
+                    set(ours.get("retrieved_turns") or [])
+                    if method not in ("plain", "intent")
+                    else set(turn["evidence"])
+                )
                 row["evidence_recall"] = sum(e in held for e in turn["evidence"]) / len(turn["evidence"])
             rows.append(row)
             history += [user, {"role": "assistant", "content": text}]
@@ -182,8 +207,11 @@ def summary(rows: list[dict], turns: int, kv_per_token: int) -> dict:
     recall = [r["evidence_recall"] for r in done if "evidence_recall" in r]
     mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
     return {
-        "turns_served": len(done), "overflow_at": next((r["turn"] for r in rows if r.get("overflow")), None),
-        "questions": len(qs), "f1": mean(qs), "evidence_recall": mean(recall),
+        "turns_served": len(done),
+        "overflow_at": next((r["turn"] for r in rows if r.get("overflow")), None),
+        "questions": len(qs),
+        "f1": mean(qs),
+        "evidence_recall": mean(recall),
         "ttft_s_first_half": mean([r["ttft_s"] for r in done if r["turn"] < turns // 2]),
         "ttft_s_second_half": mean([r["ttft_s"] for r in late]),
         "prefill_tokens_second_half": mean([r["prefill_tokens"] for r in late]),
@@ -192,7 +220,7 @@ def summary(rows: list[dict], turns: int, kv_per_token: int) -> dict:
         "pool_tokens_last": last.get("pool_tokens"),
         # the memory pool's host bytes per stored token over the KV pool's bytes per token
         "pool_bytes_per_token_vs_kv_pool": per_token / kv_per_token if per_token else None,
-    }  # fmt: skip
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -201,8 +229,12 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fields = [("ttft_s", "TTFT (s)"), ("prefill_tokens", "prefill tokens"), ("live_kv_tokens", "live KV tokens"),
-              ("pool_bytes", "memory pool (bytes)")]  # fmt: skip
+    fields = [
+        ("ttft_s", "TTFT (s)"),
+        ("prefill_tokens", "prefill tokens"),
+        ("live_kv_tokens", "live KV tokens"),
+        ("pool_bytes", "memory pool (bytes)"),
+    ]
     fig, axes = plt.subplots(1, len(fields) + 1, figsize=(5 * (len(fields) + 1), 4))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     for ax, (key, label) in zip(axes, fields):
@@ -248,15 +280,24 @@ def main() -> None:
         earlier = json.loads(out.read_text())
         if earlier["turns"] != len(turns) or earlier["model"] != args.model:
             raise SystemExit(f"--update: {out} holds another session ({earlier['turns']} turns of {earlier['model']})")
-        rows = sorted([r for r in earlier["rows"] if r["method"] not in args.methods] + rows, key=lambda r: METHODS.index(r["method"]))
+        rows = sorted(
+            [r for r in earlier["rows"] if r["method"] not in args.methods] + rows,
+            key=lambda r: METHODS.index(r["method"]),
+        )
         # what the re-run methods measured before, side by side with what they measure now
         previous = {m: earlier["summary"][m] for m in args.methods if m in earlier["summary"]}
     methods = list(dict.fromkeys(r["method"] for r in rows))
     per_token = kv_bytes_per_token(args.model)
-    result = {"model": args.model, "turns": len(turns), "questions": sum(t["question"] for t in turns),
-              "args": vars(args), "kv_pool_bytes_per_token": per_token,
-              "summary": {m: summary([r for r in rows if r["method"] == m], len(turns), per_token) for m in methods},
-              "previous": previous, "rows": rows}  # fmt: skip
+    result = {
+        "model": args.model,
+        "turns": len(turns),
+        "questions": sum(t["question"] for t in turns),
+        "args": vars(args),
+        "kv_pool_bytes_per_token": per_token,
+        "summary": {m: summary([r for r in rows if r["method"] == m], len(turns), per_token) for m in methods},
+        "previous": previous,
+        "rows": rows,
+    }
     RESULTS.mkdir(exist_ok=True)
     write_json(out, result)
     plot(rows, RESULTS / "long_session.png")

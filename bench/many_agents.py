@@ -72,8 +72,17 @@ PAUSES = {
 }
 ANSWER_TOKENS = 16  # each request's answer is discarded (the trajectory is replayed), so kept short
 OVERSUBSCRIPTION = (1, 2, 4, 8)
-METHODS = ("sglang:lru", "sglang:slru", "sglang:priority", "sglang:tlru", "sglang:session", "ours:persist", "ours:last_use",
-           "ours:learned", "ours:hints")  # fmt: skip
+METHODS = (
+    "sglang:lru",
+    "sglang:slru",
+    "sglang:priority",
+    "sglang:tlru",
+    "sglang:session",
+    "ours:persist",
+    "ours:last_use",
+    "ours:learned",
+    "ours:hints",
+)
 
 
 @dataclass
@@ -100,7 +109,13 @@ def recall_trajectories(count: int, seed: int, steps: int = 20) -> list[Trajecto
         trajectory = []
         for j in points:
             following = s.messages[j] if j < len(s.messages) else None
-            pause = "" if following is None else following["tool_calls"][0]["function"]["name"] if following.get("tool_calls") else "user"
+            pause = (
+                ""
+                if following is None
+                else following["tool_calls"][0]["function"]["name"]
+                if following.get("tool_calls")
+                else "user"
+            )
             trajectory.append(Step(s.messages[:j], R.TOOLS, pause))
         out.append(Trajectory(f"recall-{seed}-{i}", trajectory))
     return out
@@ -146,7 +161,9 @@ def as_text(trajectory: Trajectory) -> Trajectory:
 
     def text(m: dict) -> dict:
         if m.get("tool_calls"):
-            calls = "; ".join(f"{c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in m["tool_calls"])
+            calls = "; ".join(
+                f"{c['function']['name']}({json.dumps(c['function']['arguments'])})" for c in m["tool_calls"]
+            )
             return {"role": "assistant", "content": f"{m.get('content') or ''}Calling {calls}".strip()}
         if m["role"] == "tool":
             return {"role": "user", "content": f"Tool output: {m['content']}"}
@@ -210,15 +227,25 @@ def _openai_message(m: dict) -> dict:
     return m
 
 
-def send_openai(server: harness.Server, step: Step, session: str, field: dict | None, tokenizer) -> tuple[float | None, int, int]:
-    body = {"model": "default", "messages": [_openai_message(m) for m in step.messages], "max_tokens": ANSWER_TOKENS,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+def send_openai(
+    server: harness.Server, step: Step, session: str, field: dict | None, tokenizer
+) -> tuple[float | None, int, int]:
+    body = {
+        "model": "default",
+        "messages": [_openai_message(m) for m in step.messages],
+        "max_tokens": ANSWER_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if step.tools:
         body["tools"] = step.tools
     if field:
         body["sgl_memory"] = field
     t0, ttft, usage = time.perf_counter(), None, {}
-    with requests.post(server.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, stream=True, timeout=1800) as r:
+    with requests.post(
+        server.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, stream=True, timeout=1800
+    ) as r:
         ok(r, "/v1/chat/completions")
         for raw in r.iter_lines():
             if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
@@ -231,8 +258,12 @@ def send_openai(server: harness.Server, step: Step, session: str, field: dict | 
     return ttft, int(usage.get("prompt_tokens") or 0), int(cached)
 
 
-def send_native(server: harness.Server, step: Step, session: str, field: dict | None, tokenizer) -> tuple[float | None, int, int]:
-    _, ttft, meta = stream(server, prompt_ids(tokenizer, step), ANSWER_TOKENS, None if field is None else {"session_id": session, **field})
+def send_native(
+    server: harness.Server, step: Step, session: str, field: dict | None, tokenizer
+) -> tuple[float | None, int, int]:
+    _, ttft, meta = stream(
+        server, prompt_ids(tokenizer, step), ANSWER_TOKENS, None if field is None else {"session_id": session, **field}
+    )
     return ttft, int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
 
 
@@ -248,7 +279,16 @@ def hints(step: Step, scale: float) -> dict:
     return {"agent": {"expected_tool_duration_ms": round(scale * PAUSES.get(step.pause, PAUSES["api"])[0] * 1000)}}
 
 
-def replay(server: harness.Server, trajectories: list[Trajectory], client: str, method: str, tokenizer, seed: int, scale: float, tag: str) -> list[Turn]:
+def replay(
+    server: harness.Server,
+    trajectories: list[Trajectory],
+    client: str,
+    method: str,
+    tokenizer,
+    seed: int,
+    scale: float,
+    tag: str,
+) -> list[Turn]:
     """Every trajectory at once, one thread each; a session starts after a seeded stagger of up to
     one median user pause (agents do not all start in the same second). On our server each request
     names its session (the header, or the native field), and `ours:hints` adds the agent's hints."""
@@ -290,11 +330,17 @@ def summarize(turns: list[Turn], ideal: int, stall_s: float) -> dict:
     prefilled = sum(t.prompt_tokens - t.cached_tokens for t in done)
     return {
         "jct_s": max((t.sent + t.latency_s for t in turns), default=0.0),
-        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
-        "prompt_tokens": sum(t.prompt_tokens for t in done), "prefilled_tokens": prefilled, "ideal_tokens": ideal, "prefilled_over_ideal": prefilled / ideal if ideal else None,
-        "requests": len(turns), "failed": len(turns) - len(done), "stalled": sum(t.latency_s > stall_s for t in done),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "prompt_tokens": sum(t.prompt_tokens for t in done),
+        "prefilled_tokens": prefilled,
+        "ideal_tokens": ideal,
+        "prefilled_over_ideal": prefilled / ideal if ideal else None,
+        "requests": len(turns),
+        "failed": len(turns) - len(done),
+        "stalled": sum(t.latency_s > stall_s for t in done),
         "errors": sorted({t.error for t in turns if t.error})[:3],
-    }  # fmt: skip
+    }
 
 
 # --- servers --------------------------------------------------------------------------------------
@@ -305,11 +351,15 @@ def command(method: str, model: str, pool: int, directory: Path) -> tuple[list[s
     path = models.model_dir(model)
     if kind == "sglang":
         extra = ["--enable-session-radix-cache"] if variant == "session" else ["--radix-eviction-policy", variant]
-        return harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native", pool), "--enable-cache-report", *extra)
+        return harness.plain_sglang(
+            path, *harness.cpu_flags(path, "torch_native", pool), "--enable-cache-report", *extra
+        )
     config = directory / "memory.yaml"
     eviction = f"  eviction: {variant}\n" if variant in ("last_use", "learned") else ""
     config.write_text(f"persist:\n  enabled: true\n  dir: {directory / 'store'}\n{eviction}")
-    return harness.our_command(model, "--max-total-tokens", str(pool), "--enable-cache-report", "--memory-config", str(config)), None
+    return harness.our_command(
+        model, "--max-total-tokens", str(pool), "--enable-cache-report", "--memory-config", str(config)
+    ), None
 
 
 def restore_totals(server: harness.Server) -> dict:
@@ -319,21 +369,44 @@ def restore_totals(server: harness.Server) -> dict:
         totals = server.get("/sgl_memory/stats").json().get("totals", {})
     except (requests.RequestException, ValueError):
         totals = {}
-    return {"restored_tokens": int(totals.get("restored_tokens", 0)), "restore_s": totals.get("restore_ms", 0) / 1000,
-            "restore_step_s": totals.get("restore_step_ms", 0) / 1000}  # fmt: skip
+    return {
+        "restored_tokens": int(totals.get("restored_tokens", 0)),
+        "restore_s": totals.get("restore_ms", 0) / 1000,
+        "restore_step_s": totals.get("restore_step_ms", 0) / 1000,
+    }
 
 
-def run_one(method: str, args, trajectories: list[Trajectory], ideal: int, pool: int, seed: int, tokenizer, directory: Path) -> dict:
+def run_one(
+    method: str, args, trajectories: list[Trajectory], ideal: int, pool: int, seed: int, tokenizer, directory: Path
+) -> dict:
     cmd, env = command(method, args.model, pool, directory)
     log = directory / "server.log"
     try:
         server = harness.start(cmd, log, env)
     except Exception as exc:  # a method SGLang refuses on this engine is reported, not fatal
-        last = [line for line in log.read_text(errors="replace").splitlines() if "Error" in line][-1:] if log.exists() else []
-        return {"method": method, "seed": seed, "pool_tokens": pool, "runs": False, "why": (last or [str(exc)])[0][-300:]}
+        last = (
+            [line for line in log.read_text(errors="replace").splitlines() if "Error" in line][-1:]
+            if log.exists()
+            else []
+        )
+        return {
+            "method": method,
+            "seed": seed,
+            "pool_tokens": pool,
+            "runs": False,
+            "why": (last or [str(exc)])[0][-300:],
+        }
     try:
-        turns = replay(server, trajectories, args.client, method, tokenizer, seed, args.pause_scale, method.replace(":", "-"))
-        row = {"method": method, "seed": seed, "pool_tokens": pool, "runs": True, **summarize(turns, ideal, args.stall_s)}
+        turns = replay(
+            server, trajectories, args.client, method, tokenizer, seed, args.pause_scale, method.replace(":", "-")
+        )
+        row = {
+            "method": method,
+            "seed": seed,
+            "pool_tokens": pool,
+            "runs": True,
+            **summarize(turns, ideal, args.stall_s),
+        }
         if method.startswith("ours"):
             row.update(restore_totals(server))
         return row
@@ -377,7 +450,10 @@ def plot(summary: list[dict], path: Path) -> None:
         xs = [r["oversubscription"] for r in rows]
         for ax, metric in zip(axes, ("jct_s", "ttft_p99_s")):
             ys = [r[metric]["mean"] for r in rows]
-            err = [[y - r[metric]["ci95"][0] for y, r in zip(ys, rows)], [r[metric]["ci95"][1] - y for y, r in zip(ys, rows)]]
+            err = [
+                [y - r[metric]["ci95"][0] for y, r in zip(ys, rows)],
+                [r[metric]["ci95"][1] - y for y, r in zip(ys, rows)],
+            ]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=method)
     for ax, title in zip(axes, ("job completion time (s)", "TTFT p99 (s)")):
         ax.set_xscale("log", base=2)
@@ -400,38 +476,62 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--pause-scale", type=float, default=1.0)
     ap.add_argument("--stall-s", type=float, default=60.0, help="a request slower than this counts as stalled")
-    ap.add_argument("--quick", action="store_true", help="sglang:lru and ours:persist at 1x and 4x, seed 0, 8 sessions of 12 steps")
+    ap.add_argument(
+        "--quick", action="store_true", help="sglang:lru and ours:persist at 1x and 4x, seed 0, 8 sessions of 12 steps"
+    )
     ap.add_argument("--out", default=str(RESULTS / "many_agents.json"))
     args = ap.parse_args()
     if args.quick:
-        args.methods, args.oversubscription, args.seeds, args.sessions, args.steps = ["sglang:lru", "ours:persist"], [1, 4], [0], 8, 12
+        args.methods, args.oversubscription, args.seeds, args.sessions, args.steps = (
+            ["sglang:lru", "ours:persist"],
+            [1, 4],
+            [0],
+            8,
+            12,
+        )
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(args.model))
     rows, base = [], Path(tempfile.mkdtemp(prefix="many-agents-"))
     runs = [(seed, over, method) for seed in args.seeds for over in args.oversubscription for method in args.methods]
     plans = {}
     for n, (seed, over, method) in enumerate(runs, 1):
         if seed not in plans:
-            trajectories = WORKLOADS[args.workload](args.sessions, seed, **({"steps": args.steps} if args.workload == "recall" else {}))
+            trajectories = WORKLOADS[args.workload](
+                args.sessions, seed, **({"steps": args.steps} if args.workload == "recall" else {})
+            )
             if "tool" not in (tokenizer.chat_template or ""):
                 trajectories = [as_text(t) for t in trajectories]
             rendered = [[prompt_ids(tokenizer, s) for s in t.steps] for t in trajectories]
             prompts = [p for r in rendered for p in r]
             contexts = [len(r[-1]) + ANSWER_TOKENS for r in rendered]
             plans[seed] = (trajectories, distinct_tokens(prompts), contexts)
-            print(f"seed {seed}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens as rendered here, "
-                  f"{plans[seed][1]} distinct (the ideal prefill)", flush=True)
+            print(
+                f"seed {seed}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens as rendered here, "
+                f"{plans[seed][1]} distinct (the ideal prefill)",
+                flush=True,
+            )
         trajectories, ideal, contexts = plans[seed]
         directory = base / f"{seed}-{over}-{method.replace(':', '-')}"
         directory.mkdir(parents=True)
-        print(f"[{n}/{len(runs)}] seed {seed}, {over}x, {method}: pool {pool_tokens(contexts, over)} tokens", flush=True)
+        print(
+            f"[{n}/{len(runs)}] seed {seed}, {over}x, {method}: pool {pool_tokens(contexts, over)} tokens", flush=True
+        )
         row = run_one(method, args, trajectories, ideal, pool_tokens(contexts, over), seed, tokenizer, directory)
         row["oversubscription"] = over
-        print("   ", {k: v for k, v in row.items() if k in ("jct_s", "ttft_p99_s", "prefilled_over_ideal", "failed", "why")}, flush=True)
+        print(
+            "   ",
+            {k: v for k, v in row.items() if k in ("jct_s", "ttft_p99_s", "prefilled_over_ideal", "failed", "why")},
+            flush=True,
+        )
         rows.append(row)
     summary = aggregate(rows)
     out = Path(args.out)
-    result = {"provenance": provenance(), "config": {**vars(args), "pauses": PAUSES, "answer_tokens": ANSWER_TOKENS},
-              "sessions_contexts": {str(s): p[2] for s, p in plans.items()}, "summary": summary, "runs": rows}  # fmt: skip
+    result = {
+        "provenance": provenance(),
+        "config": {**vars(args), "pauses": PAUSES, "answer_tokens": ANSWER_TOKENS},
+        "sessions_contexts": {str(s): p[2] for s, p in plans.items()},
+        "summary": summary,
+        "runs": rows,
+    }
     write_json(out, result)
     plot(summary, out.with_suffix(".png"))
     print(json.dumps(summary, indent=1))

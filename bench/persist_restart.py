@@ -52,11 +52,20 @@ SYSTEM = "You are a helpful assistant that remembers the whole conversation."
 FIRST = "Summarise what we talked about in one sentence."
 # the second turn, asked after the restart: each is a request of its own over the same history, so
 # the restored answers are compared with the cold ones on len(FOLLOW_UPS) answers per length
-FOLLOW_UPS = ("What did I say first?", "What is my name?", "What did we talk about last?",
-              "Name one thing I told you about my family.", "What hobbies have I mentioned?",
-              "Where did I say I went recently?", "What is your name?", "Which of my plans did I mention?",
-              "What did you advise me to do?", "Who did I mention besides my family?",
-              "What made me happy lately?", "What am I worried about?")  # fmt: skip
+FOLLOW_UPS = (
+    "What did I say first?",
+    "What is my name?",
+    "What did we talk about last?",
+    "Name one thing I told you about my family.",
+    "What hobbies have I mentioned?",
+    "Where did I say I went recently?",
+    "What is your name?",
+    "Which of my plans did I mention?",
+    "What did you advise me to do?",
+    "Who did I mention besides my family?",
+    "What made me happy lately?",
+    "What am I worried about?",
+)
 ANSWER_TOKENS = 32
 EXACT = {"bfloat16": "bf16", "float32": "fp32"}[cpu_dtype.choose().dtype]  # the pool's own dtype: stored as is
 QUANTS = (EXACT, "q8", "q4")
@@ -140,7 +149,9 @@ def restore_floor(root: Path, session_id: str) -> dict:
 
     with safe_open(str(next(root.glob("*/*/*.safetensors"))), "pt") as f:
         meta = f.metadata()  # every file of the store has this server's spec and format
-    files = SessionFiles(root, CacheSpec(**json.loads(meta["spec"])), meta["quant"], meta["kivi"] == "True", int(meta["block_size"]))
+    files = SessionFiles(
+        root, CacheSpec(**json.loads(meta["spec"])), meta["quant"], meta["kivi"] == "True", int(meta["block_size"])
+    )
     session_files = files.files(None, session_id)  # its head and chunks
     drop_from_page_cache(session_files)
     t0 = time.perf_counter()
@@ -158,8 +169,14 @@ def restore_floor(root: Path, session_id: str) -> dict:
     pool[0].copy_(keys), pool[1].copy_(values)
     write_s = time.perf_counter() - t0
     size = files.size(None, session_id)
-    return {"bytes": size, "read_s": read_s, "disk_mb_per_s": size / read_s / 1e6, "dequantize_s": dequantize_s,
-            "write_s": write_s, "floor_s": read_s + dequantize_s + write_s}  # fmt: skip
+    return {
+        "bytes": size,
+        "read_s": read_s,
+        "disk_mb_per_s": size / read_s / 1e6,
+        "dequantize_s": dequantize_s,
+        "write_s": write_s,
+        "floor_s": read_s + dequantize_s + write_s,
+    }
 
 
 def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
@@ -196,21 +213,38 @@ def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
             for r in range(REPEATS):
                 ok(reader.post("/flush_cache?timeout=600", {}), "/flush_cache")
                 _, usage, metrics, seconds = chat(reader, messages, 1, {"session_id": f"s{n}-{r}"})
-                runs.append({"ttft_s": seconds, "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                             "prompt_tokens": usage["prompt_tokens"], "restored_tokens": metrics.get("restored_tokens"),
-                             "restore_ms": metrics.get("restore_ms"), "restore_parts_ms": metrics.get("restore_parts_ms"),
-                             "restored_from": metrics.get("restored_from"), "text_match": metrics.get("text_match")})  # fmt: skip
+                runs.append(
+                    {
+                        "ttft_s": seconds,
+                        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                        "prompt_tokens": usage["prompt_tokens"],
+                        "restored_tokens": metrics.get("restored_tokens"),
+                        "restore_ms": metrics.get("restore_ms"),
+                        "restore_parts_ms": metrics.get("restore_parts_ms"),
+                        "restored_from": metrics.get("restored_from"),
+                        "text_match": metrics.get("text_match"),
+                    }
+                )
             median = sorted(runs, key=lambda run: run["ttft_s"])[len(runs) // 2]
-            rows[n] = {**median, "runs": runs, "floor": floors[n],
-                       "answers": answer_all(reader, first, answers[n], {"session_id": f"s{n}-0"})}  # fmt: skip
+            rows[n] = {
+                **median,
+                "runs": runs,
+                "floor": floors[n],
+                "answers": answer_all(reader, first, answers[n], {"session_id": f"s{n}-0"}),
+            }
             ok(reader.post("/flush_cache?timeout=600", {}), "/flush_cache")
             _, _, metrics, seconds = chat(reader, messages, 1, {"session_id": f"s{n}-0"})
             rows[n].update(warm_ttft_s=seconds, warm_restored_from=metrics.get("restored_from"))
             rows[n]["hot_ttft_s"] = chat(reader, messages, 1, {"session_id": f"s{n}-0"})[3]
     finally:
         harness.stop(reader)
-    return {"rows": rows, "stored_bytes": stored_bytes, "files": len(files), "stored_tokens": stored_tokens,
-            "bytes_per_token": stored_bytes / max(stored_tokens, 1)}  # fmt: skip
+    return {
+        "rows": rows,
+        "stored_bytes": stored_bytes,
+        "files": len(files),
+        "stored_tokens": stored_tokens,
+        "bytes_per_token": stored_bytes / max(stored_tokens, 1),
+    }
 
 
 def run_cold(command, env, sessions, answers, log: Path, memory: bool, follow_ups: bool = True) -> dict:
@@ -224,8 +258,11 @@ def run_cold(command, env, sessions, answers, log: Path, memory: bool, follow_up
             field = {"session_id": f"s{n}"} if memory else None
             ok(server.post("/flush_cache?timeout=600", {}), "/flush_cache")
             _, usage, _, seconds = chat(server, messages, 1, field)
-            rows[n] = {"ttft_s": seconds, "prompt_tokens": usage["prompt_tokens"],
-                       "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}  # fmt: skip
+            rows[n] = {
+                "ttft_s": seconds,
+                "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            }
             if follow_ups:
                 rows[n]["answers"] = answer_all(server, first, answers[n], field)
     finally:
@@ -237,8 +274,14 @@ def run_hicache(path, sessions, answers, work: Path) -> dict:
     """SGLang's HiCache with the file storage backend: write with one server, read with the next."""
     d = work / "hicache"
     d.mkdir()
-    flags = [*harness.cpu_flags(path, "torch_native"), "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
-             "--hicache-write-policy", "write_through"]  # fmt: skip
+    flags = [
+        *harness.cpu_flags(path, "torch_native"),
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        "file",
+        "--hicache-write-policy",
+        "write_through",
+    ]
     cmd, env = harness.plain_sglang(path, *flags)
     env = dict(env, SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=str(d / "store"))
     try:
@@ -282,8 +325,9 @@ def fidelity(path, tokenizer, turns, prefix_tokens=2048, continuation=512, free=
             logits = model(rest, past_key_values=cache, use_cache=True).logits[0].float()
             for layer, (k, v) in zip(cache.layers, snapshot):  # back to the prefix only
                 layer.keys, layer.values = k, v
-            out = model.generate(torch.cat([prefix, rest[:, :1]], 1), past_key_values=cache, max_new_tokens=free,
-                                 do_sample=False)[0, prefix_tokens + 1 :].tolist()  # fmt: skip
+            out = model.generate(
+                torch.cat([prefix, rest[:, :1]], 1), past_key_values=cache, max_new_tokens=free, do_sample=False
+            )[0, prefix_tokens + 1 :].tolist()
         return logits.log_softmax(-1), out
 
     results, (ref_lp, ref_out) = {}, run("bf16")
@@ -293,10 +337,12 @@ def fidelity(path, tokenizer, turns, prefix_tokens=2048, continuation=512, free=
         kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
         nll = -lp[:-1].gather(1, targets.unsqueeze(1)).squeeze(1)
         results[variant] = {
-            "next_token_kl_mean": float(kl.mean()), "next_token_kl_max": float(kl.max()),
-            "perplexity": float(nll.mean().exp()), "top1_agreement": float((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean()),
+            "next_token_kl_mean": float(kl.mean()),
+            "next_token_kl_max": float(kl.max()),
+            "perplexity": float(nll.mean().exp()),
+            "top1_agreement": float((lp.argmax(-1) == ref_lp.argmax(-1)).float().mean()),
             "free_greedy_agreement": sum(a == b for a, b in zip(out, ref_out)) / max(len(ref_out), 1),
-        }  # fmt: skip
+        }
     return {"prefix_tokens": prefix_tokens, "continuation_tokens": int(rest.shape[1]), "variants": results}
 
 
@@ -311,7 +357,13 @@ def agreement(answers: list[str], reference: list[str], tokenizer) -> dict:
     same = [[float(a == b)] for a, b in zip(answers, reference)]
     tokens = [[token_agreement(a, b, tokenizer)] for a, b in zip(answers, reference)]
     (e, e_lo, e_hi), (t, t_lo, t_hi) = bootstrap(same), bootstrap(tokens)
-    return {"n": len(same), "same_answer": e, "same_answer_ci": [e_lo, e_hi], "token_agreement": t, "token_agreement_ci": [t_lo, t_hi]}
+    return {
+        "n": len(same),
+        "same_answer": e,
+        "same_answer_ci": [e_lo, e_hi],
+        "token_agreement": t,
+        "token_agreement_ci": [t_lo, t_hi],
+    }
 
 
 def ratios(row: dict, cold: dict, exact: dict, tokenizer) -> dict:
@@ -343,7 +395,9 @@ def plot(result: dict, path: Path) -> None:
     for j, mode in enumerate(modes):
         rows = result["ttft"][mode]["rows"]
         ax1.bar([i + j * width for i in range(len(lengths))], [rows[n]["ttft_s"] for n in lengths], width, label=mode)
-    ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(lengths))], [f"{result['sessions'][n]} tok" for n in lengths])
+    ax1.set_xticks(
+        [i + 0.4 - width / 2 for i in range(len(lengths))], [f"{result['sessions'][n]} tok" for n in lengths]
+    )
     ax1.set_yscale("log")
     ax1.set_ylabel("time to first token after restart (s, log)")
     ax1.legend(fontsize=7)
@@ -351,7 +405,14 @@ def plot(result: dict, path: Path) -> None:
     ax2.bar(list(variants), [variants[v]["next_token_kl_mean"] for v in variants])
     ax2.set_ylabel("mean next-token KL vs bf16 KV (nats)")
     for i, v in enumerate(variants):
-        ax2.text(i, variants[v]["next_token_kl_mean"], f"ppl {variants[v]['perplexity']:.2f}", ha="center", va="bottom", fontsize=8)
+        ax2.text(
+            i,
+            variants[v]["next_token_kl_mean"],
+            f"ppl {variants[v]['perplexity']:.2f}",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -377,8 +438,12 @@ def main() -> None:
     sessions, answers = {}, {}
     for n in args.lengths:
         sessions[str(n)] = session_of_length(tokenizer, turns, n) + [{"role": "user", "content": FIRST}]
-    result = {"model": args.model, "pool_dtype": cpu_dtype.choose().dtype,
-              "sessions": {n: len(chat_ids(tokenizer, m)) for n, m in sessions.items()}, "ttft": {}}  # fmt: skip
+    result = {
+        "model": args.model,
+        "pool_dtype": cpu_dtype.choose().dtype,
+        "sessions": {n: len(chat_ids(tokenizer, m)) for n, m in sessions.items()},
+        "ttft": {},
+    }
     with tempfile.TemporaryDirectory(prefix="persist-bench-") as tmp:
         work = Path(tmp)
         steps = [*(f"store-{q}" for q in QUANTS), "ours-cold", "plain-sglang-cold", "hicache-file"]
@@ -390,19 +455,32 @@ def main() -> None:
                 result["ttft"][step] = run_cold(cmd, None, sessions, answers, work / "cold.log", memory=True)
             elif step == "plain-sglang-cold":
                 cmd, env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native"), "--enable-cache-report")
-                result["ttft"][step] = run_cold(cmd, env, sessions, answers, work / "plain.log", memory=False, follow_ups=False)
+                result["ttft"][step] = run_cold(
+                    cmd, env, sessions, answers, work / "plain.log", memory=False, follow_ups=False
+                )
             else:
                 result["ttft"][step] = run_hicache(path, sessions, answers, work)
             save(result)  # a late failure keeps what ran
     cold, exact = result["ttft"]["ours-cold"]["rows"], result["ttft"][f"store-{EXACT}"]["rows"]
-    result["ratios"] = {mode: {n: ratios(rows["rows"][n], cold[n], exact[n], tokenizer) for n in sessions}
-                        for mode, rows in result["ttft"].items() if rows.get("rows")}  # fmt: skip
+    result["ratios"] = {
+        mode: {n: ratios(rows["rows"][n], cold[n], exact[n], tokenizer) for n in sessions}
+        for mode, rows in result["ttft"].items()
+        if rows.get("rows")
+    }
     save(result)
     result["fidelity"] = fidelity(path, tokenizer, turns)
     save(result)
     plot(result, RESULTS / "persist_restart.png")
-    print(json.dumps({"ratios": result["ratios"], "bytes_per_token": {m: r.get("bytes_per_token") for m, r in result["ttft"].items()},
-                      "fidelity": result["fidelity"]["variants"]}, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "ratios": result["ratios"],
+                "bytes_per_token": {m: r.get("bytes_per_token") for m, r in result["ttft"].items()},
+                "fidelity": result["fidelity"]["variants"],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

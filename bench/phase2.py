@@ -27,17 +27,47 @@ from pathlib import Path
 from bench.agent import run as agent
 from bench.common import RESULTS, write_json
 
-METHODS = ["full cache", "intentkv-learned*", "intentkv-memory/*", "snapkv/dead_slot*", "h2o/dead_slot*",
-           "streaming_llm/dead_slot*"]  # fmt: skip
+METHODS = [
+    "full cache",
+    "intentkv-learned*",
+    "intentkv-memory/*",
+    "snapkv/dead_slot*",
+    "h2o/dead_slot*",
+    "streaming_llm/dead_slot*",
+]
 WORKLOADS = {
     # the three BFCL tasks the pruner head never saw (scripts/train_pruner.py holds them out)
-    "bfcl": ["--budgets", "32", "128", "--limit", "200", "--max-steps", "5",
-             "--tasks", "multi_turn_base_50", "multi_turn_miss_func_100", "multi_turn_miss_param_150"],
+    "bfcl": [
+        "--budgets",
+        "32",
+        "128",
+        "--limit",
+        "200",
+        "--max-steps",
+        "5",
+        "--tasks",
+        "multi_turn_base_50",
+        "multi_turn_miss_func_100",
+        "multi_turn_miss_param_150",
+    ],
     # one question from each of three LoCoMo conversations over the search tool
     "bcp": ["--budgets", "256", "1024", "--limit", "1", "--max-steps", "6", "--tasks", "locomo-c[012]-*"],
-}  # fmt: skip
-KEYS = ("method", "budget", "workload", "tasks", "true_acc", "next_action_agreement", "agreement_points", "eff_live_kv",
-        "eff_kv_reads_vs_full", "prefix_hit", "wall_s", "wall_vs_full", "scoring_overhead")  # fmt: skip
+}
+KEYS = (
+    "method",
+    "budget",
+    "workload",
+    "tasks",
+    "true_acc",
+    "next_action_agreement",
+    "agreement_points",
+    "eff_live_kv",
+    "eff_kv_reads_vs_full",
+    "prefix_hit",
+    "wall_s",
+    "wall_vs_full",
+    "scoring_overhead",
+)
 
 
 def rows_of(workload: str, out: Path) -> list[dict]:
@@ -51,18 +81,32 @@ def adaptive_vs_fixed(rows: list[dict]) -> list[dict]:
     (None where none do)."""
     out = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        fixed = sorted((r for r in rows if r["workload"] == workload and r["method"].startswith("intentkv-learned/")),
-                       key=lambda r: r["eff_live_kv"])  # fmt: skip
-        for r in (r for r in rows if r["workload"] == workload and r["method"].startswith("intentkv-learned-adaptive/")):
-            pair = next(((a, b) for a, b in zip(fixed, fixed[1:]) if a["eff_live_kv"] <= r["eff_live_kv"] <= b["eff_live_kv"]), None)
+        fixed = sorted(
+            (r for r in rows if r["workload"] == workload and r["method"].startswith("intentkv-learned/")),
+            key=lambda r: r["eff_live_kv"],
+        )
+        for r in (
+            r for r in rows if r["workload"] == workload and r["method"].startswith("intentkv-learned-adaptive/")
+        ):
+            pair = next(
+                ((a, b) for a, b in zip(fixed, fixed[1:]) if a["eff_live_kv"] <= r["eff_live_kv"] <= b["eff_live_kv"]),
+                None,
+            )
             at = None
             if pair and None not in (pair[0]["next_action_agreement"], pair[1]["next_action_agreement"]):
                 a, b = pair
                 w = (r["eff_live_kv"] - a["eff_live_kv"]) / max(b["eff_live_kv"] - a["eff_live_kv"], 1e-9)
                 at = a["next_action_agreement"] + w * (b["next_action_agreement"] - a["next_action_agreement"])
-            out.append({"workload": workload, "method": r["method"], "eff_live_kv": r["eff_live_kv"],
-                        "next_action_agreement": r["next_action_agreement"], "fixed_at_equal_live_kv": at,
-                        "fixed": [[f["budget"], f["eff_live_kv"], f["next_action_agreement"]] for f in fixed]})  # fmt: skip
+            out.append(
+                {
+                    "workload": workload,
+                    "method": r["method"],
+                    "eff_live_kv": r["eff_live_kv"],
+                    "next_action_agreement": r["next_action_agreement"],
+                    "fixed_at_equal_live_kv": at,
+                    "fixed": [[f["budget"], f["eff_live_kv"], f["next_action_agreement"]] for f in fixed],
+                }
+            )
     return out
 
 
@@ -80,10 +124,16 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in (r for r in rows if r["workload"] == workload and r["next_action_agreement"] is not None):
             family = r["method"].split("/")[0]
             color = {"intentkv-learned": "tab:green", "intentkv-memory": "tab:blue", "full cache": "tab:gray"}.get(
-                family, "yellowgreen" if family.startswith("intentkv-learned") else "tab:red")
+                family, "yellowgreen" if family.startswith("intentkv-learned") else "tab:red"
+            )
             ax.scatter(r["eff_live_kv"], r["next_action_agreement"], color=color, s=50, alpha=0.8)
-            ax.annotate(r["method"].replace("/dead_slot", ""), (r["eff_live_kv"], r["next_action_agreement"]),
-                        fontsize=6, xytext=(3, 3), textcoords="offset points")  # fmt: skip
+            ax.annotate(
+                r["method"].replace("/dead_slot", ""),
+                (r["eff_live_kv"], r["next_action_agreement"]),
+                fontsize=6,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
         ax.set_title(f"{workload} ({max(r['tasks'] for r in rows if r['workload'] == workload)} tasks)")
         ax.set_xlabel("effective live KV (tokens, per-task peak, mean)")
         ax.set_ylabel("next-action agreement with the full cache")
@@ -98,8 +148,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     for workload in args.workloads:
-        agent.main(["--workload", workload, *WORKLOADS[workload], "--agreement", "--methods", *METHODS,
-                    "--out", str(args.out / f"phase2_{workload}")])  # fmt: skip
+        agent.main(
+            [
+                "--workload",
+                workload,
+                *WORKLOADS[workload],
+                "--agreement",
+                "--methods",
+                *METHODS,
+                "--out",
+                str(args.out / f"phase2_{workload}"),
+            ]
+        )
     rows = [row for w in WORKLOADS if (args.out / f"phase2_{w}").exists() for row in rows_of(w, args.out)]
     write_json(args.out / "phase2.json", {"rows": rows, "adaptive_vs_fixed": adaptive_vs_fixed(rows)})
     (args.out / "phase2.md").write_text(agent.table(rows, KEYS))

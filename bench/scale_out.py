@@ -78,7 +78,9 @@ class Turn:
     ttft_s: float
 
 
-def run_session(client, session: str, tokenizer, seed: int, turns: int, tenant: str | None = None) -> tuple[list[Turn], list[int]]:
+def run_session(
+    client, session: str, tokenizer, seed: int, turns: int, tenant: str | None = None
+) -> tuple[list[Turn], list[int]]:
     """A session's turns on `client` (a server, or the router with or without the session's key);
     returns its turns and the prompt its next turn would send."""
     rng = random.Random(seed)
@@ -87,7 +89,11 @@ def run_session(client, session: str, tokenizer, seed: int, turns: int, tenant: 
     for n in range(turns):
         text, ttft, meta = stream(client, ids, ANSWER_TOKENS, field)
         ours = meta.get("sgl_memory") or {}
-        out.append(Turn(session, n, meta["prompt_tokens"], meta.get("cached_tokens", 0), ours.get("restored_tokens") or 0, ttft))
+        out.append(
+            Turn(
+                session, n, meta["prompt_tokens"], meta.get("cached_tokens", 0), ours.get("restored_tokens") or 0, ttft
+            )
+        )
         ids = ids + tokenizer(text, add_special_tokens=False)["input_ids"] + words(rng, tokenizer, NEW_TOKENS)
     return out, ids
 
@@ -105,7 +111,9 @@ def load(name: str, client_of, replicas, tokenizer, sessions: int, turns: int) -
     def one(i: int) -> None:
         session = f"{name.replace(' ', '').replace(',', '.')}-{i}"  # an id of the allowed characters
         try:
-            results[session] = run_session(client_of(session), session, tokenizer, zlib.crc32(session.encode()), turns)[0]
+            results[session] = run_session(client_of(session), session, tokenizer, zlib.crc32(session.encode()), turns)[
+                0
+            ]
         except BaseException as exc:  # reported after the others finish
             errors.append(exc)
 
@@ -124,15 +132,27 @@ def load(name: str, client_of, replicas, tokenizer, sessions: int, turns: int) -
     hit = bootstrap([[t.cached_tokens / t.prompt_tokens for t in s] for s in later])
     ttft = bootstrap([[t.ttft_s for t in s] for s in results.values()])
     return {
-        "name": name, "sessions": sessions, "turns": turns, "wall_s": wall,
-        "turns_per_s": sessions * turns / wall, "requests_per_replica": served,
-        "ttft_s": {"mean": ttft[0], "ci95": ttft[1:], "median": statistics.median(t.ttft_s for s in results.values() for t in s)},
-        "prefix_hit": {"mean": hit[0], "ci95": hit[1:],
-                       "pooled": sum(t.cached_tokens for s in later for t in s) / sum(t.prompt_tokens for s in later for t in s)},
+        "name": name,
+        "sessions": sessions,
+        "turns": turns,
+        "wall_s": wall,
+        "turns_per_s": sessions * turns / wall,
+        "requests_per_replica": served,
+        "ttft_s": {
+            "mean": ttft[0],
+            "ci95": ttft[1:],
+            "median": statistics.median(t.ttft_s for s in results.values() for t in s),
+        },
+        "prefix_hit": {
+            "mean": hit[0],
+            "ci95": hit[1:],
+            "pooled": sum(t.cached_tokens for s in later for t in s) / sum(t.prompt_tokens for s in later for t in s),
+        },
         "restored_tokens": sum(t.restored_tokens for s in later for t in s),
-        "restored_turns": sum(t.restored_tokens > 0 for s in later for t in s), "later_turns": sum(map(len, later)),
+        "restored_turns": sum(t.restored_tokens > 0 for s in later for t in s),
+        "later_turns": sum(map(len, later)),
         "rows": [dataclasses.asdict(t) for s in results.values() for t in s],
-    }  # fmt: skip
+    }
 
 
 def stored_generation(store: Path) -> dict[str, int]:
@@ -169,14 +189,28 @@ def failover(a, b, router, store: Path, tokenizer, count: int, turns: int) -> di
         sent = time.perf_counter()
         _, ttft, meta = stream(keyed(router, session), prompts[session], ANSWER_TOKENS, {"session_id": session})
         restored = (meta.get("sgl_memory") or {}).get("restored_tokens") or 0
-        _, cold, cold_meta = stream(survivor, prompts[session], ANSWER_TOKENS, {"session_id": session, "tenant": "cold"})
-        rows.append({"session": session, "prompt_tokens": meta["prompt_tokens"], "restored_tokens": restored,
-                     "failover_ttft_s": ttft, "cold_ttft_s": cold, "cold_cached_tokens": cold_meta.get("cached_tokens", 0),
-                     "kill_to_first_token_s": sent - killed_at + ttft if n == 0 else None})  # fmt: skip
+        _, cold, cold_meta = stream(
+            survivor, prompts[session], ANSWER_TOKENS, {"session_id": session, "tenant": "cold"}
+        )
+        rows.append(
+            {
+                "session": session,
+                "prompt_tokens": meta["prompt_tokens"],
+                "restored_tokens": restored,
+                "failover_ttft_s": ttft,
+                "cold_ttft_s": cold,
+                "cold_cached_tokens": cold_meta.get("cached_tokens", 0),
+                "kill_to_first_token_s": sent - killed_at + ttft if n == 0 else None,
+            }
+        )
     ratio = bootstrap([[r["failover_ttft_s"] / r["cold_ttft_s"]] for r in rows])
-    return {"sessions": len(rows), "turns_before_kill": turns, "rows": rows,
-            "ttft_ratio_failover_over_cold": {"mean": ratio[0], "ci95": ratio[1:]},
-            "kill_to_first_token_s": rows[0]["kill_to_first_token_s"]}  # fmt: skip
+    return {
+        "sessions": len(rows),
+        "turns_before_kill": turns,
+        "rows": rows,
+        "ttft_ratio_failover_over_cold": {"mean": ratio[0], "ci95": ratio[1:]},
+        "kill_to_first_token_s": rows[0]["kill_to_first_token_s"],
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -188,18 +222,34 @@ def plot(result: dict, path: Path) -> None:
     configs = result["configs"]
     fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     names = [c["name"] for c in configs]
-    for ax, key, label in ((axes[0], "turns_per_s", "turns / s"), (axes[1], "ttft_s", "TTFT (s), mean"),
-                           (axes[2], "prefix_hit", "prefix hit, turns 2..")):  # fmt: skip
+    for ax, key, label in (
+        (axes[0], "turns_per_s", "turns / s"),
+        (axes[1], "ttft_s", "TTFT (s), mean"),
+        (axes[2], "prefix_hit", "prefix hit, turns 2.."),
+    ):
         values = [c[key]["mean"] if isinstance(c[key], dict) else c[key] for c in configs]
-        errs = [[v - c[key]["ci95"][0] for v, c in zip(values, configs)], [c[key]["ci95"][1] - v for v, c in zip(values, configs)]] if isinstance(configs[0][key], dict) else None
+        errs = (
+            [
+                [v - c[key]["ci95"][0] for v, c in zip(values, configs)],
+                [c[key]["ci95"][1] - v for v, c in zip(values, configs)],
+            ]
+            if isinstance(configs[0][key], dict)
+            else None
+        )
         ax.bar(names, values, yerr=errs, capsize=4, color=["#888", "#2a7", "#d73"])
         ax.set_title(label)
         ax.tick_params(axis="x", labelrotation=15)
     rows = result["failover"]["rows"]
-    axes[3].bar(["restored on survivor", "cold prefill"], [statistics.mean(r["failover_ttft_s"] for r in rows), statistics.mean(r["cold_ttft_s"] for r in rows)],
-                color=["#2a7", "#888"])  # fmt: skip
+    axes[3].bar(
+        ["restored on survivor", "cold prefill"],
+        [statistics.mean(r["failover_ttft_s"] for r in rows), statistics.mean(r["cold_ttft_s"] for r in rows)],
+        color=["#2a7", "#888"],
+    )
     axes[3].set_title(f"failover TTFT (s), N = {len(rows)}")
-    fig.suptitle(f"scale-out, {result['model']}, {result['sessions']} sessions x {result['turns']} turns at once ({result['provenance']['commit'][:10]})")
+    fig.suptitle(
+        f"scale-out, {result['model']}, {result['sessions']} sessions x {result['turns']} turns at once "
+        f"({result['provenance']['commit'][:10]})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -220,29 +270,58 @@ def main() -> None:
     config = work / "memory.yaml"
     config.write_text(f"persist:\n  enabled: true\n  dir: {store}\n")
     flags = ("--memory-config", str(config), "--max-total-tokens", POOL_TOKENS)
-    a, b = harness.start_all([(harness.our_command(args.model, *flags), work / "a.log", None),
-                              (harness.our_command(args.model, *flags), work / "b.log", None)])  # fmt: skip
+    a, b = harness.start_all(
+        [
+            (harness.our_command(args.model, *flags), work / "a.log", None),
+            (harness.our_command(args.model, *flags), work / "b.log", None),
+        ]
+    )
     router = harness.start_router([a, b], work / "router.log")
     try:
-        for replica in (a, b):  # a replica's first requests pay one-time costs (--skip-server-warmup): not in a configuration's numbers
+        for replica in (
+            a,
+            b,
+        ):  # a replica's first requests pay one-time costs (--skip-server-warmup): not in a configuration's numbers
             run_session(replica, "warmup", tokenizer, 0, 2, tenant="warmup")
         configs = [
             load("one replica", lambda session: a, (a, b), tokenizer, args.sessions, args.turns),
-            load("router, routing key", lambda session: keyed(router, session), (a, b), tokenizer, args.sessions, args.turns),
+            load(
+                "router, routing key",
+                lambda session: keyed(router, session),
+                (a, b),
+                tokenizer,
+                args.sessions,
+                args.turns,
+            ),
             load("router, no key", lambda session: router, (a, b), tokenizer, args.sessions, args.turns),
         ]
         for c in configs:
-            print(f"{c['name']:>22}: {c['turns_per_s']:.3f} turns/s (requests per replica {c['requests_per_replica']}), TTFT {c['ttft_s']['mean']:.2f} s, "
-                  f"prefix hit {c['prefix_hit']['pooled']:.2f}, {c['restored_turns']}/{c['later_turns']} turns restored")  # fmt: skip
+            print(
+                f"{c['name']:>22}: {c['turns_per_s']:.3f} turns/s (requests per replica {c['requests_per_replica']}), "
+                f"TTFT {c['ttft_s']['mean']:.2f} s, "
+                f"prefix hit {c['prefix_hit']['pooled']:.2f}, {c['restored_turns']}/{c['later_turns']} turns restored"
+            )
         fail = failover(a, b, router, store, tokenizer, args.failover, args.turns)
-        print(f"failover: TTFT restored / cold {fail['ttft_ratio_failover_over_cold']['mean']:.2f} "
-              f"{fail['ttft_ratio_failover_over_cold']['ci95']}, kill to first token {fail['kill_to_first_token_s']:.2f} s")  # fmt: skip
+        print(
+            f"failover: TTFT restored / cold {fail['ttft_ratio_failover_over_cold']['mean']:.2f} "
+            f"{fail['ttft_ratio_failover_over_cold']['ci95']}, "
+            f"kill to first token {fail['kill_to_first_token_s']:.2f} s"
+        )
     finally:
         for server in (router, a, b):  # the failover killed one: stopping it only unregisters it
             harness.stop(server)
-    result = {"model": args.model, "dtype": cpu_dtype.choose().dtype, "sessions": args.sessions, "turns": args.turns,
-              "first_tokens": FIRST_TOKENS, "new_tokens": NEW_TOKENS, "answer_tokens": ANSWER_TOKENS,
-              "router": "smg 1.13.0, --policy consistent_hashing", "configs": configs, "failover": fail}  # fmt: skip
+    result = {
+        "model": args.model,
+        "dtype": cpu_dtype.choose().dtype,
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "first_tokens": FIRST_TOKENS,
+        "new_tokens": NEW_TOKENS,
+        "answer_tokens": ANSWER_TOKENS,
+        "router": "smg 1.13.0, --policy consistent_hashing",
+        "configs": configs,
+        "failover": fail,
+    }
     write_json(args.out, result)
     plot({**result, "provenance": provenance()}, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

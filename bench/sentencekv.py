@@ -14,11 +14,12 @@ reads per layer, and the prompt KV that must stay readable (live_kv).
 
 Methods, at the same KV read per step where they have a budget: `full` (our server, every
 position); `snapkv` (prefill-time only: intent pruning with the SnapKV scorer keeps sinks + recent +
-budget positions in all, its forced spans, the system prompt and the question, among them); `quest` (decode-time pages of 16 tokens by key bounds, every token kept);
-`sentencekv` (the paper's method: a pool of keep_factor x budget, sentences by mean keys, the mean
-query of the sentence being generated); `plain sglang` (a second server, SGLang's torch_native
-backend, full cache). SGLang's own decode-time sparsity (`--enable-hisparse`, srt/mem_cache/sparsity,
-a Quest algorithm) needs the fa3 attention backend (Hopper GPUs): it does not run on this CPU.
+budget positions in all, its forced spans, the system prompt and the question, among them); `quest`
+(decode-time pages of 16 tokens by key bounds, every token kept); `sentencekv` (the paper's method:
+a pool of keep_factor x budget, sentences by mean keys, the mean query of the sentence being
+generated); `plain sglang` (a second server, SGLang's torch_native backend, full cache). SGLang's
+own decode-time sparsity (`--enable-hisparse`, srt/mem_cache/sparsity, a Quest algorithm) needs the
+fa3 attention backend (Hopper GPUs): it does not run on this CPU.
 
     .venv/bin/python -m bench.sentencekv --contexts 2048 4096 8192 --needles 2 --distractors 7
 
@@ -65,15 +66,20 @@ def haystack(tokenizer, context: int, depth: float, seed: int, distractors: int 
     sentences, tokens = [], 0
     budget = context - 100 - 14 * (distractors + 1)  # the chat template, the reply, the question, the needles
     while tokens < budget:
-        s = (f"On day {rng.randrange(1, 400)}, {rng.choice(FILLER_NAMES)} {rng.choice(FILLER_VERBS)} the "
-             f"{rng.choice(FILLER_THINGS)} in {rng.choice(FILLER_PLACES)}.")  # fmt: skip
+        s = (
+            f"On day {rng.randrange(1, 400)}, {rng.choice(FILLER_NAMES)} {rng.choice(FILLER_VERBS)} the "
+            f"{rng.choice(FILLER_THINGS)} in {rng.choice(FILLER_PLACES)}."
+        )
         sentences.append(s)
         tokens += len(tokenizer.encode(" " + s, add_special_tokens=False))
     for other, other_code in zip(vaults[1:], codes[1:]):
         sentences.insert(rng.randrange(len(sentences) + 1), f"The secret code of the {other} vault is {other_code}.")
     sentences.insert(int(depth * len(sentences)), f"The secret code of the {vault} vault is {code}.")
-    messages = [{"role": "user", "content": "Notes:\n" + " ".join(sentences)}, {"role": "assistant", "content": "I have read the notes."},
-                {"role": "user", "content": question}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Notes:\n" + " ".join(sentences)},
+        {"role": "assistant", "content": "I have read the notes."},
+        {"role": "user", "content": question},
+    ]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False), code
 
@@ -90,7 +96,11 @@ def methods(budget: int, factor: float) -> list[tuple[str, dict]]:
 
 def streamed(server, ids: list[int], field: dict | None) -> dict:
     """One greedy request, streamed: its text, token ids, metrics and decode speed."""
-    body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    }
     if field is not None:
         body["sgl_memory"] = field
     times, last = [], None
@@ -102,8 +112,13 @@ def streamed(server, ids: list[int], field: dict | None) -> dict:
                 times.append(time.perf_counter())
     meta = last["meta_info"]
     steps = meta["completion_tokens"] - 1
-    return {"text": last["text"], "output_ids": last["output_ids"], "meta": meta, "step_s": [b - a for a, b in zip(times, times[1:])],
-            "decode_tok_s": steps / (times[-1] - times[0]) if steps > 0 and times[-1] > times[0] else float("nan")}  # fmt: skip
+    return {
+        "text": last["text"],
+        "output_ids": last["output_ids"],
+        "meta": meta,
+        "step_s": [b - a for a, b in zip(times, times[1:])],
+        "decode_tok_s": steps / (times[-1] - times[0]) if steps > 0 and times[-1] > times[0] else float("nan"),
+    }
 
 
 def reads_and_live(name: str, out: dict) -> tuple[float, int]:
@@ -132,10 +147,20 @@ def run_server(server, cases, named_fields) -> dict:
         for name, field in named_fields:
             r = streamed(server, ids, field)
             read, live = reads_and_live(name, r)
-            out[(name, *key)] = {"correct": code in r["text"], "output_ids": r["output_ids"], "decode_tok_s": r["decode_tok_s"], "step_s": r["step_s"],
-                                 "kv_read_per_step": read, "live_kv": live, "prompt_tokens": r["meta"]["prompt_tokens"]}  # fmt: skip
-            print(f"{name:>12} ctx={key[0]} depth={key[1]} seed={key[2]}: correct={out[(name, *key)]['correct']} "
-                  f"read={read:.0f} tok/s={r['decode_tok_s']:.2f}", flush=True)  # fmt: skip
+            out[(name, *key)] = {
+                "correct": code in r["text"],
+                "output_ids": r["output_ids"],
+                "decode_tok_s": r["decode_tok_s"],
+                "step_s": r["step_s"],
+                "kv_read_per_step": read,
+                "live_kv": live,
+                "prompt_tokens": r["meta"]["prompt_tokens"],
+            }
+            print(
+                f"{name:>12} ctx={key[0]} depth={key[1]} seed={key[2]}: correct={out[(name, *key)]['correct']} "
+                f"read={read:.0f} tok/s={r['decode_tok_s']:.2f}",
+                flush=True,
+            )
     return out
 
 
@@ -154,34 +179,54 @@ def summarise(per: dict, contexts: list[int], names: list[str]) -> list[dict]:
             agree = bootstrap([[agreement(v["output_ids"], f["output_ids"])] for (_, v), f in zip(cells, full)])
             speed = bootstrap([[v["decode_tok_s"]] for _, v in cells])
             ratio = bootstrap([[v["decode_tok_s"] / f["decode_tok_s"]] for (_, v), f in zip(cells, full)])
-            rows.append({"method": name, "context": ctx, "n": len(cells),
-                         "accuracy": acc[0], "accuracy_ci": [acc[1], acc[2]],
-                         "accuracy_minus_full": diff[0], "accuracy_minus_full_ci": [diff[1], diff[2]],
-                         "agreement_with_full": agree[0], "agreement_ci": [agree[1], agree[2]],
-                         "decode_tok_s": speed[0], "decode_tok_s_ci": [speed[1], speed[2]],
-                         "decode_speed_vs_full": ratio[0], "decode_speed_vs_full_ci": [ratio[1], ratio[2]],
-                         "kv_read_per_step": sum(v["kv_read_per_step"] for _, v in cells) / len(cells),
-                         "live_kv": sum(v["live_kv"] for _, v in cells) / len(cells),
-                         "prompt_tokens": sum(v["prompt_tokens"] for _, v in cells) / len(cells)})  # fmt: skip
+            rows.append(
+                {
+                    "method": name,
+                    "context": ctx,
+                    "n": len(cells),
+                    "accuracy": acc[0],
+                    "accuracy_ci": [acc[1], acc[2]],
+                    "accuracy_minus_full": diff[0],
+                    "accuracy_minus_full_ci": [diff[1], diff[2]],
+                    "agreement_with_full": agree[0],
+                    "agreement_ci": [agree[1], agree[2]],
+                    "decode_tok_s": speed[0],
+                    "decode_tok_s_ci": [speed[1], speed[2]],
+                    "decode_speed_vs_full": ratio[0],
+                    "decode_speed_vs_full_ci": [ratio[1], ratio[2]],
+                    "kv_read_per_step": sum(v["kv_read_per_step"] for _, v in cells) / len(cells),
+                    "live_kv": sum(v["live_kv"] for _, v in cells) / len(cells),
+                    "prompt_tokens": sum(v["prompt_tokens"] for _, v in cells) / len(cells),
+                }
+            )
     return rows
 
 
 def markdown(rows: list[dict], args) -> str:
-    lines = [f"# SentenceKV vs full cache, SnapKV, Quest-style pages, plain SGLang ({args.model})", "",
-             f"budget {args.budget} (SentenceKV keep_factor {args.keep_factor}), {args.distractors} distractor needles, "
-             f"{NEW_TOKENS} greedy tokens; intervals: 95% bootstrap; accuracy - full and speed / full: per haystack "
-             "against the full cache's; agreement: generated tokens equal to the full cache's, by position; 'all': every "
-             "context pooled.", "",
-             "| method | context | N | accuracy | accuracy - full | agreement with full | decode tok/s | speed / full "
-             "| KV read / step | live KV |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# SentenceKV vs full cache, SnapKV, Quest-style pages, plain SGLang ({args.model})",
+        "",
+        f"budget {args.budget} (SentenceKV keep_factor {args.keep_factor}), {args.distractors} distractor needles, "
+        f"{NEW_TOKENS} greedy tokens; intervals: 95% bootstrap; accuracy - full and speed / full: per haystack "
+        "against the full cache's; agreement: generated tokens equal to the full cache's, by position; 'all': every "
+        "context pooled.",
+        "",
+        "| method | context | N | accuracy | accuracy - full | agreement with full | decode tok/s | speed / full "
+        "| KV read / step | live KV |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['context']} | {r['n']} | {r['accuracy']:.2f} [{r['accuracy_ci'][0]:.2f}, {r['accuracy_ci'][1]:.2f}] "
-                     f"| {r['accuracy_minus_full']:+.2f} [{r['accuracy_minus_full_ci'][0]:+.2f}, {r['accuracy_minus_full_ci'][1]:+.2f}] "
-                     f"| {r['agreement_with_full']:.2f} [{r['agreement_ci'][0]:.2f}, {r['agreement_ci'][1]:.2f}] "
-                     f"| {r['decode_tok_s']:.2f} [{r['decode_tok_s_ci'][0]:.2f}, {r['decode_tok_s_ci'][1]:.2f}] "
-                     f"| {r['decode_speed_vs_full']:.2f} [{r['decode_speed_vs_full_ci'][0]:.2f}, {r['decode_speed_vs_full_ci'][1]:.2f}] "
-                     f"| {r['kv_read_per_step']:.0f} | {r['live_kv']:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {r['method']} | {r['context']} | {r['n']} "
+            f"| {r['accuracy']:.2f} [{r['accuracy_ci'][0]:.2f}, {r['accuracy_ci'][1]:.2f}] "
+            f"| {r['accuracy_minus_full']:+.2f} "
+            f"[{r['accuracy_minus_full_ci'][0]:+.2f}, {r['accuracy_minus_full_ci'][1]:+.2f}] "
+            f"| {r['agreement_with_full']:.2f} [{r['agreement_ci'][0]:.2f}, {r['agreement_ci'][1]:.2f}] "
+            f"| {r['decode_tok_s']:.2f} [{r['decode_tok_s_ci'][0]:.2f}, {r['decode_tok_s_ci'][1]:.2f}] "
+            f"| {r['decode_speed_vs_full']:.2f} "
+            f"[{r['decode_speed_vs_full_ci'][0]:.2f}, {r['decode_speed_vs_full_ci'][1]:.2f}] "
+            f"| {r['kv_read_per_step']:.0f} | {r['live_kv']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -196,8 +241,17 @@ def plot(rows: list[dict], path) -> None:
     for name in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == name]
         x = [r["context"] for r in mine]
-        axes[0].errorbar(x, [r["accuracy"] for r in mine], yerr=[[r["accuracy"] - r["accuracy_ci"][0] for r in mine],
-                         [r["accuracy_ci"][1] - r["accuracy"] for r in mine]], marker="o", capsize=3, label=name)  # fmt: skip
+        axes[0].errorbar(
+            x,
+            [r["accuracy"] for r in mine],
+            yerr=[
+                [r["accuracy"] - r["accuracy_ci"][0] for r in mine],
+                [r["accuracy_ci"][1] - r["accuracy"] for r in mine],
+            ],
+            marker="o",
+            capsize=3,
+            label=name,
+        )
         axes[1].plot(x, [r["decode_tok_s"] for r in mine], marker="o", label=name)
         axes[2].plot(x, [r["kv_read_per_step"] for r in mine], marker="o", label=name)
     for ax, title in zip(axes, ("needle accuracy", "decode tokens/s", "KV positions read per step and layer")):
@@ -217,11 +271,17 @@ def main() -> None:
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     ap.add_argument("--needles", type=int, default=2, help="haystacks per context and depth")
     ap.add_argument("--distractors", type=int, default=7, help="needles of other vaults per haystack")
-    ap.add_argument("--budget", type=int, default=256, help="tau: prompt tokens a step reads besides the always-read ones")
+    ap.add_argument(
+        "--budget", type=int, default=256, help="tau: prompt tokens a step reads besides the always-read ones"
+    )
     ap.add_argument("--keep-factor", type=float, default=2.0)
     ap.add_argument("--skip-plain", action="store_true", help="leave out the plain-SGLang server")
-    ap.add_argument("--plain-max-context", type=int, default=4096,
-                    help="plain SGLang (torch_native pads every prefill to a full causal attention) only up to this context")
+    ap.add_argument(
+        "--plain-max-context",
+        type=int,
+        default=4096,
+        help="plain SGLang (torch_native pads every prefill to a full causal attention) only up to this context",
+    )
     ap.add_argument("--out", default=str(RESULTS / "sentencekv.json"))
     args = ap.parse_args()
 
@@ -229,18 +289,26 @@ def main() -> None:
 
     path = models.fetch(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    cases = {(ctx, depth, seed): haystack(tokenizer, ctx, depth, seed, args.distractors)
-             for ctx in args.contexts for depth in args.depths for seed in range(args.needles)}  # fmt: skip
+    cases = {
+        (ctx, depth, seed): haystack(tokenizer, ctx, depth, seed, args.distractors)
+        for ctx in args.contexts
+        for depth in args.depths
+        for seed in range(args.needles)
+    }
     # twice the longest prompt: the prefilled prompt stays cached while SnapKV's pruning copies what it
     # keeps into slots of its own (on a pool of one prompt it found none and left the prompt unpruned)
     total = str(2 * max(len(ids) for ids, _ in cases.values()) + 2 * NEW_TOKENS + 64)
     log_dir = Path(tempfile.mkdtemp(prefix="sentencekv-bench-"))  # the servers' logs and config, not results
     print(f"server logs: {log_dir}", flush=True)
     config = log_dir / "sentencekv.memory.yaml"
-    config.write_text("sentencekv:\n  enabled: true\nintent:\n  enabled: true\n  budget: 1073741824\n" + harness.PERSIST_OFF)
+    config.write_text(
+        "sentencekv:\n  enabled: true\nintent:\n  enabled: true\n  budget: 1073741824\n" + harness.PERSIST_OFF
+    )
     named = methods(args.budget, args.keep_factor)
-    server = harness.start(harness.our_command(args.model, "--memory-config", str(config), "--max-total-tokens", total),
-                           log_dir / "sentencekv.ours.log")  # fmt: skip
+    server = harness.start(
+        harness.our_command(args.model, "--memory-config", str(config), "--max-total-tokens", total),
+        log_dir / "sentencekv.ours.log",
+    )
     try:
         per = run_server(server, cases, named)
     finally:
@@ -258,12 +326,32 @@ def main() -> None:
         names.append("plain sglang")
     rows = summarise(per, args.contexts, names)
     out = Path(args.out)
-    write_json(out, {"model": args.model, "budget": args.budget, "keep_factor": args.keep_factor, "new_tokens": NEW_TOKENS,
-                     "distractors": args.distractors,
-                     "depths": args.depths, "needles": args.needles, "rows": rows,
-                     "requests": [{"method": k[0], "context": k[1], "depth": k[2], "seed": k[3],
-                                   **{f: v[f] for f in ("correct", "decode_tok_s", "step_s", "kv_read_per_step", "live_kv", "prompt_tokens")}}
-                                  for k, v in per.items()]})  # fmt: skip
+    write_json(
+        out,
+        {
+            "model": args.model,
+            "budget": args.budget,
+            "keep_factor": args.keep_factor,
+            "new_tokens": NEW_TOKENS,
+            "distractors": args.distractors,
+            "depths": args.depths,
+            "needles": args.needles,
+            "rows": rows,
+            "requests": [
+                {
+                    "method": k[0],
+                    "context": k[1],
+                    "depth": k[2],
+                    "seed": k[3],
+                    **{
+                        f: v[f]
+                        for f in ("correct", "decode_tok_s", "step_s", "kv_read_per_step", "live_kv", "prompt_tokens")
+                    },
+                }
+                for k, v in per.items()
+            ],
+        },
+    )
     out.with_suffix(".md").write_text(markdown(rows, args))
     plot(rows, out.with_suffix(".png"))
     print(markdown(rows, args))

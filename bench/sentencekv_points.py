@@ -58,17 +58,30 @@ SYSTEM = "+system"  # a method with the system message always read (the section'
 # what each method is paired against at the same budget: SentenceKV against the baseline the paper
 # measures it against (Quest-style pages), a `system` variant against its peer with the same reads
 # and against itself without them
-PEERS = {"sentencekv": ("quest",), f"sentencekv{SYSTEM}": (f"quest{SYSTEM}", "sentencekv"), f"quest{SYSTEM}": ("quest",)}
+PEERS = {
+    "sentencekv": ("quest",),
+    f"sentencekv{SYSTEM}": (f"quest{SYSTEM}", "sentencekv"),
+    f"quest{SYSTEM}": ("quest",),
+}
 PAIRED = ("agreement", "kl")  # paired against the peer's at the same points
 
 
 def decode(server, ids: list[int], field: dict, tokens: int) -> dict:
     """Greedy decoding of `tokens` tokens with the top-TOP log-probabilities of every step."""
-    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": TOP, "sgl_memory": field,
-            "sampling_params": {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "top_logprobs_num": TOP,
+        "sgl_memory": field,
+        "sampling_params": {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True},
+    }
     out = ok(server.post("/generate", body, timeout=3600), "/generate").json()
     meta = out["meta_info"]
-    return {"ids": out["output_ids"], "top": [{tok: lp for lp, tok, *_ in step} for step in meta["output_top_logprobs"]], "meta": meta}
+    return {
+        "ids": out["output_ids"],
+        "top": [{tok: lp for lp, tok, *_ in step} for step in meta["output_top_logprobs"]],
+        "meta": meta,
+    }
 
 
 def compare(run: dict, full: dict, gold: list[int]) -> dict:
@@ -77,8 +90,12 @@ def compare(run: dict, full: dict, gold: list[int]) -> dict:
     same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
     # step i's distribution follows the same tokens in both runs only while i <= the first difference
     kls = [kl(full["top"][i], run["top"][i]) for i in range(1, min(same + 1, len(b)))]
-    return {"full_match": float(a == b), "agreement": sum(x == y for x, y in zip(a, b)) / len(b),
-            "kl": sum(kls) / len(kls) if kls else None, "gold_match": float(a == gold[: len(a)])}  # fmt: skip
+    return {
+        "full_match": float(a == b),
+        "agreement": sum(x == y for x, y in zip(a, b)) / len(b),
+        "kl": sum(kls) / len(kls) if kls else None,
+        "gold_match": float(a == gold[: len(a)]),
+    }
 
 
 def run(args) -> list[dict]:
@@ -100,11 +117,15 @@ def run(args) -> list[dict]:
     log_dir = Path(tempfile.mkdtemp(prefix="sentencekv-points-"))  # the server's log and config, not results
     config = log_dir / "sentencekv.memory.yaml"
     config.write_text("sentencekv:\n  enabled: true\n" + harness.PERSIST_OFF)
-    print(f"{scored} points of {len(trajectories)} trajectories, "
-          f"longest {longest} tokens; server log: {log_dir}", flush=True)  # fmt: skip
+    print(
+        f"{scored} points of {len(trajectories)} trajectories, longest {longest} tokens; server log: {log_dir}",
+        flush=True,
+    )
     rows = []
-    server = harness.start(harness.our_command(args.model, "--memory-config", str(config), "--max-total-tokens", total),
-                           log_dir / "sentencekv.ours.log")  # fmt: skip
+    server = harness.start(
+        harness.our_command(args.model, "--memory-config", str(config), "--max-total-tokens", total),
+        log_dir / "sentencekv.ours.log",
+    )
     try:
         with tqdm(total=scored, desc="points") as bar:
             group = None
@@ -121,9 +142,20 @@ def run(args) -> list[dict]:
                     runs = {name: decode(server, pt.history, field, tokens) for name, field in named}
                     for name, r in runs.items():
                         read, live = reads_and_live(name.split("@")[0].removesuffix(SYSTEM), {"meta": r["meta"]})
-                        rows.append({"workload": t.workload, "trajectory": t.id, "point": i, "label": pt.label, "method": name,
-                                     "prompt_tokens": len(pt.history), "tokens": tokens, "kv_read_per_step": read,
-                                     "live_kv": live, **compare(r, runs[FULL], pt.gold)})  # fmt: skip
+                        rows.append(
+                            {
+                                "workload": t.workload,
+                                "trajectory": t.id,
+                                "point": i,
+                                "label": pt.label,
+                                "method": name,
+                                "prompt_tokens": len(pt.history),
+                                "tokens": tokens,
+                                "kv_read_per_step": read,
+                                "live_kv": live,
+                                **compare(r, runs[FULL], pt.gold),
+                            }
+                        )
                     bar.update()
     finally:
         harness.stop(server)
@@ -151,10 +183,17 @@ def summarise(rows: list[dict]) -> list[dict]:
             trajs = list(dict.fromkeys(r["trajectory"] for r in mine))
 
             def clusters(value, keep=lambda r: True):
-                return [[value(r) for r in mine if r["trajectory"] == t and keep(r) and value(r) is not None] for t in trajs]
+                return [
+                    [value(r) for r in mine if r["trajectory"] == t and keep(r) and value(r) is not None] for t in trajs
+                ]
 
-            row = {"workload": workload, "method": method, "n": len(mine), "trajectories": len(trajs),
-                   "prompt_tokens": sum(r["prompt_tokens"] for r in mine) / len(mine)}  # fmt: skip
+            row = {
+                "workload": workload,
+                "method": method,
+                "n": len(mine),
+                "trajectories": len(trajs),
+                "prompt_tokens": sum(r["prompt_tokens"] for r in mine) / len(mine),
+            }
             for key in METRICS:
                 row[key] = interval(clusters(lambda r, k=key: r[k]))
             row["gold_match_minus_full"] = interval(clusters(lambda r: r["gold_match"] - full(r)["gold_match"]))
@@ -167,9 +206,11 @@ def summarise(rows: list[dict]) -> list[dict]:
                     continue
                 diffs = {"peer": peer}
                 for key in PAIRED:
+
                     def diff(r, k=key):
                         other = at[(peer, r["trajectory"], r["point"])][k]
                         return None if r[k] is None or other is None else r[k] - other
+
                     diffs[key] = interval(clusters(diff))
                 row["paired"].append(diffs)
             out.append(row)
@@ -180,25 +221,35 @@ def markdown(summary: list[dict], args, rows_commit: str) -> str:
     def cell(v, fmt=".2f"):
         return f"{v['mean']:{fmt}} [{v['ci95'][0]:{fmt}}, {v['ci95'][1]:{fmt}}]"
 
-    lines = [f"# SentenceKV at decision points ({args.model}, commit {rows_commit})", "",
-             f"Greedy decoding of the gold action's length (at most {args.max_new_tokens} tokens) over the same cached prompt; "
-             f"SentenceKV keep_factor {args.keep_factor}. Intervals: 95% bootstrap over trajectories. KL: steps 1.. before "
-             "the first difference from the full cache, top-20 lists. gold | full solves: the points where the full cache "
-             f"decodes the gold action. `{SYSTEM}`: the system message always read. Paired: the method minus a peer at the "
-             "same points and budget (SentenceKV against Quest-style pages; a system variant also against itself without).", "",
-             "| workload | method | N points | full match | agreement | KL | gold match "
-             "| gold - full | gold \\| full solves | KV read / step | live KV |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# SentenceKV at decision points ({args.model}, commit {rows_commit})",
+        "",
+        f"Greedy decoding of the gold action's length (at most {args.max_new_tokens} tokens) over the same cached "
+        f"prompt; SentenceKV keep_factor {args.keep_factor}. Intervals: 95% bootstrap over trajectories. KL: steps 1.. "
+        "before the first difference from the full cache, top-20 lists. gold | full solves: the points where the full "
+        f"cache decodes the gold action. `{SYSTEM}`: the system message always read. Paired: the method minus a peer "
+        "at the same points and budget (SentenceKV against Quest-style pages; a system variant also against itself "
+        "without).",
+        "",
+        "| workload | method | N points | full match | agreement | KL | gold match "
+        "| gold - full | gold \\| full solves | KV read / step | live KV |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in summary:
         solved = r["gold_match_where_full_solves"]
-        lines.append(f"| {r['workload']} | {r['method']} | {r['n']} ({r['trajectories']} traj.) | {cell(r['full_match'])} "
-                     f"| {cell(r['agreement'])} | {cell(r['kl'], '.3f')} | {cell(r['gold_match'])} "
-                     f"| {cell(r['gold_match_minus_full'], '+.2f')} | {cell(solved)} (N={solved['n']}) "
-                     f"| {r['kv_read_per_step']['mean']:.0f} | {r['live_kv']['mean']:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {r['workload']} | {r['method']} | {r['n']} ({r['trajectories']} traj.) | {cell(r['full_match'])} "
+            f"| {cell(r['agreement'])} | {cell(r['kl'], '.3f')} | {cell(r['gold_match'])} "
+            f"| {cell(r['gold_match_minus_full'], '+.2f')} | {cell(solved)} (N={solved['n']}) "
+            f"| {r['kv_read_per_step']['mean']:.0f} | {r['live_kv']['mean']:.0f} |"
+        )
     lines += ["", "| workload | method | minus | agreement | KL |", "|---|---|---|---|---|"]
     for r in summary:
         for d in r["paired"]:
-            lines.append(f"| {r['workload']} | {r['method']} | {d['peer']} | {cell(d['agreement'], '+.3f')} | {cell(d['kl'], '+.3f')} |")
+            lines.append(
+                f"| {r['workload']} | {r['method']} | {d['peer']} | {cell(d['agreement'], '+.3f')} "
+                f"| {cell(d['kl'], '+.3f')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -209,8 +260,11 @@ def plot(summary: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = (("agreement", "greedy agreement with the full cache"), ("full_match", "whole action = full cache's"),
-            ("kl", "KL(full || method), steps before the first difference"))  # fmt: skip
+    keys = (
+        ("agreement", "greedy agreement with the full cache"),
+        ("full_match", "whole action = full cache's"),
+        ("kl", "KL(full || method), steps before the first difference"),
+    )
     workloads = list(dict.fromkeys(r["workload"] for r in summary))
     names = list(dict.fromkeys(r["method"] for r in summary if r["method"] != FULL))
     width = 0.8 / len(names)
@@ -218,9 +272,17 @@ def plot(summary: list[dict], path: Path) -> None:
     for ax, (key, title) in zip(axes, keys):
         for i, name in enumerate(names):
             mine = [next(r for r in summary if r["workload"] == w and r["method"] == name) for w in workloads]
-            ax.bar([x + i * width for x in range(len(workloads))], [r[key]["mean"] for r in mine], width,
-                   yerr=[[r[key]["mean"] - r[key]["ci95"][0] for r in mine], [r[key]["ci95"][1] - r[key]["mean"] for r in mine]],
-                   capsize=3, label=name)  # fmt: skip
+            ax.bar(
+                [x + i * width for x in range(len(workloads))],
+                [r[key]["mean"] for r in mine],
+                width,
+                yerr=[
+                    [r[key]["mean"] - r[key]["ci95"][0] for r in mine],
+                    [r[key]["ci95"][1] - r[key]["mean"] for r in mine],
+                ],
+                capsize=3,
+                label=name,
+            )
         ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(workloads))], workloads)
         ax.set_title(title, fontsize=9)
     axes[0].legend()
@@ -238,9 +300,15 @@ def main(argv=None) -> None:
     ap.add_argument("--keep-factor", type=float, default=2.0)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--min-prompt", type=int, default=1024, help="points with a shorter history are not scored")
-    ap.add_argument("--system", action="store_true", help=f"also each method with the system message always read ({SYSTEM})")
+    ap.add_argument(
+        "--system", action="store_true", help=f"also each method with the system message always read ({SYSTEM})"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "sentencekv_points.json")
-    ap.add_argument("--rows", type=Path, help="summarise the rows of this earlier result again (no server; its settings and commit kept)")
+    ap.add_argument(
+        "--rows",
+        type=Path,
+        help="summarise the rows of this earlier result again (no server; its settings and commit kept)",
+    )
     args = ap.parse_args(argv)
     if args.rows:
         earlier = json.loads(args.rows.read_text())
@@ -251,9 +319,20 @@ def main(argv=None) -> None:
     else:
         rows, rows_from = run(args), {"commit": commit()}
     summary = summarise(rows)
-    write_json(args.out, {"model": args.model, "budgets": args.budgets, "keep_factor": args.keep_factor, "system": args.system,
-                          "max_new_tokens": args.max_new_tokens, "workloads": args.workloads, "rows_from": rows_from,
-                          "summary": summary, "rows": rows})  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "model": args.model,
+            "budgets": args.budgets,
+            "keep_factor": args.keep_factor,
+            "system": args.system,
+            "max_new_tokens": args.max_new_tokens,
+            "workloads": args.workloads,
+            "rows_from": rows_from,
+            "summary": summary,
+            "rows": rows,
+        },
+    )
     args.out.with_suffix(".md").write_text(markdown(summary, args, rows_from["commit"]))
     plot(summary, args.out.with_suffix(".png"))
     print(args.out.with_suffix(".md").read_text())

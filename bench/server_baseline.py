@@ -82,7 +82,10 @@ def main() -> None:
                 harness.stop(server)
     mine, plain = result["variants"]["sgl-memory"], result["variants"]["plain sglang"]
     result["ratios_ours_over_plain"] = {
-        str(n): {k: mine["by_length"][n][k] / plain["by_length"][n][k] for k in ("prefill_tok_per_s", "decode_tok_per_s", "hit_speedup")}
+        str(n): {
+            k: mine["by_length"][n][k] / plain["by_length"][n][k]
+            for k in ("prefill_tok_per_s", "decode_tok_per_s", "hit_speedup")
+        }
         for n in args.lengths
     }
     RESULTS.mkdir(exist_ok=True)

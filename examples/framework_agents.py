@@ -30,18 +30,38 @@ import httpx
 import requests
 
 SYSTEM = "You are a brief assistant. Use the lookup tool to read items."
-TURNS = ["My locker code is 4812. Please remember it.", "Look up item A.", "Look up item B.", "Look up item C.",
-         "What is my locker code?"]  # fmt: skip
+TURNS = [
+    "My locker code is 4812. Please remember it.",
+    "Look up item A.",
+    "Look up item B.",
+    "Look up item C.",
+    "What is my locker code?",
+]
 
 
 def lookup(item: str) -> str:
     """Read the sensors of an item."""
-    return f"Item {item}: " + ", ".join(f"sensor {j} read {(ord(item[:1] or 'x') * 37 + j * 11) % 100}" for j in range(12)) + "."
+    return (
+        f"Item {item}: "
+        + ", ".join(f"sensor {j} read {(ord(item[:1] or 'x') * 37 + j * 11) % 100}" for j in range(12))
+        + "."
+    )
 
 
-LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup", "description": lookup.__doc__, "strict": True,
-               "parameters": {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"],
-                              "additionalProperties": False}}}  # fmt: skip
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": lookup.__doc__,
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"item": {"type": "string"}},
+            "required": ["item"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 class Transport:
@@ -79,17 +99,23 @@ def run_openai_sdk(url: str, session: str, turns=TURNS) -> list[dict]:
     from openai import OpenAI
 
     transport = Transport()
-    client = OpenAI(base_url=url + "/v1", api_key="none", default_headers={"x-session-id": session}, http_client=transport.sync())
+    client = OpenAI(
+        base_url=url + "/v1", api_key="none", default_headers={"x-session-id": session}, http_client=transport.sync()
+    )
     model, messages = model_name(url), [{"role": "system", "content": SYSTEM}]
     for text in turns:
         messages.append({"role": "user", "content": text})
-        out = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP_TOOL], tool_choice="required",
-                                             temperature=0, max_tokens=64)  # fmt: skip
+        out = client.chat.completions.create(
+            model=model, messages=messages, tools=[LOOKUP_TOOL], tool_choice="required", temperature=0, max_tokens=64
+        )
         call = out.choices[0].message.tool_calls[0]
         messages.append({"role": "assistant", "content": "", "tool_calls": [call.model_dump()]})
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": lookup(json.loads(call.function.arguments)["item"])})
-        out = client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP_TOOL], tool_choice="none",
-                                             temperature=0, max_tokens=16)  # fmt: skip
+        messages.append(
+            {"role": "tool", "tool_call_id": call.id, "content": lookup(json.loads(call.function.arguments)["item"])}
+        )
+        out = client.chat.completions.create(
+            model=model, messages=messages, tools=[LOOKUP_TOOL], tool_choice="none", temperature=0, max_tokens=16
+        )
         messages.append({"role": "assistant", "content": out.choices[0].message.content or ""})
     return transport.responses
 
@@ -102,13 +128,23 @@ def run_agents_sdk(url: str, session: str, turns=TURNS) -> list[dict]:
     transport = Transport()
 
     async def run() -> None:
-        client = AsyncOpenAI(base_url=url + "/v1", api_key="none", default_headers={"x-session-id": session},
-                             http_client=transport.asynchronous())  # fmt: skip
+        client = AsyncOpenAI(
+            base_url=url + "/v1",
+            api_key="none",
+            default_headers={"x-session-id": session},
+            http_client=transport.asynchronous(),
+        )
         # the SDK's chat completions path sends tools without `strict`; `extra_body` sends the same one with it
-        agent = Agent(name="reader", instructions=SYSTEM, tools=[function_tool(lookup)],
-                      model=OpenAIChatCompletionsModel(model_name(url), client), tool_use_behavior="stop_on_first_tool",
-                      model_settings=ModelSettings(temperature=0, max_tokens=64, tool_choice="required",
-                                                   extra_body={"tools": [LOOKUP_TOOL]}))  # fmt: skip
+        agent = Agent(
+            name="reader",
+            instructions=SYSTEM,
+            tools=[function_tool(lookup)],
+            model=OpenAIChatCompletionsModel(model_name(url), client),
+            tool_use_behavior="stop_on_first_tool",
+            model_settings=ModelSettings(
+                temperature=0, max_tokens=64, tool_choice="required", extra_body={"tools": [LOOKUP_TOOL]}
+            ),
+        )
         history: list = []
         for text in turns:
             result = await Runner.run(agent, history + [{"role": "user", "content": text}], max_turns=2)
@@ -124,10 +160,19 @@ def run_langgraph(url: str, session: str, turns=TURNS) -> list[dict]:
     from langgraph.prebuilt import create_react_agent
 
     transport = Transport()
-    model = ChatOpenAI(model=model_name(url), base_url=url + "/v1", api_key="none", temperature=0, max_tokens=64,
-                       default_headers={"x-session-id": session}, http_client=transport.sync())  # fmt: skip
+    model = ChatOpenAI(
+        model=model_name(url),
+        base_url=url + "/v1",
+        api_key="none",
+        temperature=0,
+        max_tokens=64,
+        default_headers={"x-session-id": session},
+        http_client=transport.sync(),
+    )
     lookup_tool = tool(lookup, return_direct=True)
-    graph = create_react_agent(model.bind_tools([lookup_tool], tool_choice="required", strict=True), [lookup_tool], prompt=SYSTEM)
+    graph = create_react_agent(
+        model.bind_tools([lookup_tool], tool_choice="required", strict=True), [lookup_tool], prompt=SYSTEM
+    )
     messages: list = []
     for text in turns:
         messages = graph.invoke({"messages": messages + [("user", text)]}, {"recursion_limit": 4})["messages"]
@@ -147,10 +192,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     for i, response in enumerate(FRAMEWORKS[args.framework](args.url, args.session)):
         m = response.get("sgl_memory") or {}
-        print(f"request {i + 1}: prompt {response['usage']['prompt_tokens']} tokens, "
-              f"cached {(response['usage'].get('prompt_tokens_details') or {}).get('cached_tokens')}, "
-              f"QueryMemory turns {m.get('query_memory_turns')}, windowed {m.get('windowed_tokens', 0)}, "
-              f"recalled turns {m.get('retrieved_turns', [])}")  # fmt: skip
+        print(
+            f"request {i + 1}: prompt {response['usage']['prompt_tokens']} tokens, "
+            f"cached {(response['usage'].get('prompt_tokens_details') or {}).get('cached_tokens')}, "
+            f"QueryMemory turns {m.get('query_memory_turns')}, windowed {m.get('windowed_tokens', 0)}, "
+            f"recalled turns {m.get('retrieved_turns', [])}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,14 +26,21 @@ from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamablehttp_client
 from openai import OpenAI
 
-ANSWER = {"type": "function", "function": {
-    "name": "answer", "description": "Give the final answer and end the task.",
-    "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}  # fmt: skip
+ANSWER = {
+    "type": "function",
+    "function": {
+        "name": "answer",
+        "description": "Give the final answer and end the task.",
+        "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]},
+    },
+}
 # tokens per reply: a call fits in the first; the forced answer gets room for a sentence or two
 # (cut short, its JSON does not parse and the agent returns nothing)
 MAX_TOKENS, ANSWER_TOKENS = 96, 256
-SYSTEM = ("You are a deep-research agent. Use search to find documents and get_document to read one. "
-          "When you know the answer, call answer with the exact answer only.")  # fmt: skip
+SYSTEM = (
+    "You are a deep-research agent. Use search to find documents and get_document to read one. "
+    "When you know the answer, call answer with the exact answer only."
+)
 
 
 @asynccontextmanager
@@ -52,8 +59,13 @@ async def research(question: str, url: str, mcp, session_id: str, budget: int = 
     llm = OpenAI(base_url=url.rstrip("/") + "/v1", api_key="none")
     async with connect(mcp) as tools_server:
         listed = await tools_server.list_tools()
-        tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                   "parameters": t.inputSchema}} for t in listed.tools] + [ANSWER]  # fmt: skip
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description or "", "parameters": t.inputSchema},
+            }
+            for t in listed.tools
+        ] + [ANSWER]
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         steps, last = [], False
         for i in range(max_steps):
@@ -61,8 +73,14 @@ async def research(question: str, url: str, mcp, session_id: str, budget: int = 
             last = last or i == max_steps - 1
             choice = {"type": "function", "function": {"name": "answer"}} if last else "required"
             response = llm.chat.completions.create(
-                model="default", messages=messages, tools=tools, tool_choice=choice, temperature=0, max_tokens=ANSWER_TOKENS if last else MAX_TOKENS,
-                extra_body={"sgl_memory": {"session_id": session_id, "budget": budget, "budget_mode": "history"}})  # fmt: skip
+                model="default",
+                messages=messages,
+                tools=tools,
+                tool_choice=choice,
+                temperature=0,
+                max_tokens=ANSWER_TOKENS if last else MAX_TOKENS,
+                extra_body={"sgl_memory": {"session_id": session_id, "budget": budget, "budget_mode": "history"}},
+            )
             message = response.choices[0].message
             step = {"calls": [], "outputs": [], "sgl_memory": response.model_extra.get("sgl_memory")}
             steps.append(step)
@@ -72,8 +90,13 @@ async def research(question: str, url: str, mcp, session_id: str, budget: int = 
                 step["calls"].append([call.function.name, arguments])
                 if call.function.name == "answer":
                     return {"answer": arguments.get("answer"), "steps": steps}
-            messages.append({"role": "assistant", "content": message.content,
-                             "tool_calls": [c.model_dump(exclude_none=True) for c in calls]})  # fmt: skip
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": message.content,
+                    "tool_calls": [c.model_dump(exclude_none=True) for c in calls],
+                }
+            )
             for call in calls:
                 result = await tools_server.call_tool(call.function.name, json.loads(call.function.arguments or "{}"))
                 output = "\n".join(part.text for part in result.content if part.type == "text") or "null"
@@ -94,7 +117,9 @@ def main() -> None:
     ap.add_argument("--session-id", default="mcp-agent-1")
     ap.add_argument("--budget", type=int, default=512, help="history tokens kept live (budget_mode history)")
     args = ap.parse_args()
-    mcp = args.mcp or StdioServerParameters(command=sys.executable, args=["-m", "bench.agent.mcp_server", "--transport", "stdio"])
+    mcp = args.mcp or StdioServerParameters(
+        command=sys.executable, args=["-m", "bench.agent.mcp_server", "--transport", "stdio"]
+    )
     result = asyncio.run(research(args.question, args.url, mcp, args.session_id, args.budget))
     print("answer:", result["answer"])
 

@@ -22,14 +22,18 @@ import sglang as sgl
 from bench.agent import bcp
 from sgl_memory.frontend import MemoryEndpoint
 
-ACTION = json.dumps({
-    "type": "object",
-    "properties": {"tool": {"enum": ["search", "get_document", "answer"]}, "argument": {"type": "string"}},
-    "required": ["tool", "argument"],
-})  # fmt: skip
+ACTION = json.dumps(
+    {
+        "type": "object",
+        "properties": {"tool": {"enum": ["search", "get_document", "answer"]}, "argument": {"type": "string"}},
+        "required": ["tool", "argument"],
+    }
+)
 ARGUMENT_NAMES = {"search": "query", "get_document": "docid"}
-INSTRUCTIONS = (bcp.SYSTEM + ' Reply with one action as JSON: {"tool": "search", "argument": "<query>"}, '
-                '{"tool": "get_document", "argument": "<docid>"} or {"tool": "answer", "argument": "<answer>"}.')  # fmt: skip
+INSTRUCTIONS = (
+    bcp.SYSTEM + ' Reply with one action as JSON: {"tool": "search", "argument": "<query>"}, '
+    '{"tool": "get_document", "argument": "<docid>"} or {"tool": "answer", "argument": "<answer>"}.'
+)
 
 
 @sgl.function
@@ -46,7 +50,9 @@ def research(s, question, workload, session_id, budget=None, budget_mode=None, m
         if action["tool"] == "answer":
             s.set_var("answer", action["argument"])
             return
-        s += sgl.user("Tool output:\n" + workload.tool(action["tool"], {ARGUMENT_NAMES[action["tool"]]: action["argument"]}))
+        s += sgl.user(
+            "Tool output:\n" + workload.tool(action["tool"], {ARGUMENT_NAMES[action["tool"]]: action["argument"]})
+        )
 
 
 def main() -> None:
@@ -58,8 +64,9 @@ def main() -> None:
     args = ap.parse_args()
     sgl.set_default_backend(MemoryEndpoint(args.url))
     workload = bcp.Workload(bcp.Corpus(bcp.locomo_corpus()), [])
-    state = research.run(question=args.question, workload=workload, session_id=args.session_id,
-                         budget=args.budget, budget_mode="history")  # fmt: skip
+    state = research.run(
+        question=args.question, workload=workload, session_id=args.session_id, budget=args.budget, budget_mode="history"
+    )
     print("answer:", state["answer"] if "answer" in state else "(no answer within the step limit)")
 
 

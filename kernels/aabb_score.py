@@ -58,9 +58,20 @@ if triton is not None:
 
     @triton.jit
     def _aabb_scores_kernel(
-        q, lo, hi, out, T, N, H, HKV, D,
-        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+        q,
+        lo,
+        hi,
+        out,
+        T,
+        N,
+        H,
+        HKV,
+        D,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         lh = tl.program_id(0)
         layer = lh // H
         head = lh % H
@@ -104,10 +115,20 @@ def aabb_scores_triton(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> t
         return out
     grid = (L * H, triton.cdiv(T, BLOCK_T), triton.cdiv(N, BLOCK_N))
     _aabb_scores_kernel[grid](
-        q, lo, hi, out, T, N, H, Hkv, D,
-        BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        q,
+        lo,
+        hi,
+        out,
+        T,
+        N,
+        H,
+        Hkv,
+        D,
+        BLOCK_T=BLOCK_T,
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=BLOCK_D,
         PRECISION="ieee" if wide else "tf32",
-    )  # fmt: skip
+    )
     return out
 
 

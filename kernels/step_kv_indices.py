@@ -23,7 +23,9 @@ BLOCK = 256
 
 
 @triton.jit
-def _gather_reads(req_to_token, rows, seq_lens, reads, indptr, out, sentinel, row_stride, reads_stride, BLOCK: tl.constexpr):
+def _gather_reads(
+    req_to_token, rows, seq_lens, reads, indptr, out, sentinel, row_stride, reads_stride, BLOCK: tl.constexpr
+):
     i = tl.program_id(0).to(tl.int64)  # offsets in int64: a large slot map overflows int32
     row = tl.load(rows + i).to(tl.int64)
     length = tl.load(seq_lens + i)
@@ -55,8 +57,9 @@ def step_kv_indices(req_to_token, rows, seq_lens, reads, sentinel: int, out: tor
     """Write the read slots of each request into `out` (at least bs * reads.shape[1] long, the
     slot-map dtype); returns kv_indptr. reads [bs, width >= max seq_len] bool: the positions read."""
     indptr = read_counts(req_to_token, rows, seq_lens, reads, sentinel)
-    _gather_reads[(rows.numel(),)](req_to_token, rows, seq_lens, reads, indptr, out, sentinel,
-                                   req_to_token.stride(0), reads.stride(0), BLOCK=BLOCK)  # fmt: skip
+    _gather_reads[(rows.numel(),)](
+        req_to_token, rows, seq_lens, reads, indptr, out, sentinel, req_to_token.stride(0), reads.stride(0), BLOCK=BLOCK
+    )
     return indptr
 
 

@@ -98,15 +98,25 @@ def rss_trend(samples: list[tuple[float, int, float | None]]) -> dict:
     end = statistics.median(b for _, b, _ in samples[-tenth:])
     second = samples[n // 2 :]
     slope = statistics.linear_regression([t for t, _, _ in second], [b for _, b, _ in second]).slope
-    return {"rss_half_mb": round(half / 2**20), "rss_end_mb": round(end / 2**20),
-            "rss_second_half_trend": round(slope * (second[-1][0] - second[0][0]) / half, 4)}  # fmt: skip
+    return {
+        "rss_half_mb": round(half / 2**20),
+        "rss_end_mb": round(end / 2**20),
+        "rss_second_half_trend": round(slope * (second[-1][0] - second[0][0]) / half, 4),
+    }
 
 
-def session_run(server, config: str, sid: int, turns: int, secrets: dict, rng: random.Random, stats: dict, lock) -> None:
+def session_run(
+    server, config: str, sid: int, turns: int, secrets: dict, rng: random.Random, stats: dict, lock
+) -> None:
     tenant = f"t{sid % 4}"
     field = {"session_id": f"s{sid}", "tenant": tenant}
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"My secret word is {secrets[sid]}. Keep it. Now tell me about {rng.choice(TOPICS)}."}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {
+            "role": "user",
+            "content": f"My secret word is {secrets[sid]}. Keep it. Now tell me about {rng.choice(TOPICS)}.",
+        },
+    ]
     for turn in range(turns):
         memory_mode = config == "memory" and turn >= 2 and turn % 3 == 0
         body = {"model": "m", "max_tokens": 16, "temperature": 0.7, "seed": rng.randint(0, 2**31)}
@@ -118,7 +128,9 @@ def session_run(server, config: str, sid: int, turns: int, secrets: dict, rng: r
             body["sgl_memory"] = field
         drop = rng.random() < 0.08  # the client gives up mid-request
         try:
-            r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=rng.uniform(0.05, 0.5) if drop else 600)
+            r = requests.post(
+                server.url + "/v1/chat/completions", json=body, timeout=rng.uniform(0.05, 0.5) if drop else 600
+            )
         except requests.exceptions.RequestException:
             with lock:
                 stats["dropped"] += 1
@@ -144,8 +156,17 @@ def run_sessions(args, config: str, workdir: Path) -> dict:
     d = workdir / config
     d.mkdir(parents=True, exist_ok=True)
     (d / "memory.yaml").write_text(CONFIGS[config].format(store=d / "store"))
-    server = harness.start(harness.our_command(args.model, "--memory-config", str(d / "memory.yaml"),
-                                               "--max-total-tokens", str(args.pool), "--enable-metrics"), d / "server.log")  # fmt: skip
+    server = harness.start(
+        harness.our_command(
+            args.model,
+            "--memory-config",
+            str(d / "memory.yaml"),
+            "--max-total-tokens",
+            str(args.pool),
+            "--enable-metrics",
+        ),
+        d / "server.log",
+    )
     rng = random.Random(args.seed)
     secrets = {i: secret(rng) for i in range(args.sessions)}
     stats = {"requests": 0, "dropped": 0, "status": {}, "errors": [], "leaks": []}
@@ -155,8 +176,20 @@ def run_sessions(args, config: str, workdir: Path) -> dict:
     t0 = time.monotonic()
     try:
         with concurrent.futures.ThreadPoolExecutor(args.sessions) as pool:
-            futures = [pool.submit(session_run, server, config, i, args.turns, secrets, random.Random(args.seed * 1000 + i), stats, lock)
-                       for i in range(args.sessions)]  # fmt: skip
+            futures = [
+                pool.submit(
+                    session_run,
+                    server,
+                    config,
+                    i,
+                    args.turns,
+                    secrets,
+                    random.Random(args.seed * 1000 + i),
+                    stats,
+                    lock,
+                )
+                for i in range(args.sessions)
+            ]
             for f in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc=f"sessions [{config}]"):
                 f.result()
         healthy = server.get("/health").status_code == 200
@@ -171,11 +204,19 @@ def run_sessions(args, config: str, workdir: Path) -> dict:
     trend = rss_trend(rss)
     log = (d / "server.log").read_text(errors="replace")
     return {
-        "config": config, "sessions": args.sessions, "turns": args.turns, "wall_s": round(wall, 1), **stats,
+        "config": config,
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "wall_s": round(wall, 1),
+        **stats,
         "five_xx": sum(n for code, n in stats["status"].items() if code.startswith("5")),
-        "healthy_after": healthy, "scheduler_crashed": "Scheduler hit an exception" in log,
-        "rss_peak_first_half_mb": round(first / 2**20), "rss_peak_second_half_mb": round(second / 2**20),
-        **trend, "rss_bounded": trend["rss_end_mb"] is not None and trend["rss_end_mb"] <= trend["rss_half_mb"] * (1 + args.rss_slack),
+        "healthy_after": healthy,
+        "scheduler_crashed": "Scheduler hit an exception" in log,
+        "rss_peak_first_half_mb": round(first / 2**20),
+        "rss_peak_second_half_mb": round(second / 2**20),
+        **trend,
+        "rss_bounded": trend["rss_end_mb"] is not None
+        and trend["rss_end_mb"] <= trend["rss_half_mb"] * (1 + args.rss_slack),
         "rss_series": [(round(t, 1), round(b / 2**20)) for t, b, _ in rss],
         "pool_series": [(round(t, 1), round(p / 2**20, 1)) for t, _, p in rss if p is not None],
     }
@@ -211,7 +252,9 @@ def kill_trials(args, workdir: Path) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     store = d / "store"
     (d / "memory.yaml").write_text(CONFIGS["persist"].format(store=store).replace("q4", "bf16"))
-    command = harness.our_command(args.model, "--memory-config", str(d / "memory.yaml"), "--max-total-tokens", str(args.pool))
+    command = harness.our_command(
+        args.model, "--memory-config", str(d / "memory.yaml"), "--max-total-tokens", str(args.pool)
+    )
     rng = random.Random(args.seed)
     sessions = [f"k{i}" for i in range(4)]
     history = {s: [{"role": "system", "content": SYSTEM}] for s in sessions}
@@ -229,11 +272,24 @@ def kill_trials(args, workdir: Path) -> dict:
             # the restarted server: partial files of the last kill are gone, no stored session refused
             info["partial_removed"] = "partial file" in server.log()
             for s in sessions:
-                history[s].append({"role": "user", "content": f"Trial {trial}: " + " ".join(
-                    f"item {i} costs {rng.randint(1, 99)}." for i in range(rng.randint(20, 120)))})  # fmt: skip
-                r = requests.post(server.url + "/v1/chat/completions", json={
-                    "model": "m", "messages": history[s], "max_tokens": 8, "temperature": 0,
-                    "sgl_memory": {"session_id": s}}, timeout=600)  # fmt: skip
+                history[s].append(
+                    {
+                        "role": "user",
+                        "content": f"Trial {trial}: "
+                        + " ".join(f"item {i} costs {rng.randint(1, 99)}." for i in range(rng.randint(20, 120))),
+                    }
+                )
+                r = requests.post(
+                    server.url + "/v1/chat/completions",
+                    json={
+                        "model": "m",
+                        "messages": history[s],
+                        "max_tokens": 8,
+                        "temperature": 0,
+                        "sgl_memory": {"session_id": s},
+                    },
+                    timeout=600,
+                )
                 if r.status_code != 200:
                     failures.append(f"trial {trial} {s}: {r.status_code} {r.text[:200]}")
                     continue
@@ -244,9 +300,22 @@ def kill_trials(args, workdir: Path) -> dict:
                 info.setdefault("restored_tokens", []).append(m.get("restored_tokens", 0))
             # the kill: while a session file is being written, or at a random moment of a turn
             s = rng.choice(sessions)
-            body = {"model": "m", "messages": history[s] + [{"role": "user", "content": "Once more, longer: " + " ".join(
-                    f"row {i} is {rng.randint(1, 99)}." for i in range(200))}], "max_tokens": 8, "sgl_memory": {"session_id": s}}  # fmt: skip
-            threading.Thread(target=post_until_killed, args=(server.url + "/v1/chat/completions", body), daemon=True).start()
+            body = {
+                "model": "m",
+                "messages": history[s]
+                + [
+                    {
+                        "role": "user",
+                        "content": "Once more, longer: "
+                        + " ".join(f"row {i} is {rng.randint(1, 99)}." for i in range(200)),
+                    }
+                ],
+                "max_tokens": 8,
+                "sgl_memory": {"session_id": s},
+            }
+            threading.Thread(
+                target=post_until_killed, args=(server.url + "/v1/chat/completions", body), daemon=True
+            ).start()
             deadline = time.monotonic() + (60 if during_write else rng.uniform(0.2, 4.0))
             while time.monotonic() < deadline and not (during_write and list(store.glob("*/*/*.tmp"))):
                 time.sleep(0.005)
@@ -264,8 +333,16 @@ def kill_trials(args, workdir: Path) -> dict:
     server = harness.start(command, d / "final.log")
     try:
         for s in sessions:
-            r = requests.post(server.url + "/v1/chat/completions", json={"model": "m", "messages": history[s] + [
-                {"role": "user", "content": "Done?"}], "max_tokens": 4, "sgl_memory": {"session_id": s}}, timeout=600)  # fmt: skip
+            r = requests.post(
+                server.url + "/v1/chat/completions",
+                json={
+                    "model": "m",
+                    "messages": history[s] + [{"role": "user", "content": "Done?"}],
+                    "max_tokens": 4,
+                    "sgl_memory": {"session_id": s},
+                },
+                timeout=600,
+            )
             if r.status_code != 200 or r.json()["sgl_memory"].get("persist_refused"):
                 failures.append(f"final {s}: {r.status_code} {r.text[:200]}")
         partial_after = len(list(store.glob("*/*/*.tmp")))
@@ -277,9 +354,13 @@ def kill_trials(args, workdir: Path) -> dict:
 def kill_summary(trials: list, failures: list, partial_after: int | None) -> dict:
     """partial_after is None until the final restart ran (a run cut short says so)."""
     return {
-        "trials": len(trials), "killed_during_write": sum(t["killed_with_partial_file"] for t in trials),
-        "files_checked": sum(t["files"] for t in trials), "unloadable_files": sum(len(t["unloadable"]) for t in trials),
-        "partial_files_after_final_restart": partial_after, "failures": failures, "per_trial": trials,
+        "trials": len(trials),
+        "killed_during_write": sum(t["killed_with_partial_file"] for t in trials),
+        "files_checked": sum(t["files"] for t in trials),
+        "unloadable_files": sum(len(t["unloadable"]) for t in trials),
+        "partial_files_after_final_restart": partial_after,
+        "failures": failures,
+        "per_trial": trials,
     }
 
 
@@ -295,9 +376,14 @@ def save(out: str, parts: dict) -> dict:
         result = json.loads(path.read_text()) if path.exists() else {}
         result.update(parts, provenance=provenance())
         sessions, kill = result.get("sessions", []), result.get("kill", {})
-        result["passed"] = (all(r["five_xx"] == 0 and not r["leaks"] and r["healthy_after"] and not r["scheduler_crashed"]
-                                and r["rss_bounded"] for r in sessions)
-                            and (not kill or (not kill["failures"] and kill["partial_files_after_final_restart"] == 0)))  # fmt: skip
+        result["passed"] = all(
+            r["five_xx"] == 0
+            and not r["leaks"]
+            and r["healthy_after"]
+            and not r["scheduler_crashed"]
+            and r["rss_bounded"]
+            for r in sessions
+        ) and (not kill or (not kill["failures"] and kill["partial_files_after_final_restart"] == 0))
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(result, indent=1))
         os.replace(tmp, path)
@@ -315,7 +401,11 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for run in result.get("sessions", []):
         series = run["rss_series"]
-        ax.plot([t for t, _ in series], [mb for _, mb in series], label=f"{run['config']} ({run['sessions']} sessions x {run['turns']} turns)")
+        ax.plot(
+            [t for t, _ in series],
+            [mb for _, mb in series],
+            label=f"{run['config']} ({run['sessions']} sessions x {run['turns']} turns)",
+        )
     ax.set_xlabel("seconds")
     ax.set_ylabel("server RSS (MB, all processes)")
     ax.set_title("Soak: resident memory of the server under concurrent sessions")
@@ -333,7 +423,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--pool", type=int, default=20000, help="--max-total-tokens of every server")
-    ap.add_argument("--rss-slack", type=float, default=0.05, help="RSS at the end over RSS at half-time, at most 1 + this")
+    ap.add_argument(
+        "--rss-slack", type=float, default=0.05, help="RSS at the end over RSS at half-time, at most 1 + this"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = ap.parse_args()
@@ -351,13 +443,18 @@ def main() -> None:
     plot(result, out.with_suffix(".png"))
     sessions, kill = result.get("sessions", []), result.get("kill", {})
     for r in sessions:
-        print(f"{r['config']}: {r['requests']} requests, {r['dropped']} dropped by the client, 5xx {r['five_xx']}, "
-              f"leaks {len(r['leaks'])}, RSS at half-time {r['rss_half_mb']} MB, at the end {r['rss_end_mb']} MB "
-              f"(second-half trend {r['rss_second_half_trend']}), "
-              f"{r['wall_s']} s")  # fmt: skip
+        print(
+            f"{r['config']}: {r['requests']} requests, {r['dropped']} dropped by the client, 5xx {r['five_xx']}, "
+            f"leaks {len(r['leaks'])}, RSS at half-time {r['rss_half_mb']} MB, at the end {r['rss_end_mb']} MB "
+            f"(second-half trend {r['rss_second_half_trend']}), "
+            f"{r['wall_s']} s"
+        )
     if kill:
-        print(f"kill -9: {kill['trials']} trials ({kill['killed_during_write']} during a file write), "
-              f"{kill['files_checked']} file loads checked, {kill['unloadable_files']} unloadable, failures {len(kill['failures'])}")  # fmt: skip
+        print(
+            f"kill -9: {kill['trials']} trials ({kill['killed_during_write']} during a file write), "
+            f"{kill['files_checked']} file loads checked, {kill['unloadable_files']} unloadable, "
+            f"failures {len(kill['failures'])}"
+        )
     print("passed" if result["passed"] else "FAILED", "->", out)
     raise SystemExit(0 if result["passed"] else 1)
 

@@ -50,7 +50,12 @@ from bench import harness  # noqa: E402
 from sgl_memory.intent.head import HeadShape, PrunerHead, backbone_spec  # noqa: E402
 
 FAMILIES = ("bfcl", "bcp", "textworld", "locomo")
-BUDGET = {"bfcl": 64, "bcp": 512, "textworld": 256, "locomo": 1024}  # history budgets of the fidelity tables (docs/intent.md)
+BUDGET = {
+    "bfcl": 64,
+    "bcp": 512,
+    "textworld": 256,
+    "locomo": 1024,
+}  # history budgets of the fidelity tables (docs/intent.md)
 LOOKAHEAD = 5  # a point's labels: the values of its next five gold actions (itself included)
 
 
@@ -66,7 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     t = sub.add_parser("train")
     t.add_argument("--model", default=models.DEFAULT_MODEL)
     t.add_argument("--out", type=Path, default=ROOT / "runs" / "pruner")
-    t.add_argument("--head", type=Path, default=None, help="where the trained head goes (default: OUT/head.safetensors)")
+    t.add_argument(
+        "--head", type=Path, default=None, help="where the trained head goes (default: OUT/head.safetensors)"
+    )
     t.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES, help="the families trained on")
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
@@ -92,8 +99,10 @@ def held_out(trajectory: str, share: float) -> bool:
 
 def server_config(work: Path, head: Path) -> Path:
     path = work / "collect.yaml"
-    path.write_text(f"intent:\n  enabled: true\n  scorer: learned\n  budget_mode: history\n  budget_floor: 16\n"
-                    f"  head: {head}\n  trace_dir: {work / 'traces'}\n")  # fmt: skip
+    path.write_text(
+        f"intent:\n  enabled: true\n  scorer: learned\n  budget_mode: history\n  budget_floor: 16\n"
+        f"  head: {head}\n  trace_dir: {work / 'traces'}\n"
+    )
     return path
 
 
@@ -114,32 +123,62 @@ def collect(args) -> None:
     trajs = [t for t in P.load(tokenizer, args.families, args) if t.id not in done]
     # a run's own session ids: the traces of a trajectory an earlier run left half done stay unlabelled
     run = f"pruner-{int(time.time())}"
-    cmd = harness.our_command(args.model, "--memory-config", str(server_config(args.out, zero)), "--max-total-tokens", str(args.max_total_tokens))
+    cmd = harness.our_command(
+        args.model,
+        "--memory-config",
+        str(server_config(args.out, zero)),
+        "--max-total-tokens",
+        str(args.max_total_tokens),
+    )
     server = harness.start(cmd, args.out / "collect.log")
     try:
-        with labels_path.open("a") as sink, tqdm(total=sum(len(t.points) for t in trajs), desc="points", disable=None) as bar:
+        with (
+            labels_path.open("a") as sink,
+            tqdm(total=sum(len(t.points) for t in trajs), desc="points", disable=None) as bar,
+        ):
             for traj in trajs:
                 session = f"{run}:{traj.id}"
-                field = {"session_id": session, "budget": BUDGET[traj.workload], "budget_mode": "history", "scorer": "learned"}
+                field = {
+                    "session_id": session,
+                    "budget": BUDGET[traj.workload],
+                    "budget_mode": "history",
+                    "scorer": "learned",
+                }
                 for pt in traj.points:
                     # two tokens: the compression event runs at the end of a prefill that decodes on
-                    ok(server.post("/generate", {"input_ids": pt.history, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-                                                 "sgl_memory": field}, timeout=3600), f"{traj.id} {pt.label}: /generate")  # fmt: skip
+                    ok(
+                        server.post(
+                            "/generate",
+                            {
+                                "input_ids": pt.history,
+                                "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+                                "sgl_memory": field,
+                            },
+                            timeout=3600,
+                        ),
+                        f"{traj.id} {pt.label}: /generate",
+                    )
                     bar.update()
                 # request i + 1 of the session (its QueryMemory turn) is point i
                 actions = [tokenizer.decode(pt.gold, skip_special_tokens=True) for pt in traj.points]
-                steps = [{"request": i + 1, "strings": [s for a in actions[i : i + LOOKAHEAD] for s in action_strings(a)]}
-                         for i in range(len(actions))]  # fmt: skip
-                sink.write(json.dumps({"task": traj.id, "family": traj.workload, "session": session, "steps": steps}) + "\n")
+                steps = [
+                    {"request": i + 1, "strings": [s for a in actions[i : i + LOOKAHEAD] for s in action_strings(a)]}
+                    for i in range(len(actions))
+                ]
+                sink.write(
+                    json.dumps({"task": traj.id, "family": traj.workload, "session": session, "steps": steps}) + "\n"
+                )
                 sink.flush()
     finally:
         harness.stop(server)
 
 
 # function words never label a token: every prompt is full of them
-STOPWORDS = frozenset("the and for with from that this what when where which who whom whose why how did does was were are "
-                      "has have had not but you your his her its their they them she him our out into onto about after "
-                      "before over under than then there here".split())  # fmt: skip
+STOPWORDS = frozenset(
+    "the and for with from that this what when where which who whom whose why how did does was were are "
+    "has have had not but you your his her its their they them she him our out into onto about after "
+    "before over under than then there here".split()
+)
 
 
 def words(text: str) -> list[str]:
@@ -176,7 +215,9 @@ def action_strings(action: str) -> list[str]:
 # --- train ---------------------------------------------------------------------------------------
 
 
-def label_row(tokens: list[int], positions: torch.Tensor, strings: list[str], pieces: list[str], special: set[int]) -> torch.Tensor:
+def label_row(
+    tokens: list[int], positions: torch.Tensor, strings: list[str], pieces: list[str], special: set[int]
+) -> torch.Tensor:
     """[n] float labels of the candidates (1 positive, 0 negative, -1 ignored): a token is positive
     when its text overlaps an occurrence of one of `strings`, case ignored."""
     text, starts = "", []
@@ -213,7 +254,9 @@ def load_rows(args, tokenizer) -> tuple[list[dict], dict]:
                 continue
             task, family, steps = sessions[meta["session"]]
             row = {k: f.get_tensor(k) for k in f.keys()}
-        st = stats.setdefault(family, {"events": 0, "dropped_unlabelled": 0, "dropped_no_positive": 0, "positives": 0, "candidates": 0})
+        st = stats.setdefault(
+            family, {"events": 0, "dropped_unlabelled": 0, "dropped_no_positive": 0, "positives": 0, "candidates": 0}
+        )
         st["events"] += 1
         strings = steps.get(int(meta["turn"]))
         if not strings:
@@ -225,7 +268,16 @@ def load_rows(args, tokenizer) -> tuple[list[dict], dict]:
             continue
         st["positives"] += int((labels == 1).sum())
         st["candidates"] += int((labels >= 0).sum())
-        rows.append({**row, "labels": labels, "task": task, "family": family, "turn": int(meta["turn"]), "keep": int(row["keep"][0])})
+        rows.append(
+            {
+                **row,
+                "labels": labels,
+                "task": task,
+                "family": family,
+                "turn": int(meta["turn"]),
+                "keep": int(row["keep"][0]),
+            }
+        )
     for family, st in stats.items():
         st["rows"] = sum(r["family"] == family for r in rows)
         st["positive_rate"] = st["positives"] / max(1, st["candidates"])
@@ -262,7 +314,9 @@ def evaluate(head: PrunerHead, rows: list[dict], args) -> dict:
     def measure(rs):
         with torch.no_grad():
             loss = sum(float(loss_of(head, r, args)) for r in rs) / max(1, len(rs))
-            learned = sum(recall_at_keep(head.score(r["rule"], r["keys"], r["memory"], r["context"]), r) for r in rs) / max(1, len(rs))
+            learned = sum(
+                recall_at_keep(head.score(r["rule"], r["keys"], r["memory"], r["context"]), r) for r in rs
+            ) / max(1, len(rs))
             rule = sum(recall_at_keep(r["rule"], r) for r in rs) / max(1, len(rs))
         return {"rows": len(rs), "loss": loss, "recall_learned": learned, "recall_rule": rule}
 
@@ -314,9 +368,18 @@ def train(args) -> None:
     out = args.head or (args.out / "head.safetensors")
     recipe = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     head.save(out, spec, {"recipe": json.dumps(recipe), "label_stats": json.dumps(stats)})
-    summary = {"stats": stats, "train_rows": len(train_rows), "val_rows": len(val_rows), "val_tasks": len(val_tasks),
-               "final": curves["val"][-1], "initial": curves["val"][0], "gain": float(head.gain), "head": str(out),
-               "sha256": hashlib.sha256(Path(out).read_bytes()).hexdigest(), "recipe": recipe}  # fmt: skip
+    summary = {
+        "stats": stats,
+        "train_rows": len(train_rows),
+        "val_rows": len(val_rows),
+        "val_tasks": len(val_tasks),
+        "final": curves["val"][-1],
+        "initial": curves["val"][0],
+        "gain": float(head.gain),
+        "head": str(out),
+        "sha256": hashlib.sha256(Path(out).read_bytes()).hexdigest(),
+        "recipe": recipe,
+    }
     (args.out / "curves.json").write_text(json.dumps({"summary": summary, "curves": curves}, indent=1))
     # the trajectories the head never saw: `python -m bench.fidelity --only OUT/held_out.txt` scores it there
     (args.out / "held_out.txt").write_text("".join(t + "\n" for t in sorted(val_tasks)))
@@ -339,8 +402,18 @@ def plot(curves: dict, path: Path) -> None:
     ax1.set_xlabel("step (one compression event)")
     ax1.set_ylabel("loss (eq. 8)")
     ax1.legend()
-    ax2.plot([v["step"] for v in curves["val"]], [v["recall_learned"] for v in curves["val"]], marker="o", label="learned head")
-    ax2.plot([v["step"] for v in curves["val"]], [v["recall_rule"] for v in curves["val"]], linestyle="--", label="rule (Phase 1)")
+    ax2.plot(
+        [v["step"] for v in curves["val"]],
+        [v["recall_learned"] for v in curves["val"]],
+        marker="o",
+        label="learned head",
+    )
+    ax2.plot(
+        [v["step"] for v in curves["val"]],
+        [v["recall_rule"] for v in curves["val"]],
+        linestyle="--",
+        label="rule (Phase 1)",
+    )
     ax2.set_xlabel("step")
     ax2.set_ylabel("validation: positives kept at the event's budget")
     ax2.legend()

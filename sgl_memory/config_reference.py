@@ -71,7 +71,9 @@ def _literal_text(node: ast.AST) -> str | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):  # an f-string: its text with each {expression} shown by its source
-        return "".join(v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}" for v in node.values)
+        return "".join(
+            v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}" for v in node.values
+        )
     return None
 
 
@@ -127,7 +129,9 @@ def request_paths(cls: type[mechanism.Mechanism]) -> dict[str, str]:
     fields that are also the section's, at the top level of the field when the mechanism reads them
     there, else in the mechanism's own object."""
     module = sys.modules[cls.settings.__module__]
-    parts = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, RequestPart) and c is not RequestPart]
+    parts = [
+        c for c in vars(module).values() if isinstance(c, type) and issubclass(c, RequestPart) and c is not RequestPart
+    ]
     keys = {f.name for f in dataclasses.fields(cls.settings)}
     out = {}
     for part in parts:
@@ -145,8 +149,16 @@ def section(settings: type, requests: dict[str, str]) -> list[Key]:
     keys = []
     for f in dataclasses.fields(settings):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        keys.append(Key(f.name, _type_name(hints[f.name]), f"`{default!r}`" if not isinstance(default, bool) else f"`{str(default).lower()}`",
-                        _allowed(hints[f.name], bound.get(f.name, "")), requests.get(f.name, ""), said.get(f.name, "")))  # fmt: skip
+        keys.append(
+            Key(
+                f.name,
+                _type_name(hints[f.name]),
+                f"`{default!r}`" if not isinstance(default, bool) else f"`{str(default).lower()}`",
+                _allowed(hints[f.name], bound.get(f.name, "")),
+                requests.get(f.name, ""),
+                said.get(f.name, ""),
+            )
+        )
     return keys
 
 
@@ -172,7 +184,14 @@ def render() -> str:
         "",
     ]
     for name, (doc, keys) in sections().items():
-        lines += [f"## `{name}`", "", doc, "", "| key | type | default | allowed | per request | meaning |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"## `{name}`",
+            "",
+            doc,
+            "",
+            "| key | type | default | allowed | per request | meaning |",
+            "|---|---|---|---|---|---|",
+        ]
         for k in keys:
             cells = [f"`{k.name}`", k.type, k.default, k.allowed, k.request, k.meaning]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
@@ -201,7 +220,9 @@ def main(argv: list[str]) -> int:
     if "--check" in argv:
         stale = [str(path) for path, text in outputs.items() if not path.exists() or path.read_text() != text]
         if stale:
-            print(f"{', '.join(stale)} differ from the code: run python -m sgl_memory.config_reference", file=sys.stderr)
+            print(
+                f"{', '.join(stale)} differ from the code: run python -m sgl_memory.config_reference", file=sys.stderr
+            )
             return 1
         return 0
     for path, text in outputs.items():

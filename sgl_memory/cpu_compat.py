@@ -57,9 +57,7 @@ def register_torchvision_schemas() -> None:
             pass  # already defined: a real CPU torchvision, or an earlier import attempt
 
 
-def assign_req_to_token_pool_cpu(
-    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
-):
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
     """Write each request's newly allocated slots into its row of the slot map.
 
     Request i receives out_cache_loc[o_i : o_i + n_i] at positions [start_i, end_i), where

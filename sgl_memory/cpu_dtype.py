@@ -85,7 +85,9 @@ def choose_auto(capability: str, flags: set[str]) -> DtypeChoice:
         reason = f"the CPU has {' and '.join(have)} (torch capability {capability}): bf16 matmuls run in hardware"
         dtype = "bfloat16"
     elif have:
-        reason = f"the CPU has {' and '.join(have)} but torch runs {capability} kernels: bf16 would convert through float32"
+        reason = (
+            f"the CPU has {' and '.join(have)} but torch runs {capability} kernels: bf16 would convert through float32"
+        )
         dtype = "float32"
     else:
         reason = f"no AMX or AVX512-BF16 (torch capability {capability}): bf16 would convert through float32"
@@ -93,8 +95,9 @@ def choose_auto(capability: str, flags: set[str]) -> DtypeChoice:
     return DtypeChoice(dtype, dtype, "auto", reason, capability, have)
 
 
-def choose(given: str | None = None, env: dict | None = None, capability: str | None = None,
-           flags: set[str] | None = None) -> DtypeChoice:  # fmt: skip
+def choose(
+    given: str | None = None, env: dict | None = None, capability: str | None = None, flags: set[str] | None = None
+) -> DtypeChoice:
     """The dtype a CPU server runs in: `given` (the user's `--dtype`) first, then SGLMEMORY_DTYPE,
     then the CPU's choice. A value neither names nor aliases (`auto` for SGLang's own choice
     from the model's config, `half`, ...) passes through as given."""

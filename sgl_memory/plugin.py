@@ -75,14 +75,22 @@ def _assigned(cls: type) -> frozenset[str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
         return frozenset()
-    return frozenset(n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-                     and isinstance(n.value, ast.Name) and n.value.id == "self")  # fmt: skip
+    return frozenset(
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    )
 
 
 def has_field(cls: type, name: str) -> bool:
     """Whether instances of `cls` have the attribute `name`: a class member (method, property) or
     one the code of it or of an SGLang base assigns."""
-    return any(name in vars(base) or (base.__module__.startswith("sglang") and name in _assigned(base)) for base in cls.__mro__)
+    return any(
+        name in vars(base) or (base.__module__.startswith("sglang") and name in _assigned(base)) for base in cls.__mro__
+    )
 
 
 def missing_targets(specs: list) -> list:

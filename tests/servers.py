@@ -75,7 +75,9 @@ class Spec:
             flags += ["--max-total-tokens", str(POOL_TOKENS)]
         if self.plain:
             path = models.model_dir(self.model)
-            command, plain_env = harness.plain_sglang(path, *harness.cpu_flags(path, "torch_native", POOL_TOKENS), *flags)
+            command, plain_env = harness.plain_sglang(
+                path, *harness.cpu_flags(path, "torch_native", POOL_TOKENS), *flags
+            )
             return command, env | {k: plain_env[k] for k in ("SGLANG_USE_CPU_ENGINE", "SGLANG_PLUGINS")}
         # the session store a config leaves to its default (`plain`, `qwen`: the user's cache
         # directory) is the server's own, never the user's
@@ -101,29 +103,38 @@ def _zero_head(directory: Path) -> None:
 BLOCKS = "  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
 # Every mechanism on, in the dtype the launcher picks for this CPU. Intent's budget is above any
 # test prompt (a test that prunes asks for its budget); SentenceKV's is the section's default.
-ALL = (f"intent:\n  enabled: true\n  budget: 100000\n  query_tail: 16\n"
-       f"memory:\n  enabled: true\n{BLOCKS}  top_k: 4\n"
-       f"persist:\n  enabled: true\n  dir: {{dir}}/store\n  quant: {EXACT_QUANT}\n"
-       "sentencekv:\n  enabled: true\n"
-       "sessions:\n  tenant_header: true\n")  # fmt: skip
+ALL = (
+    f"intent:\n  enabled: true\n  budget: 100000\n  query_tail: 16\n"
+    f"memory:\n  enabled: true\n{BLOCKS}  top_k: 4\n"
+    f"persist:\n  enabled: true\n  dir: {{dir}}/store\n  quant: {EXACT_QUANT}\n"
+    "sentencekv:\n  enabled: true\n"
+    "sessions:\n  tenant_header: true\n"
+)
+
+
 # The float32 references' server: intent with the rule scorer, its zero-init learned head and
 # training traces; memory placed after the system message (KEEP's questions); KEEP with its
 # traces; persistence (the memory entries survive a restart); the entries' grouping thresholds.
 def fp32_config(intent: str = "  budget: 4096\n  scorer: memory\n", memory: str = "") -> str:
     """The float32 servers' config, with a server's own intent budget and scorer, and memory settings."""
-    return (f"intent:\n  enabled: true\n{intent}  query_tail: 16\n  sinks: 4\n  budget_floor: 32\n  budget_ceiling: 512\n"
-            "  head: {dir}/zero_head.safetensors\n  trace_dir: {dir}/intent-traces\n"
-            f"memory:\n  enabled: true\n{BLOCKS}  top_k: 8\n  placement: after_system\n  static_after: 2\n  group_threshold: 0.3\n{memory}"
-            "keep:\n  enabled: true\n  trace_dir: {dir}/keep-traces\n"
-            "persist:\n  enabled: true\n  dir: {dir}/store\n  quant: fp32\n")  # fmt: skip
+    return (
+        f"intent:\n  enabled: true\n{intent}  query_tail: 16\n  sinks: 4\n  budget_floor: 32\n  budget_ceiling: 512\n"
+        "  head: {dir}/zero_head.safetensors\n  trace_dir: {dir}/intent-traces\n"
+        f"memory:\n  enabled: true\n{BLOCKS}  top_k: 8\n  placement: after_system\n  static_after: 2\n"
+        f"  group_threshold: 0.3\n{memory}"
+        "keep:\n  enabled: true\n  trace_dir: {dir}/keep-traces\n"
+        "persist:\n  enabled: true\n  dir: {dir}/store\n  quant: fp32\n"
+    )
 
 
 def tp_config(persist: str) -> str:
     """The TP test's session at TP 1 and 2 (float32), with a server's own persistence settings."""
-    return ("intent:\n  enabled: true\n  budget: 128\n  query_tail: 16\n"
-            f"persist:\n  enabled: true\n  dir: {{dir}}/store\n{persist}"
-            f"memory:\n  enabled: true\n{BLOCKS}  top_k: 4\n  placement: after_system\n"
-            "keep:\n  enabled: true\n")  # fmt: skip
+    return (
+        "intent:\n  enabled: true\n  budget: 128\n  query_tail: 16\n"
+        f"persist:\n  enabled: true\n  dir: {{dir}}/store\n{persist}"
+        f"memory:\n  enabled: true\n{BLOCKS}  top_k: 4\n  placement: after_system\n"
+        "keep:\n  enabled: true\n"
+    )
 
 
 TP_FLAGS = ("--dtype", "float32")
@@ -136,52 +147,103 @@ TP_FLAGS = ("--dtype", "float32")
 TP_UNSET = ("SGLANG_CPU_OMP_THREADS_BIND", *AVX2_ONLY)
 
 CATALOGUE: dict[str, Spec] = {
-    "plain": Spec("the README's default way: our launcher, no memory config, so persistence on in the user's cache "
-                  "directory (end to end, hardening, the dtype report, the agent-ready default)"),
-    "all": Spec("every mechanism on in one server, in the launcher's dtype: composed, memory, persistence, SentenceKV, "
-                "determinism, replicas; tenants from x-tenant-id, the Responses API's store, one served model name "
-                "for the router", config=ALL,
-                flags=("--enable-metrics", "--enable-response-store", "--served-model-name", "m")),  # fmt: skip
-    "fp32": Spec("float32 references (transformers forwards, plain SGLang, the attention backend), as on an AVX2-only "
-                 "CPU: intent, KEEP, the memory entries", config=fp32_config(), flags=("--enable-metrics",),
-                 env=AVX2_ONLY, unset=(cpu_dtype.ENV,), prepare=_zero_head),  # fmt: skip
-    "sglang": Spec("plain SGLang (torch_native attention, float32): the reference our server must equal", plain=True,
-                   flags=("--dtype", "float32")),  # fmt: skip
+    "plain": Spec(
+        "the README's default way: our launcher, no memory config, so persistence on in the user's cache "
+        "directory (end to end, hardening, the dtype report, the agent-ready default)"
+    ),
+    "all": Spec(
+        "every mechanism on in one server, in the launcher's dtype: composed, memory, persistence, SentenceKV, "
+        "determinism, replicas; tenants from x-tenant-id, the Responses API's store, one served model name "
+        "for the router",
+        config=ALL,
+        flags=("--enable-metrics", "--enable-response-store", "--served-model-name", "m"),
+    ),
+    "fp32": Spec(
+        "float32 references (transformers forwards, plain SGLang, the attention backend), as on an AVX2-only "
+        "CPU: intent, KEEP, the memory entries",
+        config=fp32_config(),
+        flags=("--enable-metrics",),
+        env=AVX2_ONLY,
+        unset=(cpu_dtype.ENV,),
+        prepare=_zero_head,
+    ),
+    "sglang": Spec(
+        "plain SGLang (torch_native attention, float32): the reference our server must equal",
+        plain=True,
+        flags=("--dtype", "float32"),
+    ),
     # the agent benchmark's sections (bench/agent/run.py; tests/test_agent.py checks them)
-    "qwen": Spec("the default model: the agent harness, its smoke tests, KV memory's default unit (lines)",
-                 model=models.DEFAULT_MODEL, config="intent:\n  enabled: true\n  budget_floor: 16\nmemory:\n  enabled: true\n" + harness.PERSIST_OFF),  # fmt: skip
-    "qwen_tp1": Spec("the default model in float32 at TP 1: the TP test's reference (every head on one rank), and a "
-                     "session restored from disk in the default format (Q8; no warm tier: a restore reads the file)",
-                     model=models.DEFAULT_MODEL, config=tp_config("  warm_bytes: 0\n"), flags=(*TP_FLAGS, "--tp-size", "1"),
-                     unset=TP_UNSET),  # fmt: skip
-    "qwen_tp2": Spec("tensor parallelism 2 (SmolLM2's 9 heads do not split in two); an exact store, which restores bit "
-                     "for bit", model=models.DEFAULT_MODEL, config=tp_config("  quant: fp32\n"),
-                     flags=(*TP_FLAGS, "--max-total-tokens", "4096", "--tp-size", "2"), unset=TP_UNSET),  # fmt: skip
-    "paged": Spec("page size 16 (intent, memory and KEEP refuse pages): persistence's faults on an exact store with no "
-                  "warm tier and a small pool (eviction), SentenceKV at page size 16",
-                  config=f"persist:\n  enabled: true\n  dir: {{dir}}/store\n  quant: {EXACT_QUANT}\n  warm_bytes: 0\n"
-                         "sentencekv:\n  enabled: true\n",
-                  flags=("--max-total-tokens", "3008", "--page-size", "16")),  # fmt: skip
-    "paged_limited": Spec("a server started on the store of the paged one after it was killed mid-write, under a "
-                          "6 MB file-size limit (a full disk)", config="persist:\n  enabled: true\n  dir: {dir}/store\n  quant: bf16\n",
-                          prefix=("prlimit", "--fsize=6000000", "--"), dir_of="paged", prefetch=False),  # fmt: skip
+    "qwen": Spec(
+        "the default model: the agent harness, its smoke tests, KV memory's default unit (lines)",
+        model=models.DEFAULT_MODEL,
+        config="intent:\n  enabled: true\n  budget_floor: 16\nmemory:\n  enabled: true\n" + harness.PERSIST_OFF,
+    ),
+    "qwen_tp1": Spec(
+        "the default model in float32 at TP 1: the TP test's reference (every head on one rank), and a "
+        "session restored from disk in the default format (Q8; no warm tier: a restore reads the file)",
+        model=models.DEFAULT_MODEL,
+        config=tp_config("  warm_bytes: 0\n"),
+        flags=(*TP_FLAGS, "--tp-size", "1"),
+        unset=TP_UNSET,
+    ),
+    "qwen_tp2": Spec(
+        "tensor parallelism 2 (SmolLM2's 9 heads do not split in two); an exact store, which restores bit for bit",
+        model=models.DEFAULT_MODEL,
+        config=tp_config("  quant: fp32\n"),
+        flags=(*TP_FLAGS, "--max-total-tokens", "4096", "--tp-size", "2"),
+        unset=TP_UNSET,
+    ),
+    "paged": Spec(
+        "page size 16 (intent, memory and KEEP refuse pages): persistence's faults on an exact store with no "
+        "warm tier and a small pool (eviction), SentenceKV at page size 16",
+        config=f"persist:\n  enabled: true\n  dir: {{dir}}/store\n  quant: {EXACT_QUANT}\n  warm_bytes: 0\n"
+        "sentencekv:\n  enabled: true\n",
+        flags=("--max-total-tokens", "3008", "--page-size", "16"),
+    ),
+    "paged_limited": Spec(
+        "a server started on the store of the paged one after it was killed mid-write, under a "
+        "6 MB file-size limit (a full disk)",
+        config="persist:\n  enabled: true\n  dir: {dir}/store\n  quant: bf16\n",
+        prefix=("prlimit", "--fsize=6000000", "--"),
+        dir_of="paged",
+        prefetch=False,
+    ),
 }
 # A second process of a configuration, with a store of its own: a restart (sessions copied into its
 # store, as a server that never saw them finds them on disk), the second replica behind the router,
 # the second of two fresh servers.
 CATALOGUE["all_b"] = replace(CATALOGUE["all"], why="a second server like `all`: restarts, replicas, determinism")
 CATALOGUE["fp32_b"] = replace(
-    CATALOGUE["fp32"], why="a second float32 server: the memory entries' restart, and what needs a setting of its own: "
+    CATALOGUE["fp32"],
+    why="a second float32 server: the memory entries' restart, and what needs a setting of its own: "
     "memory.window (clients that resend the whole history), the toy plugin mechanism, the fuzzed request surface",
-    config=fp32_config("  budget: 96\n", "  window: 128\n") + "plugins: [toy_mechanism]\ntoy:\n  enabled: true\n  max_note: 8\n",
-    env=AVX2_ONLY | {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))},
-)  # fmt: skip
-CATALOGUE["qwen_tp2_b"] = replace(CATALOGUE["qwen_tp2"], why="the TP 2 server restarted on a copy of its store",
-                                  flags=(*CATALOGUE["qwen_tp2"].flags, "--enable-metrics"), prefetch=False)  # fmt: skip
+    config=fp32_config("  budget: 96\n", "  window: 128\n")
+    + "plugins: [toy_mechanism]\ntoy:\n  enabled: true\n  max_note: 8\n",
+    env=AVX2_ONLY
+    | {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))},
+)
+CATALOGUE["qwen_tp2_b"] = replace(
+    CATALOGUE["qwen_tp2"],
+    why="the TP 2 server restarted on a copy of its store",
+    flags=(*CATALOGUE["qwen_tp2"].flags, "--enable-metrics"),
+    prefetch=False,
+)
 
 # The order the server tests run in, a group per server (a test runs with the first server it uses).
-ORDER = ("qwen", "qwen_tp1", "qwen_tp2", "qwen_tp2_b", "sglang", "fp32", "fp32_b", "all", "all_b", "paged",
-         "paged_limited", "plain")  # fmt: skip
+ORDER = (
+    "qwen",
+    "qwen_tp1",
+    "qwen_tp2",
+    "qwen_tp2_b",
+    "sglang",
+    "fp32",
+    "fp32_b",
+    "all",
+    "all_b",
+    "paged",
+    "paged_limited",
+    "plain",
+)
 assert set(ORDER) == set(CATALOGUE)
 
 
@@ -253,8 +315,12 @@ class Pool:
         """Start the servers the tests from `first` on need, in their order, while fewer than
         MAX_LIVE are up."""
         while len(self.live) + len(self.starting) < MAX_LIVE:
-            upcoming = ((i, n) for i in range(max(first, 0), len(self.needs)) for n in sorted(self.needs[i])
-                        if n not in self.live and n not in self.starting and self.catalogue[n].prefetch)  # fmt: skip
+            upcoming = (
+                (i, n)
+                for i in range(max(first, 0), len(self.needs))
+                for n in sorted(self.needs[i])
+                if n not in self.live and n not in self.starting and self.catalogue[n].prefetch
+            )
             i, name = next(upcoming, (None, None))
             if name is None:
                 return
@@ -288,8 +354,10 @@ class Pool:
                 if self.modules[i] == self.modules[self.index]:
                     self.needs[i] = self.needs[i] | {name}
         if not self.marked:
-            raise RuntimeError(f"a test not marked `server` asked for server {name!r}: mark it (pytest.mark.server), so "
-                               "that `-m 'not server'` leaves it out, or do not start a server for it")  # fmt: skip
+            raise RuntimeError(
+                f"a test not marked `server` asked for server {name!r}: mark it (pytest.mark.server), so "
+                "that `-m 'not server'` leaves it out, or do not start a server for it"
+            )
         if name in self.failed:
             raise RuntimeError(f"server {name!r} failed to start earlier in this run:\n{self.failed[name]}")
         if name in self.live:
@@ -326,7 +394,9 @@ class Pool:
         while len(self.live) + len(self.starting) >= MAX_LIVE:
             spare = [n for n in [*self.starting, *self.live] if n not in current]
             if not spare:
-                raise RuntimeError(f"server {name!r} would be the {MAX_LIVE + 1}th up: this test uses {sorted(current)}")
+                raise RuntimeError(
+                    f"server {name!r} would be the {MAX_LIVE + 1}th up: this test uses {sorted(current)}"
+                )
             self._stop(max(spare, key=lambda n: self.next_use(n, self.index) or len(self.needs)))
 
     def stop(self, which: str | harness.Server) -> list:

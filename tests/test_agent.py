@@ -85,7 +85,9 @@ def test_an_unknown_function_or_a_bad_argument_name_is_answered_with_an_error_no
     task = bfcl.tasks(["multi_turn_base"], limit=1)[0]
     backends = bfcl.Backends(task)
     try:
-        strings, results = backends.execute([("__import__", {"name": "os"}), ("ls", {"a=1,b": True}), ("ls", {"__unparsed__": '"x"'})])
+        strings, results = backends.execute(
+            [("__import__", {"name": "os"}), ("ls", {"a=1,b": True}), ("ls", {"__unparsed__": '"x"'})]
+        )
         assert strings == [] and all("not a valid call" in r for r in results)
     finally:
         backends.close()
@@ -101,8 +103,24 @@ def test_the_bfcl_cli_runs_a_task_on_a_real_server_and_resumes(server, tmp_path)
     run does nothing."""
     from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils import execute_multi_turn_func_call
 
-    argv = ["--url", server.url, "--methods", "intentkv-memory/*", "--budgets", "8", "--categories",
-            "multi_turn_base", "--limit", "1", "--max-steps", "1", "--max-tokens", "96", "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--url",
+        server.url,
+        "--methods",
+        "intentkv-memory/*",
+        "--budgets",
+        "8",
+        "--categories",
+        "multi_turn_base",
+        "--limit",
+        "1",
+        "--max-steps",
+        "1",
+        "--max-tokens",
+        "96",
+        "--out",
+        str(tmp_path),
+    ]
     run.main(argv)
     (trace,) = [json.loads(line) for line in (tmp_path / "agent_bfcl.traces.jsonl").read_text().splitlines()]
     assert trace["reason"] in (None, "turn_cap") and len(trace["steps"]) >= 2, trace.get("error")
@@ -111,7 +129,9 @@ def test_the_bfcl_cli_runs_a_task_on_a_real_server_and_resumes(server, tmp_path)
     assert executed, "the model made no valid call"
     fresh = "reference_" + trace["task"]
     for string, result in executed:  # one call at a time: state carries over between calls
-        (want,), _ = execute_multi_turn_func_call([string], task.entry["initial_config"], task.entry["involved_classes"], fresh, task.id)
+        (want,), _ = execute_multi_turn_func_call(
+            [string], task.entry["initial_config"], task.entry["involved_classes"], fresh, task.id
+        )
         assert result == want
     for step in trace["steps"]:
         m = step["metrics"]
@@ -138,13 +158,16 @@ def test_the_bfcl_cli_runs_a_task_on_a_real_server_and_resumes(server, tmp_path)
     assert (tmp_path / "agent_bfcl.tasks.jsonl").read_text() == before
 
 
-@pytest.mark.parametrize("exchanges, kept", [
-    (0, []),
-    (1, ["a2.2", "t2.2.0", "t2.2.1"]),
-    (2, ["a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
-    (3, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
-    (10, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "exchanges, kept",
+    [
+        (0, []),
+        (1, ["a2.2", "t2.2.0", "t2.2.1"]),
+        (2, ["a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+        (3, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+        (10, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+    ],
+)
 def test_a_kv_memory_request_carries_the_system_prompt_the_last_user_message_and_its_last_exchanges(exchanges, kept):
     """The system message, the last user message, then the last `exchanges` assistant messages with
     everything after each (their tool results); written out by hand."""
@@ -160,14 +183,17 @@ def test_a_kv_memory_request_carries_the_system_prompt_the_last_user_message_and
     assert [m["content"] for m in windowed(conversation[:2], exchanges)] == ["tools", "u0"]
 
 
-@pytest.mark.parametrize("tokens, kept", [
-    (None, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
-    (22, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
-    (21, ["a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
-    (16, ["a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
-    (15, ["a2.2", "t2.2.0", "t2.2.1"]),
-    (0, ["a2.2", "t2.2.0", "t2.2.1"]),  # the last exchange goes whatever its size
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens, kept",
+    [
+        (None, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+        (22, ["a2.0", "t2.0.0", "a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+        (21, ["a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+        (16, ["a2.1", "t2.1.0", "a2.2", "t2.2.0", "t2.2.1"]),
+        (15, ["a2.2", "t2.2.0", "t2.2.1"]),
+        (0, ["a2.2", "t2.2.0", "t2.2.1"]),  # the last exchange goes whatever its size
+    ],
+)
 def test_a_token_window_leaves_out_the_oldest_exchanges_that_do_not_fit(tokens, kept):
     """Three exchanges of 6, 6 and 10 tokens (here a message of n characters counts n // 2, a tool
     result one more), in a window of three exchanges; written out by hand."""
@@ -243,9 +269,33 @@ def test_the_bcp_cli_answers_a_question_on_a_real_server(server, tmp_path):
     history budget pruned the searches' output, KV memory's requests left out the older exchanges
     and got blocks back from the session's memory instead, and agreement was asked at each of the full
     cache's decision points."""
-    argv = ["--url", server.url, "--workload", "bcp", "--methods", "full cache", "intentkv-memory/*", "kv memory",
-            "--budgets", "32", "--memory-window", "1", "--tasks", "locomo-c0-*", "--limit", "1", "--max-steps", "2",
-            "--max-tokens", "64", "--snippet-words", str(SNIPPET), "--agreement", "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--url",
+        server.url,
+        "--workload",
+        "bcp",
+        "--methods",
+        "full cache",
+        "intentkv-memory/*",
+        "kv memory",
+        "--budgets",
+        "32",
+        "--memory-window",
+        "1",
+        "--tasks",
+        "locomo-c0-*",
+        "--limit",
+        "1",
+        "--max-steps",
+        "2",
+        "--max-tokens",
+        "64",
+        "--snippet-words",
+        str(SNIPPET),
+        "--agreement",
+        "--out",
+        str(tmp_path),
+    ]
     run.main(argv)
     traces = {t["method"]: t for t in map(json.loads, (tmp_path / "agent_bcp.traces.jsonl").read_text().splitlines())}
     assert set(traces) == {"full cache", "intentkv-memory/dead_slot@32", "kv memory"}
@@ -254,7 +304,9 @@ def test_the_bcp_cli_answers_a_question_on_a_real_server(server, tmp_path):
     for trace in traces.values():
         searched = 0
         for step in trace["steps"]:
-            for (name, arguments), result in zip([c for c in step["calls"] if c[0] != "answer"], step.get("results", [])):
+            for (name, arguments), result in zip(
+                [c for c in step["calls"] if c[0] != "answer"], step.get("results", [])
+            ):
                 if name == "search":
                     searched += 1
                     assert result == bcp.render([corpus[i] for i in cache[arguments["query"]]], SNIPPET)
@@ -271,13 +323,18 @@ def test_the_bcp_cli_answers_a_question_on_a_real_server(server, tmp_path):
         assert i == 0 or step["metrics"]["retrieved_blocks"] > 0
         if i >= 1:  # the request held the last exchange's tool results only; older ones come back as blocks
             assert tokenizer.decode(ids).count("<tool_response>") == len(recalled["steps"][i - 1]["results"])
-    (agreement,) = [json.loads(line) for line in (tmp_path / "agent_bcp.agreement.jsonl").read_text().splitlines()
-                    if json.loads(line)["method"] == "intentkv-memory/dead_slot@32"]  # fmt: skip
+    (agreement,) = [
+        json.loads(line)
+        for line in (tmp_path / "agent_bcp.agreement.jsonl").read_text().splitlines()
+        if json.loads(line)["method"] == "intentkv-memory/dead_slot@32"
+    ]
     assert agreement["points"] == len(traces["full cache"]["steps"])
     rows = {r["method"]: r for r in json.loads((tmp_path / "agent_bcp.json").read_text())["rows"]}
     assert rows["intentkv-memory/dead_slot@32"]["next_action_agreement"] == agreement["agree"] / agreement["points"]
     assert rows["kv memory"]["agreement_points"] == len(traces["full cache"]["steps"])
-    assert rows["full cache"]["f1"] == traces["full cache"]["f1"] and rows["full cache"]["next_action_agreement"] is None
+    assert (
+        rows["full cache"]["f1"] == traces["full cache"]["f1"] and rows["full cache"]["next_action_agreement"] is None
+    )
 
 
 @pytest.mark.server
@@ -292,8 +349,14 @@ def test_the_frontend_research_agent_runs_a_question_in_its_session(server):
     example = load_example("research_agent")
     sgl.set_default_backend(MemoryEndpoint(server.url))
     workload = bcp.Workload(bcp.Corpus(bcp.locomo_corpus()), [], snippet_words=SNIPPET)
-    state = example.research.run(question="When did Melanie paint a sunrise?", workload=workload, session_id="frontend-1",
-                                 budget=32, budget_mode="history", max_steps=3)  # fmt: skip
+    state = example.research.run(
+        question="When did Melanie paint a sunrise?",
+        workload=workload,
+        session_id="frontend-1",
+        budget=32,
+        budget_mode="history",
+        max_steps=3,
+    )
     steps = [i for i in range(3) if f"action_{i}" in state]
     assert len(steps) >= 1
     metas = [state.get_meta_info(f"action_{i}")["sgl_memory"] for i in steps]
@@ -343,14 +406,20 @@ def test_an_mcp_client_agent_completes_a_query_on_sgl_memory(server):
     from mcp import StdioServerParameters
 
     example = load_example("mcp_search_agent")
-    params = StdioServerParameters(command=sys.executable, args=["-m", "bench.agent.mcp_server", "--transport", "stdio", "--snippet-words", str(SNIPPET)],
-                                   cwd=str(Path(__file__).resolve().parents[1]))  # fmt: skip
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "bench.agent.mcp_server", "--transport", "stdio", "--snippet-words", str(SNIPPET)],
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
     # a quarter of the example's history budget (512), as the hits are an eighth of BCP's length; at
     # 32 the default model's forced answer can run on past its token cap under the default scorer
     # (seen 2026-11-25) and the agent returns nothing
     budget = 128
-    result = asyncio.run(example.research("When did Melanie paint a sunrise?", server.url, params, "mcp-agent-test",
-                                          budget=budget, max_steps=4))  # fmt: skip
+    result = asyncio.run(
+        example.research(
+            "When did Melanie paint a sunrise?", server.url, params, "mcp-agent-test", budget=budget, max_steps=4
+        )
+    )
     assert result["answer"], result["steps"]
     assert any(step["sgl_memory"]["compression_events"] for step in result["steps"])  # the history outgrew the budget
     corpus = bcp.Corpus(bcp.locomo_corpus())
@@ -375,8 +444,22 @@ def mcp_sse(tmp_path):
 
     port = harness.free_port()
     log = (tmp_path / "mcp.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "bench.agent.mcp_server", "--transport", "sse", "--port", str(port), "--snippet-words", str(SNIPPET)],
-                            cwd=Path(__file__).resolve().parents[1], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.agent.mcp_server",
+            "--transport",
+            "sse",
+            "--port",
+            str(port),
+            "--snippet-words",
+            str(SNIPPET),
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 60
         while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
@@ -408,9 +491,17 @@ def test_bcps_qwen_agent_client_runs_against_sgl_memory_and_the_mcp_server(serve
     monkeypatch.chdir(tmp_path)  # qwen-agent's tools make their `workspace` folder in the working directory
 
     def ask(question: str, session_id: str, **cfg) -> list[dict]:
-        llm = {"model": "default", "model_server": server.url + "/v1", "api_key": "EMPTY",
-               "generate_cfg": {"max_tokens": 64, "temperature": 0, **cfg,
-                                "extra_body": {"sgl_memory": {"session_id": session_id, "budget": 32, "budget_mode": "history"}}}}  # fmt: skip
+        llm = {
+            "model": "default",
+            "model_server": server.url + "/v1",
+            "api_key": "EMPTY",
+            "generate_cfg": {
+                "max_tokens": 64,
+                "temperature": 0,
+                **cfg,
+                "extra_body": {"sgl_memory": {"session_id": session_id, "budget": 32, "budget_mode": "history"}},
+            },
+        }
         bot = Assistant(llm=llm, function_list=[{"mcpServers": {"search-server": {"url": mcp_sse}}}])
         response = []
         for response in bot.run(messages=[{"role": "user", "content": question}]):
@@ -434,7 +525,11 @@ def test_bcps_qwen_agent_client_runs_against_sgl_memory_and_the_mcp_server(serve
         query = json.loads(message["function_call"]["arguments"])["query"]
         assert re.findall(r'"docid": "([^"]+)"', result["content"]) == [d.docid for d in corpus.search(query)]
     after = stats()
-    assert after["counts"]["session_key_source"]["session_id"] - before["counts"]["session_key_source"].get("session_id", 0) >= 1 + 3
+    assert (
+        after["counts"]["session_key_source"]["session_id"]
+        - before["counts"]["session_key_source"].get("session_id", 0)
+        >= 1 + 3
+    )
     assert after["totals"]["compression_events"] > before["totals"]["compression_events"]
 
 
@@ -453,9 +548,22 @@ def test_the_shipped_pruner_head_prunes_a_bfcl_session_on_the_default_model(serv
         for name, arguments in bfcl.as_calls(task, task.ground_truth[0]):
             outs = {}
             for scorer in ("learned", "memory"):
-                body = {"model": "default", "messages": messages, "tools": tools, "max_tokens": 2, "temperature": 0,
-                        "ignore_eos": True, "logprobs": True, "top_logprobs": 5,
-                        "sgl_memory": {"session_id": f"shipped-head-{scorer}", "scorer": scorer, "budget": 48, "budget_mode": "history"}}  # fmt: skip
+                body = {
+                    "model": "default",
+                    "messages": messages,
+                    "tools": tools,
+                    "max_tokens": 2,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": True,
+                    "top_logprobs": 5,
+                    "sgl_memory": {
+                        "session_id": f"shipped-head-{scorer}",
+                        "scorer": scorer,
+                        "budget": 48,
+                        "budget_mode": "history",
+                    },
+                }
                 r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=600)
                 assert r.status_code == 200, r.text
                 out = r.json()

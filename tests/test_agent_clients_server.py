@@ -43,13 +43,21 @@ def server(fp32_b_server):
     config = fp32_b_server.get("/sgl_memory/info").json()["config"]
     memory = config["memory"]
     assert (config["intent"]["budget"], config["intent"]["query_tail"], memory["window"]) == (BUDGET, 16, WINDOW)
-    assert (memory["block_size"], memory["top_k"], memory["cut"], memory["unit"], memory["placed_tokens"], memory["placement"]) == \
-        (16, 8, "tokens", "block", 0, "after_system")  # fmt: skip
+    assert (
+        memory["block_size"],
+        memory["top_k"],
+        memory["cut"],
+        memory["unit"],
+        memory["placed_tokens"],
+        memory["placement"],
+    ) == (16, 8, "tokens", "block", 0, "after_system")
     return fp32_b_server
 
 
 def generate(server, ids, field, n=12):
-    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": field})
+    r = server.post(
+        "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": field}
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     return out["output_ids"], out["meta_info"]["sgl_memory"]

@@ -28,7 +28,12 @@ def servers(fp32_server, sglang_server):
 
 
 def greedy(server, text):
-    body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 24}, "return_logprob": True, "top_logprobs_num": 2}
+    body = {
+        "text": text,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 24},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
     r = server.post("/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -60,7 +65,10 @@ def test_greedy_outputs_equal_torch_native(servers):
             flips += 1
             for out in (ours, ref):
                 top = out["meta_info"]["output_top_logprobs"][part]
-                assert {t for _, t, *_ in top} == {a[part], b[part]} and abs(top[0][0] - top[1][0]) < TIE, (text[-40:], top)
+                assert {t for _, t, *_ in top} == {a[part], b[part]} and abs(top[0][0] - top[1][0]) < TIE, (
+                    text[-40:],
+                    top,
+                )
         cached += ours["meta_info"]["cached_tokens"]
     assert flips <= 1, f"{flips} prompts parted from torch_native"
     assert cached > 2 * len(LONG) // 8  # the prefix paths were exercised, not only cold prefill

@@ -43,10 +43,46 @@ BUDGET = 96
 SKV_BUDGET, SKV_ALWAYS = 32, 4 + 32  # SentenceKV's budget; its sinks and recent rows (the defaults)
 FACT = "My locker code is 4812."
 SYSTEM = {"role": "system", "content": "You are a brief assistant."}
-TOPICS = ["rivers", "owls", "copper", "tea", "glaciers", "violins", "bees", "comets", "salt", "maple trees",
-          "otters", "granite", "kites", "lighthouses", "penguins", "volcanoes", "paper", "wolves", "coral",
-          "bridges", "clocks", "deserts", "honey", "tigers", "rain", "glass", "moss", "trains", "whales",
-          "cotton", "lakes", "pepper", "rockets", "sand", "bats", "ink", "tulips", "caves"]  # fmt: skip
+TOPICS = [
+    "rivers",
+    "owls",
+    "copper",
+    "tea",
+    "glaciers",
+    "violins",
+    "bees",
+    "comets",
+    "salt",
+    "maple trees",
+    "otters",
+    "granite",
+    "kites",
+    "lighthouses",
+    "penguins",
+    "volcanoes",
+    "paper",
+    "wolves",
+    "coral",
+    "bridges",
+    "clocks",
+    "deserts",
+    "honey",
+    "tigers",
+    "rain",
+    "glass",
+    "moss",
+    "trains",
+    "whales",
+    "cotton",
+    "lakes",
+    "pepper",
+    "rockets",
+    "sand",
+    "bats",
+    "ink",
+    "tulips",
+    "caves",
+]
 TURNS = [f"{FACT} Please remember it."] + [f"Tell me one short fact about {t}." for t in TOPICS]  # turns 1..39
 
 
@@ -85,8 +121,13 @@ def fields(case: Case) -> dict:
 
 
 def chat(server, case: Case, messages, max_tokens=12, **memory):
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "sgl_memory": {"session_id": "agent", "tenant": case.tenant, **fields(case), **memory}}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "sgl_memory": {"session_id": "agent", "tenant": case.tenant, **fields(case), **memory},
+    }
     r = server.post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -119,7 +160,11 @@ def wait_written(store: Path, case: Case, turns: int, path_tokens: int, timeout:
                 with safe_open(str(path), "pt") as f:
                     done = int(f.metadata()["tokens"]) >= path_tokens
                     if case.has("intent"):
-                        done = done and "s.intent.updates" in f.keys() and int(f.get_tensor("s.intent.updates")[0]) >= turns
+                        done = (
+                            done
+                            and "s.intent.updates" in f.keys()
+                            and int(f.get_tensor("s.intent.updates")[0]) >= turns
+                        )
                     if case.has("memory"):
                         done = done and "s.memory.meta" in f.keys() and int(f.get_tensor("s.memory.meta")[0]) >= turns
                     if done:
@@ -147,7 +192,9 @@ def session(request, all_server, all_b_server, pool):
     first = run(a, case, messages, TURNS[: case.restart])
     stored = wait_written(a.dir / "store", case, case.restart, first[-1][1]["prompt_tokens"])
     pool.copy_sessions(a, b, case.tenant)  # B restarts the session from turn `restart`'s file
-    reference = run(a, case, list(messages), TURNS[case.restart : case.restart + 1])[0]  # the server that never restarted
+    reference = run(a, case, list(messages), TURNS[case.restart : case.restart + 1])[
+        0
+    ]  # the server that never restarted
     return Session(case, b, messages, first, reference, b.dir / "store" / stored.relative_to(a.dir / "store"))
 
 
@@ -210,8 +257,15 @@ def test_a_fact_from_turn_1_is_recalled_as_kv_at_the_last_turn(session):
 
     messages = list(session.messages)
     done = len(session.first)
-    run(session.server, session.case, messages, TURNS[done : session.case.turns])  # the turns after the restart, on the restarted server
-    answer, usage, metrics = chat(session.server, session.case, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={"top_k": 8})
+    run(
+        session.server, session.case, messages, TURNS[done : session.case.turns]
+    )  # the turns after the restart, on the restarted server
+    answer, usage, metrics = chat(
+        session.server,
+        session.case,
+        [SYSTEM, {"role": "user", "content": "What is my locker code?"}],
+        memory={"top_k": 8},
+    )
     # turn 1 is the pool's first turn (its whole first request): the fact's tokens must be placed
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
     text = tokenizer.apply_chat_template([SYSTEM, {"role": "user", "content": TURNS[0]}], tokenize=False)
@@ -220,7 +274,10 @@ def test_a_fact_from_turn_1_is_recalled_as_kv_at_the_last_turn(session):
     at = next(i for i in range(len(turn_1)) if turn_1[i : i + len(code)] == code)
     assert any(turn == 0 and offset <= at < offset + n for turn, offset, n in metrics["retrieved_spans"]), metrics
     # every mechanism on reports in the one object
-    assert metrics["retrieved_blocks"] > 0 and usage["prompt_tokens_details"]["cached_tokens"] >= metrics["memory_kv_tokens"]
+    assert (
+        metrics["retrieved_blocks"] > 0
+        and usage["prompt_tokens_details"]["cached_tokens"] >= metrics["memory_kv_tokens"]
+    )
     assert (metrics.get("budget") == BUDGET) == session.case.has("intent")
     assert "persist_error" in metrics
 
@@ -243,9 +300,18 @@ def test_sentencekv_reads_part_of_each_pruned_turn_and_the_recall(session):
         assert m["kv_read_per_step"] <= SKV_ALWAYS + SKV_BUDGET + generated + 1e-9
         if live > SKV_ALWAYS + SKV_BUDGET:
             assert m["retrieved_sentences"] >= 1 and m["kv_read_per_step"] < live + generated
-    _, usage, recall = chat(session.server, session.case, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={"top_k": 8})
+    _, usage, recall = chat(
+        session.server,
+        session.case,
+        [SYSTEM, {"role": "user", "content": "What is my locker code?"}],
+        memory={"top_k": 8},
+    )
     assert recall["retrieved_blocks"] > 0 and recall["decode_steps"] == usage["completion_tokens"] - 1
-    assert min(usage["prompt_tokens"], 2 * SKV_BUDGET) <= recall["kept_tokens"] <= min(usage["prompt_tokens"], SKV_ALWAYS + 2 * SKV_BUDGET)
+    assert (
+        min(usage["prompt_tokens"], 2 * SKV_BUDGET)
+        <= recall["kept_tokens"]
+        <= min(usage["prompt_tokens"], SKV_ALWAYS + 2 * SKV_BUDGET)
+    )
 
 
 @pytest.mark.parametrize("who", [{"tenant": "composed-other"}, {"session_id": "agent-2"}])
@@ -258,7 +324,9 @@ def test_another_tenant_or_session_gets_nothing_of_the_session(session, who):
     _, _, first = chat(b, session.case, messages[:2], **who)
     assert first["restored_tokens"] == 0 and first["text_match"] is None
     assert first["query_memory_turns"] == 1
-    _, _, recall = chat(b, session.case, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={"top_k": 8}, **who)
+    _, _, recall = chat(
+        b, session.case, [SYSTEM, {"role": "user", "content": "What is my locker code?"}], memory={"top_k": 8}, **who
+    )
     # its pool holds only its own first turn (about 45 tokens; the session's holds its turns)
     assert recall["retrieved_turns"] == [0] and recall["memory_blocks"] <= 4
     assert recall["query_memory_turns"] == 2

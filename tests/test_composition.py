@@ -24,7 +24,11 @@ def fake(name: str, order: int = 0, log: list | None = None, **answers) -> Mecha
         return method
 
     attrs = {hook: answer(hook, value) for hook, value in answers.items()}
-    cls = type(f"Fake_{name}", (Mechanism,), {"order": order, "settings": object, "build": classmethod(lambda c, *a: c()), **attrs})
+    cls = type(
+        f"Fake_{name}",
+        (Mechanism,),
+        {"order": order, "settings": object, "build": classmethod(lambda c, *a: c()), **attrs},
+    )
     cls.name = name
     return cls()
 
@@ -40,7 +44,10 @@ class Req:
 def test_hooks_run_in_order_and_every_open_before_the_first_admit():
     log = []
     spec = type("Spec", (), {"admits": lambda self, m: m.name != "skipped"})()
-    mechanisms = [fake(n, order, log, open=None, admit=None, on_release=None) for n, order in (("c", 30), ("a", 10), ("b", 20), ("skipped", 0))]
+    mechanisms = [
+        fake(n, order, log, open=None, admit=None, on_release=None)
+        for n, order in (("c", 30), ("a", 10), ("b", 20), ("skipped", 0))
+    ]
     composed = Composition(mechanisms)
     assert [m.name for m in composed.mechanisms] == ["skipped", "a", "b", "c"]
     composed.admit(None, Req(), spec)
@@ -78,13 +85,16 @@ def test_the_least_match_limit_and_the_union_of_held_requests():
     assert held.before_prefill(None, [], False) == ["r1", "r2", "r3"]
 
 
-@pytest.mark.parametrize("hook, call, what", [
-    ("on_checkpoint", lambda c: c.checkpoint(Req(), None), "edits the request's row"),
-    ("branches", lambda c: c.branches(Req()), "branches the request's path"),
-    ("position_shift", lambda c: c.position_shift("r"), "shifts the request's positions"),
-    ("step_reads", lambda c: c.step_reads("r"), "chooses the request's decode reads"),
-    ("placed_kv", lambda c: c.placed_kv(Req()), "places KV for the request's repair"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "hook, call, what",
+    [
+        ("on_checkpoint", lambda c: c.checkpoint(Req(), None), "edits the request's row"),
+        ("branches", lambda c: c.branches(Req()), "branches the request's path"),
+        ("position_shift", lambda c: c.position_shift("r"), "shifts the request's positions"),
+        ("step_reads", lambda c: c.step_reads("r"), "chooses the request's decode reads"),
+        ("placed_kv", lambda c: c.placed_kv(Req()), "places KV for the request's repair"),
+    ],
+)
 def test_at_most_one_mechanism_answers_for_a_request(hook, call, what):
     one = Composition([fake("a", **{hook: "answer"}), fake("b")])
     assert call(one) == "answer"
@@ -141,3 +151,18 @@ def test_the_start_up_check_names_every_problem(monkeypatch):
     assert any(p.startswith("intent needs page size 1 (got 16)") for p in found)
     with pytest.raises(config.ConfigError, match="together are not supported yet: a reason"):
         composition.check(cfg)
+
+
+def test_the_architecture_page_gives_a_rule_for_every_hook():
+    """docs/architecture.md's table of composition rules names every hook of a built mechanism (the
+    contract's instance methods) once: a hook added to the contract without a rule fails here."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    section = text.split("## How mechanisms compose", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    named = [hook for cell in rows for hook in re.findall(r"`(\w+)`", cell)]
+    hooks = {n for n, f in vars(Mechanism).items() if inspect.isfunction(f) and not n.startswith("_")}
+    assert sorted(named) == sorted(hooks)

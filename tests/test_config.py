@@ -35,13 +35,22 @@ def test_example_config_is_valid_and_equals_defaults():
 @pytest.mark.parametrize(
     "text, needle",
     [
-        ("intnet:\n  budget: 3\n", "intnet: unknown key; allowed keys: plugins, sessions, intent, keep, memory, persist"),
+        (
+            "intnet:\n  budget: 3\n",
+            "intnet: unknown key; allowed keys: plugins, sessions, intent, keep, memory, persist",
+        ),
         ("intent:\n  budgett: 3\n", "intent.budgett: unknown key"),
-        ("intent:\n  scorer: magic\n", "intent.scorer: 'magic' is not allowed; allowed values: memory, memory_pool, query"),
+        (
+            "intent:\n  scorer: magic\n",
+            "intent.scorer: 'magic' is not allowed; allowed values: memory, memory_pool, query",
+        ),
         ("persist:\n  quant: q2\n", "persist.quant: 'q2' is not allowed; allowed values: q4, q8, bf16, fp32"),
         ("intent:\n  budget: 0\n", "intent.budget: invalid value; allowed: an integer in [1, 2147483647]"),
         ("intent:\n  budget: many\n", "intent.budget: 'many' is not allowed; expected an integer"),
-        ("intent:\n  enabled: yes please\n", "intent.enabled: 'yes please' is not allowed; allowed values: true, false"),
+        (
+            "intent:\n  enabled: yes please\n",
+            "intent.enabled: 'yes please' is not allowed; allowed values: true, false",
+        ),
         ("intent:\n  decay: 1.5\n", "intent.decay: invalid value"),
         ("memory:\n  cut: tokens\n", "memory.unit: invalid value; allowed: block, or line with cut: lines"),
         ("memory:\n  placed_tokens: -2\n", "memory.placed_tokens: invalid value"),
@@ -83,7 +92,9 @@ def test_a_declared_conflict_is_refused_where_the_tree_is_built(tmp_path, monkey
     check_config(config.MemoryConfig())  # imports (registers) every mechanism
     monkeypatch.setattr(mechanism.REGISTRY["memory"], "conflicts", {"intent": "a reason"})
     cfg = config.load(write(tmp_path, "intent:\n  enabled: true\nmemory:\n  enabled: true\n"))
-    with pytest.raises(config.ConfigError, match="memory.enabled and intent.enabled together are not supported yet: a reason"):
+    with pytest.raises(
+        config.ConfigError, match="memory.enabled and intent.enabled together are not supported yet: a reason"
+    ):
         check_config(cfg)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=1)
     with pytest.raises(config.ConfigError):
@@ -98,7 +109,10 @@ def scale_matrix() -> dict[str, tuple[bool, bool]]:
     text = (Path(__file__).resolve().parents[1] / "docs" / "deployment.md").read_text()
     section = text.split("## Tensor parallelism and page size", 1)[1].split("\n#", 1)[0]
     rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| `")]
-    return {name.strip(" `"): (page.strip().startswith("refused"), tp.strip().startswith("refused")) for name, page, tp in rows}
+    return {
+        name.strip(" `"): (page.strip().startswith("refused"), tp.strip().startswith("refused"))
+        for name, page, tp in rows
+    }
 
 
 @pytest.mark.parametrize("tp_size, page_size", [(2, 1), (1, 16), (2, 16)])
@@ -125,7 +139,9 @@ def test_a_mechanism_not_correct_at_a_tp_or_page_size_stops_start_up_with_its_re
         with pytest.raises(config.ConfigError) as exc:
             check(cfg, tp_size, page_size)
         assert str(exc.value).count(f"{name} ") == refused, str(exc.value)
-        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=page_size)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=None, page_size=page_size
+        )
         with pytest.raises(config.ConfigError, match=f"^{name} "):
             SglMemoryRadixCache(params, cfg, SimpleNamespace(tp_size=tp_size))  # the TP size of SGLang's build context
     check(config.plain(), 8, 64)  # every mechanism off: nothing to refuse

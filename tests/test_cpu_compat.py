@@ -13,7 +13,9 @@ from sgl_memory import cpu_compat
 
 def run_py(code, env_extra=None, cwd=None):
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, cwd=cwd
+    )
 
 
 def test_assign_req_to_token_pool_matches_elementwise_reference():
@@ -69,7 +71,8 @@ def test_a_real_sgl_kernel_is_never_shadowed(tmp_path):
     (pkg / "__init__.py").write_text("REAL = True\n")
     (pkg / "ops.py").write_text("X = 1\n")
     r = run_py(
-        "import sgl_kernel, sgl_kernel.ops; print(sgl_kernel.REAL, sgl_kernel.ops.X, hasattr(sgl_kernel, 'SGL_MEMORY_STUB'))",
+        "import sgl_kernel, sgl_kernel.ops; "
+        "print(sgl_kernel.REAL, sgl_kernel.ops.X, hasattr(sgl_kernel, 'SGL_MEMORY_STUB'))",
         {"PYTHONPATH": str(tmp_path)},
     )
     assert r.returncode == 0, r.stderr

@@ -102,7 +102,9 @@ def test_the_loader_copies_each_layers_rows_to_the_gpu_on_its_own_stream(mode):
 
 def on_gpu(v: LayerView) -> LayerView:
     """The view with every tensor on the GPU (`reduce` is the tree's function, not a tensor)."""
-    return replace(v, **{f.name: getattr(v, f.name).to(CUDA) for f in fields(v) if isinstance(getattr(v, f.name), torch.Tensor)})
+    return replace(
+        v, **{f.name: getattr(v, f.name).to(CUDA) for f in fields(v) if isinstance(getattr(v, f.name), torch.Tensor)}
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))
@@ -145,8 +147,11 @@ def test_sentencekv_reads_from_gpu_keys_and_queries_what_it_reads_from_host_ones
     def steps(device):
         tables = [table(positions[i], groups, keys[i].to(device)) for i in range(layers)]
         reads = SentenceReads(torch.tensor([0, 1, 399]), tables, prompt, budget=60, interval=2, ends=ends.numpy())
-        return [reads.positions(layer, queries[s, layer].to(device), s * 7, prompt + s).tolist()
-                for s in range(4) for layer in range(layers)]  # fmt: skip
+        return [
+            reads.positions(layer, queries[s, layer].to(device), s * 7, prompt + s).tolist()
+            for s in range(4)
+            for layer in range(layers)
+        ]
 
     assert steps(CUDA) == steps("cpu")
 
@@ -180,4 +185,3 @@ def test_decoding_into_a_gpu_buffer_slice_equals_the_host_decode(bits, axis):
     dequantize(gpu, out=buffer[50:250])
     torch.testing.assert_close(buffer[50:250].cpu(), dequantize(host), rtol=0, atol=1e-2)
     assert bool((buffer[:50] == 5).all()) and bool((buffer[250:] == 5).all())
-

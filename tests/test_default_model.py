@@ -56,8 +56,12 @@ TOUCH = {
         "name": "touch",
         "description": "Create an empty file in the current directory.",
         "strict": True,
-        "parameters": {"type": "object", "properties": {"file_name": {"type": "string"}}, "required": ["file_name"],
-                       "additionalProperties": False},  # fmt: skip
+        "parameters": {
+            "type": "object",
+            "properties": {"file_name": {"type": "string"}},
+            "required": ["file_name"],
+            "additionalProperties": False,
+        },
     },
 }
 
@@ -65,9 +69,17 @@ TOUCH = {
 def test_a_strict_tool_schema_constrains_the_arguments(qwen):
     """Without `strict` SGLang constrains only a call's framing and name (the default model once
     gave `touch` the arguments ["a.txt", "b"]); with it, the arguments follow the schema."""
-    r = qwen.post("/v1/chat/completions", {
-        "model": "default", "messages": [{"role": "user", "content": "Create the files a.txt and b.txt."}],
-        "tools": [TOUCH], "tool_choice": "required", "max_tokens": 64, "temperature": 0})  # fmt: skip
+    r = qwen.post(
+        "/v1/chat/completions",
+        {
+            "model": "default",
+            "messages": [{"role": "user", "content": "Create the files a.txt and b.txt."}],
+            "tools": [TOUCH],
+            "tool_choice": "required",
+            "max_tokens": 64,
+            "temperature": 0,
+        },
+    )
     assert r.status_code == 200, r.text
     calls = r.json()["choices"][0]["message"]["tool_calls"]
     assert calls and all(c["function"]["name"] == "touch" for c in calls)

@@ -61,8 +61,14 @@ def test_the_docs_site_builds_strict(tmp_path):
     import sys
 
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -71,7 +77,9 @@ def test_every_config_key_has_its_line_and_the_reference_matches_the_code():
     line of meaning, or a default, bound or key changed in the code but not regenerated, fails."""
     from sgl_memory import config_reference
 
-    unsaid = [f"{name}.{k.name}" for name, (_, keys) in config_reference.sections().items() for k in keys if not k.meaning]
+    unsaid = [
+        f"{name}.{k.name}" for name, (_, keys) in config_reference.sections().items() for k in keys if not k.meaning
+    ]
     assert not unsaid, f"config keys without a line of meaning (a comment beside or above the field): {unsaid}"
     committed = config_reference.OUT.read_text()
     assert committed == config_reference.render(), "run: python -m sgl_memory.config_reference"
@@ -83,10 +91,16 @@ def test_every_config_key_has_its_line_and_the_reference_matches_the_code():
 
     for cls in mechanism.ordered():
         part = committed.split(f"## `{cls.name}`", 1)[1].split("\n## ", 1)[0]
-        rows = {cells[0].strip("| `"): cells[2].strip() for cells in (line.split(" | ") for line in part.splitlines() if line.startswith("| `"))}
+        rows = {
+            cells[0].strip("| `"): cells[2].strip()
+            for cells in (line.split(" | ") for line in part.splitlines() if line.startswith("| `"))
+        }
         for f in dataclasses.fields(cls.settings):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            assert rows[f.name] == (f"`{str(default).lower()}`" if isinstance(default, bool) else f"`{default!r}`"), (cls.name, f.name)
+            assert rows[f.name] == (f"`{str(default).lower()}`" if isinstance(default, bool) else f"`{default!r}`"), (
+                cls.name,
+                f.name,
+            )
 
 
 def readme_example() -> str:
@@ -101,7 +115,11 @@ def test_the_readme_first_agent_runs_as_written(all_server):
     tests/test_server_e2e.py's, and on the `plain` server this chat's template prefix, cached, would
     change how the later tests' bf16 prompts are prefilled): only the address and the session id
     (one of its own) differ from the README's text."""
-    code = readme_example().replace("http://127.0.0.1:30000/v1", all_server.url + "/v1").replace('"agent-1"', '"readme-first-agent"')
+    code = (
+        readme_example()
+        .replace("http://127.0.0.1:30000/v1", all_server.url + "/v1")
+        .replace('"agent-1"', '"readme-first-agent"')
+    )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {})
@@ -138,7 +156,12 @@ def allowed_keys(raw: dict, where: str) -> set[str]:
 def documented_response_keys() -> set[str]:
     text = REQUESTS.read_text()
     section = text[text.index("## The response's") :]
-    return {name for row in section.splitlines() if row.startswith("| [") for name in re.findall(r"`([a-z_]+)`", row.split(" | ")[1])}
+    return {
+        name
+        for row in section.splitlines()
+        if row.startswith("| [")
+        for name in re.findall(r"`([a-z_]+)`", row.split(" | ")[1])
+    }
 
 
 def test_the_request_reference_lists_every_key_the_parser_takes_and_no_other():

@@ -68,7 +68,8 @@ def test_locomo_points_are_independent_questions_with_every_methods_prompt(token
         assert len(traj.ingest) == len(sessions)
         for (_, date), before, ids in zip(sessions, [[]] + traj.ingest, traj.ingest):
             assert ids[: len(before)] == before and tokenizer.decode(ids[len(before) :]).lstrip("\n").startswith(
-                f"{prompts.CONTEXT_HEADER if not before else ''}[{date}] ")
+                f"{prompts.CONTEXT_HEADER if not before else ''}[{date}] "
+            )
         assert pt.alternates["question"] == prompts.question_only(tokenizer, q.question)
         assert pt.gold[-1] == end and tokenizer.decode(pt.gold[:-1]) == str(q.answer)
         for prompt, context in ((pt.history, transcript), (pt.alternates["text"], None)):
@@ -126,8 +127,11 @@ def test_bcp_points_search_read_the_evidence_sessions_and_answer_with_the_gold(t
         c, qa = (int(x) for x in re.fullmatch(r"c(\d+)-q(\d+)", traj.id).groups())
         raw = samples[c]["qa"][qa]
         sessions = list(dict.fromkeys(int(n) for e in raw["evidence"] for n in re.findall(r"D(\d+):", e)))
-        want = [("search", {"query": raw["question"]}), *(("get_document", {"docid": f"c{c}s{n}"}) for n in sessions[: P.BCP_DOCUMENTS]),
-                ("answer", {"answer": str(raw["answer"])})]  # fmt: skip
+        want = [
+            ("search", {"query": raw["question"]}),
+            *(("get_document", {"docid": f"c{c}s{n}"}) for n in sessions[: P.BCP_DOCUMENTS]),
+            ("answer", {"answer": str(raw["answer"])}),
+        ]
         got = []
         for pt, nxt in zip(traj.points, traj.points[1:] + [None]):
             (call,) = re.findall(r"<tool_call>\s*(.*?)\s*</tool_call>", tokenizer.decode(pt.gold), re.S)

@@ -18,15 +18,18 @@ def params(raw) -> dict:
     return {"max_new_tokens": 3, "custom_params": {FIELD: json.dumps(raw), "other": 1}}
 
 
-@pytest.mark.parametrize("obj, fields, batched", [
-    (GenerateReqInput(text="hi"), [None], False),
-    (GenerateReqInput(text="hi", sampling_params=params({"session_id": "s"})), [{"session_id": "s"}], False),
-    (GenerateReqInput(input_ids=[1, 2], sampling_params={"max_new_tokens": 1}), [None], False),
-    (GenerateReqInput(text=["a", "b"], sampling_params=params({"x": 1})), [{"x": 1}], True),
-    (GenerateReqInput(input_ids=[[1], [2]]), [None], True),
-    (GenerateReqInput(text="a", sampling_params=[params({"a": 1}), {"max_new_tokens": 1}]), [{"a": 1}, None], True),
-    (GenerateReqInput(text="a", sampling_params=[]), [], True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "obj, fields, batched",
+    [
+        (GenerateReqInput(text="hi"), [None], False),
+        (GenerateReqInput(text="hi", sampling_params=params({"session_id": "s"})), [{"session_id": "s"}], False),
+        (GenerateReqInput(input_ids=[1, 2], sampling_params={"max_new_tokens": 1}), [None], False),
+        (GenerateReqInput(text=["a", "b"], sampling_params=params({"x": 1})), [{"x": 1}], True),
+        (GenerateReqInput(input_ids=[[1], [2]]), [None], True),
+        (GenerateReqInput(text="a", sampling_params=[params({"a": 1}), {"max_new_tokens": 1}]), [{"a": 1}, None], True),
+        (GenerateReqInput(text="a", sampling_params=[]), [], True),
+    ],
+)
 def test_fields_and_batches_as_the_request_carries_them(obj, fields, batched):
     incoming = IncomingRequest(obj)
     assert incoming.fields() == fields and incoming.batched() == batched

@@ -23,8 +23,14 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.server
 
 EXAMPLES = int(os.environ.get("SGLMEMORY_FUZZ_EXAMPLES", "60"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # fmt: skip
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +41,16 @@ def fuzz_server(fp32_b_server):
 # --- values --------------------------------------------------------------------------------------
 
 text = st.text(st.characters(codec="utf-8"), max_size=60)  # NUL, surrogates excluded by the codec, emoji, RTL
-words = st.lists(st.sampled_from(["agent", "tool", "file", "read", "the", "42", " ", "\n", "é", "<|im_start|>"]),
-                 max_size=40).map("".join)  # fmt: skip
+words = st.lists(
+    st.sampled_from(["agent", "tool", "file", "read", "the", "42", " ", "\n", "é", "<|im_start|>"]), max_size=40
+).map("".join)
 ints = st.one_of(st.integers(-3, 12), st.integers(-(2**70), 2**70), st.sampled_from([2**31, 2**63, 2**64, -(2**63)]))
 scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True), text)
-json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                            st.dictionaries(text, inner, max_size=4)), max_leaves=12)  # fmt: skip
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(text, inner, max_size=4)),
+    max_leaves=12,
+)
 
 
 def either(good, bad=json_values):
@@ -56,45 +66,78 @@ tokens = either(st.integers(0, 8), st.sampled_from([-1, 10**9, 2**64, "4", 2.5, 
 
 
 ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,20}", fullmatch=True)
-memory_query = st.fixed_dictionaries({}, optional={
-    "mode": either(st.sampled_from(["retrieve", "probe", "recall"])),
-    "top_k": either(st.integers(0, 40)),
-    "norm": either(st.sampled_from(["softmax", "rr"])),
-    "store": either(st.booleans()),
-    "probe": either(text),
-})  # fmt: skip
+memory_query = st.fixed_dictionaries(
+    {},
+    optional={
+        "mode": either(st.sampled_from(["retrieve", "probe", "recall"])),
+        "top_k": either(st.integers(0, 40)),
+        "norm": either(st.sampled_from(["softmax", "rr"])),
+        "store": either(st.booleans()),
+        "probe": either(text),
+    },
+)
 sgl_memory = st.one_of(
-    st.fixed_dictionaries({}, optional={
-        "session_id": either(ids), "tenant": either(ids), "budget": either(st.integers(1, 200)),
-        "scorer": either(st.sampled_from(["memory", "query", "snapkv", "h2o", "streaming_llm", "random"])),
-        "layout": either(st.sampled_from(["dead_slot", "compact"])), "memory": either(memory_query),
-    }),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "session_id": either(ids),
+            "tenant": either(ids),
+            "budget": either(st.integers(1, 200)),
+            "scorer": either(st.sampled_from(["memory", "query", "snapkv", "h2o", "streaming_llm", "random"])),
+            "layout": either(st.sampled_from(["dead_slot", "compact"])),
+            "memory": either(memory_query),
+        },
+    ),
     json_values,
-)  # fmt: skip
+)
 maybe_field = st.one_of(st.just({}), st.builds(lambda v: {"sgl_memory": v}, sgl_memory))
-sampling = st.fixed_dictionaries({"max_new_tokens": tokens}, optional={
-    "temperature": either(st.floats(0, 2)), "top_p": either(st.floats(0, 1)), "n": either(st.integers(1, 2)),
-    "stop": either(st.lists(words, max_size=2)), "ignore_eos": st.booleans(),
-})  # fmt: skip
+sampling = st.fixed_dictionaries(
+    {"max_new_tokens": tokens},
+    optional={
+        "temperature": either(st.floats(0, 2)),
+        "top_p": either(st.floats(0, 1)),
+        "n": either(st.integers(1, 2)),
+        "stop": either(st.lists(words, max_size=2)),
+        "ignore_eos": st.booleans(),
+    },
+)
 
 generate_body = st.builds(
     lambda prompt, params, field, stream, extra: {**prompt, "sampling_params": params, **field, **stream, **extra},
-    st.one_of(st.builds(lambda t: {"text": t}, st.one_of(words, text, st.lists(words, min_size=1, max_size=2))),
-              st.builds(lambda t: {"input_ids": t}, st.lists(st.one_of(st.integers(0, 48000), ints), max_size=30))),
-    either(sampling, not_a_dict), maybe_field, st.sampled_from([{}, {"stream": True}]),
+    st.one_of(
+        st.builds(lambda t: {"text": t}, st.one_of(words, text, st.lists(words, min_size=1, max_size=2))),
+        st.builds(lambda t: {"input_ids": t}, st.lists(st.one_of(st.integers(0, 48000), ints), max_size=30)),
+    ),
+    either(sampling, not_a_dict),
+    maybe_field,
+    st.sampled_from([{}, {"stream": True}]),
     st.sampled_from([{}, {"extra_key": "\x00tenant:x"}, {"session_params": {"id": "nope"}}, {"return_logprob": True}]),
-)  # fmt: skip
-message = st.fixed_dictionaries({"role": either(st.sampled_from(["system", "user", "assistant", "tool"])),
-                                 "content": either(st.one_of(words, text))})  # fmt: skip
+)
+message = st.fixed_dictionaries(
+    {
+        "role": either(st.sampled_from(["system", "user", "assistant", "tool"])),
+        "content": either(st.one_of(words, text)),
+    }
+)
 chat_body = st.builds(
-    lambda messages, tokens, field, stream: {"model": "default", "messages": messages, "max_tokens": tokens, **field, **stream},
-    either(st.lists(message, max_size=4)), tokens, maybe_field, st.sampled_from([{}, {"stream": True}]),
-)  # fmt: skip
+    lambda messages, tokens, field, stream: {
+        "model": "default",
+        "messages": messages,
+        "max_tokens": tokens,
+        **field,
+        **stream,
+    },
+    either(st.lists(message, max_size=4)),
+    tokens,
+    maybe_field,
+    st.sampled_from([{}, {"stream": True}]),
+)
 completion_body = st.builds(
     lambda prompt, tokens, field: {"model": "default", "prompt": prompt, "max_tokens": tokens, **field},
     either(st.one_of(words, st.lists(words, max_size=2), st.lists(st.integers(0, 48000), max_size=20))),
-    tokens, maybe_field,
-)  # fmt: skip
+    tokens,
+    maybe_field,
+)
 
 
 # --- the property --------------------------------------------------------------------------------
@@ -128,7 +171,9 @@ def test_fuzzed_completions(fuzz_server, body):
 def test_the_server_is_healthy_after_the_fuzzing(fuzz_server):
     assert fuzz_server.get("/health").status_code == 200
     # ignore_eos: a sampled first token may be the end of text, which says nothing about serving
-    r = fuzz_server.post("/generate", {"text": "Still serving?", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+    r = fuzz_server.post(
+        "/generate", {"text": "Still serving?", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    )
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 3, r.text
     log = fuzz_server.log()
     assert "Scheduler hit an exception" not in log and "memory leak detected" not in log and "double free" not in log

@@ -82,7 +82,9 @@ def test_a_body_over_the_cap_is_a_413(server):
     healthy(server)
 
 
-LEDGER = "Ledger of one tenant. " + " ".join(f"Entry {i}: account {i * 7919 % 1000} holds {i * 31 % 97} coins." for i in range(50))
+LEDGER = "Ledger of one tenant. " + " ".join(
+    f"Entry {i}: account {i * 7919 % 1000} holds {i * 31 % 97} coins." for i in range(50)
+)
 
 
 def cached(server, **fields) -> int:
@@ -118,10 +120,19 @@ def test_asking_for_a_mechanism_the_server_runs_without_is_a_400(server, field, 
     elif api == "responses":
         r = server.post("/v1/responses", {"input": "Prune me.", "max_output_tokens": 4, "sgl_memory": field})
     else:
-        r = server.post("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "Prune me."}],
-                                                  "max_tokens": 2, "sgl_memory": field})  # fmt: skip
+        r = server.post(
+            "/v1/chat/completions",
+            {
+                "model": "default",
+                "messages": [{"role": "user", "content": "Prune me."}],
+                "max_tokens": 2,
+                "sgl_memory": field,
+            },
+        )
     assert r.status_code == 400, r.text
     assert key in message(r)
     # naming a session or a tenant asks for nothing a plain server lacks
-    r = server.post("/generate", {"text": "Hi.", "sampling_params": GREEDY, "sgl_memory": {"session_id": "s", "tenant": "t"}})
+    r = server.post(
+        "/generate", {"text": "Hi.", "sampling_params": GREEDY, "sgl_memory": {"session_id": "s", "tenant": "t"}}
+    )
     assert r.status_code == 200, r.text

@@ -30,14 +30,17 @@ def headers(**named) -> list[tuple[bytes, bytes]]:
     return [(k.replace("_", "-").encode(), v.encode()) for k, v in named.items()]
 
 
-@pytest.mark.parametrize("raw, hdrs, sources, want", [
-    (None, {}, DEFAULT, None),  # nothing named anywhere: no field
-    (None, {"x_session_id": "agent-1"}, DEFAULT, {"session_id": "agent-1"}),
-    ({"budget": 64}, {"x_session_id": "agent-1"}, DEFAULT, {"budget": 64, "session_id": "agent-1"}),
-    ({"session_id": "body"}, {"x_session_id": "header"}, DEFAULT, {"session_id": "body"}),
-    (None, {"x_session_id": "a", "x_tenant_id": "t1"}, GATEWAY, {"session_id": "a", "tenant": "t1"}),
-    ({"tenant": "t1"}, {"x_tenant_id": "t1"}, GATEWAY, {"tenant": "t1"}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw, hdrs, sources, want",
+    [
+        (None, {}, DEFAULT, None),  # nothing named anywhere: no field
+        (None, {"x_session_id": "agent-1"}, DEFAULT, {"session_id": "agent-1"}),
+        ({"budget": 64}, {"x_session_id": "agent-1"}, DEFAULT, {"budget": 64, "session_id": "agent-1"}),
+        ({"session_id": "body"}, {"x_session_id": "header"}, DEFAULT, {"session_id": "body"}),
+        (None, {"x_session_id": "a", "x_tenant_id": "t1"}, GATEWAY, {"session_id": "a", "tenant": "t1"}),
+        ({"tenant": "t1"}, {"x_tenant_id": "t1"}, GATEWAY, {"tenant": "t1"}),
+    ],
+)
 def test_the_sources_combine_as_documented(raw, hdrs, sources, want):
     got = with_headers(raw, headers(**hdrs), sources)
     assert got == want
@@ -46,14 +49,27 @@ def test_the_sources_combine_as_documented(raw, hdrs, sources, want):
         assert (spec.session_id, spec.tenant) == (want.get("session_id"), want.get("tenant"))
 
 
-@pytest.mark.parametrize("raw, hdrs, sources, message", [
-    (None, {"x_session_id": "../etc"}, DEFAULT, "header x-session-id '../etc' is refused"),
-    (None, {"x_session_id": "x" * 300}, DEFAULT, "header x-session-id must be a non-empty string"),
-    (None, {"x_tenant_id": "t1"}, DEFAULT, "header x-tenant-id: tenants named by a header are off on this server (sessions.tenant_header: false)"),
-    ({"tenant": "other"}, {"x_tenant_id": "t1"}, GATEWAY, "sgl_memory.tenant 'other' differs from header x-tenant-id 't1'"),
-    (None, {"x_tenant_id": "a b"}, GATEWAY, "header x-tenant-id 'a b' is refused"),
-    (None, {"x_session_id": "a"}, SessionSources(session_header=False), "sessions.session_header: false"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw, hdrs, sources, message",
+    [
+        (None, {"x_session_id": "../etc"}, DEFAULT, "header x-session-id '../etc' is refused"),
+        (None, {"x_session_id": "x" * 300}, DEFAULT, "header x-session-id must be a non-empty string"),
+        (
+            None,
+            {"x_tenant_id": "t1"},
+            DEFAULT,
+            "header x-tenant-id: tenants named by a header are off on this server (sessions.tenant_header: false)",
+        ),
+        (
+            {"tenant": "other"},
+            {"x_tenant_id": "t1"},
+            GATEWAY,
+            "sgl_memory.tenant 'other' differs from header x-tenant-id 't1'",
+        ),
+        (None, {"x_tenant_id": "a b"}, GATEWAY, "header x-tenant-id 'a b' is refused"),
+        (None, {"x_session_id": "a"}, SessionSources(session_header=False), "sessions.session_header: false"),
+    ],
+)
 def test_bad_or_refused_headers_are_a_spec_error_naming_the_header(raw, hdrs, sources, message):
     with pytest.raises(SpecError) as exc:
         with_headers(raw, headers(**hdrs), sources)
@@ -99,7 +115,12 @@ def test_a_streamed_response_gets_its_metrics_in_one_chunk_before_done(cut):
     parts = [stream] if cut is None else [stream[i : i + cut] for i in range(0, len(stream), cut)]
     rewriter = MetricsChunk()
     out = b"".join(rewriter.feed(p, last=False) for p in parts) + rewriter.feed(b"", last=True)
-    want = sse(*chunks, {**head, "choices": [], "usage": {"prompt_tokens": 10}}, {**head, "choices": [], "sgl_memory": {"live_kv_tokens": 42}}, b"[DONE]")
+    want = sse(
+        *chunks,
+        {**head, "choices": [], "usage": {"prompt_tokens": 10}},
+        {**head, "choices": [], "sgl_memory": {"live_kv_tokens": 42}},
+        b"[DONE]",
+    )
     assert out == want
 
 
@@ -111,8 +132,10 @@ def test_a_streamed_responses_request_gets_its_metrics_in_its_last_event(cut, en
     created = {"type": "response.created", "response": {"id": rid, "status": "in_progress"}}
     delta = {"type": "response.output_text.delta", "delta": "Hi"}
     done = {"type": f"response.{end}", "response": {"id": rid, "status": end, "output": []}}
-    events = lambda last: b"".join(b"event: " + e["type"].encode() + b"\ndata: " + json.dumps(e).encode() + b"\n\n"  # noqa: E731
-                                   for e in (created, delta, last))  # fmt: skip
+    events = lambda last: b"".join(
+        b"event: " + e["type"].encode() + b"\ndata: " + json.dumps(e).encode() + b"\n\n"  # noqa: E731
+        for e in (created, delta, last)
+    )
     stream = events(done)
     parts = [stream] if cut is None else [stream[i : i + cut] for i in range(0, len(stream), cut)]
     rewriter = MetricsChunk()
@@ -147,8 +170,12 @@ def test_a_session_named_otherwise_wins_and_odd_ids_name_none():
     assert with_chain(None, {"previous_response_id": 5}) is None
 
 
-SESSIONS = [{"tenant": None, "session_id": "a", "last_use": 1.0}, {"tenant": "t1", "session_id": "b", "last_use": 3.0},
-            {"tenant": "t1", "session_id": "c", "last_use": 2.0}, {"tenant": "t2", "session_id": "d", "last_use": 4.0}]  # fmt: skip
+SESSIONS = [
+    {"tenant": None, "session_id": "a", "last_use": 1.0},
+    {"tenant": "t1", "session_id": "b", "last_use": 3.0},
+    {"tenant": "t1", "session_id": "c", "last_use": 2.0},
+    {"tenant": "t2", "session_id": "d", "last_use": 4.0},
+]
 
 
 def test_the_inspector_pages_most_recent_first_and_filters_by_tenant():
@@ -168,9 +195,14 @@ def test_the_inspectors_query_and_who_may_see_what():
         session_page({"tenant": "t2"}, headers(x_tenant_id="t1"), GATEWAY)
     with pytest.raises(SpecError, match="sessions.tenant_header: false"):
         session_page({}, headers(x_tenant_id="t1"), DEFAULT)
-    for query, needle in (({"limit": "0"}, "limit must be an integer from 1 to 1000"), ({"limit": "1001"}, "limit"),
-                          ({"offset": "-2"}, "offset must be an integer from 0 up"), ({"offset": "1e3"}, "offset"),
-                          ({"sort": "x"}, "unknown query parameter(s) sort"), ({"tenant": "a/b"}, "query parameter tenant")):  # fmt: skip
+    for query, needle in (
+        ({"limit": "0"}, "limit must be an integer from 1 to 1000"),
+        ({"limit": "1001"}, "limit"),
+        ({"offset": "-2"}, "offset must be an integer from 0 up"),
+        ({"offset": "1e3"}, "offset"),
+        ({"sort": "x"}, "unknown query parameter(s) sort"),
+        ({"tenant": "a/b"}, "query parameter tenant"),
+    ):
         with pytest.raises(SpecError, match=re.escape(needle)):
             session_page(query, [], DEFAULT)
 

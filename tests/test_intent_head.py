@@ -17,14 +17,27 @@ from sgl_memory.intent.sessions import unit_rows
 L, H, KVH, D = 3, 4, 2, 16
 
 
-def inputs(seed: int, n: int = 40, m: int = 6, head: PrunerHead | None = None, ablation: str = "none") -> scorers.ScoringInputs:
+def inputs(
+    seed: int, n: int = 40, m: int = 6, head: PrunerHead | None = None, ablation: str = "none"
+) -> scorers.ScoringInputs:
     g = torch.Generator().manual_seed(seed)
     keys = [torch.randn(n, KVH, D, generator=g) * 3 for _ in range(L)]
     query = [torch.randn(m, KVH, D, generator=g) * 3 for _ in range(L)]
     q_mean = torch.randn(L, H, D, generator=g)
-    return scorers.ScoringInputs(layer_keys=lambda: iter(keys), positions=torch.arange(n), q_mean=q_mean, q_window=torch.zeros(0),
-                                 memory=unit_rows(torch.randn(L, H, D, generator=g)), keep=n // 3, seed=seed, sinks=4, kernel=7,
-                                 query_keys=lambda: iter(query), head=head, ablation=ablation)  # fmt: skip
+    return scorers.ScoringInputs(
+        layer_keys=lambda: iter(keys),
+        positions=torch.arange(n),
+        q_mean=q_mean,
+        q_window=torch.zeros(0),
+        memory=unit_rows(torch.randn(L, H, D, generator=g)),
+        keep=n // 3,
+        seed=seed,
+        sinks=4,
+        kernel=7,
+        query_keys=lambda: iter(query),
+        head=head,
+        ablation=ablation,
+    )
 
 
 def trained(seed: int) -> PrunerHead:
@@ -50,7 +63,9 @@ def test_a_fresh_head_keeps_exactly_the_rule_scorers_set(seed):
 def test_near_ties_of_the_rule_stay_ordered_through_the_log():
     rule = torch.tensor([0.25, 0.25 + 2**-25, 0.25, 0.25 - 2**-25])  # distinct float32 shares one ulp apart
     score = PrunerHead(HeadShape(D)).score(rule, torch.zeros(4, D), torch.zeros(D), None)
-    assert torch.equal(torch.argsort(score, descending=True, stable=True), torch.argsort(rule, descending=True, stable=True))
+    assert torch.equal(
+        torch.argsort(score, descending=True, stable=True), torch.argsort(rule, descending=True, stable=True)
+    )
 
 
 def test_gradients_reach_the_head_at_initialisation():
@@ -103,7 +118,9 @@ def test_the_ablations():
 
 
 def test_a_head_file_round_trips_and_another_backbone_is_refused(tmp_path):
-    qwen = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, vocab_size=100)
+    qwen = Qwen2Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, vocab_size=100
+    )
     spec = backbone_spec(qwen)
     assert spec["head_dim"] == D
     head = trained(5)
@@ -114,7 +131,9 @@ def test_a_head_file_round_trips_and_another_backbone_is_refused(tmp_path):
     y = inputs(6, head=loaded)
     assert torch.equal(scorers.get("learned").score(x), scorers.get("learned").score(y))
     assert find_head(str(path), spec) is not None
-    other = backbone_spec(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=100))
+    other = backbone_spec(
+        Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=100)
+    )
     with pytest.raises(HeadError, match="num_hidden_layers"):
         PrunerHead.load(path, other)
     (tmp_path / "junk.safetensors").write_bytes(b"not a head")

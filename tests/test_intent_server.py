@@ -28,7 +28,13 @@ QUERY_TAIL = 16  # the float32 server's intent section: budget 4096, scorer memo
 def servers(fp32_server, sglang_server):
     """Ours with intent on, and plain SGLang (the first test's reference), both float32."""
     info = fp32_server.get("/sgl_memory/info").json()["config"]["intent"]
-    assert (info["budget"], info["scorer"], info["query_tail"], info["budget_floor"], info["budget_ceiling"]) == (4096, "memory", QUERY_TAIL, 32, 512)
+    assert (info["budget"], info["scorer"], info["query_tail"], info["budget_floor"], info["budget_ceiling"]) == (
+        4096,
+        "memory",
+        QUERY_TAIL,
+        32,
+        512,
+    )
     return fp32_server, sglang_server
 
 
@@ -45,11 +51,17 @@ def tokenizer():
 
 
 def history(n_steps: int) -> str:
-    return "Agent log. " + " ".join(f"Step {i}: tool read file_{i % 7}.txt and returned code {i * 31 % 97}." for i in range(n_steps))
+    return "Agent log. " + " ".join(
+        f"Step {i}: tool read file_{i % 7}.txt and returned code {i * 31 % 97}." for i in range(n_steps)
+    )
 
 
 def generate(server, ids, max_new_tokens, memory=None, **extra):
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}, **extra}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        **extra,
+    }
     if memory is not None:
         body["sgl_memory"] = memory
     r = server.post("/generate", body)
@@ -106,7 +118,9 @@ def masked_reference_logprobs(ids, first_token, kept):
     prompt positions plus itself (every earlier row is plainly causal, as in the server's prefill)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(models.model_dir(TEST_MODEL), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        models.model_dir(TEST_MODEL), dtype=torch.float32, attn_implementation="eager"
+    )
     seq = torch.tensor([ids + [first_token]])
     n = seq.shape[1]
     mask = torch.zeros(1, 1, n, n).masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
@@ -123,8 +137,14 @@ def masked_reference_logprobs(ids, first_token, kept):
 def test_pruned_next_token_distribution_equals_masked_reference(intent_server, tokenizer):
     ids = tokenizer(history(30) + " Which file was read most often? Answer:")["input_ids"]
     budget, sinks = 96, 4
-    out = generate(intent_server, ids, 2, {"session_id": "masked", "budget": budget, "scorer": "streaming_llm"},
-                   return_logprob=True, top_logprobs_num=10)  # fmt: skip
+    out = generate(
+        intent_server,
+        ids,
+        2,
+        {"session_id": "masked", "budget": budget, "scorer": "streaming_llm"},
+        return_logprob=True,
+        top_logprobs_num=10,
+    )
     meta = out["meta_info"]
     assert meta["sgl_memory"]["compression_events"] == 1
     assert meta["sgl_memory"]["live_kv_tokens"] == budget + 2
@@ -157,7 +177,9 @@ def events_reference_logprobs(ids, events):
     from its start on): a session's KV as its compression events left it. events: [(start, kept)]."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(models.model_dir(TEST_MODEL), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        models.model_dir(TEST_MODEL), dtype=torch.float32, attn_implementation="eager"
+    )
     n = len(ids)
     allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
     for start, kept in events:
@@ -181,8 +203,10 @@ def test_a_sessions_next_turns_attend_to_what_its_events_kept(intent_server, tok
     ids = tokenizer(history(30) + " Which file was read most often? Answer:")["input_ids"]
     out = generate(intent_server, ids, 2, memory)
     events = [(len(ids), streaming_kept_live(list(range(len(ids))), len(ids), budget))]
-    for question in ("Next, tool read file_3.txt and returned code 12. Which file was read last?",
-                     "Then tool read file_5.txt and returned code 40. Which code came last?"):  # fmt: skip
+    for question in (
+        "Next, tool read file_3.txt and returned code 12. Which file was read last?",
+        "Then tool read file_5.txt and returned code 40. Which code came last?",
+    ):
         start = len(ids)  # the previous turn's first output token, its KV from a decode step on the pruned row
         ids = ids + out["output_ids"][:1] + tokenizer(" " + question)["input_ids"]
         out = generate(intent_server, ids, 2, memory, return_logprob=True, logprob_start_len=start + 1)
@@ -213,8 +237,12 @@ def test_a_readonly_request_scores_a_continuation_on_the_pruned_path_and_changes
     first = generate(intent_server, ids, 2, memory)["meta_info"]["sgl_memory"]
     assert first["compression_events"] == 1 and first["query_memory_turns"] == 1
     cont = tokenizer(" file_3.txt, read five times in the log above, more than any other file.")["input_ids"]
-    scored = [generate(intent_server, ids + cont, 1, {**memory, "readonly": True}, return_logprob=True,
-                       logprob_start_len=len(ids))["meta_info"] for _ in range(2)]  # fmt: skip
+    scored = [
+        generate(
+            intent_server, ids + cont, 1, {**memory, "readonly": True}, return_logprob=True, logprob_start_len=len(ids)
+        )["meta_info"]
+        for _ in range(2)
+    ]
     assert scored[0]["sgl_memory"]["compression_events"] == 0
     got = [(lp, tok) for lp, tok, *_ in scored[0]["input_token_logprobs"] if lp is not None]
     assert got == [(lp, tok) for lp, tok, *_ in scored[1]["input_token_logprobs"] if lp is not None]
@@ -231,7 +259,9 @@ def test_a_readonly_request_scores_a_continuation_on_the_pruned_path_and_changes
     # nothing of it stays: the same prompt without the logprob cap matches only the turn's path
     again = generate(intent_server, seq, 1, {**memory, "readonly": True})["meta_info"]
     assert again["cached_tokens"] <= len(ids) + 1
-    nxt = generate(intent_server, seq + tokenizer(" Which came last?")["input_ids"], 2, memory)["meta_info"]["sgl_memory"]
+    nxt = generate(intent_server, seq + tokenizer(" Which came last?")["input_ids"], 2, memory)["meta_info"][
+        "sgl_memory"
+    ]
     assert nxt["query_memory_turns"] == 2
 
 
@@ -242,11 +272,19 @@ def test_compact_next_token_distribution_equals_repacked_reference(intent_server
 
     ids = tokenizer(history(30) + " Which file was read most often? Answer:")["input_ids"]
     budget = 96
-    out = generate(intent_server, ids, 2, {"session_id": "compact-ref", "budget": budget, "scorer": "streaming_llm",
-                                           "layout": "compact"}, return_logprob=True, top_logprobs_num=10)  # fmt: skip
+    out = generate(
+        intent_server,
+        ids,
+        2,
+        {"session_id": "compact-ref", "budget": budget, "scorer": "streaming_llm", "layout": "compact"},
+        return_logprob=True,
+        top_logprobs_num=10,
+    )
     assert out["meta_info"]["sgl_memory"]["compression_events"] == 1
     kept = torch.tensor(streaming_kept(len(ids), budget))
-    model = AutoModelForCausalLM.from_pretrained(models.model_dir(TEST_MODEL), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        models.model_dir(TEST_MODEL), dtype=torch.float32, attn_implementation="eager"
+    )
     theta = model.config.rope_parameters["rope_theta"]
     with torch.no_grad():
         full = model(torch.tensor([ids]), use_cache=True).past_key_values
@@ -255,8 +293,12 @@ def test_compact_next_token_distribution_equals_repacked_reference(intent_server
             keys = rotate(layer.keys[:, :, kept], torch.arange(len(kept)) - kept, theta)
             cache.update(keys, layer.values[:, :, kept], i)
         first = out["output_ids"][0]
-        logits = model(torch.tensor([[first]]), position_ids=torch.tensor([[len(kept)]]), past_key_values=cache,
-                       attention_mask=torch.ones(1, len(kept) + 1)).logits[0, -1]  # fmt: skip
+        logits = model(
+            torch.tensor([[first]]),
+            position_ids=torch.tensor([[len(kept)]]),
+            past_key_values=cache,
+            attention_mask=torch.ones(1, len(kept) + 1),
+        ).logits[0, -1]
     want = torch.log_softmax(logits.double(), -1)
     top = out["meta_info"]["output_top_logprobs"][1]
     got = torch.tensor([lp for lp, _, *_ in top], dtype=torch.float64)
@@ -265,8 +307,10 @@ def test_compact_next_token_distribution_equals_repacked_reference(intent_server
 
 
 def chat(server, messages, memory, max_tokens=12):
-    r = server.post("/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": max_tokens,
-                                             "temperature": 0, "sgl_memory": memory})  # fmt: skip
+    r = server.post(
+        "/v1/chat/completions",
+        {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "sgl_memory": memory},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -313,10 +357,19 @@ def test_second_turn_reuses_the_pruned_prefix_only_under_dead_slot(intent_server
 def test_bad_input_is_a_400_and_the_server_keeps_serving(intent_server, tokenizer, memory, needle, api):
     text = history(20) + " Done?"
     if api == "native":
-        r = intent_server.post("/generate", {"text": text, "sampling_params": {"max_new_tokens": 4}, "sgl_memory": memory})
+        r = intent_server.post(
+            "/generate", {"text": text, "sampling_params": {"max_new_tokens": 4}, "sgl_memory": memory}
+        )
     else:
-        r = intent_server.post("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": text}],
-                                                        "max_tokens": 4, "sgl_memory": memory})  # fmt: skip
+        r = intent_server.post(
+            "/v1/chat/completions",
+            {
+                "model": "default",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 4,
+                "sgl_memory": memory,
+            },
+        )
     assert r.status_code == 400, r.text
     assert needle in r.text
     assert generate(intent_server, tokenizer("Still serving?")["input_ids"], 2)["meta_info"]["completion_tokens"] == 2
@@ -325,10 +378,12 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(intent_server, tokenize
 def agent_messages(tag: str, steps: int = 70) -> list[dict]:
     """System prompt, a long tool log, an acknowledgement and a question: a turn of an agent."""
     log = " ".join(f"Step {i}: tool read file_{i % 7}.txt and returned code {i * 31 % 97}." for i in range(steps))
-    return [{"role": "system", "content": f"You are a careful agent ({tag})."},
-            {"role": "user", "content": "Task: track the files. " + log},
-            {"role": "assistant", "content": "Noted."},
-            {"role": "user", "content": "Which file was read most often?"}]  # fmt: skip
+    return [
+        {"role": "system", "content": f"You are a careful agent ({tag})."},
+        {"role": "user", "content": "Task: track the files. " + log},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Which file was read most often?"},
+    ]
 
 
 def answer(response) -> tuple[str, int]:
@@ -343,8 +398,9 @@ def test_a_pruned_path_is_read_only_by_its_own_session_and_pruning(intent_server
     fresh = answer(chat(intent_server, messages, {"tenant": "never-pruned"}))
     pruned = chat(intent_server, messages, {"session_id": "leak-A", "budget": 64})
     assert pruned["sgl_memory"]["compression_events"] == 1 and answer(pruned)[1] == 64 + 12
-    plain = intent_server.post("/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 12,
-                                                        "temperature": 0})  # fmt: skip
+    plain = intent_server.post(
+        "/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 12, "temperature": 0}
+    )
     assert answer(plain.json()) == fresh  # no sgl_memory field at all: unpruned, as on a fresh server
     assert answer(chat(intent_server, messages, {"session_id": "leak-B", "budget": 100000})) == fresh
     assert answer(chat(intent_server, messages, {"session_id": "leak-A", "budget": 4000})) == fresh
@@ -369,11 +425,19 @@ def test_the_kept_set_does_not_depend_on_what_the_cache_holds(intent_server, tok
     memory = {"session_id": f"cache-{scorer}", "scorer": scorer, "budget": 102}
     hit = generate(intent_server, ids, 2, memory, return_logprob=True, top_logprobs_num=10)
     assert hit["meta_info"]["cached_tokens"] > len(ids) // 2
-    cold = generate(intent_server, ids, 2, {**memory, "tenant": f"cold-{scorer}"}, return_logprob=True, top_logprobs_num=10)
+    cold = generate(
+        intent_server, ids, 2, {**memory, "tenant": f"cold-{scorer}"}, return_logprob=True, top_logprobs_num=10
+    )
     assert cold["meta_info"]["cached_tokens"] == 0
-    assert hit["meta_info"]["sgl_memory"]["compression_events"] == cold["meta_info"]["sgl_memory"]["compression_events"] == 1
+    assert (
+        hit["meta_info"]["sgl_memory"]["compression_events"]
+        == cold["meta_info"]["sgl_memory"]["compression_events"]
+        == 1
+    )
     got, want = (torch.tensor([lp for lp, *_ in out["meta_info"]["output_top_logprobs"][1]]) for out in (hit, cold))
-    assert [t for _, t, *_ in hit["meta_info"]["output_top_logprobs"][1]] == [t for _, t, *_ in cold["meta_info"]["output_top_logprobs"][1]]
+    assert [t for _, t, *_ in hit["meta_info"]["output_top_logprobs"][1]] == [
+        t for _, t, *_ in cold["meta_info"]["output_top_logprobs"][1]
+    ]
     assert torch.allclose(got, want, atol=1e-4), (got, want)
 
 
@@ -387,9 +451,17 @@ def test_a_zero_initialised_learned_head_keeps_the_rule_scorers_sets(intent_serv
         text += f" Question {turn}: how many nuts are on shelf {turn * 11 + 5}? Answer:"
         ids = tokenizer(text)["input_ids"]
         # a tenant each: neither request finds the other's prefix, so both prefills compute the same rows
-        outs = [generate(intent_server, ids, 2, {"session_id": "zero-head", "tenant": f"zero-{scorer}", "scorer": scorer,
-                                                 "budget": 150}, return_logprob=True, top_logprobs_num=10)
-                for scorer in ("memory", "learned")]  # fmt: skip
+        outs = [
+            generate(
+                intent_server,
+                ids,
+                2,
+                {"session_id": "zero-head", "tenant": f"zero-{scorer}", "scorer": scorer, "budget": 150},
+                return_logprob=True,
+                top_logprobs_num=10,
+            )
+            for scorer in ("memory", "learned")
+        ]
         rule, learned = (o["meta_info"] for o in outs)
         assert rule["cached_tokens"] == learned["cached_tokens"]
         assert rule["sgl_memory"]["compression_events"] == learned["sgl_memory"]["compression_events"] == 1
@@ -406,9 +478,16 @@ def test_an_adaptive_budget_follows_the_session_within_its_bounds(intent_server,
     for turn in range(5):
         # each turn adds more than a step's growth of the budget: the session's pruned path (kept
         # history only) plus the new note is over the next budget again, so every turn prunes
-        history += f" Note {turn}: " + " ".join(f"shelf {turn * 3 + j} was restocked with {j * 7} nuts." for j in range(8))
+        history += f" Note {turn}: " + " ".join(
+            f"shelf {turn * 3 + j} was restocked with {j * 7} nuts." for j in range(8)
+        )
         ids = tokenizer(f"{history} Question: how many nuts are on shelf {turn * 3}? Answer:")["input_ids"]
-        m = generate(intent_server, ids, 2, {"session_id": "adaptive", "scorer": "memory", "budget": 64, "budget_mode": "adaptive"})
+        m = generate(
+            intent_server,
+            ids,
+            2,
+            {"session_id": "adaptive", "scorer": "memory", "budget": 64, "budget_mode": "adaptive"},
+        )
         m = m["meta_info"]["sgl_memory"]
         budgets.append(m["budget"] - QUERY_TAIL)  # the history budget applied (the forced set is the tail)
         events.append(m["adaptive_budget"])
@@ -459,9 +538,13 @@ def test_the_learned_heads_training_rows_hold_the_keys_inference_reads(intent_se
 def test_a_plain_request_over_the_configured_budget_is_served_with_its_forced_set(intent_server, tokenizer):
     """Issue 13, defect 9: a request that asked for no budget is not refused because the server's
     default budget (4096 here) is below its forced set; it keeps the forced set and says why."""
-    rules = "Tool manual. " + " ".join(f"Rule {i}: call tool_{i % 11} with argument {i * 17 % 101}." for i in range(330))
+    rules = "Tool manual. " + " ".join(
+        f"Rule {i}: call tool_{i % 11} with argument {i * 17 % 101}." for i in range(330)
+    )
     messages = [{"role": "system", "content": rules}, *agent_messages("forced", steps=20)[1:]]
-    r = intent_server.post("/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 4, "temperature": 0})
+    r = intent_server.post(
+        "/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 4, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     m, usage = r.json()["sgl_memory"], r.json()["usage"]
     assert "only the forced set is kept" in m["budget_reason"] and m["budget"] > 4096
@@ -477,8 +560,10 @@ def test_a_history_budget_prunes_below_the_tool_docs_and_the_next_turn_reuses_th
     rules = "Tool manual. " + " ".join(f"Rule {i}: call tool_{i % 11} with argument {i * 17 % 101}." for i in range(40))
     messages = [{"role": "system", "content": rules}, *agent_messages("history", steps=30)[1:]]
     memory = {"session_id": "history-budget", "budget": 32, "budget_mode": "history"}
-    total = intent_server.post("/v1/chat/completions", {"model": "default", "messages": messages, "max_tokens": 4,
-                                                        "sgl_memory": {"budget": 32}})  # fmt: skip
+    total = intent_server.post(
+        "/v1/chat/completions",
+        {"model": "default", "messages": messages, "max_tokens": 4, "sgl_memory": {"budget": 32}},
+    )
     assert total.status_code == 400 and "budget_mode history" in total.text
     first = chat(intent_server, messages, memory, max_tokens=4)
     m, usage = first["sgl_memory"], first["usage"]
@@ -501,7 +586,9 @@ def test_a_compressible_system_prompt_is_pruned_like_history(intent_server):
     body = {"model": "default", "messages": messages, "max_tokens": 4, "temperature": 0}
     forced = intent_server.post("/v1/chat/completions", {**body, "sgl_memory": {"budget": 64}})
     assert forced.status_code == 400 and "system_prompt compressible" in forced.text
-    r = intent_server.post("/v1/chat/completions", {**body, "sgl_memory": {"budget": 64, "system_prompt": "compressible"}})
+    r = intent_server.post(
+        "/v1/chat/completions", {**body, "sgl_memory": {"budget": 64, "system_prompt": "compressible"}}
+    )
     assert r.status_code == 200, r.text
     m, usage = r.json()["sgl_memory"], r.json()["usage"]
     assert m["budget"] == 64 and m["compression_events"] == 1
@@ -513,8 +600,11 @@ def test_the_responses_api_carries_the_field_and_the_metrics(intent_server):
     pruning it asks for happens) and the response carries the metrics, as chat completions do."""
     rules = " ".join(f"Rule {i}: call tool_{i % 11} with argument {i * 17 % 101}." for i in range(60))
     model = intent_server.get("/v1/models").json()["data"][0]["id"]  # /v1/responses takes no "default"
-    turns = [{"role": "user", "content": rules}, {"role": "assistant", "content": "Noted."},
-             {"role": "user", "content": "Which tool does rule 7 call?"}]  # fmt: skip
+    turns = [
+        {"role": "user", "content": rules},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Which tool does rule 7 call?"},
+    ]
     body = {"model": model, "input": turns, "max_output_tokens": 6, "temperature": 0}
     r = intent_server.post("/v1/responses", {**body, "sgl_memory": {"session_id": "responses-1", "budget": 64}})
     assert r.status_code == 200, r.text
@@ -559,8 +649,12 @@ def metric(samples: dict, name: str, **labels) -> float:
 
 def streamed(server, ids, max_new_tokens, memory) -> dict:
     """A streamed /generate request; returns the meta_info of its last chunk."""
-    body = {"input_ids": ids, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
-            "ignore_eos": True}, "sgl_memory": memory}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        "sgl_memory": memory,
+    }
     with requests.post(server.url + "/generate", json=body, stream=True, timeout=600) as r:
         assert r.status_code == 200
         chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True) if line.startswith("data: {")]
@@ -573,9 +667,11 @@ def test_prometheus_and_stats_count_every_request_streamed_ones_too(intent_serve
     request is counted (its last chunk carries its metrics)."""
     before, stats_before = intent_server.prometheus(), intent_server.get("/sgl_memory/stats").json()
     ids = tokenizer(history(30) + " Which file came first?")["input_ids"]
-    reported = [generate(intent_server, ids, 4, {"session_id": "prom", "budget": 96})["meta_info"]["sgl_memory"],
-                generate(intent_server, ids[:40], 3)["meta_info"]["sgl_memory"],
-                streamed(intent_server, ids, 5, {"session_id": "prom-stream", "budget": 80})["sgl_memory"]]  # fmt: skip
+    reported = [
+        generate(intent_server, ids, 4, {"session_id": "prom", "budget": 96})["meta_info"]["sgl_memory"],
+        generate(intent_server, ids[:40], 3)["meta_info"]["sgl_memory"],
+        streamed(intent_server, ids, 5, {"session_id": "prom-stream", "budget": 80})["sgl_memory"],
+    ]
     assert reported[2]["compression_events"] == 1 and reported[2]["live_kv_tokens"] == 80 + 5
     bad = intent_server.post("/generate", {"text": "x", "sgl_memory": {"budget": "many"}})
     assert bad.status_code == 400
@@ -586,9 +682,11 @@ def test_prometheus_and_stats_count_every_request_streamed_ones_too(intent_serve
 
     assert grew("sgl_memory_requests_total", mechanism="intent") == 3
     assert stats_after["requests"] - stats_before["requests"] == 3
-    for key, name in (("compression_events", "sgl_memory_compression_events_total"),
-                      ("live_kv_tokens", "sgl_memory_live_kv_tokens_total"),
-                      ("peak_request_tokens", "sgl_memory_peak_request_tokens_total")):  # fmt: skip
+    for key, name in (
+        ("compression_events", "sgl_memory_compression_events_total"),
+        ("live_kv_tokens", "sgl_memory_live_kv_tokens_total"),
+        ("peak_request_tokens", "sgl_memory_peak_request_tokens_total"),
+    ):
         assert grew(name) == sum(m[key] for m in reported), name
     assert grew("sgl_memory_kv_reads_total", kind="eff") == sum(m["eff_kv_reads"] for m in reported)
     assert grew("sgl_memory_scoring_seconds_count") == 2

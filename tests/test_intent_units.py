@@ -44,7 +44,9 @@ def test_a_capture_whose_request_lost_rows_before_its_span_takes_what_it_takes_f
     cut.add_rows(layer, packed, ExtendRows("r", 5, prefix, len(kept), positions=kept))
     rows = q.view(n, heads, dim)
     want_sum = sum(rows[p - prefix] for p in range(span, prefix + n))
-    assert torch.allclose(cut.q_mean()[0], want_sum / (prefix + n - span)) and torch.allclose(cut.q_mean(), whole.q_mean())
+    assert torch.allclose(cut.q_mean()[0], want_sum / (prefix + n - span)) and torch.allclose(
+        cut.q_mean(), whole.q_mean()
+    )
     assert torch.equal(cut.q_window(), whole.q_window())
 
 
@@ -122,8 +124,18 @@ def test_concurrent_sessions_never_touch_each_other():
 
 def test_session_key_resolution_order_and_tenant_namespaces():
     tokens = list(range(100))
-    key = lambda **kw: resolve_key(**{"session_id": None, "tenant": None, "sglang_session": None, "token_ids": tokens,
-                                      "session_span": (10, 20), "prefix_tokens": 64, "rid": "r1", **kw})  # fmt: skip
+    key = lambda **kw: resolve_key(
+        **{
+            "session_id": None,
+            "tenant": None,
+            "sglang_session": None,
+            "token_ids": tokens,
+            "session_span": (10, 20),
+            "prefix_tokens": 64,
+            "rid": "r1",
+            **kw,
+        }
+    )
     assert key(session_id="s")[1] == "session_id"
     assert key(sglang_session="g")[1] == "sglang_session"
     assert key()[1] == "session_span"
@@ -131,7 +143,10 @@ def test_session_key_resolution_order_and_tenant_namespaces():
     assert key(session_span=None, token_ids=tokens[:10])[1] == "request"
     assert key(session_id="s")[0] != key(session_id="s", tenant="t2")[0]
     assert key(session_span=None)[0] == resolve_key(None, None, None, tokens[:64] + [7], None, 64, "r2")[0]
-    assert key(session_span=None, token_ids=tokens[:10])[0] != resolve_key(None, None, None, tokens[:10], None, 64, "r2")[0]
+    assert (
+        key(session_span=None, token_ids=tokens[:10])[0]
+        != resolve_key(None, None, None, tokens[:10], None, 64, "r2")[0]
+    )
     # an explicit id is the (tenant, id) every mechanism shares; derived keys cannot spell a client id
     assert key(session_id="s", tenant="t") == (("t", "s"), "session_id")
     assert all(key(**kw)[0][1].startswith("\x00") for kw in ({"sglang_session": "g"}, {}, {"session_span": None}))
@@ -183,11 +198,16 @@ def make_inputs(n=40, layers=3, heads=6, kv_heads=2, dim=8, window=5, keep=10, s
     g = torch.Generator().manual_seed(seed)
     keys = [torch.randn(n, kv_heads, dim, generator=g) for _ in range(layers)]
     return scorers.ScoringInputs(
-        layer_keys=lambda: iter(keys), positions=torch.arange(n) * 2 + 3,
-        q_mean=torch.randn(layers, heads, dim, generator=g), q_window=torch.randn(layers, window, heads, dim, generator=g),
+        layer_keys=lambda: iter(keys),
+        positions=torch.arange(n) * 2 + 3,
+        q_mean=torch.randn(layers, heads, dim, generator=g),
+        q_window=torch.randn(layers, window, heads, dim, generator=g),
         memory=torch.nn.functional.normalize(torch.randn(layers, heads, dim, generator=g), dim=-1),
-        keep=keep, seed=seed, sinks=3, kernel=5,
-    ), keys  # fmt: skip
+        keep=keep,
+        seed=seed,
+        sinks=3,
+        kernel=5,
+    ), keys
 
 
 def brute_rule(keys, rows):
@@ -261,7 +281,9 @@ def test_random_scorer_is_seeded():
 
 
 def test_unknown_scorer_names_the_allowed_ones():
-    with pytest.raises(KeyError, match="allowed: h2o, learned, memory, memory_pool, query, random, snapkv, streaming_llm"):
+    with pytest.raises(
+        KeyError, match="allowed: h2o, learned, memory, memory_pool, query, random, snapkv, streaming_llm"
+    ):
         scorers.get("magic")
 
 
@@ -372,8 +394,12 @@ def test_rope_refuses_scaled_variants():
 def test_branch_ids_are_negative_and_name_namespace_and_token():
     from sgl_memory.intent.paths import branch_id, branch_ids, namespace
 
-    spaces = {namespace(key, scorer, budget, "dead_slot") for key in (("", "a"), ("", "b"), ("t", "a"), ("", "ta"))
-              for scorer in ("memory", "snapkv") for budget in (64, 65)}  # fmt: skip
+    spaces = {
+        namespace(key, scorer, budget, "dead_slot")
+        for key in (("", "a"), ("", "b"), ("t", "a"), ("", "ta"))
+        for scorer in ("memory", "snapkv")
+        for budget in (64, 65)
+    }
     assert len(spaces) == 16 and all(0 <= ns < 2**63 for ns in spaces)
     assert namespace(("", "a"), "memory", 64, "dead_slot") == namespace(("", "a"), "memory", 64, "dead_slot")
     tokens = [0, 1, 2, 151643, 2**31 - 1]
@@ -417,7 +443,9 @@ def test_find_branches_walks_every_branch_of_the_session_on_the_path():
     # a later event dropped position 1: its branch there wins over the older path through 2
     tree.insert(InsertParams(key=RadixKey(with_branches(plain, ((1, branch_id(a, 2)),)))))
     assert find_branches(tree.root_node, RadixKey(plain), a) == ((1, branch_id(a, 2)),)
-    assert list(with_branches(plain, two)) == [1, 2, 3, branch_id(a, 4), 5, 6, branch_id(a, 7), 8] and list(plain) == list(range(1, 9))
+    assert list(with_branches(plain, two)) == [1, 2, 3, branch_id(a, 4), 5, 6, branch_id(a, 7), 8] and list(
+        plain
+    ) == list(range(1, 9))
     assert with_branches(plain, ()) is plain and with_branches([1, 2], ((1, -7), (5, -8))) == [1, -7]
 
 
@@ -438,8 +466,11 @@ def test_a_mechanism_the_server_runs_without_is_refused_naming_its_key():
     from sgl_memory.core.request import check_served
 
     off = plain()
-    for raw, key in (({"budget": 9}, "intent.enabled"), ({"scorer": "h2o", "layout": "compact"}, "intent.enabled"),
-                     ({"session_id": "s", "memory": {}}, "memory.enabled")):  # fmt: skip
+    for raw, key in (
+        ({"budget": 9}, "intent.enabled"),
+        ({"scorer": "h2o", "layout": "compact"}, "intent.enabled"),
+        ({"session_id": "s", "memory": {}}, "memory.enabled"),
+    ):
         with pytest.raises(SpecError, match=key):
             check_served(parse(raw), off)
     check_served(parse({"session_id": "s", "tenant": "t"}), off)  # naming a session asks for nothing
@@ -451,13 +482,28 @@ def test_a_mechanism_the_server_runs_without_is_refused_naming_its_key():
 
 
 def test_the_adaptive_budget_grows_on_mass_left_out_and_shrinks_on_a_repeated_kept_set():
-    cfg = IntentConfig(budget_mode="adaptive", budget_floor=50, budget_ceiling=120, grow_at=0.3, shrink_at=0.9, budget_step=1.5)
+    cfg = IntentConfig(
+        budget_mode="adaptive", budget_floor=50, budget_ceiling=120, grow_at=0.3, shrink_at=0.9, budget_step=1.5
+    )
     b = AdaptiveBudget(60)
     assert b.after_event(0.5, torch.arange(10), 100, cfg) is None and b.current == 90  # first event: no overlap yet
-    assert b.after_event(0.4, torch.arange(10), 110, cfg) == 1.0 and b.current == 120  # growth wins; capped at the ceiling
+    assert (
+        b.after_event(0.4, torch.arange(10), 110, cfg) == 1.0 and b.current == 120
+    )  # growth wins; capped at the ceiling
     # the same ten kept again, plus positions past the previous prompt (they do not count)
-    assert b.after_event(0.1, torch.cat([torch.arange(10), torch.tensor([115, 116])]), 120, cfg) == 1.0 and b.current == 80
+    assert (
+        b.after_event(0.1, torch.cat([torch.arange(10), torch.tensor([115, 116])]), 120, cfg) == 1.0 and b.current == 80
+    )
     # half of the previous kept set changed: no move
-    assert b.after_event(0.1, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 130, cfg) == 0.5 and b.current == 80
-    assert b.after_event(0.0, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 140, cfg) == 1.0 and b.current == 53
-    assert b.after_event(0.0, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 150, cfg) == 1.0 and b.current == 50  # floor
+    assert (
+        b.after_event(0.1, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 130, cfg) == 0.5
+        and b.current == 80
+    )
+    assert (
+        b.after_event(0.0, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 140, cfg) == 1.0
+        and b.current == 53
+    )
+    assert (
+        b.after_event(0.0, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 150, cfg) == 1.0
+        and b.current == 50
+    )  # floor

@@ -39,7 +39,11 @@ def tok():
 @pytest.fixture(scope="module")
 def keep_server(fp32_server):
     config = fp32_server.get("/sgl_memory/info").json()["config"]
-    assert config["keep"]["compact"] and config["memory"]["block_size"] == BLOCK and config["memory"]["placement"] == "after_system"
+    assert (
+        config["keep"]["compact"]
+        and config["memory"]["block_size"] == BLOCK
+        and config["memory"]["placement"] == "after_system"
+    )
     return fp32_server
 
 
@@ -56,8 +60,16 @@ def reference_model():
 def ask(server, tok, recompute: str, **extra) -> tuple[dict, dict | None]:
     """A memory-mode question; its answer and (for a repair) the trace the server wrote."""
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    out = generate(server, q, {"session_id": "s", "tenant": "keep", "memory": {"top_k": TOP_K, "store": False, "recompute": recompute},
-                               **({"keep": extra} if extra else {})})  # fmt: skip
+    out = generate(
+        server,
+        q,
+        {
+            "session_id": "s",
+            "tenant": "keep",
+            "memory": {"top_k": TOP_K, "store": False, "recompute": recompute},
+            **({"keep": extra} if extra else {}),
+        },
+    )
     path = server.dir / "keep-traces" / f"{out['meta_info']['id']}.safetensors"
     return out, (load_file(str(path)) if path.exists() else None)
 
@@ -82,7 +94,11 @@ def test_ratio_one_is_a_full_prefill_of_the_same_tokens(keep_server, tok, stated
     m = out["meta_info"]["sgl_memory"]
     layers, placed = trace["keys"].shape[:2]
     assert placed == BLOCK * TOP_K and m["memory_kv_tokens"] == placed and m["recompute"] == "keep"
-    assert bool(trace["selected"].bool().all()) and m["recompute_share"] == 1.0 and m["recomputed_tokens"] == placed * layers
+    assert (
+        bool(trace["selected"].bool().all())
+        and m["recompute_share"] == 1.0
+        and m["recomputed_tokens"] == placed * layers
+    )
     keys, values = full_prefill(reference_model, trace)
     assert float(relative(trace["keys"], keys).max()) < FULL_TOLERANCE
     assert float(relative(trace["values"], values).max()) < FULL_TOLERANCE
@@ -91,11 +107,17 @@ def test_ratio_one_is_a_full_prefill_of_the_same_tokens(keep_server, tok, stated
     full, _ = ask(keep_server, tok, "full")
     assert out["output_ids"] == plain["output_ids"] == full["output_ids"]
     assert full["meta_info"]["sgl_memory"]["recompute_share"] == 1.0
-    assert full["meta_info"]["sgl_memory"]["prefill_tokens"] == m["prefill_tokens"] == len(trace["tokens"]) - int(trace["start"])
+    assert (
+        full["meta_info"]["sgl_memory"]["prefill_tokens"]
+        == m["prefill_tokens"]
+        == len(trace["tokens"]) - int(trace["start"])
+    )
 
 
 @pytest.mark.parametrize("method,ratio", [("keep", 0.5), ("cacheblend", 0.3)])
-def test_a_repair_recomputes_nested_rows_and_stores_the_placed_kv_elsewhere(keep_server, tok, stated, reference_model, method, ratio):
+def test_a_repair_recomputes_nested_rows_and_stores_the_placed_kv_elsewhere(
+    keep_server, tok, stated, reference_model, method, ratio
+):
     out, trace = ask(keep_server, tok, method, ratio=ratio)
     _, reused = ask(keep_server, tok, "keep", ratio=0.0)  # layer 0 recomputed, the placed KV after it
     assert torch.equal(trace["tokens"], reused["tokens"])
@@ -114,7 +136,9 @@ def test_a_repair_recomputes_nested_rows_and_stores_the_placed_kv_elsewhere(keep
             assert all(len(set(block.tolist())) == 1 for block in selected[layer].view(TOP_K, BLOCK))
     # the rows a layer did not recompute hold the placed KV, bit for bit
     dropped = ~selected
-    assert torch.equal(trace["keys"][dropped], reused["keys"][dropped]) and torch.equal(trace["values"][dropped], reused["values"][dropped])
+    assert torch.equal(trace["keys"][dropped], reused["keys"][dropped]) and torch.equal(
+        trace["values"][dropped], reused["values"][dropped]
+    )
     # layers 0 and 1 see an all-recomputed layer before them: their recomputed rows are a full
     # prefill's, and the placed ones (computed in another context) are far from it
     keys, values = full_prefill(reference_model, trace)
@@ -149,12 +173,23 @@ def test_reuse_prefills_only_the_question_and_a_repair_the_blocks_too(keep_serve
     assert none["meta_info"]["sgl_memory"]["prefill_tokens"] == len(q) - system
     assert none["meta_info"]["sgl_memory"]["recomputed_tokens"] == 0
     assert keep["meta_info"]["sgl_memory"]["prefill_tokens"] == len(q) - system + BLOCK * TOP_K
-    assert 0 < keep["meta_info"]["sgl_memory"]["recompute_share"] < 1 and keep["meta_info"]["sgl_memory"]["recompute_refused"] is None
+    assert (
+        0 < keep["meta_info"]["sgl_memory"]["recompute_share"] < 1
+        and keep["meta_info"]["sgl_memory"]["recompute_refused"] is None
+    )
 
 
-@pytest.mark.parametrize("field,needle", [({"memory": {"recompute": "all"}}, "recompute"), ({"keep": {"ratio": -0.1}}, "keep.ratio"),
-                                          ({"keep": {"hops": 100}}, "keep.hops")])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,needle",
+    [
+        ({"memory": {"recompute": "all"}}, "recompute"),
+        ({"keep": {"ratio": -0.1}}, "keep.ratio"),
+        ({"keep": {"hops": 100}}, "keep.hops"),
+    ],
+)
 def test_bad_recompute_requests_are_400s(keep_server, field, needle):
-    r = keep_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1},
-                                       "sgl_memory": {"session_id": "s", **field}})  # fmt: skip
+    r = keep_server.post(
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 1}, "sgl_memory": {"session_id": "s", **field}},
+    )
     assert r.status_code == 400 and needle in r.text

@@ -20,8 +20,17 @@ def view(seed: int, sizes=(5, 16, 3, 9, 16), turn=7, heads=4, kv_heads=2, dim=8,
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     segment = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     cand = torch.ones(m, dtype=torch.bool) if candidates is None else candidates
-    return LayerView(r(m, heads, dim), r(m, kv_heads, dim), r(m, kv_heads, dim), r(turn, heads, dim), r(turn, kv_heads, dim),
-                     r(m, kv_heads, dim), r(m, kv_heads, dim), cand, segment)  # fmt: skip
+    return LayerView(
+        r(m, heads, dim),
+        r(m, kv_heads, dim),
+        r(m, kv_heads, dim),
+        r(turn, heads, dim),
+        r(turn, kv_heads, dim),
+        r(m, kv_heads, dim),
+        r(m, kv_heads, dim),
+        cand,
+        segment,
+    )
 
 
 def softmax_row(logits: list[float]) -> list[float]:
@@ -101,8 +110,17 @@ def test_propagation_reaches_a_segment_the_turn_does_not_attend_to():
     q_mem = torch.zeros(m, heads, dim)
     q_mem[8:12] = e[0]  # segment 2's rows attend to segment 0
     q_turn = e[1].expand(3, heads, dim).clone()
-    v = LayerView(q_mem, k_mem, k_mem.clone(), q_turn, torch.zeros(3, 1, dim), k_mem.clone(), k_mem.clone(),
-                  torch.ones(m, dtype=torch.bool), torch.repeat_interleave(torch.arange(3), torch.tensor(sizes)))  # fmt: skip
+    v = LayerView(
+        q_mem,
+        k_mem,
+        k_mem.clone(),
+        q_turn,
+        torch.zeros(3, 1, dim),
+        k_mem.clone(),
+        k_mem.clone(),
+        torch.ones(m, dtype=torch.bool),
+        torch.repeat_interleave(torch.arange(3), torch.tensor(sizes)),
+    )
     one = set(v.segment[MultiHop(1).select(v, 2)].tolist())
     many = set(v.segment[MultiHop(4).select(v, 2)].tolist())
     assert one == {1, 2} and many == {0, 2}
@@ -113,7 +131,9 @@ def test_cacheblend_selects_the_largest_kv_deviations_among_the_candidates(seed)
     cand = torch.rand(49, generator=torch.Generator().manual_seed(seed)) < 0.6
     v = view(seed, candidates=cand)
     got = KVDeviation().select(v, 10)
-    dev = [float(((v.k_mem[i] - v.placed_k[i]) ** 2).sum() + ((v.v_mem[i] - v.placed_v[i]) ** 2).sum()) for i in range(49)]
+    dev = [
+        float(((v.k_mem[i] - v.placed_k[i]) ** 2).sum() + ((v.v_mem[i] - v.placed_v[i]) ** 2).sum()) for i in range(49)
+    ]
     want = sorted((i for i in range(49) if cand[i]), key=lambda i: -dev[i])[:10]
     assert sorted(got.nonzero().squeeze(1).tolist()) == sorted(want)
 
@@ -155,20 +175,36 @@ def test_a_repair_needs_the_keep_mechanism():
         request.check_served(request.parse({"session_id": "s", "memory": {"recompute": mode}}), served)
 
 
-@pytest.mark.parametrize("raw,needle", [({"memory": {"recompute": "some"}}, "memory.recompute"), ({"memory": {"recompute": 1}}, "memory.recompute"),
-                                        ({"keep": {"ratio": 1.5}}, "keep.ratio"), ({"keep": {"ratio": True}}, "keep.ratio"),
-                                        ({"keep": {"hops": 0}}, "keep.hops"), ({"keep": {"hops": 2.5}}, "keep.hops"),
-                                        ({"keep": {"ratios": 1}}, "keep: unknown field"), ({"keep": 1}, "keep must be an object"),
-                                        ({"keep": {"compact": "no"}}, "keep.compact must be true or false"),
-                                        ({"memory": {"recompute_ratio": 0.5}}, "unknown field")])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        ({"memory": {"recompute": "some"}}, "memory.recompute"),
+        ({"memory": {"recompute": 1}}, "memory.recompute"),
+        ({"keep": {"ratio": 1.5}}, "keep.ratio"),
+        ({"keep": {"ratio": True}}, "keep.ratio"),
+        ({"keep": {"hops": 0}}, "keep.hops"),
+        ({"keep": {"hops": 2.5}}, "keep.hops"),
+        ({"keep": {"ratios": 1}}, "keep: unknown field"),
+        ({"keep": 1}, "keep must be an object"),
+        ({"keep": {"compact": "no"}}, "keep.compact must be true or false"),
+        ({"memory": {"recompute_ratio": 0.5}}, "unknown field"),
+    ],
+)
 def test_bad_recompute_fields(raw, needle):
     with pytest.raises(request.SpecError, match=needle):
         request.parse({"session_id": "s", **raw})
 
 
 def test_keep_overrides_are_parsed_by_keep():
-    spec = request.parse({"session_id": "s", "memory": {"recompute": "keep"}, "keep": {"ratio": 0.25, "hops": 2, "compact": False}})
-    assert (spec.part("keep").ratio, spec.part("keep").hops, spec.part("keep").compact, spec.part("memory").recompute) == (0.25, 2, False, "keep")
+    spec = request.parse(
+        {"session_id": "s", "memory": {"recompute": "keep"}, "keep": {"ratio": 0.25, "hops": 2, "compact": False}}
+    )
+    assert (
+        spec.part("keep").ratio,
+        spec.part("keep").hops,
+        spec.part("keep").compact,
+        spec.part("memory").recompute,
+    ) == (0.25, 2, False, "keep")
     with pytest.raises(request.SpecError, match=r"keep.enabled: false"):
         request.check_served(spec, config.from_dict({"memory": {"enabled": True}}))
 

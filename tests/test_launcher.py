@@ -134,19 +134,29 @@ def test_unknown_config_key_is_refused(fake_model, tmp_path):
         launch_server.build_argv(["--memory-config", str(p)])
 
 
-@pytest.mark.parametrize("capability, flags, expected", [
-    ("AVX512", AMX_XEON, "bfloat16"),  # the platform facts' Intel machine: AMX
-    ("AVX512", ZEN4_EPYC, "bfloat16"),  # AVX512-BF16 without AMX
-    ("AVX2", AVX2_EPYC, "float32"),  # the issue's EPYC: no bf16 in hardware
-    ("AVX2", ZEN4_EPYC, "float32"),  # bf16 flags, but torch limited to AVX2 kernels (ATEN_CPU_CAPABILITY)
-    ("DEFAULT", "fpu sse2", "float32"),
-])  # fmt: skip
-def test_the_launcher_picks_the_dtype_the_cpu_multiplies_in_hardware(fake_model, monkeypatch, capability, flags, expected):
+@pytest.mark.parametrize(
+    "capability, flags, expected",
+    [
+        ("AVX512", AMX_XEON, "bfloat16"),  # the platform facts' Intel machine: AMX
+        ("AVX512", ZEN4_EPYC, "bfloat16"),  # AVX512-BF16 without AMX
+        ("AVX2", AVX2_EPYC, "float32"),  # the issue's EPYC: no bf16 in hardware
+        ("AVX2", ZEN4_EPYC, "float32"),  # bf16 flags, but torch limited to AVX2 kernels (ATEN_CPU_CAPABILITY)
+        ("DEFAULT", "fpu sse2", "float32"),
+    ],
+)
+def test_the_launcher_picks_the_dtype_the_cpu_multiplies_in_hardware(
+    fake_model, monkeypatch, capability, flags, expected
+):
     on_cpu(monkeypatch, capability, flags)
     argv, _ = launch_server.build_argv([])
     assert flag_value(argv, "--dtype") == expected and argv.count("--dtype") == 1
     choice = cpu_dtype.announced()  # what /sgl_memory/info and the start-up log report
-    assert (choice.dtype, choice.kv_cache_dtype, choice.source, choice.cpu_capability) == (expected, expected, "auto", capability)
+    assert (choice.dtype, choice.kv_cache_dtype, choice.source, choice.cpu_capability) == (
+        expected,
+        expected,
+        "auto",
+        capability,
+    )
     assert capability in choice.reason and ("hardware" in choice.reason) == (expected == "bfloat16")
     assert choice.bf16_flags == sorted(f for f in ("amx_bf16", "avx512_bf16") if f in flags.split())
 
@@ -218,16 +228,34 @@ def test_a_page_size_an_enabled_mechanism_cannot_serve_stops_the_launcher_before
     import sys
 
     (tmp_path / "intent.yaml").write_text("intent:\n  enabled: true\n")
-    cmd = [sys.executable, "-m", "sgl_memory.launch_server", "--model", TEST_MODEL, "--memory-config",
-           str(tmp_path / "intent.yaml"), "--page-size", "16", "--port", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sgl_memory.launch_server",
+        "--model",
+        TEST_MODEL,
+        "--memory-config",
+        str(tmp_path / "intent.yaml"),
+        "--page-size",
+        "16",
+        "--port",
+        "1",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "error: intent needs page size 1 (got 16): it points single pruned positions" in done.stderr
     assert "Load weight" not in done.stderr  # nothing started
 
 
-@pytest.mark.parametrize("tp, cores, want", [(2, [0, 1], "0|1"), (2, list(range(8)), "0-3|4-7"),
-                                             (2, [0, 1, 2, 5, 6, 7], "0-2|5-7"), (2, [0, 2, 4, 6, 7], "0,2|4,6")])  # fmt: skip
+@pytest.mark.parametrize(
+    "tp, cores, want",
+    [
+        (2, [0, 1], "0|1"),
+        (2, list(range(8)), "0-3|4-7"),
+        (2, [0, 1, 2, 5, 6, 7], "0-2|5-7"),
+        (2, [0, 2, 4, 6, 7], "0,2|4,6"),
+    ],
+)
 def test_tensor_parallel_ranks_get_an_equal_share_of_the_cores(fake_model, monkeypatch, tp, cores, want):
     """SGLang's CPU engine asks for one NUMA node per rank unless told which cores each rank takes."""
     monkeypatch.setenv(launch_server.THREADS_BIND_ENV, "")

@@ -65,7 +65,9 @@ def test_layers_do_not_import_upwards(path):
         allowed = {"core"} | KERNELS | ROOT | PLATFORM
         assert ours <= allowed, f"{rel} (engine) imports {sorted(ours - allowed)}"
     else:
-        assert not ours & MECHANISMS, f"{rel} imports {sorted(ours & MECHANISMS)}: only the registry knows the mechanisms"
+        assert not ours & MECHANISMS, (
+            f"{rel} imports {sorted(ours & MECHANISMS)}: only the registry knows the mechanisms"
+        )
     if unit == "core" or unit in MECHANISMS:
         assert "sglang" not in foreign, f"{rel} imports SGLang: only the engine (and the server layer) may"
 
@@ -75,10 +77,17 @@ def test_the_rule_is_not_vacuous():
     assert {"core", "engine"} == imports(PACKAGE / "engine" / "radix_cache.py")[0]
     assert "sglang" in imports(PACKAGE / "engine" / "radix_cache.py")[1]
     assert {"core", "memart"} <= imports(PACKAGE / "memart" / "manager.py")[0]
-    assert MECHANISMS == {p.parent.name for p in PACKAGE.glob("*/__init__.py")} - {"core", "engine", "patches", "kernels"}
+    assert MECHANISMS == {p.parent.name for p in PACKAGE.glob("*/__init__.py")} - {
+        "core",
+        "engine",
+        "patches",
+        "kernels",
+    }
     # and each registers one mechanism, from its own package
     mechanism.discover()
-    registered = {cls.__module__.split(".")[1] for cls in mechanism.REGISTRY.values() if cls.__module__.startswith("sgl_memory.")}
+    registered = {
+        cls.__module__.split(".")[1] for cls in mechanism.REGISTRY.values() if cls.__module__.startswith("sgl_memory.")
+    }
     assert registered == MECHANISMS
 
 

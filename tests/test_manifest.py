@@ -19,8 +19,11 @@ from test_layering import MECHANISMS
 from sgl_memory import plugin
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sgl_memory"
-OURS = ("sgl_memory.engine.radix_cache.SglMemoryRadixCache", "sgl_memory.engine.attention.cpu_backend.SglMemoryCpuAttnBackend",
-        "sgl_memory.frontend.MemoryEndpoint")  # fmt: skip
+OURS = (
+    "sgl_memory.engine.radix_cache.SglMemoryRadixCache",
+    "sgl_memory.engine.attention.cpu_backend.SglMemoryCpuAttnBackend",
+    "sgl_memory.frontend.MemoryEndpoint",
+)
 # private names the package reads that are not SGLang's: namedtuple's copy, a torch op
 NOT_SGLANG = {"_replace", "_scaled_dot_product_flash_attention_for_cpu"}
 
@@ -57,7 +60,28 @@ def test_a_field_that_is_gone_is_refused_at_start_up():
 # (`req`, `scheduler`): the core floor and each mechanism (engine/ is SGLang's side and lists its
 # contacts by kind above)
 FLOOR_AND_MECHANISMS = ("core", *sorted(MECHANISMS))
-SGLANG_OBJECTS = {"req": "sglang.srt.managers.schedule_batch.Req", "scheduler": "sglang.srt.managers.scheduler.Scheduler"}
+SGLANG_OBJECTS = {
+    "req": "sglang.srt.managers.schedule_batch.Req",
+    "scheduler": "sglang.srt.managers.scheduler.Scheduler",
+}
+
+
+def test_the_request_and_scheduler_views_are_the_listed_fields():
+    """core/views.py's protocols name exactly the fields listed (kind `field`), per SGLang class:
+    what a mechanism sees of SGLang's request and scheduler is written down once, typed, and
+    checked at start-up."""
+    from sgl_memory.core import views
+
+    def members(cls) -> set[str]:
+        methods = {n for n, v in vars(cls).items() if inspect.isfunction(v) and not n.startswith("_")}
+        return set(cls.__annotations__) | methods
+
+    fields = {target for _, target in listed("field")}
+    for view, sglang in (
+        (views.RequestView, SGLANG_OBJECTS["req"]),
+        (views.SchedulerView, SGLANG_OBJECTS["scheduler"]),
+    ):
+        assert members(view) == {t.rsplit(".", 1)[1] for t in fields if t.rsplit(".", 1)[0] == sglang}, view.__name__
 
 
 def test_every_field_of_sglangs_request_and_scheduler_a_mechanism_touches_is_listed():
@@ -70,9 +94,15 @@ def test_every_field_of_sglangs_request_and_scheduler_a_mechanism_touches_is_lis
             for n in ast.walk(ast.parse(path.read_text())):
                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in SGLANG_OBJECTS:
                     found.add((f"sgl_memory.{package}", f"{SGLANG_OBJECTS[n.value.id]}.{n.attr}"))
-                elif (isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr" and len(n.args) >= 2
-                      and isinstance(n.args[0], ast.Name) and n.args[0].id in SGLANG_OBJECTS and isinstance(n.args[1], ast.Constant)):
-                    found.add((f"sgl_memory.{package}", f"{SGLANG_OBJECTS[n.args[0].id]}.{n.args[1].value}"))  # fmt: skip
+                elif (
+                    isinstance(n, ast.Call)
+                    and getattr(n.func, "id", None) == "getattr"
+                    and len(n.args) >= 2
+                    and isinstance(n.args[0], ast.Name)
+                    and n.args[0].id in SGLANG_OBJECTS
+                    and isinstance(n.args[1], ast.Constant)
+                ):
+                    found.add((f"sgl_memory.{package}", f"{SGLANG_OBJECTS[n.args[0].id]}.{n.args[1].value}"))
     assert found == listed("field")
 
 
@@ -99,8 +129,11 @@ def test_the_allocator_view_wraps_what_is_listed():
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
     base = f"{BaseTokenToKVPoolAllocator.__module__}.{BaseTokenToKVPoolAllocator.__qualname__}"
-    found = {("sgl_memory.engine.radix_cache.SentinelSafeAllocator", f"{base}.{name}") for name in vars(SentinelSafeAllocator)
-             if not name.startswith("_") and hasattr(BaseTokenToKVPoolAllocator, name)}  # fmt: skip
+    found = {
+        ("sgl_memory.engine.radix_cache.SentinelSafeAllocator", f"{base}.{name}")
+        for name in vars(SentinelSafeAllocator)
+        if not name.startswith("_") and hasattr(BaseTokenToKVPoolAllocator, name)
+    }
     assert found == listed("wrap") and found
 
 
@@ -134,13 +167,20 @@ def test_every_private_sglang_name_the_package_uses_is_listed():
                 if name.startswith("_") and not name.startswith("__"):
                     used.setdefault(name, set()).add(str(path.relative_to(PACKAGE)))
     foreign = {name: where for name, where in used.items() if name not in ours and name not in NOT_SGLANG}
-    targets = {c.target.rsplit(".", 1)[-1] for c in plugin.contacts()} | {s.target.rsplit(".", 1)[-1] for s in plugin.manifest()}
+    targets = {c.target.rsplit(".", 1)[-1] for c in plugin.contacts()} | {
+        s.target.rsplit(".", 1)[-1] for s in plugin.manifest()
+    }
     assert not {name: where for name, where in foreign.items() if name not in targets}
     # the overrides call the methods they replace through super(): those are listed overrides
     for path in OURS:
         cls = pkgutil.resolve_name(path)
         for name, value in vars(cls).items():
-            if inspect.isfunction(value) and name.startswith("_") and not name.startswith("__") and sglang_member(cls, name):
+            if (
+                inspect.isfunction(value)
+                and name.startswith("_")
+                and not name.startswith("__")
+                and sglang_member(cls, name)
+            ):
                 assert (path, sglang_member(cls, name)) in listed("override")
 
 

@@ -83,8 +83,11 @@ def test_the_pool_is_the_contexts_over_the_oversubscription_and_holds_the_longes
 
 
 def test_failures_and_stalls_are_counted_and_left_out_of_the_latencies():
-    turns = [M.Turn(0, 0, 0.0, 0.5, 1.0, 100, 40), M.Turn(0, 1, 2.0, 0.2, 70.0, 150, 100),
-             M.Turn(1, 0, 0.5, None, 3.0, error="500: boom")]  # fmt: skip
+    turns = [
+        M.Turn(0, 0, 0.0, 0.5, 1.0, 100, 40),
+        M.Turn(0, 1, 2.0, 0.2, 70.0, 150, 100),
+        M.Turn(1, 0, 0.5, None, 3.0, error="500: boom"),
+    ]
     s = M.summarize(turns, ideal=200, stall_s=60)
     assert (s["failed"], s["stalled"], s["requests"]) == (1, 1, 3)
     assert s["prefilled_tokens"] == 60 + 50 and s["prefilled_over_ideal"] == pytest.approx(110 / 200)

@@ -61,11 +61,15 @@ def test_restored_history_stays_until_its_request_runs_and_answers_as_if_it_had_
         assert cached >= history_tokens, (i, cached, history_tokens, metrics)
     for i in range(SESSIONS if SERVER_DTYPE == "float32" else 0):
         turns, answer, _ = first[i]
-        hot_first, _, _ = chat(server, [SYSTEM, {"role": "user", "content": turns[0]}], f"many{i}", tenant="hot", max_tokens=8)
+        hot_first, _, _ = chat(
+            server, [SYSTEM, {"role": "user", "content": turns[0]}], f"many{i}", tenant="hot", max_tokens=8
+        )
         assert hot_first == answer
         messages = history(turns, [answer]) + [{"role": "user", "content": "The tool returned 7. Go on."}]
         hot, usage, _ = chat(server, messages, f"many{i}", tenant="hot", max_tokens=8)
-        assert usage["prompt_tokens_details"]["cached_tokens"] == results[i][1]["prompt_tokens_details"]["cached_tokens"]
+        assert (
+            usage["prompt_tokens_details"]["cached_tokens"] == results[i][1]["prompt_tokens_details"]["cached_tokens"]
+        )
         assert hot == results[i][0], i
 
 
@@ -84,7 +88,13 @@ def test_eight_times_the_pool_with_short_and_long_pauses_and_keep_for_hints_ever
         for k in range(turns):
             messages.append({"role": "user", "content": long_text(f"s{i}t{k}", 50) + " Which entry is largest?"})
             last = k == turns - 1
-            hint = {"done": True} if last else {"cache_ttl_ms": 60_000} if i % 2 else {"expected_tool_duration_ms": pauses[i][k] * 1000}
+            hint = (
+                {"done": True}
+                if last
+                else {"cache_ttl_ms": 60_000}
+                if i % 2
+                else {"expected_tool_duration_ms": pauses[i][k] * 1000}
+            )
             answer, usage, metrics = chat(server, messages, f"eight{i}", max_tokens=8, agent=hint)
             assert answer, (i, k)
             out.append((k, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], metrics))
@@ -113,14 +123,20 @@ def test_a_session_expected_back_is_restored_before_its_request_arrives(paged_se
     admission and prefills only its new tokens."""
     server = paged_server
     turns = [long_text("prefetch", 60) + " Note the last entry."]
-    answer, usage, _ = chat(server, [SYSTEM, {"role": "user", "content": turns[0]}], "pf", max_tokens=8,
-                            agent={"expected_tool_duration_ms": 400})
+    answer, usage, _ = chat(
+        server,
+        [SYSTEM, {"role": "user", "content": turns[0]}],
+        "pf",
+        max_tokens=8,
+        agent={"expected_tool_duration_ms": 400},
+    )
     row = next(r for r in server.get("/sgl_memory/sessions?limit=1000").json()["sessions"] if r["session_id"] == "pf")
     assert row["expected_back_s"] is not None and row["expected_back_s"] <= 0.4  # the inspector shows the hint
     flush(server)
     # the scheduler sleeps while it has nothing to do: another request keeps it stepping meanwhile
-    busy = ThreadPoolExecutor(1).submit(chat, server, [SYSTEM, {"role": "user", "content": "Count from one to fifty."}],
-                                        max_tokens=160)
+    busy = ThreadPoolExecutor(1).submit(
+        chat, server, [SYSTEM, {"role": "user", "content": "Count from one to fifty."}], max_tokens=160
+    )
     time.sleep(1.5)
     messages = history(turns, [answer]) + [{"role": "user", "content": "The tool returned 7. Go on."}]
     answer2, usage2, metrics = chat(server, messages, "pf", max_tokens=8)

@@ -17,9 +17,14 @@ from sgl_memory import models
 
 pytestmark = [pytest.mark.server, pytest.mark.default_model]
 
-NOTES = ["Notes of the week.", "Alice: my cat is called Pepper and she sleeps on the red sofa in the living room all day.",
-         "Bob: I went hiking on Saturday.", "Carol: the weather was sunny and warm, with a light wind from the sea in the evening.",
-         "Dan: I made soup for dinner.", "Erin: tomorrow I will read a book about the history of the old harbour town."]  # fmt: skip
+NOTES = [
+    "Notes of the week.",
+    "Alice: my cat is called Pepper and she sleeps on the red sofa in the living room all day.",
+    "Bob: I went hiking on Saturday.",
+    "Carol: the weather was sunny and warm, with a light wind from the sea in the evening.",
+    "Dan: I made soup for dinner.",
+    "Erin: tomorrow I will read a book about the history of the old harbour town.",
+]
 QUESTION = "What is the cat called?"
 
 
@@ -36,7 +41,10 @@ def server(qwen_server):
 
 
 def generate(server, ids, memory, n=12):
-    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory})
+    r = server.post(
+        "/generate",
+        {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -73,10 +81,14 @@ QUERY = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 def test_a_chosen_block_is_placed_with_its_whole_line(server, tok, turn):
     q = tok.encode(QUERY.format(QUESTION), add_special_tokens=False)
     starts = line_starts(tok, turn) | {len(turn)}
-    m = generate(server, q, {"session_id": "notes", "tenant": "a", "memory": {"top_k": 2, "store": False}})["meta_info"]["sgl_memory"]
+    m = generate(server, q, {"session_id": "notes", "tenant": "a", "memory": {"top_k": 2, "store": False}})[
+        "meta_info"
+    ]["sgl_memory"]
     placed = runs(m["retrieved_spans"])
     assert placed and all(a in starts and b in starts for a, b in placed), (placed, sorted(starts))
-    assert m["memory_kv_tokens"] == sum(b - a for a, b in placed) and m["retrieved_blocks"] > 2  # lines longer than a block
+    assert (
+        m["memory_kv_tokens"] == sum(b - a for a, b in placed) and m["retrieved_blocks"] > 2
+    )  # lines longer than a block
     # the line holding the fact is among them
     pepper = next(p for p in range(len(turn)) if "Pepper" in tok.decode(turn[: p + 1]))
     assert any(a <= pepper < b for a, b in placed)
@@ -87,7 +99,9 @@ def test_placed_tokens_caps_what_is_placed_with_whole_lines(server, tok, turn, c
     q = tok.encode(QUERY.format(QUESTION), add_special_tokens=False)
     starts = sorted(line_starts(tok, turn) | {len(turn)})
     lengths = [b - a for a, b in zip(starts, starts[1:])]
-    m = generate(server, q, {"session_id": "notes", "tenant": "a", "memory": {"placed_tokens": cap, "store": False}})["meta_info"]["sgl_memory"]
+    m = generate(server, q, {"session_id": "notes", "tenant": "a", "memory": {"placed_tokens": cap, "store": False}})[
+        "meta_info"
+    ]["sgl_memory"]
     placed = runs(m["retrieved_spans"])
     assert all(a in starts and b in starts for a, b in placed)
     assert 0 < m["memory_kv_tokens"] <= cap

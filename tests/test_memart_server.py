@@ -20,15 +20,23 @@ from sgl_memory import models
 
 pytestmark = pytest.mark.server
 
-A, REF = "memart-a", "memart-ref"  # the session's tenant and the reference's (the suite's other tests use other tenants)
+A, REF = (
+    "memart-a",
+    "memart-ref",
+)  # the session's tenant and the reference's (the suite's other tests use other tenants)
 # KV memory alone on the server with every mechanism on: intent and SentenceKV left out of a request
 # whose prefilled and cached tokens are counted (each prefills the rows it reads itself: the
 # latest message, the last 32 rows)
 ALONE = {"intent": False, "sentencekv": {"enabled": False}}
 
 SYSTEM = [{"role": "system", "content": "You are a brief, helpful assistant."}]
-FACTS = ["Remember this: my cat is called Pepper.", "I went hiking on Saturday.", "The weather was sunny and warm.",
-         "I made soup for dinner.", "Tomorrow I will read a book."]  # fmt: skip
+FACTS = [
+    "Remember this: my cat is called Pepper.",
+    "I went hiking on Saturday.",
+    "The weather was sunny and warm.",
+    "I made soup for dinner.",
+    "Tomorrow I will read a book.",
+]
 QUESTION = "What is my cat called?"
 
 
@@ -41,7 +49,13 @@ def tok():
 def mem_server(all_server):
     # blocks of 16 tokens, placed alone (not the default lines): these tests count blocks
     memory = all_server.get("/sgl_memory/info").json()["config"]["memory"]
-    assert (memory["block_size"], memory["top_k"], memory["cut"], memory["unit"], memory["placed_tokens"]) == (16, 4, "tokens", "block", 0)
+    assert (memory["block_size"], memory["top_k"], memory["cut"], memory["unit"], memory["placed_tokens"]) == (
+        16,
+        4,
+        "tokens",
+        "block",
+        0,
+    )
     return all_server
 
 
@@ -64,7 +78,10 @@ def question_rows(tok, ids):
 
 
 def generate(server, ids, memory, n=16, status=200):
-    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory})
+    r = server.post(
+        "/generate",
+        {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory},
+    )
     assert r.status_code == status, r.text
     return r.json()
 
@@ -76,7 +93,13 @@ def state_facts(server, tok, tenant, session="s"):
     for i in range(len(FACTS)):
         out = generate(server, ids, {"session_id": session, "tenant": tenant})["output_ids"]
         if i + 1 < len(FACTS):
-            ids = ids + out + tok.encode(f"\n<|im_start|>user\n{FACTS[i + 1]}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+            ids = (
+                ids
+                + out
+                + tok.encode(
+                    f"\n<|im_start|>user\n{FACTS[i + 1]}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+                )
+            )
     return ids + out[:-1]
 
 
@@ -124,25 +147,42 @@ def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, sta
     per_layer = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     per_value = cfg.num_hidden_layers * per_layer
     scored = round(cfg.num_hidden_layers * MemArtConfig().score_layers) * per_layer
-    q = tok.encode("<|im_start|>user\nWhat did I do on Saturday?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    q = tok.encode(
+        "<|im_start|>user\nWhat did I do on Saturday?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     before = mem_server.prometheus()
-    pools = [generate(mem_server, q, {"session_id": "s", "tenant": t, "memory": retrieve(top_k=1000)})["meta_info"]["sgl_memory"]
-             for t in (A, REF)]  # fmt: skip
+    pools = [
+        generate(mem_server, q, {"session_id": "s", "tenant": t, "memory": retrieve(top_k=1000)})["meta_info"][
+            "sgl_memory"
+        ]
+        for t in (A, REF)
+    ]
     blocks = sum(m["retrieved_blocks"] for m in pools)
     tokens = sum(m["memory_kv_tokens"] for m in pools)
     assert pools[0]["memory_kv_tokens"] == len(stated[A]) and blocks == sum(m["memory_blocks"] for m in pools)
+
     def grown(samples, name):
         return samples[(name, ())] - pool_before.get((name, ()), 0)
 
     deadline = time.monotonic() + 10  # the gauges are set by the memory worker once a turn is in its pool
-    while grown(after := mem_server.prometheus(), "sgl_memory_memory_pool_blocks") != blocks and time.monotonic() < deadline:
+    while (
+        grown(after := mem_server.prometheus(), "sgl_memory_memory_pool_blocks") != blocks
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
-    assert grown(after, "sgl_memory_memory_pool_blocks") == blocks and grown(after, "sgl_memory_memory_pool_tokens") == tokens
+    assert (
+        grown(after, "sgl_memory_memory_pool_blocks") == blocks
+        and grown(after, "sgl_memory_memory_pool_tokens") == tokens
+    )
     value_bytes = {"bfloat16": 2, "float32": 4}[SERVER_DTYPE]
     kv_bytes, index_bytes = tokens * (2 * per_value * value_bytes + 4), tokens * scored * value_bytes
     assert kv_bytes + index_bytes <= grown(after, "sgl_memory_memory_pool_bytes") <= kv_bytes + 1.125 * index_bytes
     grew = after[("sgl_memory_retrievals_total", ())] - before.get(("sgl_memory_retrievals_total", ()), 0)
-    assert grew == 2 and after[("sgl_memory_retrieved_blocks_total", ())] - before.get(("sgl_memory_retrieved_blocks_total", ()), 0) == blocks
+    assert (
+        grew == 2
+        and after[("sgl_memory_retrieved_blocks_total", ())] - before.get(("sgl_memory_retrieved_blocks_total", ()), 0)
+        == blocks
+    )
 
 
 def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_server, tok, stated):
@@ -158,7 +198,10 @@ def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_serv
     assert "Pepper" in first["text"], first["text"]
     # the same assembled prefix again: the radix tree holds it, and the question with it
     again = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE})
-    assert again["meta_info"]["cached_tokens"] >= 64 + len(q) - 1 and again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1
+    assert (
+        again["meta_info"]["cached_tokens"] >= 64 + len(q) - 1
+        and again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1
+    )
     assert again["output_ids"] == first["output_ids"]
 
 
@@ -173,14 +216,24 @@ def test_a_prompt_that_carries_its_answer_retrieves_for_the_question(mem_server,
     alone = generate(mem_server, q, memory)["meta_info"]
     carried = generate(mem_server, q + answer, memory)["meta_info"]
     # the second probe takes what the first one left in the tree up to the question
-    assert carried["sgl_memory"]["probe_tokens"] == question_rows(tok, q) <= alone["sgl_memory"]["probe_tokens"] <= len(q)
+    assert (
+        carried["sgl_memory"]["probe_tokens"] == question_rows(tok, q) <= alone["sgl_memory"]["probe_tokens"] <= len(q)
+    )
     assert carried["sgl_memory"]["retrieved_spans"] == alone["sgl_memory"]["retrieved_spans"]
     assert carried["prompt_tokens"] == alone["prompt_tokens"] + len(answer)
 
 
 def logprobs(server, ids, memory, **params):
-    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                                  "return_logprob": True, **params, "sgl_memory": memory})  # fmt: skip
+    r = server.post(
+        "/generate",
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            **params,
+            "sgl_memory": memory,
+        },
+    )
     assert r.status_code == 200, r.text
     return [lp for lp, *_ in r.json()["meta_info"]["input_token_logprobs"]]
 
@@ -197,7 +250,12 @@ def test_input_logprobs_of_a_memory_request_are_its_own_tokens(mem_server, tok, 
     memory = {"session_id": "s", "tenant": "memart-lp", "memory": retrieve(top_k=1000), **ALONE}
     got = logprobs(mem_server, q + answer, memory, logprob_start_len=len(q))
     assert path == stated[REF]
-    want = logprobs(mem_server, stated[REF] + q + answer, {"session_id": "s", "tenant": REF, **ALONE}, logprob_start_len=len(stated[REF] + q))
+    want = logprobs(
+        mem_server,
+        stated[REF] + q + answer,
+        {"session_id": "s", "tenant": REF, **ALONE},
+        logprob_start_len=len(stated[REF] + q),
+    )
     assert len(got) == len(want) == len(answer)
     # the first is the prompt's last row's, which a cached prompt does not compute (None in both);
     # the two prefills split where each one's cache ends (earlier tests cached parts of both), which
@@ -229,15 +287,19 @@ def test_header_blocks_are_placed_with_the_chosen_ones(mem_server, tok):
     """header turn in the server: what was chosen stays, only turns' first blocks are added, every
     turn placed has its first block, in chronological order (which blocks a header adds is
     `choose`'s unit test: on these sessions retrieval picks each turn's first block itself)."""
-    story = ("Stock count: 4821 bolts, 9930 nuts, 7712 washers, 1203 hinges, 5540 screws, 3381 rivets, 6619 nails. "
-             "By the way, I bought a new bicycle, and the bicycle is bright orange.")
+    story = (
+        "Stock count: 4821 bolts, 9930 nuts, 7712 washers, 1203 hinges, 5540 screws, 3381 rivets, 6619 nails. "
+        "By the way, I bought a new bicycle, and the bicycle is bright orange."
+    )
     ids = tok.encode("Notes of the week.\n", add_special_tokens=False)
     generate(mem_server, ids, {"session_id": "week", "tenant": A}, n=1)
     generate(mem_server, ids + tok.encode(story, add_special_tokens=False), {"session_id": "week", "tenant": A}, n=1)
     q = render(tok, SYSTEM + [{"role": "user", "content": "What colour is my new bicycle?"}])
     for top_k in (1, 2, 3):
         plain = generate(mem_server, q, {"session_id": "week", "tenant": A, "memory": retrieve(top_k=top_k)})
-        headed = generate(mem_server, q, {"session_id": "week", "tenant": A, "memory": retrieve(top_k=top_k, header="turn")})
+        headed = generate(
+            mem_server, q, {"session_id": "week", "tenant": A, "memory": retrieve(top_k=top_k, header="turn")}
+        )
         chosen = {tuple(x) for x in plain["meta_info"]["sgl_memory"]["retrieved_spans"]}
         got = [tuple(x) for x in headed["meta_info"]["sgl_memory"]["retrieved_spans"]]
         assert chosen <= set(got) and got == sorted(got) and len(got) == len(set(got))
@@ -247,7 +309,11 @@ def test_header_blocks_are_placed_with_the_chosen_ones(mem_server, tok):
 
 def test_another_sessions_memory_is_never_retrieved(mem_server, tok, stated):
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    for memory in ({"session_id": "other", "tenant": A}, {"session_id": "s", "tenant": "memart-stranger"}, {"session_id": "s"}):
+    for memory in (
+        {"session_id": "other", "tenant": A},
+        {"session_id": "s", "tenant": "memart-stranger"},
+        {"session_id": "s"},
+    ):
         out = generate(mem_server, q, {**memory, "memory": retrieve(top_k=1000)})
         m = out["meta_info"]["sgl_memory"]
         assert m["retrieved_blocks"] == 0 and m["memory_kv_tokens"] == 0 and m["memory_blocks"] == 0, memory
@@ -273,12 +339,19 @@ def test_memory_turns_are_stored_unless_told_not_to(mem_server, tok):
 
 
 def test_openai_api_and_streaming_carry_memory_mode(mem_server, stated):
-    body = {"model": "m", "messages": SYSTEM + [{"role": "user", "content": QUESTION}], "max_tokens": 12, "temperature": 0,
-            "sgl_memory": {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)}}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": SYSTEM + [{"role": "user", "content": QUESTION}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "sgl_memory": {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)},
+    }
     r = mem_server.post("/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     assert "Pepper" in r.json()["choices"][0]["message"]["content"] and r.json()["sgl_memory"]["retrieved_blocks"] == 4
-    with requests.post(mem_server.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=300) as s:
+    with requests.post(
+        mem_server.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=300
+    ) as s:
         chunks = [json.loads(line[6:]) for line in s.iter_lines(decode_unicode=True) if line.startswith("data: {")]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert "Pepper" in text
@@ -300,20 +373,30 @@ def test_bad_memory_requests_are_400s(mem_server, memory, needle):
     r = mem_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": memory})
     assert r.status_code == 400 and needle in r.text, r.text
     # past the HTTP layer (custom_params set directly), the tokenizer-side hook refuses it as well
-    direct = {"text": "hi", "sampling_params": {"max_new_tokens": 2, "custom_params": {"sgl_memory": json.dumps(memory)}}}
+    direct = {
+        "text": "hi",
+        "sampling_params": {"max_new_tokens": 2, "custom_params": {"sgl_memory": json.dumps(memory)}},
+    }
     r = mem_server.post("/generate", direct)
     assert r.status_code == 400 and needle in r.text, r.text
     empty = {"text": "", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}}
     r = mem_server.post("/generate", empty)  # a memory-mode turn of no tokens: its probe would crash the scheduler
     assert r.status_code == 400 and "empty" in r.text, r.text
-    batch = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}}
+    batch = {
+        "text": ["a", "b"],
+        "sampling_params": {"max_new_tokens": 2},
+        "sgl_memory": {"session_id": "s", "memory": {}},
+    }
     r = mem_server.post("/generate", batch)
     assert r.status_code == 400 and "one prompt per request" in r.text, r.text
     assert mem_server.get("/health").status_code == 200
 
 
 def test_memory_mode_on_a_server_without_memory_is_a_400(plain_server):
-    r = plain_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}})
+    r = plain_server.post(
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "sgl_memory": {"session_id": "s", "memory": {}}},
+    )
     assert r.status_code == 400 and "memory.enabled: false" in r.text, r.text
 
 
@@ -337,27 +420,45 @@ def test_frontend_program_with_a_session_answers_from_memory(mem_server, stated)
 def test_parallel_samples_all_use_the_memory(mem_server, tok, stated):
     """n > 1: SGLang runs one request per sample, and each must find the probe's queries."""
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    body = {"input_ids": q, "sampling_params": {"max_new_tokens": 8, "n": 2, "temperature": 0.7},
-            "sgl_memory": {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)}}  # fmt: skip
+    body = {
+        "input_ids": q,
+        "sampling_params": {"max_new_tokens": 8, "n": 2, "temperature": 0.7},
+        "sgl_memory": {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4)},
+    }
     r = mem_server.post("/generate", body)
     assert r.status_code == 200, r.text
     outs = r.json()
     assert len(outs) == 2
     for out in outs:
-        assert out["meta_info"]["sgl_memory"]["memory_kv_tokens"] == 64 and out["meta_info"]["prompt_tokens"] == 64 + len(q)
+        assert out["meta_info"]["sgl_memory"]["memory_kv_tokens"] == 64 and out["meta_info"][
+            "prompt_tokens"
+        ] == 64 + len(q)
 
 
 # an agent's system message: tool docs the session's every request repeats
 TOOL_DOCS = "You can call these tools:\n" + "\n".join(
-    f'{{"name": "{name}", "description": "{what}", "parameters": {{"type": "object", "properties": {{"{arg}": {{"type": "string"}}}}}}}}'
-    for name, what, arg in [("get_weather", "The weather in a city today", "city"), ("book_table", "Books a table at a restaurant", "restaurant"),
-                            ("send_email", "Sends an email to a contact", "to"), ("find_flight", "Finds flights between two airports", "route"),
-                            ("play_music", "Plays a song on the speaker", "song"), ("set_alarm", "Sets an alarm for a time", "time"),
-                            ("convert", "Converts an amount between currencies", "amount"), ("translate", "Translates a sentence", "text")]
-)  # fmt: skip
-AGENT_TURNS = ["My favourite restaurant is Luigi's on Elm Street.", "Book me a flight from Oslo to Rome, I land at noon.",
-               "My sister Ana lives in Lisbon and loves jazz.", "The meeting with Tom moved to Friday at 9.",
-               "Which restaurant do I like?", "When is the meeting with Tom?", "Where does Ana live?"]  # fmt: skip
+    f'{{"name": "{name}", "description": "{what}", '
+    f'"parameters": {{"type": "object", "properties": {{"{arg}": {{"type": "string"}}}}}}}}'
+    for name, what, arg in [
+        ("get_weather", "The weather in a city today", "city"),
+        ("book_table", "Books a table at a restaurant", "restaurant"),
+        ("send_email", "Sends an email to a contact", "to"),
+        ("find_flight", "Finds flights between two airports", "route"),
+        ("play_music", "Plays a song on the speaker", "song"),
+        ("set_alarm", "Sets an alarm for a time", "time"),
+        ("convert", "Converts an amount between currencies", "amount"),
+        ("translate", "Translates a sentence", "text"),
+    ]
+)
+AGENT_TURNS = [
+    "My favourite restaurant is Luigi's on Elm Street.",
+    "Book me a flight from Oslo to Rome, I land at noon.",
+    "My sister Ana lives in Lisbon and loves jazz.",
+    "The meeting with Tom moved to Friday at 9.",
+    "Which restaurant do I like?",
+    "When is the meeting with Tom?",
+    "Where does Ana live?",
+]
 
 
 def test_a_probe_that_reuses_the_cached_prefix_chooses_the_blocks_a_full_probe_does(mem_server, tok):
@@ -371,8 +472,12 @@ def test_a_probe_that_reuses_the_cached_prefix_chooses_the_blocks_a_full_probe_d
     for i, text in enumerate(AGENT_TURNS):
         ids = render(tok, system + [{"role": "user", "content": text}])
         assert mem_server.post("/flush_cache?timeout=60", {}).status_code == 200
-        full = generate(mem_server, ids, {**session, "memory": retrieve(top_k=4, placement="after_system")})["meta_info"]["sgl_memory"]
-        reused = generate(mem_server, ids, {**session, "memory": retrieve(top_k=4, placement="after_system", store=True)})
+        full = generate(mem_server, ids, {**session, "memory": retrieve(top_k=4, placement="after_system")})[
+            "meta_info"
+        ]["sgl_memory"]
+        reused = generate(
+            mem_server, ids, {**session, "memory": retrieve(top_k=4, placement="after_system", store=True)}
+        )
         m = reused["meta_info"]["sgl_memory"]
         assert full["probe_tokens"] == len(ids) and m["probe_tokens"] <= len(ids) - system_end(tok, ids)
         assert m["retrieved_spans"] == full["retrieved_spans"], f"turn {i}"

@@ -36,7 +36,9 @@ def test_aabb_score_bounds_every_key_of_its_block(seed):
     assert (bound >= dots.amax(-1) - 1e-4).all()
     # tight for a one-key block: the box is the key itself
     one = keys[:, :, :1]
-    assert torch.allclose(aabb_scores(q, one.amin(2), one.amax(2)), torch.einsum("lthd,lnhd->lthn", q, one[:, :, 0, kv_head]), atol=1e-4)
+    assert torch.allclose(
+        aabb_scores(q, one.amin(2), one.amax(2)), torch.einsum("lthd,lnhd->lthn", q, one[:, :, 0, kv_head]), atol=1e-4
+    )
 
 
 # --- retrieval vs brute force ------------------------------------------------------------------
@@ -87,8 +89,9 @@ def flat_index(keys, lengths, order=None):
         parts.append(keys[:, n, : lengths[n]])
         rows[n] = [at + min(s, lengths[n] - 1) for s in range(max(lengths))]
         at += lengths[n]
-    return BlockIndex(list(range(keys.shape[1])), torch.cat(parts, 1),
-                      torch.tensor([rows[n] for n in range(keys.shape[1])]))  # fmt: skip
+    return BlockIndex(
+        list(range(keys.shape[1])), torch.cat(parts, 1), torch.tensor([rows[n] for n in range(keys.shape[1])])
+    )
 
 
 @pytest.mark.parametrize("scoring", ["exact", "aabb"])
@@ -162,8 +165,12 @@ def test_text_scoring_positions_leave_out_the_chat_markup():
     from sgl_memory import models
 
     tok = AutoTokenizer.from_pretrained(models.model_dir("smollm2-135m-instruct"))
-    ids = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Pepper?"}],
-                                  add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
+    ids = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Pepper?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     markers = RoleMarkers.from_tokenizer(tok, "chatml")
     spans = find_spans(ids, markers, len(ids))
     text = scoring_positions(ids, spans, "text", markers, tok)
@@ -175,7 +182,11 @@ def test_text_scoring_positions_leave_out_the_chat_markup():
     assert scoring_positions(ids, spans, "all", markers, tok) == list(range(len(ids)))
     # the probe computes the prompt an ordinary request ends with, and no further
     answered_spans = find_spans(answered, markers, len(answered))
-    assert probe_end(ids, spans, "text", markers, tok) == probe_end(answered, answered_spans, "text", markers, tok) == len(ids)
+    assert (
+        probe_end(ids, spans, "text", markers, tok)
+        == probe_end(answered, answered_spans, "text", markers, tok)
+        == len(ids)
+    )
     assert probe_end(answered, answered_spans, "all", markers, tok) == len(answered)
 
 
@@ -201,7 +212,9 @@ def test_rerotated_blocks_equal_keys_computed_at_the_new_positions(dtype):
     """Keys cached at scattered positions (in the pool's dtype: bf16 or float32, as the launcher
     picks), stored as cached with their positions -> two blocks placed at 0..M-1, each key rotated
     by the distance it moves."""
-    config = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=32768)
+    config = Qwen2Config(
+        hidden_size=128, num_attention_heads=2, num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=32768
+    )
     rope = Rope(head_dim=64, theta=1e6)
     torch.manual_seed(0)
     L, n, h, d = 2, 24, 2, 64
@@ -251,7 +264,9 @@ FREE_TOL = {torch.bfloat16: 2**-7, torch.float32: 2**-10}
 
 @pytest.mark.parametrize("dtype", list(FREE_TOL))
 def test_the_index_holds_the_scoring_layers_keys_without_their_rotation(dtype):
-    config = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=32768)
+    config = Qwen2Config(
+        hidden_size=128, num_attention_heads=2, num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=32768
+    )
     rope = Rope(head_dim=64, theta=1e6)
     raw = torch.randn(4, 30, 2, 64) * 3
     positions = torch.arange(3000, 3030)
@@ -402,7 +417,9 @@ def test_a_merge_keeps_the_rarest_tokens_of_the_two_blocks_with_their_keys():
     (block,) = pool.blocks.values()
     assert block.tokens == [1, 2, 3, 9] and block.origin == [(0, 1), (0, 3), (0, 6), (0, 7)]
     kept = keys[:, [1, 3, 6, 7]].to(torch.bfloat16)
-    assert torch.equal(block.keys, kept) and torch.equal(block.values, kept) and torch.equal(pool.score.rows(block), kept)
+    assert (
+        torch.equal(block.keys, kept) and torch.equal(block.values, kept) and torch.equal(pool.score.rows(block), kept)
+    )
     assert block.spans() == [[0, 1, 1], [0, 3, 1], [0, 6, 2]] and block.covers == 2 * size
     # ties on rarity: the larger key norm
     norm_pool = MemArtPool(capacity=1, eviction="merge", block_size=size)
@@ -425,7 +442,9 @@ def test_a_merge_keeps_the_rarest_tokens_of_the_two_blocks_with_their_keys():
 
 
 def same_blocks(a: MemArtPool, b: MemArtPool, made: bool = True) -> None:
-    assert list(a.blocks) == list(b.blocks) and a.held == b.held and +a.counts == +b.counts  # the index's spare rows may differ
+    assert (
+        list(a.blocks) == list(b.blocks) and a.held == b.held and +a.counts == +b.counts
+    )  # the index's spare rows may differ
     for i, x in a.blocks.items():
         y = b.blocks[i]
         assert (x.tokens, x.origin, x.used, x.covers) == (y.tokens, y.origin, y.used, y.covers)
@@ -455,7 +474,10 @@ def test_an_exported_pool_loads_into_one_that_retrieves_the_same_blocks():
     want, got = memory.index(), loaded.index()
     assert want.ids == got.ids
     for scoring in ("exact", "aabb"):
-        assert torch.equal(score_blocks(q, want, scoring, "softmax", "max", 60.0), score_blocks(q, got, scoring, "softmax", "max", 60.0))
+        assert torch.equal(
+            score_blocks(q, want, scoring, "softmax", "max", 60.0),
+            score_blocks(q, got, scoring, "softmax", "max", 60.0),
+        )
     merging = MemArtPool(capacity=3, eviction="merge", block_size=4)
     distinct_turns(merging, 4, 6, 4, dim=8)  # the dim of turn()'s keys: one pool, one key shape
     again = MemArtPool(capacity=3, eviction="merge", block_size=4)
@@ -618,7 +640,10 @@ def test_a_blocks_line_is_every_block_of_the_line_it_is_in(seed):
         for o, token in enumerate(tokens):
             line_of[t, o] = (t, number)
             number += token == NL
-    expected = {b.id: [c.id for c in memory.blocks.values() if line_of[c.origin[0]] == line_of[b.origin[0]]] for b in memory.blocks.values()}
+    expected = {
+        b.id: [c.id for c in memory.blocks.values() if line_of[c.origin[0]] == line_of[b.origin[0]]]
+        for b in memory.blocks.values()
+    }
     assert {b: memory.line(b) for b in memory.blocks} == expected
     gone = sorted(memory.blocks)[len(memory.blocks) // 2]
     del memory.blocks[gone]
@@ -645,7 +670,10 @@ def test_a_chosen_block_brings_its_line_and_its_headers_lines_within_the_budget(
     memory.add_turn([1, 2, 3, 4, 5, 6, NL, 7], keys[:, :8], keys[:, :8].to(torch.bfloat16), 4)  # blocks 9, 10 | 11
     assert choose(memory, [11], "turn", None, "line") == [11, 9]
     # the budget counts whole lines: line [1, 2, 3] is 12 tokens, [4, 5] 5, [0] 3
-    assert choose(memory, [2, 5, 0], "none", 8, "line") == [2, 0]  # [1, 2, 3] passes 8: block 2 alone; then [4, 5] does not fit
+    assert choose(memory, [2, 5, 0], "none", 8, "line") == [
+        2,
+        0,
+    ]  # [1, 2, 3] passes 8: block 2 alone; then [4, 5] does not fit
     assert choose(memory, [5, 0, 2], "none", 8, "line") == [4, 5, 0]
     assert choose(memory, [2, 5, 0], "none", 12, "line") == [1, 2, 3]
     assert choose(memory, [2], "none", None, "block") == [2]

@@ -13,7 +13,10 @@ from sgl_memory import models
 from sgl_memory.core.spans import RoleMarkers, after_answer
 from sgl_memory.memart.window import LastPrompts, cut
 
-MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")  # tool results as "tool" messages / as Qwen's user ones
+MODELS = (
+    "smollm2-135m-instruct",
+    "qwen2.5-coder-0.5b-instruct",
+)  # tool results as "tool" messages / as Qwen's user ones
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -22,8 +25,13 @@ def tok(request):
 
 
 def call(i: int) -> dict:
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": "search", "arguments": f'{{"q": "item {i}"}}'}}]}  # fmt: skip
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "search", "arguments": f'{{"q": "item {i}"}}'}}
+        ],
+    }
 
 
 def result(i: int, words: int) -> dict:
@@ -31,9 +39,11 @@ def result(i: int, words: int) -> dict:
 
 
 AGENT = [{"role": "system", "content": "You search."}, {"role": "user", "content": "Find the owner of item 3."}] + [
-    m for i in range(5) for m in (call(i), result(i, 3 + 7 * i))]  # fmt: skip
+    m for i in range(5) for m in (call(i), result(i, 3 + 7 * i))
+]
 CHAT = [{"role": "system", "content": "Be brief."}] + [
-    {"role": r, "content": f"{r} message {i} " + "word " * (i * 3)} for i in range(7) for r in ("user", "assistant")][:-1]  # fmt: skip
+    {"role": r, "content": f"{r} message {i} " + "word " * (i * 3)} for i in range(7) for r in ("user", "assistant")
+][:-1]
 NO_SYSTEM = CHAT[1:]
 
 

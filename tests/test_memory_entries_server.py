@@ -21,8 +21,11 @@ pytestmark = pytest.mark.server
 
 # float32: bf16 matmuls round a row differently with the row count of the pass, and the
 # references prefill the entry together with the question while the entry was computed alone
-KITCHEN = {"apple": "The red apple is on the kitchen table.", "knife": "The sharp knife is in the kitchen drawer.",
-           "bread": "The loaf of bread is on the kitchen counter."}  # fmt: skip
+KITCHEN = {
+    "apple": "The red apple is on the kitchen table.",
+    "knife": "The sharp knife is in the kitchen drawer.",
+    "bread": "The loaf of bread is on the kitchen counter.",
+}
 GARAGE = {"car": "The blue car is parked in the garage.", "bike": "The old bicycle leans against the garage wall."}
 
 
@@ -41,14 +44,18 @@ def srv(fp32_server):
 
 
 def write(srv, session, entries, status=200):
-    r = srv.post("/sgl_memory/memory/write", {"session_id": session, "entries": [{"key": k, "text": t} for k, t in entries.items()]})
+    r = srv.post(
+        "/sgl_memory/memory/write",
+        {"session_id": session, "entries": [{"key": k, "text": t} for k, t in entries.items()]},
+    )
     assert r.status_code == status, r.text
     return r.json()
 
 
 def question_ids(tok, question):
-    return tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-                                   return_dict=False)  # fmt: skip
+    return tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def ask(srv, ids, memory=None, n=12):
@@ -106,7 +113,15 @@ def test_a_quiet_group_gets_a_joint_kv_and_a_write_makes_it_dynamic(srv, tok):
     assert metrics["retrieved_static_groups"] == 1 and metrics["memory_kv_tokens"] == len(joint), metrics
     assert got["output_ids"] == ask(srv, joint + q)["output_ids"]
     # KEEP over the unit: recomputing all of it is the plain prefill of the members' lines
-    got = ask(srv, q, {"session_id": "three", "memory": {"top_k": 1, "store": False, "placement": "first", "recompute": "keep"}, "keep": {"ratio": 1.0}})
+    got = ask(
+        srv,
+        q,
+        {
+            "session_id": "three",
+            "memory": {"top_k": 1, "store": False, "placement": "first", "recompute": "keep"},
+            "keep": {"ratio": 1.0},
+        },
+    )
     assert got["meta_info"]["sgl_memory"]["recompute"] == "keep"
     assert got["output_ids"] == ask(srv, joint + q)["output_ids"]
     # a member changes: the group is dynamic, members are placed on their own again
@@ -124,21 +139,28 @@ def test_the_book_reads_back_and_other_sessions_see_nothing(srv, tok):
     assert r.status_code == 200 and r.json()["book"]["entries"] == 2
     r = srv.get("/sgl_memory/memory?session_id=nobody-here")
     assert r.status_code == 200 and r.json()["book"]["entries"] == 0
-    got = ask(srv, question_ids(tok, "Where is the car?"), {"session_id": "nobody-here", "memory": {"store": False, "placement": "first"}})
+    got = ask(
+        srv,
+        question_ids(tok, "Where is the car?"),
+        {"session_id": "nobody-here", "memory": {"store": False, "placement": "first"}},
+    )
     assert got["meta_info"]["sgl_memory"]["memory_kv_tokens"] == 0
 
 
-@pytest.mark.parametrize("body", [
-    {"entries": [{"key": "a", "text": "x"}]},  # no session
-    {"session_id": "s", "entries": []},
-    {"session_id": "s", "entries": [{"key": "", "text": "x"}]},
-    {"session_id": "s", "entries": [{"key": "a", "text": "   "}]},
-    {"session_id": "s", "entries": [{"key": "a", "text": "x", "extra": 1}]},
-    {"session_id": "s", "entries": [{"key": "a", "text": "x"}, {"key": "a", "text": "y"}]},
-    {"session_id": "../s", "entries": [{"key": "a", "text": "x"}]},
-    {"session_id": "s", "entries": [{"key": "a", "text": "word " * 12000}]},  # past the context
-    [1, 2],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"entries": [{"key": "a", "text": "x"}]},  # no session
+        {"session_id": "s", "entries": []},
+        {"session_id": "s", "entries": [{"key": "", "text": "x"}]},
+        {"session_id": "s", "entries": [{"key": "a", "text": "   "}]},
+        {"session_id": "s", "entries": [{"key": "a", "text": "x", "extra": 1}]},
+        {"session_id": "s", "entries": [{"key": "a", "text": "x"}, {"key": "a", "text": "y"}]},
+        {"session_id": "../s", "entries": [{"key": "a", "text": "x"}]},
+        {"session_id": "s", "entries": [{"key": "a", "text": "word " * 12000}]},  # past the context
+        [1, 2],
+    ],
+)
 def test_bad_writes_are_400s_and_the_server_lives(srv, body):
     r = srv.post("/sgl_memory/memory/write", body)
     assert r.status_code == 400, r.text
@@ -147,8 +169,14 @@ def test_bad_writes_are_400s_and_the_server_lives(srv, body):
 
 
 def test_a_client_cannot_send_the_internal_modes(srv, tok):
-    r = srv.post("/generate", {"input_ids": question_ids(tok, "hi"), "sampling_params": {"max_new_tokens": 1},
-                               "sgl_memory": {"session_id": "x", "memory": {"mode": "write", "entry": "k"}}})  # fmt: skip
+    r = srv.post(
+        "/generate",
+        {
+            "input_ids": question_ids(tok, "hi"),
+            "sampling_params": {"max_new_tokens": 1},
+            "sgl_memory": {"session_id": "x", "memory": {"mode": "write", "entry": "k"}},
+        },
+    )
     assert r.status_code == 400
 
 
@@ -168,5 +196,9 @@ def test_entries_and_groups_survive_a_restart(srv, fp32_b_server, pool, tok):
     got = ask(again, q, {"session_id": "five", "memory": {"top_k": 64, "store": False, "placement": "first"}})
     metrics = got["meta_info"]["sgl_memory"]
     # every entry once: the static group's joint KV, the garage entries, not the replaced text
-    want = sum(len(line(tok, t)) for t in KITCHEN.values()) + len(line(tok, GARAGE["bike"])) + len(line(tok, "The blue car is at the mechanic."))
+    want = (
+        sum(len(line(tok, t)) for t in KITCHEN.values())
+        + len(line(tok, GARAGE["bike"]))
+        + len(line(tok, "The blue car is at the mechanic."))
+    )
     assert metrics["memory_kv_tokens"] == want and metrics["retrieved_static_groups"] == 1, metrics

@@ -147,25 +147,43 @@ def test_an_exported_pool_with_entries_loads_equal():
     assert loaded.book.summary() == pool.book.summary()
     for key, entry in pool.book.entries.items():
         other = loaded.book.entries[key]
-        assert (other.tokens, other.group, other.written, other.turn) == (entry.tokens, entry.group, entry.written, entry.turn)
+        assert (other.tokens, other.group, other.written, other.turn) == (
+            entry.tokens,
+            entry.group,
+            entry.written,
+            entry.turn,
+        )
         assert torch.equal(other.embedding, entry.embedding)
     assert loaded.index().ids == pool.index().ids
     assert all(loaded.unit(b, loaded.book.unit_turns()) == pool.unit(b, pool.book.unit_turns()) for b in pool.blocks)
 
 
-@pytest.mark.parametrize("body", [
-    None, [], {"entries": [{"key": "a", "text": "x"}]}, {"session_id": "s"}, {"session_id": "s", "entries": {}},
-    {"session_id": "s", "entries": [{"key": 3, "text": "x"}]}, {"session_id": "s", "entries": [{"key": "a"}]},
-    {"session_id": "s", "entries": [{"key": "a", "text": ""}]}, {"session_id": "s", "entries": [{"key": "a", "text": "x"}], "more": 1},
-    {"session_id": "s", "entries": [{"key": "a", "text": "x" * 70000}]},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        [],
+        {"entries": [{"key": "a", "text": "x"}]},
+        {"session_id": "s"},
+        {"session_id": "s", "entries": {}},
+        {"session_id": "s", "entries": [{"key": 3, "text": "x"}]},
+        {"session_id": "s", "entries": [{"key": "a"}]},
+        {"session_id": "s", "entries": [{"key": "a", "text": ""}]},
+        {"session_id": "s", "entries": [{"key": "a", "text": "x"}], "more": 1},
+        {"session_id": "s", "entries": [{"key": "a", "text": "x" * 70000}]},
+    ],
+)
 def test_bad_write_bodies_are_refused(body):
     with pytest.raises(SpecError):
         parse_write(body)
 
 
 def test_write_and_forget_bodies_parse():
-    assert parse_write({"session_id": "s", "tenant": "t", "entries": [{"key": "a", "text": "x  \n"}]}) == ("s", "t", [("a", "x\n")])
+    assert parse_write({"session_id": "s", "tenant": "t", "entries": [{"key": "a", "text": "x  \n"}]}) == (
+        "s",
+        "t",
+        [("a", "x\n")],
+    )
     assert parse_forget({"session_id": "s", "keys": ["a", "b"]}) == ("s", None, ["a", "b"])
     with pytest.raises(SpecError):
         parse_forget({"session_id": "s", "keys": [""]})

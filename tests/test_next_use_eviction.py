@@ -24,8 +24,9 @@ from sgl_memory.persist.settings import AgentHints, PersistConfig
 
 def make(cls=SglMemoryRadixCache, policy="lru"):
     alloc = RecordingAllocator()
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1,
-                             eviction_policy=policy)  # fmt: skip
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=1, eviction_policy=policy
+    )
     return cls(params), alloc
 
 
@@ -126,7 +127,9 @@ def test_without_hints_the_default_orders_by_last_use_and_learns_nothing_into_it
         m._finished(s, None)
         m._came_back(s)
     m._finished(s, None)
-    assert m._next_use(s, s.finished_at + 3) == pytest.approx(s.finished_at + 6)  # as far ahead as its last use is behind
+    assert m._next_use(s, s.finished_at + 3) == pytest.approx(
+        s.finished_at + 6
+    )  # as far ahead as its last use is behind
     m._finished(s, AgentHints(expected_tool_duration_ms=2000))
     assert m._next_use(s, s.finished_at) == pytest.approx(s.finished_at + 2)  # a hint still counts
 

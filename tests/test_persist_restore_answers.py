@@ -42,8 +42,12 @@ AGREEMENT = 0.95
 
 
 def generate(server, ids: list[int], tenant: str, **params) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": params.pop("max_new_tokens", 1), "temperature": 0},
-            "sgl_memory": {"session_id": "s", "tenant": tenant, "intent": False}, **params}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": params.pop("max_new_tokens", 1), "temperature": 0},
+        "sgl_memory": {"session_id": "s", "tenant": tenant, "intent": False},
+        **params,
+    }
     r = server.post("/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -51,7 +55,9 @@ def generate(server, ids: list[int], tenant: str, **params) -> dict:
 
 def greedy_along(server, prompt: list[int], answer: list[int], tenant: str) -> tuple[list[int], dict]:
     """The greedy next token at each position of `answer` after its first, teacher-forced."""
-    out = generate(server, prompt + answer, tenant, return_logprob=True, logprob_start_len=len(prompt), top_logprobs_num=1)
+    out = generate(
+        server, prompt + answer, tenant, return_logprob=True, logprob_start_len=len(prompt), top_logprobs_num=1
+    )
     tops = out["meta_info"]["input_top_logprobs"][1 : len(answer)]  # entry i: the token at len(prompt) + i
     return [top[0][1] for top in tops], out["meta_info"].get("sgl_memory") or {}
 
@@ -90,4 +96,6 @@ def test_a_session_restored_in_the_default_format_answers_as_it_would_have_witho
         restored.append(tokens)
     same = sum(x == y for r, l in zip(restored, live) for x, y in zip(r, l))
     total = sum(len(l) for l in live)
-    assert total >= len(QUESTIONS) * 8 and same / total >= AGREEMENT, f"{PersistConfig().quant}: {same}/{total} positions"
+    assert total >= len(QUESTIONS) * 8 and same / total >= AGREEMENT, (
+        f"{PersistConfig().quant}: {same}/{total} positions"
+    )

@@ -78,7 +78,10 @@ def flush(server):
 
 
 def session_file_of(store: Path, tenant: str, session_id: str) -> Path:
-    return next(iter(store.glob(f"{_digest('tenant', tenant)}/*/{_digest('session', session_id)}.safetensors")), store / "absent")
+    return next(
+        iter(store.glob(f"{_digest('tenant', tenant)}/*/{_digest('session', session_id)}.safetensors")),
+        store / "absent",
+    )
 
 
 def session_file(store: Path, session_id: str) -> Path:
@@ -93,11 +96,14 @@ def session_file(store: Path, session_id: str) -> Path:
 @pytest.fixture(scope="module")
 def restarted(all_server, all_b_server, pool):
     """Server A runs every conversation to its end (the reference) and a copy of each to its second
-    turn, persistence alone (ALONE); the copies' files go into server B's store. Each copy is its own tenant, so no copy reuses
-    another's KV through the tree and every copy computes the same tokens the same way.
+    turn, persistence alone (ALONE); the copies' files go into server B's store. Each copy is its
+    own tenant, so no copy reuses another's KV through the tree and every copy computes the same
+    tokens the same way.
     Returns (B, B's store, reference answers, {copy tenant: per conversation [(answer, usage)]})."""
     a, b = all_server, all_b_server
-    reference = [[t[0] for t in run_turns(a, conv, f"s{i}", tenant="ref", **ALONE)] for i, conv in enumerate(CONVERSATIONS)]
+    reference = [
+        [t[0] for t in run_turns(a, conv, f"s{i}", tenant="ref", **ALONE)] for i, conv in enumerate(CONVERSATIONS)
+    ]
     copies = {"rs": [run_turns(a, conv[:2], f"s{i}", tenant="rs", **ALONE) for i, conv in enumerate(CONVERSATIONS)]}
     copies["ta"] = [run_turns(a, CONVERSATIONS[0][:2], "shared", tenant="ta", **ALONE)]
     flush(a)  # every turn is written
@@ -123,7 +129,9 @@ def test_exact_restart_prefills_only_new_tokens_and_answers_like_a_server_that_n
         # the stored history is the whole second turn, its prompt and its answer (the answer's last
         # token has no KV yet); conversations restored before this one share the system prompt
         second = turns[1][1]
-        assert usage["prompt_tokens_details"]["cached_tokens"] >= second["prompt_tokens"] + second["completion_tokens"] - 1
+        assert (
+            usage["prompt_tokens_details"]["cached_tokens"] >= second["prompt_tokens"] + second["completion_tokens"] - 1
+        )
         assert answer == reference[i][2]
 
 
@@ -151,8 +159,13 @@ def test_prometheus_counts_restores_and_the_store_size(restarted):
     assert metrics["restored_tokens"] > 0
     source = (("source", metrics["restored_from"]),)
     assert after[("sgl_memory_restores_total", source)] - before.get(("sgl_memory_restores_total", source), 0) == 1
-    assert after[("sgl_memory_restored_tokens_total", ())] - before.get(("sgl_memory_restored_tokens_total", ()), 0) == metrics["restored_tokens"]
-    assert after[("sgl_memory_store_bytes", ())] == sum(p.stat().st_size for p in store.glob("*/*/*"))  # heads and chunks
+    assert (
+        after[("sgl_memory_restored_tokens_total", ())] - before.get(("sgl_memory_restored_tokens_total", ()), 0)
+        == metrics["restored_tokens"]
+    )
+    assert after[("sgl_memory_store_bytes", ())] == sum(
+        p.stat().st_size for p in store.glob("*/*/*")
+    )  # heads and chunks
     persisted = ("sgl_memory_requests_total", (("mechanism", "persist"),))
     assert after[persisted] == before.get(persisted, 0) + 1
 
@@ -184,7 +197,10 @@ def test_an_openai_client_names_its_session_by_header_alone(restarted):
 
     first = ask("Name one planet.")
     assert "text_match" in persisted(first) and persisted(first)["text_match"] is None  # a new session
-    said = [{"role": "user", "content": "Name one planet."}, {"role": "assistant", "content": first.choices[0].message.content}]
+    said = [
+        {"role": "user", "content": "Name one planet."},
+        {"role": "assistant", "content": first.choices[0].message.content},
+    ]
     assert persisted(ask("And one moon?", said))["text_match"] in ("extend", "exact")  # its next turn
     # streamed: the metrics come in the last chunk (no choices), the answer is the unstreamed one's
     again = ask("Name one planet.")
@@ -198,8 +214,10 @@ def test_an_openai_client_names_its_session_by_header_alone(restarted):
     ask("Name one star.", extra_headers={"x-tenant-id": "acme"})
     flush(b)
     assert session_file_of(store, "", "hdr-1").exists() and session_file_of(store, "acme", "hdr-1").exists()
-    refused = (({"x-session-id": "../up"}, {}, "header x-session-id '../up' is refused"),
-               ({"x-tenant-id": "acme"}, {"sgl_memory": {"tenant": "other"}}, "differs from header x-tenant-id 'acme'"))  # fmt: skip
+    refused = (
+        ({"x-session-id": "../up"}, {}, "header x-session-id '../up' is refused"),
+        ({"x-tenant-id": "acme"}, {"sgl_memory": {"tenant": "other"}}, "differs from header x-tenant-id 'acme'"),
+    )
     for headers, body, needle in refused:
         with pytest.raises(BadRequestError, match=re.escape(needle)):
             ask("Hello?", extra_headers=headers, extra_body=body)
@@ -217,7 +235,9 @@ def test_the_session_inspector_pages_sessions_and_keeps_a_tenant_to_its_own(rest
     everything = b.get("/sgl_memory/sessions?limit=1000").json()
     rows = {(s["tenant"], s["session_id"]): s for s in everything["sessions"]}
     assert everything["total"] == len(rows) >= 2 and {("insp", "insp-a"), ("insp", "insp-b")} <= set(rows)
-    assert [s["last_use"] for s in everything["sessions"]] == sorted((s["last_use"] for s in everything["sessions"]), reverse=True)
+    assert [s["last_use"] for s in everything["sessions"]] == sorted(
+        (s["last_use"] for s in everything["sessions"]), reverse=True
+    )
     for sid in ("insp-a", "insp-b"):
         row = rows[("insp", sid)]
         assert row["path_tokens"] > 0 and row["live_tokens"] == row["path_tokens"]
@@ -231,9 +251,13 @@ def test_the_session_inspector_pages_sessions_and_keeps_a_tenant_to_its_own(rest
     assert [s["session_id"] for s in second["sessions"]] == ["insp-a"]
     other = requests.get(b.url + "/sgl_memory/sessions?tenant=rs", headers={"x-tenant-id": "insp"})
     assert other.status_code == 403 and "limits this caller to tenant 'insp'" in other.text
-    for query, needle in (("limit=0", "limit must be an integer from 1 to 1000"), ("offset=-1", "offset must be"),
-                          ("limit=abc", "limit must be"), ("page=2", "unknown query parameter(s) page"),
-                          ("tenant=..", "query parameter tenant '..' is refused")):  # fmt: skip
+    for query, needle in (
+        ("limit=0", "limit must be an integer from 1 to 1000"),
+        ("offset=-1", "offset must be"),
+        ("limit=abc", "limit must be"),
+        ("page=2", "unknown query parameter(s) page"),
+        ("tenant=..", "query parameter tenant '..' is refused"),
+    ):
         r = b.get(f"/sgl_memory/sessions?{query}")
         assert r.status_code == 400 and needle in r.text, (query, r.text)
 
@@ -248,14 +272,28 @@ def test_a_chain_of_responses_is_one_session(restarted):
     client = OpenAI(base_url=b.url + "/v1", api_key="none")
     model = client.models.list().data[0].id  # the Responses API refuses a model name the server does not serve
     first = client.responses.create(model=model, input="Name one river.", max_output_tokens=4, temperature=0)
-    second = client.responses.create(model=model, input="And one lake?", previous_response_id=first.id, max_output_tokens=4, temperature=0)
-    third = client.responses.create(model=model, input="And a sea?", previous_response_id=second.id, max_output_tokens=4, temperature=0)
+    second = client.responses.create(
+        model=model, input="And one lake?", previous_response_id=first.id, max_output_tokens=4, temperature=0
+    )
+    third = client.responses.create(
+        model=model, input="And a sea?", previous_response_id=second.id, max_output_tokens=4, temperature=0
+    )
     assert second.id.startswith(first.id + ".") and third.id.startswith(first.id + ".")
     for later in (second, third):
-        assert (later.model_extra or {}).get("sgl_memory", {}).get("text_match") in ("extend", "exact"), later.model_extra
+        assert (later.model_extra or {}).get("sgl_memory", {}).get("text_match") in ("extend", "exact"), (
+            later.model_extra
+        )
     # streamed, the metrics come in the last event's response (incomplete: max_output_tokens ends it)
-    events = list(client.responses.create(model=model, input="And a bay?", previous_response_id=third.id, max_output_tokens=4,
-                                          temperature=0, stream=True))  # fmt: skip
+    events = list(
+        client.responses.create(
+            model=model,
+            input="And a bay?",
+            previous_response_id=third.id,
+            max_output_tokens=4,
+            temperature=0,
+            stream=True,
+        )
+    )
     last = events[-1].response
     assert events[-1].type in ("response.completed", "response.incomplete") and last.id.startswith(first.id + ".")
     assert (last.model_extra or {}).get("sgl_memory", {}).get("text_match") in ("extend", "exact"), last.model_extra
@@ -264,13 +302,25 @@ def test_a_chain_of_responses_is_one_session(restarted):
     assert not session_file(store, second.id).exists() and not session_file(store, third.id).exists()
 
 
-@pytest.mark.parametrize("memory", [{"session_id": "../../etc/passwd"}, {"session_id": "a/b"},
-                                    {"session_id": "ok", "tenant": ".."}, {"session_id": "x\x00y"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "memory",
+    [
+        {"session_id": "../../etc/passwd"},
+        {"session_id": "a/b"},
+        {"session_id": "ok", "tenant": ".."},
+        {"session_id": "x\x00y"},
+    ],
+)
 def test_ids_crafted_to_escape_the_store_are_refused(restarted, memory):
     b, store, _, _ = restarted
     flush(b)
     before = sorted(p for p in store.rglob("*") if p.is_file())
-    body = {"model": "m", "messages": [SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 4, "sgl_memory": memory}
+    body = {
+        "model": "m",
+        "messages": [SYSTEM, {"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "sgl_memory": memory,
+    }
     r = b.post("/v1/chat/completions", body)
     assert r.status_code == 400 and "is refused" in r.text
     flush(b)
@@ -313,11 +363,16 @@ def test_damaged_or_foreign_files_are_refused_and_the_turn_is_prefilled(fault_se
     files.write(None, "d-foreign", files.record(range(8), "x", kv, kv))
     session_file(store, "d-foreign").write_bytes(files.path(None, "d-foreign").read_bytes())
     for kind, needle in (("corrupt", "checksum mismatch"), ("truncated", "unreadable"), ("foreign", "another model")):
-        messages = history([f"Remember the word {kind}."], [first[kind][0]]) + [{"role": "user", "content": "Which word?"}]
+        messages = history([f"Remember the word {kind}."], [first[kind][0]]) + [
+            {"role": "user", "content": "Which word?"}
+        ]
         answer, usage, metrics = chat(server, messages, f"d-{kind}")
         assert needle in (metrics["persist_refused"] or ""), metrics
         # prefilled: at most the system prompt, shared with the other sessions' turns, is cached
-        assert metrics["restored_tokens"] == 0 and usage["prompt_tokens_details"]["cached_tokens"] < first[kind][1]["prompt_tokens"]
+        assert (
+            metrics["restored_tokens"] == 0
+            and usage["prompt_tokens_details"]["cached_tokens"] < first[kind][1]["prompt_tokens"]
+        )
         assert answer
     log = server.log()
     assert log.count("refused the file of session") >= 3 and "served by normal prefill" in log
@@ -329,7 +384,7 @@ def test_a_session_evicted_from_the_tree_is_restored_from_disk_in_whole_pages(fa
     the same rows from the same KV and answer alike."""
     server, _, _ = fault_server
     turns = [long_text("ev", 40) + " Summarise the log in one line."]
-    (answer, usage, _), = run_turns(server, turns, "ev")
+    ((answer, usage, _),) = run_turns(server, turns, "ev")
     messages = history(turns, [answer]) + [{"role": "user", "content": "And the first entry?"}]
     run_turns(server, turns, "ev", tenant="hot")
     hot, hot_usage, _ = chat(server, messages, "ev", tenant="hot")
@@ -382,4 +437,3 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, p
         assert chat(f, [SYSTEM, {"role": "user", "content": "Still there?"}])[0]
     finally:
         pool.stop(f)
-

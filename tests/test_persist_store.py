@@ -71,9 +71,14 @@ def test_a_pruned_path_round_trips_with_its_key_live_mask_and_session_state(tmp_
     files = SessionFiles(tmp_path, SPEC, quant="q4")
     record = session(files, tokens=300)
     live = torch.rand(300, generator=torch.Generator().manual_seed(1)) > 0.3
-    state = {"intent.query_memory": torch.randn(3, 4, 64), "memory.tokens": torch.arange(7),
-             "memory.values": torch.randn(3, 7, 2, 64).bfloat16()}  # fmt: skip
-    record = dataclasses.replace(record, extra_key="\x00tenant:t1", branches=((41, -123456789), (97, -5)), live=live, state=state)
+    state = {
+        "intent.query_memory": torch.randn(3, 4, 64),
+        "memory.tokens": torch.arange(7),
+        "memory.values": torch.randn(3, 7, 2, 64).bfloat16(),
+    }
+    record = dataclasses.replace(
+        record, extra_key="\x00tenant:t1", branches=((41, -123456789), (97, -5)), live=live, state=state
+    )
     files.write("t1", "s1", record)
     got = files.read("t1", "s1")
     assert got.extra_key == "\x00tenant:t1" and got.branches == ((41, -123456789), (97, -5))
@@ -94,16 +99,26 @@ def test_two_ranks_files_of_one_turn_share_a_history_digest_and_other_turns_do_n
     live = torch.rand(300, generator=g) > 0.3
 
     def rank(seed=0, **changes):
-        record = dataclasses.replace(session(files, tokens=300, seed=seed), live=live, branches=((41, -7),), extra_key="\x00t",
-                                     state={"intent.query_memory": torch.randn(3, 1, 64, generator=g), "memory.tokens": torch.arange(7)})  # fmt: skip
+        record = dataclasses.replace(
+            session(files, tokens=300, seed=seed),
+            live=live,
+            branches=((41, -7),),
+            extra_key="\x00t",
+            state={"intent.query_memory": torch.randn(3, 1, 64, generator=g), "memory.tokens": torch.arange(7)},
+        )
         return dataclasses.replace(record, **changes)
 
     rank_0, rank_1 = rank(0), rank(1)
     assert not torch.equal(rank_0.state["intent.query_memory"], rank_1.state["intent.query_memory"])
     assert rank_0.history_digest() == rank_1.history_digest()
-    others = [rank(token_ids=rank_0.token_ids[:280]), rank(live=~live), rank(branches=((41, -8),)), rank(extra_key=None),
-              rank(state={**rank_0.state, "memory.tokens": torch.arange(1, 8)}),
-              rank(state={**rank_0.state, "memory.keys": torch.zeros(1)})]  # fmt: skip
+    others = [
+        rank(token_ids=rank_0.token_ids[:280]),
+        rank(live=~live),
+        rank(branches=((41, -8),)),
+        rank(extra_key=None),
+        rank(state={**rank_0.state, "memory.tokens": torch.arange(1, 8)}),
+        rank(state={**rank_0.state, "memory.keys": torch.zeros(1)}),
+    ]
     assert all(other.history_digest() != rank_0.history_digest() for other in others)
     assert all(0 <= r.history_digest() < 2**63 for r in [rank_0, *others])
 
@@ -116,7 +131,9 @@ def test_state_that_holds_kv_is_stored_in_the_files_quantization_and_the_rest_ex
     keys, values = torch.randn(3, 70, 2, 64), torch.randn(3, 70, 2, 64).bfloat16()
     query_memory = torch.randn(3, 4, 64)
     state = {"memory.keys": keys, "memory.values": values, "intent.query_memory": query_memory}
-    record = dataclasses.replace(session(files, tokens=10), state=state, state_kv={"memory.keys": "k", "memory.values": "v"})
+    record = dataclasses.replace(
+        session(files, tokens=10), state=state, state_kv={"memory.keys": "k", "memory.values": "v"}
+    )
     path = files.write(None, "s", record)
     got = files.read(None, "s").state
     assert torch.equal(got["intent.query_memory"], query_memory)
@@ -460,7 +477,11 @@ def test_a_turn_writes_the_blocks_it_added_and_reads_back_whole(tmp_path):
         n = len(record.token_ids)
         got = files.read(None, "s")
         got_keys, got_values = files.decode(got)
-        assert got.token_ids == list(range(n)) and torch.equal(got_keys, keys[:, :n]) and torch.equal(got_values, values[:, :n])
+        assert (
+            got.token_ids == list(range(n))
+            and torch.equal(got_keys, keys[:, :n])
+            and torch.equal(got_values, values[:, :n])
+        )
         assert {c.name for c in got.chunks} == {p.name for p in chunk_files(files, None, "s")}
         assert len(got.chunks) <= (len(got.blocks)).bit_length() + 1
         written += sum(c.count for c in got.chunks if c.name in added)

@@ -28,7 +28,9 @@ def run(tok, stored_text, prompt_text, threshold=0.5):
 
 
 def longest_repeated_prefix(tok, stored, prompt_text):
-    return max(j for j in range(len(stored) + 1) if prompt_text.startswith(tok.decode(stored[:j], skip_special_tokens=False)))
+    return max(
+        j for j in range(len(stored) + 1) if prompt_text.startswith(tok.decode(stored[:j], skip_special_tokens=False))
+    )
 
 
 CHAT = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nName a sea.<|im_end|>\n<|im_start|>assistant\n"

@@ -93,14 +93,17 @@ def test_jobs_run_off_the_callers_thread_land_in_order_and_an_abandoned_one_ends
                 gate.wait(10)
             ran.append((name, threading.current_thread().name))
             return {"dequantize": 1.0}
+
         return run
 
     unpacker.start("a", 100, "ctx-a", work("a"))
     unpacker.start("b", 50, "ctx-b", work("b"))
     assert unpacker.running("a") and unpacker.tokens() == 150
     assert unpacker.settle(10)
-    assert [(j.owner, j.context, j.future.result()) for j in unpacker.finished()] == [("a", "ctx-a", {"dequantize": 1.0}),
-                                                                                     ("b", "ctx-b", {"dequantize": 1.0})]  # fmt: skip
+    assert [(j.owner, j.context, j.future.result()) for j in unpacker.finished()] == [
+        ("a", "ctx-a", {"dequantize": 1.0}),
+        ("b", "ctx-b", {"dequantize": 1.0}),
+    ]
     assert {thread for _, thread in ran} == {"sgl-memory-unpack_0"} and unpacker.tokens() == 0
     unpacker.start("c", 10, "ctx-c", work("c", block=True))
     threading.Timer(0.2, gate.set).start()

@@ -105,8 +105,11 @@ def test_the_server_serves_a_plugin_mechanism_beside_the_built_in_ones(toy_serve
     # intent ran on the same request (a session pruned to its budget), the toy beside it
     assert both["meta_info"]["sgl_memory"]["compression_events"] == 1
     # its own validation, with the key named
-    for field, needle in (({"toy": {"note": 5}}, "sgl_memory.toy.note must be a string"),
-                          ({"toy": {"note": "far too long"}}, "toy.max_note"), ({"toy": {"x": 1}}, "sgl_memory.toy: unknown field")):  # fmt: skip
+    for field, needle in (
+        ({"toy": {"note": 5}}, "sgl_memory.toy.note must be a string"),
+        ({"toy": {"note": "far too long"}}, "toy.max_note"),
+        ({"toy": {"x": 1}}, "sgl_memory.toy: unknown field"),
+    ):
         r = toy_server.post("/generate", {"input_ids": ids, "sgl_memory": field})
         assert r.status_code == 400 and needle in r.text, r.text
     # its HTTP side: it saw the two requests with a toy field come in (not the refused ones: the
@@ -125,7 +128,9 @@ def test_the_server_serves_a_plugin_mechanism_beside_the_built_in_ones(toy_serve
     counts, counted_before = stats["counts"]["toy_note"], stats_before["counts"].get("toy_note", {})
     assert {note: counts[note] - counted_before.get(note, 0) for note in counts} == {"hi": 2, "echo": 1, "pass": 1}
     assert sample(after, "sgl_memory_toy_requests_total") - sample(before, "sgl_memory_toy_requests_total") == 4
-    grew = sample(after, "sgl_memory_requests_total", mechanism="toy") - sample(before, "sgl_memory_requests_total", mechanism="toy")
+    grew = sample(after, "sgl_memory_requests_total", mechanism="toy") - sample(
+        before, "sgl_memory_requests_total", mechanism="toy"
+    )
     assert grew == 4
 
 
@@ -159,8 +164,13 @@ def first_step_logprobs(model, ids: list[int], first: int, visible: list[int] | 
 def first_step(server, ids: list[int], toy: dict) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """A toy request decoding two tokens: its response, and the top log-probabilities of its first
     decode step (the second token) with their token ids."""
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
-            "return_logprob": True, "top_logprobs_num": 10, "sgl_memory": {"toy": toy}}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True},
+        "return_logprob": True,
+        "top_logprobs_num": 10,
+        "sgl_memory": {"toy": toy, "intent": False},
+    }
     r = server.post("/generate", body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -169,7 +179,9 @@ def first_step(server, ids: list[int], toy: dict) -> tuple[dict, torch.Tensor, t
 
 
 def story(topic: str) -> str:
-    return f"Notes on {topic}. " + " ".join(f"Entry {i}: the {topic} log says item {i * 13 % 29} moved to shelf {i % 5}." for i in range(12))
+    return f"Notes on {topic}. " + " ".join(
+        f"Entry {i}: the {topic} log says item {i * 13 % 29} moved to shelf {i % 5}." for i in range(12)
+    )
 
 
 @pytest.mark.server
@@ -184,7 +196,10 @@ def test_a_plugin_captures_rows_edits_a_row_and_chooses_decode_reads(toy_server,
         out, _, _ = first_step(toy_server, ids, {})
         meta = out["meta_info"]
         m = meta["sgl_memory"]
-        assert (m["toy_rows_from"], m["toy_rows"]) == (meta["cached_tokens"], meta["prompt_tokens"] - meta["cached_tokens"])
+        assert (m["toy_rows_from"], m["toy_rows"]) == (
+            meta["cached_tokens"],
+            meta["prompt_tokens"] - meta["cached_tokens"],
+        )
     assert meta["cached_tokens"] > 0
     earlier = ids
     # row edit: positions 10..39 point at the sentinel from the checkpoint on
@@ -194,7 +209,9 @@ def test_a_plugin_captures_rows_edits_a_row_and_chooses_decode_reads(toy_server,
     first, n = out["output_ids"][0], len(ids) + 1
     want = first_step_logprobs(model, ids, first, [p for p in range(n) if not hide[0] <= p < hide[1]])
     torch.testing.assert_close(got, want[top], atol=2e-3, rtol=0)
-    assert (got - first_step_logprobs(model, ids, first, None)[top]).abs().max() > 0.05  # hiding changed it: the test can fail
+    assert (
+        got - first_step_logprobs(model, ids, first, None)[top]
+    ).abs().max() > 0.05  # hiding changed it: the test can fail
     # a private edit keeps the row out of the tree: the same prompt again finds only what it shares
     # with the earlier prompt
     again = generate(toy_server, ids)
@@ -207,7 +224,10 @@ def test_a_plugin_captures_rows_edits_a_row_and_chooses_decode_reads(toy_server,
     torch.testing.assert_close(got, want[top], atol=2e-3, rtol=0)
     assert (got - first_step_logprobs(model, ids, first, None)[top]).abs().max() > 0.05
     # their checks, with the key named
-    for toy, needle in (({"hide": [5, 2]}, "toy.hide must be"), ({"last": 0}, "toy.last must be"),
-                        ({"hide": [0, 10_000]}, "toy.hide: the prompt has")):  # fmt: skip
+    for toy, needle in (
+        ({"hide": [5, 2]}, "toy.hide must be"),
+        ({"last": 0}, "toy.last must be"),
+        ({"hide": [0, 10_000]}, "toy.hide: the prompt has"),
+    ):
         r = toy_server.post("/generate", {"input_ids": ids, "sgl_memory": {"toy": toy}})
         assert r.status_code == 400 and needle in r.text, r.text

@@ -37,8 +37,24 @@ def conversation(seed: int, turns: int, long_message: bool = False) -> list[dict
     """An agent-like history: tool results with code, numbers, unicode and stray markup, text that
     spells an added token, whitespace at message edges."""
     rng = random.Random(seed)
-    words = ["lorem", "ipsum", "Ünïcode", "日本語", "42", "3.14159", "{'k': [1, 2]}", "def f(x):\n    return x",
-             "\t\ttabs", "  spaces  ", "<|im_start|>", "<|endoftext|>", "<tool_call>", "emoji 🙂", "\n\n", "’quotes’"]  # fmt: skip
+    words = [
+        "lorem",
+        "ipsum",
+        "Ünïcode",
+        "日本語",
+        "42",
+        "3.14159",
+        "{'k': [1, 2]}",
+        "def f(x):\n    return x",
+        "\t\ttabs",
+        "  spaces  ",
+        "<|im_start|>",
+        "<|endoftext|>",
+        "<tool_call>",
+        "emoji 🙂",
+        "\n\n",
+        "’quotes’",
+    ]
     messages = [{"role": "system", "content": "You are a careful agent. " * 20}]
     for n in range(turns):
         role = ("user", "assistant", "tool")[n % 3]

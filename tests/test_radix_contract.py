@@ -31,7 +31,9 @@ class RecordingAllocator:
 
 def make_cache(cls, page_size=1):
     alloc = RecordingAllocator()
-    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page_size)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page_size
+    )
     return cls(params), alloc
 
 
@@ -215,8 +217,12 @@ def tree_context(tmp_path):
     from transformers import Qwen2Config
 
     hf = Qwen2Config(hidden_size=64, num_attention_heads=16, num_key_value_heads=1, num_hidden_layers=2)
-    return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), tp_rank=0, tp_size=1,
-                           server_args=SimpleNamespace(model_path=str(tmp_path), served_model_name="contract"))  # fmt: skip
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf),
+        tp_rank=0,
+        tp_size=1,
+        server_args=SimpleNamespace(model_path=str(tmp_path), served_model_name="contract"),
+    )
 
 
 class CountingClock:
@@ -249,7 +255,9 @@ def test_every_mode_keeps_the_plain_radix_cache_contract(mode, page_size, tmp_pa
     trees, allocators = [], []
     for cls in (RadixCache, SglMemoryRadixCache):
         allocator = real_allocator(page_size)
-        params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size
+        )
         tree = cls(params) if cls is RadixCache else cls(params, mode_config(mode, tmp_path), tree_context(tmp_path))
         trees.append(tree)
         allocators.append(allocator)
@@ -265,7 +273,10 @@ def test_every_mode_keeps_the_plain_radix_cache_contract(mode, page_size, tmp_pa
         assert ours.total_size() == plain.total_size()
         assert ours.evictable_size() == plain.evictable_size()
         assert ours.protected_size() - held_by_ours == plain.protected_size()
-        held = [sorted(logical[i][s] for s in (t.all_values_flatten().tolist() if t.total_size() else [])) for i, t in enumerate(trees)]
+        held = [
+            sorted(logical[i][s] for s in (t.all_values_flatten().tolist() if t.total_size() else []))
+            for i, t in enumerate(trees)
+        ]
         assert held[1] == held[0]
         for tree, allocator in zip(trees, allocators):
             assert allocator.available_size() + tree.evictable_size() + tree.protected_size() == POOL_TOKENS
@@ -299,7 +310,10 @@ def test_every_mode_keeps_the_plain_radix_cache_contract(mode, page_size, tmp_pa
             query = (rng.choice(inserted)[: rng.randint(0, 12)] if inserted else []) + [rng.randint(0, 4)]
             found = [tree.match_prefix(MatchPrefixParams(key=RadixKey(query, extra))) for tree in trees]
             assert found[1].device_prefix_len == found[0].device_prefix_len
-            paths = [[logical[i][s] for s in t.path_device_indices(f.last_device_node).tolist()] for i, (t, f) in enumerate(zip(trees, found))]
+            paths = [
+                [logical[i][s] for s in t.path_device_indices(f.last_device_node).tolist()]
+                for i, (t, f) in enumerate(zip(trees, found))
+            ]
             assert paths[1] == paths[0]
             if rng.random() < 0.5 and found[0].device_prefix_len:
                 locks.append([(t, f.last_device_node) for t, f in zip(trees, found)])
@@ -383,11 +397,15 @@ def test_sentinel_safe_allocator_forwards_each_free_variant():
     assert calls == [
         ("free", [3, 4, 5, 6], None),
         ("free_full", [3, 4, 5, 6], None),
-        ("free_segment", [3, 4], 10), ("free_segment", [5], 14), ("free_segment", [6], 16),
-        ("free_full_segment", [3, 4], 10), ("free_full_segment", [5], 14), ("free_full_segment", [6], 16),
+        ("free_segment", [3, 4], 10),
+        ("free_segment", [5], 14),
+        ("free_segment", [6], 16),
+        ("free_full_segment", [3, 4], 10),
+        ("free_full_segment", [5], 14),
+        ("free_full_segment", [6], 16),
         ("free_segments", [([3, 4], 10), ([5], 14), ([6], 16), ([8, 9], 20)], None),
         ("free_full_segments", [([9], 31)], None),
-    ]  # fmt: skip
+    ]
     assert view.real_freed == 4 * 5 + 2 + 1
 
 
@@ -402,11 +420,15 @@ def test_the_tree_applies_the_composition_rules_to_rows_and_paths():
 
     cache, _ = make_cache(SglMemoryRadixCache)
     req = object()
-    cache.composition = Composition([fake("a", on_checkpoint="row edit"), fake("b"), fake("c", on_checkpoint="another")])
+    cache.composition = Composition(
+        [fake("a", on_checkpoint="row edit"), fake("b"), fake("c", on_checkpoint="another")]
+    )
     with pytest.raises(RuntimeError, match="^a and c each edits the request's row"):
         cache.checkpoint(req, up_to=0)
     ids = lambda ids: ids  # noqa: E731
-    cache.composition = Composition([fake("a", branches=((0, 1),), branch_ids=ids), fake("b", branches=((2, 3),), branch_ids=ids)])
+    cache.composition = Composition(
+        [fake("a", branches=((0, 1),), branch_ids=ids), fake("b", branches=((2, 3),), branch_ids=ids)]
+    )
     with pytest.raises(RuntimeError, match="^a and b each branches the request's path"):
         cache.branches(req)
     with pytest.raises(RuntimeError, match="^a and b each branches the request's path"):

@@ -27,7 +27,10 @@ def records(output: str) -> tuple[str, list[dict]]:
         rows = [line.strip("| ").split(" | ") for line in output.splitlines()[1:]]
         return "files", [{"name": r[0], "owner": r[1], "size": r[2]} for r in rows]
     if output.startswith("[1] "):
-        found = [re.match(r"\[\d+\] History of (.+) - .+ was founded in (\d+)\. \((\S+)\)$", line) for line in output.splitlines()]
+        found = [
+            re.match(r"\[\d+\] History of (.+) - .+ was founded in (\d+)\. \((\S+)\)$", line)
+            for line in output.splitlines()
+        ]
         return "search", [{"subject": m.group(1), "year": m.group(2), "source": m.group(3)} for m in found]
     if output.startswith("[\n"):
         return "orders", json.loads(output)
@@ -38,7 +41,9 @@ def records(output: str) -> tuple[str, list[dict]]:
 def keys(output: str) -> list[str]:
     """The key of each item of an output: what a question names it by."""
     shape, items = records(output)
-    return [item[{"orders": "order_id", "logs": "request", "files": "name", "search": "subject"}[shape]] for item in items]
+    return [
+        item[{"orders": "order_id", "logs": "request", "files": "name", "search": "subject"}[shape]] for item in items
+    ]
 
 
 def test_no_two_items_of_a_session_share_a_key_word():
@@ -48,7 +53,12 @@ def test_no_two_items_of_a_session_share_a_key_word():
     for seed in range(5):
         s = S.generate(seed, 100, "orders", 1, 0.5)  # 150+ keys: the word list comes round a second time
         parsed = [records(m["content"]) for m in s.messages if m["role"] == "tool"]
-        words = [re.split(r"[-_]", item[f])[1 if f != "name" else 0] for shape, items in parsed for item in items for f in fields[shape]]
+        words = [
+            re.split(r"[-_]", item[f])[1 if f != "name" else 0]
+            for shape, items in parsed
+            for item in items
+            for f in fields[shape]
+        ]
         assert len(words) > len(S.KEYS) and len(words) == len(set(words))
 
 
@@ -85,7 +95,9 @@ def test_sessions_reach_their_length(tmp_path):
 
     from sgl_memory import models
 
-    tok = AutoTokenizer.from_pretrained(models.fetch(models.DEFAULT_MODEL))  # the test model's template renders no tool calls
+    tok = AutoTokenizer.from_pretrained(
+        models.fetch(models.DEFAULT_MODEL)
+    )  # the test model's template renders no tool calls
     for length, s in run.plan(tok, [1024, 3000], 4):
         n = len(run.render(tok, s.messages))
         assert length <= n < length + 1200, (length, n)

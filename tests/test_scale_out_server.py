@@ -98,18 +98,25 @@ def test_every_turn_of_a_session_reaches_one_replica_through_the_router(replicas
         if min(map(len, sessions.values())) >= 2:
             break
         session, messages, conv = f"affinity-{k}", [SYSTEM], CONVERSATIONS[k % len(CONVERSATIONS)]
-        (_, usage, metrics), home = served((a, b), lambda: turn(routed(router, session, "affinity"), messages, conv[0], session, "affinity"))
+        (_, usage, metrics), home = served(
+            (a, b), lambda: turn(routed(router, session, "affinity"), messages, conv[0], session, "affinity")
+        )
         if len(sessions[home.url]) < 2:
             sessions[home.url].append((session, messages, conv, [(home.url, usage, metrics)]))
     assert min(map(len, sessions.values())) >= 2, "12 sessions hashed to one replica: the router is not spreading them"
     for session, messages, conv, seen in (s for per_home in sessions.values() for s in per_home):
         for text in conv[1:]:
-            (_, usage, metrics), replica = served((a, b), lambda: turn(routed(router, session, "affinity"), messages, text, session, "affinity"))
+            (_, usage, metrics), replica = served(
+                (a, b), lambda: turn(routed(router, session, "affinity"), messages, text, session, "affinity")
+            )
             seen.append((replica.url, usage, metrics))
         assert len({url for url, _, _ in seen}) == 1, (session, [url for url, _, _ in seen])
         for (_, before, _), (_, usage, metrics) in zip(seen, seen[1:]):
             assert not metrics.get("restored_tokens"), metrics  # its home's tree held the session's path
-            assert usage["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"] + before["completion_tokens"] - 1
+            assert (
+                usage["prompt_tokens_details"]["cached_tokens"]
+                >= before["prompt_tokens"] + before["completion_tokens"] - 1
+            )
 
 
 def test_a_session_served_by_both_replicas_continues_from_its_newest_stored_turn(replicas):

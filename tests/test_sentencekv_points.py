@@ -42,16 +42,36 @@ def test_sentencekv_is_paired_against_pages_at_the_same_points():
     from bench.sentencekv_points import summarise
 
     def row(method, trajectory, point, agreement, kl):
-        return {"workload": "w", "method": method, "trajectory": trajectory, "point": point, "prompt_tokens": 100,
-                "full_match": 0.0, "agreement": agreement, "kl": kl, "gold_match": 0.0, "kv_read_per_step": 10.0, "live_kv": 10}  # fmt: skip
+        return {
+            "workload": "w",
+            "method": method,
+            "trajectory": trajectory,
+            "point": point,
+            "prompt_tokens": 100,
+            "full_match": 0.0,
+            "agreement": agreement,
+            "kl": kl,
+            "gold_match": 0.0,
+            "kv_read_per_step": 10.0,
+            "live_kv": 10,
+        }
 
     rows = []
     for t, p in (("a", 0), ("a", 1), ("b", 0)):
         rows.append(row("full", t, p, 1.0, 0.0))
-    rows += [row("quest@8", "a", 0, 0.5, 0.1), row("quest@8", "a", 1, 1.0, 0.2), row("quest@8", "b", 0, 0.5, None),
-             row("sentencekv@8", "a", 0, 0.25, 0.4), row("sentencekv@8", "a", 1, 1.0, 0.5), row("sentencekv@8", "b", 0, 1.0, 0.3)]  # fmt: skip
-    rows += [row("sentencekv+system@8", "a", 0, 0.5, 0.1), row("sentencekv+system@8", "a", 1, 1.0, 0.1),
-             row("sentencekv+system@8", "b", 0, 0.5, 0.2)]  # fmt: skip
+    rows += [
+        row("quest@8", "a", 0, 0.5, 0.1),
+        row("quest@8", "a", 1, 1.0, 0.2),
+        row("quest@8", "b", 0, 0.5, None),
+        row("sentencekv@8", "a", 0, 0.25, 0.4),
+        row("sentencekv@8", "a", 1, 1.0, 0.5),
+        row("sentencekv@8", "b", 0, 1.0, 0.3),
+    ]
+    rows += [
+        row("sentencekv+system@8", "a", 0, 0.5, 0.1),
+        row("sentencekv+system@8", "a", 1, 1.0, 0.1),
+        row("sentencekv+system@8", "b", 0, 0.5, 0.2),
+    ]
     by = {r["method"]: r for r in summarise(rows)}
     [skv] = by["sentencekv@8"]["paired"]
     assert skv["peer"] == "quest@8" and by["quest@8"]["paired"] == []

@@ -16,8 +16,10 @@ from sgl_memory import models
 pytestmark = pytest.mark.server
 
 SINKS, RECENT, WINDOW = 4, 32, 32  # the section's defaults: always read besides the pool
-FACTS = [f"The locker number {i} holds a {color} box with code {1000 + 37 * i}." for i, color in
-         zip(range(40), ["red", "green", "blue", "white", "black"] * 8)]  # fmt: skip
+FACTS = [
+    f"The locker number {i} holds a {color} box with code {1000 + 37 * i}."
+    for i, color in zip(range(40), ["red", "green", "blue", "white", "black"] * 8)
+]
 PROMPT = "Read the notes.\n" + " ".join(FACTS) + "\nQuestion: what is the code of the box in locker number 7? Answer:"
 NEW_TOKENS = 12
 
@@ -34,7 +36,11 @@ def generate(server, field: dict, ids: list[int] | None = None) -> dict:
     # differently in bf16, which can flip a near-tie of the small model
     assert server.post("/flush_cache?timeout=60", {}).status_code == 200
     prompt = {"text": PROMPT} if ids is None else {"input_ids": ids}
-    body = {**prompt, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}, "sgl_memory": field}
+    body = {
+        **prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        "sgl_memory": field,
+    }
     r = server.post("/generate", body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -82,8 +88,10 @@ def test_system_on_reads_the_whole_system_message_at_every_step(server):
     step may read grow from the sinks to the message's length (found here as the position of the
     second message opener), and every step reads them besides what it retrieves."""
     tok = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
-    messages = [{"role": "system", "content": "You answer questions about the lockers in the notes. " * 6},
-                {"role": "user", "content": PROMPT}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You answer questions about the lockers in the notes. " * 6},
+        {"role": "user", "content": PROMPT},
+    ]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     system_end = ids.index(tok.convert_tokens_to_ids("<|im_start|>"), 1)
     assert system_end > SINKS
@@ -94,13 +102,19 @@ def test_system_on_reads_the_whole_system_message_at_every_step(server):
     assert on["sgl_memory"]["kept_tokens"] == system_end + recent + budget * factor
     steps = on["completion_tokens"] - 1
     generated = sum(range(1, steps + 1)) / steps
-    assert system_end + recent + generated < on["sgl_memory"]["kv_read_per_step"] <= system_end + recent + budget + generated
+    assert (
+        system_end + recent + generated
+        < on["sgl_memory"]["kv_read_per_step"]
+        <= system_end + recent + budget + generated
+    )
 
 
 def test_it_composes_with_intent_pruning_on_one_request(server):
     field = {"session_id": "skv-intent", "budget": 256}
     pruned = generate(server, {**field, "sentencekv": {"enabled": False}})
-    both = generate(server, {**field, "session_id": "skv-intent-2", "sentencekv": {"budget": 1 << 20, "keep_factor": 1}})
+    both = generate(
+        server, {**field, "session_id": "skv-intent-2", "sentencekv": {"budget": 1 << 20, "keep_factor": 1}}
+    )
     m = both["meta_info"]["sgl_memory"]
     assert m["compression_events"] == 1 and pruned["meta_info"]["sgl_memory"]["compression_events"] == 1
     # every sentence retrieved over a pruned row: the pruned request's output, reading its live positions only
@@ -125,13 +139,22 @@ def test_at_page_size_16_it_reads_positions_as_at_page_size_1(all_server, paged_
     assert every["meta_info"]["sgl_memory"]["kv_read_per_step"] == pytest.approx(full_reads(every["meta_info"]))
     assert at_16["output_ids"] == at_one["output_ids"]
     m16, m1 = at_16["meta_info"]["sgl_memory"], at_one["meta_info"]["sgl_memory"]
-    assert (m16["kept_tokens"], m16["kv_read_per_step"], m16["sentences"]) == (m1["kept_tokens"], m1["kv_read_per_step"], m1["sentences"])
+    assert (m16["kept_tokens"], m16["kv_read_per_step"], m16["sentences"]) == (
+        m1["kept_tokens"],
+        m1["kv_read_per_step"],
+        m1["sentences"],
+    )
 
 
-@pytest.mark.parametrize("field, needle", [
-    ({"budget": -1}, "sgl_memory.sentencekv.budget"), ({"window": "x"}, "sgl_memory.sentencekv.window"),
-    ({"nope": 1}, "sgl_memory.sentencekv: unknown field(s) nope"), ([], "sgl_memory.sentencekv must be an object"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, needle",
+    [
+        ({"budget": -1}, "sgl_memory.sentencekv.budget"),
+        ({"window": "x"}, "sgl_memory.sentencekv.window"),
+        ({"nope": 1}, "sgl_memory.sentencekv: unknown field(s) nope"),
+        ([], "sgl_memory.sentencekv must be an object"),
+    ],
+)
 def test_bad_values_are_400s_naming_the_field(server, field, needle):
     r = server.post("/generate", {"text": "hi", "sgl_memory": {"sentencekv": field}})
     assert r.status_code == 400 and needle in r.text, r.text
@@ -141,10 +164,15 @@ def test_its_series_reach_prometheus_and_the_stats(server):
     before = server.prometheus()
     out = generate(server, {"sentencekv": {"budget": 64}})
     after, stats = server.prometheus(), server.get("/sgl_memory/stats").json()
-    grew = {name: after.get((name, ()), 0) - before.get((name, ()), 0) for name in
-            ("sgl_memory_sentencekv_decode_steps_total", "sgl_memory_sentencekv_kept_tokens_total")}  # fmt: skip
+    grew = {
+        name: after.get((name, ()), 0) - before.get((name, ()), 0)
+        for name in ("sgl_memory_sentencekv_decode_steps_total", "sgl_memory_sentencekv_kept_tokens_total")
+    }
     m = out["meta_info"]["sgl_memory"]
-    assert grew == {"sgl_memory_sentencekv_decode_steps_total": m["decode_steps"], "sgl_memory_sentencekv_kept_tokens_total": m["kept_tokens"]}
+    assert grew == {
+        "sgl_memory_sentencekv_decode_steps_total": m["decode_steps"],
+        "sgl_memory_sentencekv_kept_tokens_total": m["kept_tokens"],
+    }
     assert stats["totals"]["sentences"] >= m["sentences"] and stats["totals"]["decode_steps"] >= m["decode_steps"]
     info = server.get("/sgl_memory/info").json()["config"]
     assert info["sentencekv"]["enabled"] is True and info["sentencekv"]["budget"] == 1024

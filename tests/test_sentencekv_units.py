@@ -140,7 +140,10 @@ class Scripted:
 def test_a_decode_step_attends_exactly_the_positions_its_reads_give():
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, pool_size = 4, 2, 16, 400
-    k_pool, v_pool = torch.randn(pool_size, kv_heads, dim, generator=g), torch.randn(pool_size, kv_heads, dim, generator=g)
+    k_pool, v_pool = (
+        torch.randn(pool_size, kv_heads, dim, generator=g),
+        torch.randn(pool_size, kv_heads, dim, generator=g),
+    )
     req_to_token = torch.zeros(2, 128, dtype=torch.int64)
     req_to_token[0, :90] = torch.randperm(pool_size, generator=g)[:90]
     req_to_token[1, :60] = torch.arange(200, 260)
@@ -150,13 +153,23 @@ def test_a_decode_step_attends_exactly_the_positions_its_reads_give():
     chosen = torch.tensor([0, 1, 5, 17, 18, 19, 40, 41, 88, 89])
     reads = Scripted({3: chosen})
     scale = 1 / math.sqrt(dim)
-    out = run_plans(with_step_reads(plans, {0: (reads, 0, 90, 42)}, 3, query, req_to_token, sentinel),
-                    query, torch.empty_like(query), k_pool, v_pool, scale)  # fmt: skip
+    out = run_plans(
+        with_step_reads(plans, {0: (reads, 0, 90, 42)}, 3, query, req_to_token, sentinel),
+        query,
+        torch.empty_like(query),
+        k_pool,
+        v_pool,
+        scale,
+    )
     assert reads.calls == [(3, 42, 90)]
     kept = [int(req_to_token[0, p]) for p in chosen if int(req_to_token[0, p]) != sentinel]
-    torch.testing.assert_close(out[0].float(), masked_attention(query[0], k_pool, v_pool, kept, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out[0].float(), masked_attention(query[0], k_pool, v_pool, kept, scale), atol=1e-5, rtol=1e-5
+    )
     # the request without reads attends its whole row
-    torch.testing.assert_close(out[1].float(), masked_attention(query[1], k_pool, v_pool, list(range(200, 260)), scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out[1].float(), masked_attention(query[1], k_pool, v_pool, list(range(200, 260)), scale), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_reading_every_position_is_the_full_attention_bit_for_bit():
@@ -166,8 +179,14 @@ def test_reading_every_position_is_the_full_attention_bit_for_bit():
     query = torch.randn(1, 4, 8, generator=g)
     plans = plan_requests(req_to_token, [0], [149], [1])
     full = run_plans(plans, query, torch.empty_like(query), k_pool, v_pool, None)
-    every = run_plans(with_step_reads(plans, {0: (Scripted({0: torch.arange(150)}), 0, 150, 1)}, 0, query, req_to_token),
-                      query, torch.empty_like(query), k_pool, v_pool, None)  # fmt: skip
+    every = run_plans(
+        with_step_reads(plans, {0: (Scripted({0: torch.arange(150)}), 0, 150, 1)}, 0, query, req_to_token),
+        query,
+        torch.empty_like(query),
+        k_pool,
+        v_pool,
+        None,
+    )
     assert torch.equal(full, every)
 
 
@@ -175,7 +194,14 @@ def test_a_step_reads_the_always_read_the_retrieved_and_the_generated_positions(
     """Two layers with their own tables and queries: each layer's step reads its own retrieval
     (brute force over its table and the mean of its queries), the always-read and the generated."""
     made = [make_table(seed=s) for s in (1, 2)]
-    reads = SentenceReads(torch.tensor([0, 1, 198, 199]), [t for *_, t in made], 200, budget=10, interval=1, ends=np.zeros(100, dtype=bool))
+    reads = SentenceReads(
+        torch.tensor([0, 1, 198, 199]),
+        [t for *_, t in made],
+        200,
+        budget=10,
+        interval=1,
+        ends=np.zeros(100, dtype=bool),
+    )
     g = torch.Generator().manual_seed(9)
     queries = torch.randn(3, 2, 4, 8, generator=g)  # steps x layers
     for step in range(3):
@@ -207,16 +233,19 @@ def test_the_sentence_query_is_the_mean_since_the_last_boundary_and_interval_hol
     assert m["decode_steps"] == 3 and m["retrieved_sentences"] == 1.0
 
 
-@pytest.mark.parametrize("field, needle", [
-    ({"budget": 0}, "sgl_memory.sentencekv.budget must be an integer"),
-    ({"keep_factor": 0.5}, "sgl_memory.sentencekv.keep_factor must be a number in [1.0"),
-    ({"interval": "2"}, "sgl_memory.sentencekv.interval"),
-    ({"enabled": 1}, "sgl_memory.sentencekv.enabled must be true or false"),
-    ({"boundaries": "."}, "sgl_memory.sentencekv: unknown field(s) boundaries"),
-    ({"roles": "chatml"}, "sgl_memory.sentencekv: unknown field(s) roles"),
-    ({"system": 1}, "sgl_memory.sentencekv.system must be true or false"),
-    ({"selection": "chunks"}, "sgl_memory.sentencekv.selection 'chunks' is unknown; allowed: sentence, page"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, needle",
+    [
+        ({"budget": 0}, "sgl_memory.sentencekv.budget must be an integer"),
+        ({"keep_factor": 0.5}, "sgl_memory.sentencekv.keep_factor must be a number in [1.0"),
+        ({"interval": "2"}, "sgl_memory.sentencekv.interval"),
+        ({"enabled": 1}, "sgl_memory.sentencekv.enabled must be true or false"),
+        ({"boundaries": "."}, "sgl_memory.sentencekv: unknown field(s) boundaries"),
+        ({"roles": "chatml"}, "sgl_memory.sentencekv: unknown field(s) roles"),
+        ({"system": 1}, "sgl_memory.sentencekv.system must be true or false"),
+        ({"selection": "chunks"}, "sgl_memory.sentencekv.selection 'chunks' is unknown; allowed: sentence, page"),
+    ],
+)
 def test_bad_request_values_name_the_field(field, needle):
     with pytest.raises(SpecError) as exc:
         request.parse({"sentencekv": field})

@@ -41,7 +41,12 @@ def test_native_generate(plain_server):
 def test_openai_chat(plain_server):
     r = plain_server.post(
         "/v1/chat/completions",
-        {"model": "default", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0},
+        {
+            "model": "default",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24,
+            "temperature": 0,
+        },
     )
     assert r.status_code == 200, r.text
     msg = r.json()["choices"][0]["message"]
@@ -110,7 +115,13 @@ def test_a_growing_chat_is_tokenized_as_the_template_does(plain_server):
         messages.append({"role": "user", "content": f"Step {n}: ünïcode, code `f(x) = {n}*x`\n\n  and trailing space "})
         r = plain_server.post(
             "/v1/chat/completions",
-            {"model": "default", "messages": messages, "max_tokens": 1, "temperature": 0, "return_prompt_token_ids": True},
+            {
+                "model": "default",
+                "messages": messages,
+                "max_tokens": 1,
+                "temperature": 0,
+                "return_prompt_token_ids": True,
+            },
         )
         assert r.status_code == 200, r.text
         expected = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
@@ -133,7 +144,10 @@ def test_session_continues_from_previous_turn(plain_server):
         },
     ).json()
     # turn 2's prompt is turn 1's prompt + answer + the new text, and reuses turn 1's KV
-    assert turn2["meta_info"]["prompt_tokens"] > turn1["meta_info"]["prompt_tokens"] + turn1["meta_info"]["completion_tokens"]
+    assert (
+        turn2["meta_info"]["prompt_tokens"]
+        > turn1["meta_info"]["prompt_tokens"] + turn1["meta_info"]["completion_tokens"]
+    )
     assert turn2["meta_info"]["cached_tokens"] >= turn1["meta_info"]["prompt_tokens"]
     assert plain_server.post("/close_session", {"session_id": sid}).status_code == 200
 
@@ -159,13 +173,19 @@ def test_the_default_serves_agent_sessions_with_persistence(plain_server):
     assert "mechanisms: persist (the default; --plain serves without);" in banner and banner.endswith(f"store {store}")
 
     def turn(messages):
-        r = requests.post(plain_server.url + "/v1/chat/completions", headers={"x-session-id": "default-agent"},
-                          json={"model": "default", "messages": messages, "max_tokens": 8, "temperature": 0}, timeout=600)  # fmt: skip
+        r = requests.post(
+            plain_server.url + "/v1/chat/completions",
+            headers={"x-session-id": "default-agent"},
+            json={"model": "default", "messages": messages, "max_tokens": 8, "temperature": 0},
+            timeout=600,
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
-    messages = [{"role": "system", "content": "You are a terse assistant."},
-                {"role": "user", "content": "My locker code is 4417. " * 16 + "Say OK."}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "My locker code is 4417. " * 16 + "Say OK."},
+    ]
     first = turn(messages)
     assert first["sgl_memory"]["text_match"] is None  # a new session, seen by persistence
     assert plain_server.post("/flush_cache?timeout=60", {}).status_code == 200  # its KV leaves the pool
@@ -173,7 +193,9 @@ def test_the_default_serves_agent_sessions_with_persistence(plain_server):
     messages += [first["choices"][0]["message"], {"role": "user", "content": "What is my locker code?"}]
     second = turn(messages)
     restored, prompt = second["sgl_memory"]["restored_tokens"], first["usage"]["prompt_tokens"]
-    assert second["sgl_memory"]["text_match"] in ("exact", "extend") and second["sgl_memory"]["restored_from"] == "memory"
+    assert (
+        second["sgl_memory"]["text_match"] in ("exact", "extend") and second["sgl_memory"]["restored_from"] == "memory"
+    )
     assert restored >= prompt and second["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt
 
 
@@ -181,8 +203,12 @@ def test_bad_memory_config_stops_startup_with_a_message(tmp_path):
     """The launcher refuses the config before SGLang starts: no server comes up, the message names the key."""
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("intent:\n  scorer: magic\n")
-    run = subprocess.run([sys.executable, "-m", "sgl_memory.launch_server", "--model", TEST_MODEL, "--memory-config", str(cfg)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "sgl_memory.launch_server", "--model", TEST_MODEL, "--memory-config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode != 0
     assert "intent.scorer: 'magic' is not allowed; allowed values: memory" in run.stderr + run.stdout
 
@@ -192,7 +218,9 @@ def test_the_server_reports_the_dtype_it_runs_in(plain_server):
     info = plain_server.get("/sgl_memory/info").json()["dtype"]
     assert info["dtype"] == SERVER_DTYPE and info["kv_cache_dtype"] == SERVER_DTYPE and info["reason"]
     assert plain_server.get("/server_info").json()["dtype"] == SERVER_DTYPE
-    assert f"sgl-memory: compute dtype {SERVER_DTYPE}, KV cache {SERVER_DTYPE} ({info['source']}: " in plain_server.log()
+    assert (
+        f"sgl-memory: compute dtype {SERVER_DTYPE}, KV cache {SERVER_DTYPE} ({info['source']}: " in plain_server.log()
+    )
 
 
 def test_a_cpu_without_bf16_hardware_serves_in_float32_by_itself(fp32_server):
@@ -206,7 +234,12 @@ def test_a_cpu_without_bf16_hardware_serves_in_float32_by_itself(fp32_server):
     srv = fp32_server
     prompt = AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL)).encode("The capital of France is")
     info = srv.get("/sgl_memory/info").json()["dtype"]
-    assert (info["dtype"], info["kv_cache_dtype"], info["source"], info["cpu_capability"]) == ("float32", "float32", "auto", "AVX2")
+    assert (info["dtype"], info["kv_cache_dtype"], info["source"], info["cpu_capability"]) == (
+        "float32",
+        "float32",
+        "auto",
+        "AVX2",
+    )
     assert "bf16 would convert through float32" in info["reason"]
     assert "sgl-memory: compute dtype float32, KV cache float32 (auto: " in srv.log()
     assert srv.get("/server_info").json()["dtype"] == "float32"

@@ -68,7 +68,15 @@ def run(pool, plan, during=None):
 
 def test_each_server_starts_once_ahead_of_its_first_test_and_stops_after_its_last(pool):
     f = frozenset
-    plan = [("m0", f()), ("m1", f({"a"})), ("m1", f({"a"})), ("m2", f({"a", "b"})), ("m3", f({"b"})), ("m3", f({"c"})), ("m4", f())]
+    plan = [
+        ("m0", f()),
+        ("m1", f({"a"})),
+        ("m1", f({"a"})),
+        ("m2", f({"a", "b"})),
+        ("m3", f({"b"})),
+        ("m3", f({"c"})),
+        ("m4", f()),
+    ]
     up = run(pool, plan)
     assert Stand.started == ["a", "b", "c"] and [s.why for s in pool.starts] == ["ahead", "ahead", "ahead"]
     # a is started (and b beside it) before the first test that needs it; each stops after its last test

@@ -108,7 +108,9 @@ class Sim:
         self.alloc = TokenToKVPoolAllocator(POOL, torch.float32, "cpu", self.kv, need_sort=False)
         self.rtt = ReqToTokenPool(ROWS, CONTEXT, "cpu", False)
         config = plain(intent=IntentConfig(enabled=True, query_tail=2, session_prefix_tokens=4))
-        params = CacheInitParams(disable=False, req_to_token_pool=self.rtt, token_to_kv_pool_allocator=self.alloc, page_size=1)
+        params = CacheInitParams(
+            disable=False, req_to_token_pool=self.rtt, token_to_kv_pool_allocator=self.alloc, page_size=1
+        )
         self.tree = SglMemoryRadixCache(params, config)
         self.pruner = self.tree.mechanism("intent")
         self.pruner.markers = RoleMarkers(None, {})
@@ -226,7 +228,11 @@ class Sim:
         free = torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist()
         assert len(free) == len(set(free)), "a slot is free twice"
         assert sentinel not in free, "the sentinel was freed"
-        tree_slots = [s for s in self.tree.all_values_flatten().tolist() if s != sentinel] if self.tree.root_node.children else []
+        tree_slots = (
+            [s for s in self.tree.all_values_flatten().tolist() if s != sentinel]
+            if self.tree.root_node.children
+            else []
+        )
         assert len(tree_slots) == len(set(tree_slots)), "two tree nodes own one slot"
         private = []
         for req in self.running:
@@ -236,7 +242,9 @@ class Sim:
         owners = free + tree_slots + private + [sentinel]
         assert sorted(owners) == list(range(1, POOL + 1)), "a slot is lost or owned twice"
         assert self.tree.evictable_size() + self.tree.protected_size() == len(tree_slots) + 1
-        assert self.alloc.available_size() + self.tree.evictable_size() + self.tree.protected_size() + len(private) == POOL
+        assert (
+            self.alloc.available_size() + self.tree.evictable_size() + self.tree.protected_size() + len(private) == POOL
+        )
         self.check_pruned_paths(self.tree.root_node, branched=False)
         # the server's own integrity check (engine/radix_cache.py) agrees with the one above
         assert self.tree.check_integrity([r.kv for r in self.running]) == []
@@ -329,7 +337,9 @@ class AllSim(Sim):
         spec = CacheSpec("toy", "cfg", layers=2, kv_heads=1, head_dim=2, dtype="float32", page_size=1)
         persist = SessionPersistence(PersistConfig(enabled=True, dir=str(store), quant="bf16"), self.tree, spec)
         persist.tokenizer = Chars()
-        memory = MemArtManager(MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree, Rope(head_dim=2, theta=10000.0))
+        memory = MemArtManager(
+            MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree, Rope(head_dim=2, theta=10000.0)
+        )
         memory.markers = RoleMarkers(None, {})
         self.tree.composition = Composition([*self.tree.mechanisms, persist, memory])
         self.persist, self.memory = persist, memory
@@ -380,8 +390,14 @@ class AllSim(Sim):
     def request(self, rid, tokens, base):
         field = {"session_id": f"s{base}"}
         if self.rng.random() < 0.3:  # a memory-mode turn: its query pass ran first
-            probe = Probe(("", f"s{base}"), list(range(len(tokens))), self.memory.layers, len(tokens), 0,
-                          rows={0: torch.randn(len(tokens), 1, 2)})  # fmt: skip
+            probe = Probe(
+                ("", f"s{base}"),
+                list(range(len(tokens))),
+                self.memory.layers,
+                len(tokens),
+                0,
+                rows={0: torch.randn(len(tokens), 1, 2)},
+            )
             self.memory.probes[rid] = probe
             field["memory"] = {"mode": "retrieve", "probe": rid}
         return FakeReq(rid, tokens, budget=self.rng.choice((2, 5, 9, 14)), **field)

@@ -25,7 +25,9 @@ LAYERS, HEADS, KV_HEADS, DIM, N, WINDOW, QUERY, KEEP = 3, 8, 4, 16, 48, 5, 6, 12
 BLOCKS, BLOCK, PROMPT, TOP_K = 20, 4, 7, 5  # KV memory: blocks of BLOCK tokens, a prompt of PROMPT query rows
 PLACED, SEGMENTS, TURN = 24, 4, 5  # KEEP: placed rows in segments, the new turn's rows
 RANKS = 2
-BLOCK_SCORING = [(scoring, norm, agg) for scoring in ("exact", "aabb") for norm in ("softmax", "rr") for agg in ("sum", "max")]
+BLOCK_SCORING = [
+    (scoring, norm, agg) for scoring in ("exact", "aabb") for norm in ("softmax", "rr") for agg in ("sum", "max")
+]
 
 
 def head() -> PrunerHead:
@@ -53,10 +55,19 @@ def inputs(scorer: str, rank: int | None = None, reduce=None) -> scorers.Scoring
         q_window = q_window[:, :, rank * q : (rank + 1) * q]
     extra = {"reduce": reduce} if reduce is not None else {}
     return scorers.ScoringInputs(
-        layer_keys=lambda: iter(keys), positions=torch.arange(N) * 2 + 3, q_mean=q_mean, q_window=q_window,
-        memory=memory, keep=KEEP, seed=3, sinks=2, kernel=5, query_keys=lambda: iter(query_keys),
-        head=head() if scorer == "learned" else None, **extra,
-    )  # fmt: skip
+        layer_keys=lambda: iter(keys),
+        positions=torch.arange(N) * 2 + 3,
+        q_mean=q_mean,
+        q_window=q_window,
+        memory=memory,
+        keep=KEEP,
+        seed=3,
+        sinks=2,
+        kernel=5,
+        query_keys=lambda: iter(query_keys),
+        head=head() if scorer == "learned" else None,
+        **extra,
+    )
 
 
 def blocks(rank: int | None = None) -> tuple[torch.Tensor, BlockIndex]:
@@ -109,7 +120,12 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
         q, index = blocks(rank)
         scores.update({how: score_blocks(q, index, *how, reduce=reduce) for how in BLOCK_SCORING})
         scores["turn_attention"] = keep_select.turn_attention(layer_view(rank, reduce))
-        scores.update({name: keep_select.SELECTORS[name]().select(layer_view(rank, reduce), n) for name, n in KEEP_SELECTIONS.items()})
+        scores.update(
+            {
+                name: keep_select.SELECTORS[name]().select(layer_view(rank, reduce), n)
+                for name, n in KEEP_SELECTIONS.items()
+            }
+        )
         # what persistence agrees on: each rank's own counts and digests
         scores["rank_range"] = radix_cache.SglMemoryRadixCache.rank_range(tree, [rank, 5, -3 * rank, 2**62 + rank])
     torch.save(scores, out)
@@ -120,8 +136,14 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
 def ranks(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp")
     here = Path(__file__).resolve().parent
-    script = f"import sys; sys.path.insert(0, {str(here)!r}); import test_tp_scores as t; t.rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])"
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(d / "rendezvous"), str(d / f"rank{r}.pt")]) for r in range(RANKS)]
+    script = (
+        f"import sys; sys.path.insert(0, {str(here)!r}); import test_tp_scores as t; "
+        "t.rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3])"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(r), str(d / "rendezvous"), str(d / f"rank{r}.pt")])
+        for r in range(RANKS)
+    ]
     try:
         for p in procs:
             assert p.wait(timeout=300) == 0
@@ -167,7 +189,9 @@ def test_every_rank_recomputes_the_rows_one_rank_with_every_head_would(ranks, na
     assert 0 < int(reference.sum()) < PLACED  # a choice, not all or nothing
     for rank in ranks:
         assert torch.equal(rank[name], reference)
-    torch.testing.assert_close(ranks[0]["turn_attention"], keep_select.turn_attention(layer_view()), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        ranks[0]["turn_attention"], keep_select.turn_attention(layer_view()), rtol=1e-5, atol=1e-7
+    )
 
 
 def test_every_rank_gets_the_least_and_the_greatest_of_each_value(ranks):

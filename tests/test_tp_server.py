@@ -36,8 +36,14 @@ pytestmark = pytest.mark.server
 
 MODEL = models.DEFAULT_MODEL
 SYSTEM = [{"role": "system", "content": "You are a brief, helpful assistant."}]
-FACTS = ["Remember this: my cat is called Pepper.", "I went hiking on Saturday.", "The weather was sunny and warm.",
-         "I made soup for dinner.", "Tomorrow I will read a book.", "My sister lives in Oslo."]  # fmt: skip
+FACTS = [
+    "Remember this: my cat is called Pepper.",
+    "I went hiking on Saturday.",
+    "The weather was sunny and warm.",
+    "I made soup for dinner.",
+    "Tomorrow I will read a book.",
+    "My sister lives in Oslo.",
+]
 TURNS = 5  # of FACTS before the questions; the sixth comes after the restart
 
 
@@ -47,7 +53,10 @@ def tok():
 
 
 def generate(server, ids, memory, n=16):
-    r = server.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory})
+    r = server.post(
+        "/generate",
+        {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory},
+    )
     assert r.status_code == 200, r.text
     out = r.json()
     return {"out": out["output_ids"], "cached": out["meta_info"]["cached_tokens"], **out["meta_info"]["sgl_memory"]}
@@ -59,12 +68,20 @@ def observation(i: int) -> str:
 
 def next_ids(tok, ids, out, i):
     """The full-history prompt of turn i + 1 after turn i answered `out`."""
-    return ids + out + tok.encode(f"\n<|im_start|>user\n{observation(i)} {FACTS[i + 1]}<|im_end|>\n<|im_start|>assistant\n",
-                                  add_special_tokens=False)  # fmt: skip
+    return (
+        ids
+        + out
+        + tok.encode(
+            f"\n<|im_start|>user\n{observation(i)} {FACTS[i + 1]}<|im_end|>\n<|im_start|>assistant\n",
+            add_special_tokens=False,
+        )
+    )
 
 
 def first_prompt(tok):
-    return tok.apply_chat_template(SYSTEM + [{"role": "user", "content": FACTS[0]}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    return tok.apply_chat_template(
+        SYSTEM + [{"role": "user", "content": FACTS[0]}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def converse(server, tok, session: dict, turns: int) -> tuple[list[dict], list[int]]:
@@ -72,15 +89,21 @@ def converse(server, tok, session: dict, turns: int) -> tuple[list[dict], list[i
     ids, results = first_prompt(tok), []
     for i in range(turns):
         result = generate(server, ids, session)
-        result["path"] = len(ids) + len(result["out"]) - 1  # what the turn leaves in the tree (the last token has no KV)
+        result["path"] = (
+            len(ids) + len(result["out"]) - 1
+        )  # what the turn leaves in the tree (the last token has no KV)
         results.append(result)
         ids = next_ids(tok, ids, result["out"], i)
     return results, ids
 
 
 def ask(server, tok, session: dict, recompute: str) -> dict:
-    q = tok.apply_chat_template(SYSTEM + [{"role": "user", "content": "What is my cat called?"}], add_generation_prompt=True,
-                                tokenize=True, return_dict=False)  # fmt: skip
+    q = tok.apply_chat_template(
+        SYSTEM + [{"role": "user", "content": "What is my cat called?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     return generate(server, q, {**session, "memory": {"top_k": 4, "store": False, "recompute": recompute}})
 
 
@@ -166,8 +189,12 @@ def test_every_turn_prunes_and_answers_as_one_rank_with_every_head(reference, tp
     ref_turns, _ = reference
     assert any(r["freed_slots"] for r in ref_turns), "the history must outgrow the budget"
     for ref, got in zip(ref_turns, tp2["turns"], strict=True):
-        assert (got["out"], got["live_kv_tokens"], got["freed_slots"], got["cached"]) == \
-            (ref["out"], ref["live_kv_tokens"], ref["freed_slots"], ref["cached"])  # fmt: skip
+        assert (got["out"], got["live_kv_tokens"], got["freed_slots"], got["cached"]) == (
+            ref["out"],
+            ref["live_kv_tokens"],
+            ref["freed_slots"],
+            ref["cached"],
+        )
 
 
 @pytest.mark.parametrize("how", ["keep", "cacheblend"])
@@ -175,16 +202,24 @@ def test_memory_recall_places_and_repairs_as_one_rank_with_every_head(reference,
     _, ref_questions = reference
     ref, got = ref_questions[how], tp2["questions"][how]
     assert ref["retrieved_blocks"] > 0 and 0 < ref["recompute_share"] < 1
-    assert (got["out"], got["retrieved_spans"], got["recompute_share"], got["recomputed_tokens"]) == \
-        (ref["out"], ref["retrieved_spans"], ref["recompute_share"], ref["recomputed_tokens"])  # fmt: skip
+    assert (got["out"], got["retrieved_spans"], got["recompute_share"], got["recomputed_tokens"]) == (
+        ref["out"],
+        ref["retrieved_spans"],
+        ref["recompute_share"],
+        ref["recomputed_tokens"],
+    )
 
 
 def test_a_restart_restores_a_session_from_every_ranks_file(tp2):
     prompt, reference = tp2["next"]
     got = generate(tp2["b"], prompt, S)
     assert got["restored_from"] == "disk" and got["restored_tokens"] > 0, got
-    assert (got["out"], got["cached"], got["live_kv_tokens"], got["freed_slots"]) == \
-        (reference["out"], reference["cached"], reference["live_kv_tokens"], reference["freed_slots"])  # fmt: skip
+    assert (got["out"], got["cached"], got["live_kv_tokens"], got["freed_slots"]) == (
+        reference["out"],
+        reference["cached"],
+        reference["live_kv_tokens"],
+        reference["freed_slots"],
+    )
 
 
 def test_a_session_whose_ranks_files_differ_is_restored_by_no_rank(tp2, tok):
@@ -209,7 +244,10 @@ def test_every_series_the_grafana_dashboard_reads_is_on_the_server(tp2, tok):
     series a panel's query names must be among the server's /metrics samples."""
     b = tp2["b"]
     ask(b, tok, S, "keep")
-    assert b.post("/v1/chat/completions", {"model": "m", "messages": [], "sgl_memory": {"session_id": "../x"}}).status_code == 400
+    assert (
+        b.post("/v1/chat/completions", {"model": "m", "messages": [], "sgl_memory": {"session_id": "../x"}}).status_code
+        == 400
+    )
     dashboard = json.loads(DASHBOARD.read_text())
     queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     assert queries and all(panel["targets"] for panel in dashboard["panels"])

@@ -12,12 +12,30 @@ import torch
 from bench.fidelity import points as P
 from sgl_memory import models
 
-spec = importlib.util.spec_from_file_location("train_pruner", P.__file__.replace("bench/fidelity/points.py", "scripts/train_pruner.py"))
+spec = importlib.util.spec_from_file_location(
+    "train_pruner", P.__file__.replace("bench/fidelity/points.py", "scripts/train_pruner.py")
+)
 T = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(T)
 
-TOOLS = [{"type": "function", "function": {"name": "find", "description": "Find files.", "parameters": {"type": "object", "properties": {
-    "folder": {"type": "string"}, "count": {"type": "integer"}, "recursive": {"type": "boolean"}, "names": {"type": "array"}}}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "find",
+            "description": "Find files.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "folder": {"type": "string"},
+                    "count": {"type": "integer"},
+                    "recursive": {"type": "boolean"},
+                    "names": {"type": "array"},
+                },
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +49,24 @@ def test_a_tool_calls_values_are_its_arguments_of_three_characters_or_more(token
     """Through the chat template, as collect decodes a point's gold tokens: strings and numbers of
     3+ characters and the words of a value of several, nested lists and objects walked; booleans,
     short values, function words and the name are not values."""
-    call = {"id": "c0", "type": "function", "function": {"name": "find", "arguments": {
-        "folder": "old documents from 2023", "count": 12, "recursive": True, "names": ["a.txt", "bb", {"deep": 4096}]}}}  # fmt: skip
+    call = {
+        "id": "c0",
+        "type": "function",
+        "function": {
+            "name": "find",
+            "arguments": {
+                "folder": "old documents from 2023",
+                "count": 12,
+                "recursive": True,
+                "names": ["a.txt", "bb", {"deep": 4096}],
+            },
+        },
+    }
     gold = {"role": "assistant", "content": "", "tool_calls": [call]}
     pt = P.point(tokenizer, [{"role": "user", "content": "find them"}], gold, TOOLS, "test")
-    assert sorted(T.action_strings(tokenizer.decode(pt.gold, skip_special_tokens=True))) == sorted(["old documents from 2023", "old", "documents", "2023", "a.txt", "4096"])
+    assert sorted(T.action_strings(tokenizer.decode(pt.gold, skip_special_tokens=True))) == sorted(
+        ["old documents from 2023", "old", "documents", "2023", "a.txt", "4096"]
+    )
 
 
 def test_an_action_in_words_names_its_words_of_three_characters_or_more():
@@ -52,7 +83,9 @@ def test_labels_are_the_tokens_that_overlap_an_occurrence_of_a_value(tokenizer):
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     spans = [(i, i + len("documents")) for i in (text.lower().find("documents"), text.lower().rfind("documents"))]
     expected = torch.tensor([float(any(lo < hi_s and hi > lo_s for lo_s, hi_s in spans)) for lo, hi in offsets])
-    positions = torch.tensor([p for p in range(len(ids)) if p % 3 != 2 or p == len(ids) - 1])  # candidates: a subset, <|im_end|> in it
+    positions = torch.tensor(
+        [p for p in range(len(ids)) if p % 3 != 2 or p == len(ids) - 1]
+    )  # candidates: a subset, <|im_end|> in it
     pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     special = set(tokenizer.all_special_ids)
     labels = T.label_row(ids, positions, ["DOCUMENTS"], pieces, special)

@@ -91,8 +91,12 @@ class ToyMechanism(mechanism.Mechanism):
         note, hide, last = body.get("note", ""), body.get("hide"), body.get("last")
         if not isinstance(note, str):
             raise SpecError(f"{where}.note must be a string, got {note!r}")
-        if hide is not None and not (isinstance(hide, list) and len(hide) == 2 and all(isinstance(x, int) for x in hide)
-                                     and 0 <= hide[0] < hide[1]):  # fmt: skip
+        if hide is not None and not (
+            isinstance(hide, list)
+            and len(hide) == 2
+            and all(isinstance(x, int) for x in hide)
+            and 0 <= hide[0] < hide[1]
+        ):
             raise SpecError(f"{where}.hide must be [start, end] with 0 <= start < end, got {hide!r}")
         if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
             raise SpecError(f"{where}.last must be an integer >= 1, got {last!r}")
@@ -130,9 +134,13 @@ class ToyMechanism(mechanism.Mechanism):
         if part is not None:
             ids = list(req.origin_input_ids)
             if part.hide is not None and part.hide[1] >= len(ids):
-                req.set_finish_with_abort(f"{FIELD}.toy.hide: the prompt has {len(ids)} tokens; its last is never hidden")
+                req.set_finish_with_abort(
+                    f"{FIELD}.toy.hide: the prompt has {len(ids)} tokens; its last is never hidden"
+                )
                 return
-            SEEN.set(req, {"toy_prompt_tokens": len(ids), "toy_first_token": ids[0], "toy_note": part.note, "part": part})
+            SEEN.set(
+                req, {"toy_prompt_tokens": len(ids), "toy_first_token": ids[0], "toy_note": part.note, "part": part}
+            )
             self.rows[req.rid] = [-1, 0]
 
     # --- the capture subscriber (core/capture.Subscriber) ----------------------------------------

@@ -38,23 +38,34 @@ from .loop import Endpoint, Refused, label_next_calls
 TOP_K = 5
 SNIPPET_WORDS = 384  # BCP's snippets are the first 512 tokens of a document
 MAX_STEPS = 10  # tool-use turns per query before the turn cap
-SYSTEM = ("You are a deep-research agent. Answer the user's question from the documents you can search. Use "
-          "search to find documents and get_document to read one in full. When you know the answer, call answer "
-          "with the exact answer only, as short as possible.")  # fmt: skip
+SYSTEM = (
+    "You are a deep-research agent. Answer the user's question from the documents you can search. Use "
+    "search to find documents and get_document to read one in full. When you know the answer, call answer "
+    "with the exact answer only, as short as possible."
+)
 
 
 def _tool(name: str, description: str, **params: str) -> dict:
     properties = {p: {"type": "string", "description": d} for p, d in params.items()}
-    return {"type": "function", "function": {"name": name, "description": description,
-            "parameters": {"type": "object", "properties": properties, "required": list(params)}}}  # fmt: skip
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(params)},
+        },
+    }
 
 
 TOOLS = [
-    _tool("search", f"Search the documents; returns the top {TOP_K} with docid, title and the beginning of the text.",
-          query="what to search for"),
+    _tool(
+        "search",
+        f"Search the documents; returns the top {TOP_K} with docid, title and the beginning of the text.",
+        query="what to search for",
+    ),
     _tool("get_document", "The full text of one document.", docid="a docid from the search results"),
     _tool("answer", "Give the final answer and end the task.", answer="the exact answer, short"),
-]  # fmt: skip
+]
 
 
 @dataclass(frozen=True)
@@ -82,10 +93,14 @@ class Corpus:
         self.by_id = {d.docid: d for d in docs}
         self._bm25s = bm25s
         self.index = bm25s.BM25()
-        self.index.index(bm25s.tokenize([f"{d.title}\n{d.text}" for d in docs], stopwords="en", show_progress=False),
-                         show_progress=False)  # fmt: skip
+        self.index.index(
+            bm25s.tokenize([f"{d.title}\n{d.text}" for d in docs], stopwords="en", show_progress=False),
+            show_progress=False,
+        )
         self.cache_path = cache_path
-        self.cache: dict[str, list[str]] = json.loads(cache_path.read_text()) if cache_path and cache_path.exists() else {}
+        self.cache: dict[str, list[str]] = (
+            json.loads(cache_path.read_text()) if cache_path and cache_path.exists() else {}
+        )
         self.lock = threading.Lock()
 
     def search(self, query: str, k: int = TOP_K) -> list[Document]:
@@ -125,7 +140,10 @@ def locomo_tasks(limit: int | None) -> list[Task]:
 
 
 def bcp_corpus(path: Path) -> list[Document]:
-    return [Document(str(r["docid"]), r.get("title") or r.get("url") or str(r["docid"]), r["text"]) for r in read_jsonl(path)]
+    return [
+        Document(str(r["docid"]), r.get("title") or r.get("url") or str(r["docid"]), r["text"])
+        for r in read_jsonl(path)
+    ]
 
 
 def bcp_tasks(path: Path, limit: int | None) -> list[Task]:
@@ -149,10 +167,22 @@ Report the final exact answer the response gives (None if it gives none), say in
 it differs in any meaningful way from the correct answer (do not solve the question yourself, do not
 argue for another answer), then whether it is correct: true only if it matches the correct answer or
 is within a small margin for a number."""
-JUDGEMENT = {"type": "function", "function": {"name": "judgement", "description": "The verdict on the response.",
-             "parameters": {"type": "object", "required": ["extracted_final_answer", "reasoning", "correct"], "properties": {
-                 "extracted_final_answer": {"type": "string"}, "reasoning": {"type": "string"},
-                 "correct": {"type": "boolean"}}}}}  # fmt: skip
+JUDGEMENT = {
+    "type": "function",
+    "function": {
+        "name": "judgement",
+        "description": "The verdict on the response.",
+        "parameters": {
+            "type": "object",
+            "required": ["extracted_final_answer", "reasoning", "correct"],
+            "properties": {
+                "extracted_final_answer": {"type": "string"},
+                "reasoning": {"type": "string"},
+                "correct": {"type": "boolean"},
+            },
+        },
+    },
+}
 
 
 def llm_judge(url: str, question: str, response: str, gold: str, max_tokens: int = 256) -> dict:
@@ -162,7 +192,10 @@ def llm_judge(url: str, question: str, response: str, gold: str, max_tokens: int
     verdict cut off or unparsed counts as incorrect."""
     reply = Endpoint(url, None, max_tokens).ask(
         [{"role": "user", "content": JUDGE_PROMPT.format(question=question, response=response, gold=gold)}],
-        [JUDGEMENT], session_id="", tool_choice={"type": "function", "function": {"name": "judgement"}})  # fmt: skip
+        [JUDGEMENT],
+        session_id="",
+        tool_choice={"type": "function", "function": {"name": "judgement"}},
+    )
     verdict = reply.calls[0].arguments if reply.calls else {}
     return {**verdict, "valid": verdict.get("correct") is True}
 
@@ -231,5 +264,15 @@ class Workload:
             verdict["judge"] = llm_judge(endpoint.url, task.question, prediction, task.answer)
         valid = verdict["judge"]["valid"] if "judge" in verdict else match
         f1 = token_f1(prediction, task.answer) if reason is None else 0.0
-        return {"messages": messages, "steps": steps, "reason": reason, "error": error, "prediction": prediction,
-                "gold": task.answer, "valid": valid, "f1": f1, "error_type": reason, **verdict}  # fmt: skip
+        return {
+            "messages": messages,
+            "steps": steps,
+            "reason": reason,
+            "error": error,
+            "prediction": prediction,
+            "gold": task.answer,
+            "valid": valid,
+            "f1": f1,
+            "error_type": reason,
+            **verdict,
+        }

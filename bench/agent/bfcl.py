@@ -37,13 +37,19 @@ from .loop import Endpoint, Refused, label_next_calls  # noqa: E402
 
 CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param")
 HELD_OUT = ("multi_turn_long_context",)
-RESPOND = {"type": "function", "function": {
-    "name": "respond",
-    "description": "Reply to the user in words and end your turn. Call it when the request is done, or when it cannot "
-                   "be done with the tools you have (then say what is missing).",
-    "parameters": {"type": "object", "properties": {"message": {"type": "string", "description": "your reply"}},
-                   "required": ["message"]},
-}}  # fmt: skip
+RESPOND = {
+    "type": "function",
+    "function": {
+        "name": "respond",
+        "description": "Reply to the user in words and end your turn. Call it when the request is done, or when it "
+        "cannot be done with the tools you have (then say what is missing).",
+        "parameters": {
+            "type": "object",
+            "properties": {"message": {"type": "string", "description": "your reply"}},
+            "required": ["message"],
+        },
+    },
+}
 
 
 @dataclass
@@ -63,8 +69,10 @@ def tasks(categories=None, limit: int | None = None) -> list[Task]:
     categories = categories or CATEGORIES
     for category in categories:
         if category in HELD_OUT or category not in CATEGORIES:
-            raise ValueError(f"BFCL category {category!r} is not a development category; use {', '.join(CATEGORIES)}"
-                             + (" (it is held out for independent checks)" if category in HELD_OUT else ""))  # fmt: skip
+            raise ValueError(
+                f"BFCL category {category!r} is not a development category; use {', '.join(CATEGORIES)}"
+                + (" (it is held out for independent checks)" if category in HELD_OUT else "")
+            )
         truth = {g["id"]: g["ground_truth"] for g in load_ground_truth_entry(category)}
         entries = load_dataset_entry(category)[:limit]
         out += [Task(category, e, truth[e["id"]]) for e in entries]
@@ -79,7 +87,9 @@ def functions_at(task: Task, turn: int | None = None) -> list[dict]:
     """The function docs offered at a turn (None: by the last): the task's own plus every held-out
     one handed over by then."""
     held = task.entry.get("missed_function", {})
-    return list(task.entry["function"]) + [d for t, docs in held.items() if turn is None or int(t) <= turn for d in docs]
+    return list(task.entry["function"]) + [
+        d for t, docs in held.items() if turn is None or int(t) <= turn for d in docs
+    ]
 
 
 def tools_at(task: Task, turn: int) -> list[dict]:
@@ -122,7 +132,12 @@ class Backends:
                 continue
             (string,) = convert_to_function_call([{name: arguments}])
             (result,), _ = multi_turn_utils.execute_multi_turn_func_call(
-                [string], self.task.entry["initial_config"], self.task.entry["involved_classes"], self.name, self.task.id)
+                [string],
+                self.task.entry["initial_config"],
+                self.task.entry["involved_classes"],
+                self.name,
+                self.task.id,
+            )
             strings.append(string)
             results.append(result)
         return strings, results
@@ -131,7 +146,9 @@ class Backends:
         """BFCL's checker on the decoded calls of every turn (a list of steps, each a list of call strings)."""
         if len(turns) != len(self.task.ground_truth):
             return {"valid": False, "error_type": "multi_turn:force_terminated"}
-        result = multi_turn_checker(turns, self.task.ground_truth, copy.deepcopy(self.task.entry), self.task.category, self.name)
+        result = multi_turn_checker(
+            turns, self.task.ground_truth, copy.deepcopy(self.task.entry), self.task.category, self.name
+        )
         return {"valid": bool(result["valid"]), "error_type": result.get("error_type")}
 
     def close(self) -> None:
@@ -172,7 +189,9 @@ def run(task: Task, endpoint: Endpoint, session_id: str, max_steps: int = MAXIMU
                     if strings:
                         decoded.append(strings)
                 if said or not calls:  # a reply in words ends the turn (BFCL: a step without calls)
-                    messages.append({"role": "assistant", "content": " ".join(s for s in said if isinstance(s, str)) or reply.text})
+                    messages.append(
+                        {"role": "assistant", "content": " ".join(s for s in said if isinstance(s, str)) or reply.text}
+                    )
                     break
             turns.append(decoded)
             if reason:

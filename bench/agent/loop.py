@@ -42,7 +42,11 @@ class Call:
     arguments: dict
 
     def message(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
 
 
 @dataclass
@@ -62,22 +66,36 @@ class Reply:
     def record(self, turn: int, step: int, prefix: int) -> dict:
         """The step's trace record: where it stood (`prefix`: how many messages its request held),
         what the model emitted, the server's metrics and the step's costs."""
-        return {"turn": turn, "step": step, "prefix": prefix, "calls": [[c.name, c.arguments] for c in self.calls],
-                "text": self.text, "metrics": self.metrics, **self.costs(),
-                "token_ids": {"shared": self.shared, "prompt": self.prompt_ids[self.shared:], "output": self.output_ids}}  # fmt: skip
+        return {
+            "turn": turn,
+            "step": step,
+            "prefix": prefix,
+            "calls": [[c.name, c.arguments] for c in self.calls],
+            "text": self.text,
+            "metrics": self.metrics,
+            **self.costs(),
+            "token_ids": {"shared": self.shared, "prompt": self.prompt_ids[self.shared :], "output": self.output_ids},
+        }
 
     def exchange(self, calls: list[Call], results: list[str]) -> list[dict]:
         """The messages the agent appends for calls it ran: its assistant message with them, then one
         tool message per result."""
-        return [{"role": "assistant", "content": self.text or None, "tool_calls": [c.message() for c in calls]},
-                *({"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results))]  # fmt: skip
+        return [
+            {"role": "assistant", "content": self.text or None, "tool_calls": [c.message() for c in calls]},
+            *({"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results)),
+        ]
 
     def costs(self) -> dict:
         """The step's system cost: request size, prefix hit, live KV and KV reads."""
-        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
-                "peak_request_tokens": self.prompt_tokens + self.output_tokens, "latency_s": self.latency_s,
-                "finish_reason": self.finish_reason,
-                **kv_costs(self.metrics, self.prompt_tokens, self.output_tokens)}  # fmt: skip
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "output_tokens": self.output_tokens,
+            "peak_request_tokens": self.prompt_tokens + self.output_tokens,
+            "latency_s": self.latency_s,
+            "finish_reason": self.finish_reason,
+            **kv_costs(self.metrics, self.prompt_tokens, self.output_tokens),
+        }
 
 
 def windowed(messages: list[dict], exchanges: int, tokens: int | None = None, count=None) -> list[dict]:
@@ -101,7 +119,9 @@ def windowed(messages: list[dict], exchanges: int, tokens: int | None = None, co
 
 def message_tokens(tokenizer):
     """A message's tokens as `windowed` counts them: its text and its calls' JSON (not the markup)."""
-    return lambda m: len(tokenizer.encode((m.get("content") or "") + json.dumps(m.get("tool_calls") or ""), add_special_tokens=False))
+    return lambda m: len(
+        tokenizer.encode((m.get("content") or "") + json.dumps(m.get("tool_calls") or ""), add_special_tokens=False)
+    )
 
 
 @dataclass
@@ -121,8 +141,15 @@ class Endpoint:
     def ask(self, messages: list[dict], tools: list[dict], session_id: str, tool_choice="required") -> Reply:
         if self.window is not None:
             messages = windowed(messages, self.window, self.window_tokens, self.count)
-        body = {"model": "default", "messages": messages, "tools": tools, "tool_choice": tool_choice,
-                "temperature": 0, "max_tokens": self.max_tokens, "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": "default",
+            "messages": messages,
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "temperature": 0,
+            "max_tokens": self.max_tokens,
+            "return_token_ids": True,
+        }
         if self.memory is not None:
             body["sgl_memory"] = {**self.memory, "session_id": session_id}
         t0 = time.perf_counter()
@@ -151,9 +178,19 @@ class Endpoint:
         before = self.last_prompt[1] if self.last_prompt[0] == session_id else []
         shared = common_prefix(ids, before)
         self.last_prompt = (session_id, ids)
-        return Reply(calls, message.get("content") or "", usage["prompt_tokens"], cached, usage["completion_tokens"],
-                     latency, out["choices"][0].get("finish_reason"), out.get("sgl_memory") or {},
-                     ids, out["choices"][0].get("response_token_ids") or [], shared)  # fmt: skip
+        return Reply(
+            calls,
+            message.get("content") or "",
+            usage["prompt_tokens"],
+            cached,
+            usage["completion_tokens"],
+            latency,
+            out["choices"][0].get("finish_reason"),
+            out.get("sgl_memory") or {},
+            ids,
+            out["choices"][0].get("response_token_ids") or [],
+            shared,
+        )
 
 
 def prompt_token_ids(steps: list[dict]) -> list[list[int]]:

@@ -25,8 +25,11 @@ def build(corpus: bcp.Corpus, k: int = bcp.TOP_K, port: int = 8000, snippet_word
     qwen-agent 0.0.34 does not run on `mcp` 2.x."""
     server = FastMCP(name="search-server", port=port)
 
-    @server.tool(name="search", description=f"Search the corpus; returns the top {k} documents as docid and the "
-                                            f"first {snippet_words} words of their text.")  # fmt: skip
+    @server.tool(
+        name="search",
+        description=f"Search the corpus; returns the top {k} documents as docid and the "
+        f"first {snippet_words} words of their text.",
+    )
     def search(query: str) -> list[dict]:
         return [{"docid": d.docid, "snippet": bcp.snippet(d, snippet_words)} for d in corpus.search(query, k)]
 
@@ -45,7 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=bcp.TOP_K)
     ap.add_argument("--snippet-words", type=int, default=bcp.SNIPPET_WORDS, help="words of each hit's text")
     ap.add_argument("--bcp-corpus", type=Path, help="BCP's corpus jsonl (docid, text[, title, url])")
-    ap.add_argument("--cache", type=Path, help="the frozen search cache to share with runs (bench/agent's agent_bcp.search_cache.json)")
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        help="the frozen search cache to share with runs (bench/agent's agent_bcp.search_cache.json)",
+    )
     args = ap.parse_args(argv)
     docs = bcp.bcp_corpus(args.bcp_corpus) if args.bcp_corpus else bcp.locomo_corpus()
     build(bcp.Corpus(docs, args.cache), args.k, args.port, args.snippet_words).run(args.transport)

@@ -4,11 +4,12 @@ Methods: on one sgl-memory server with intent on (its radix cache flushed betwee
 method reuses another's prefixes) our full cache and, per budget, StreamingLLM / SnapKV / H2O on
 `compact` and on `dead_slot` and IntentKV `query`, `memory` and `learned` (bench/common.py
 `pruning_methods`), IntentKV `memory` with the system prompt compressible, and the learned head's
-ablations and adaptive budget (bench/phase2.py runs those); then `kv memory` (our server with KV memory on: each request carries the system prompt, the last
-user message and the last `--memory-window` exchanges, and the session's memory brings back the
-rest as KV blocks); then `plain` (plain SGLang, full cache, its own server). Budgets are history
-budgets (`budget_mode: history`, the IntentKV paper's): BFCL's tool docs alone are 1.6k-4.7k tokens
-and sit in the system prompt, which a total budget would have to hold.
+ablations and adaptive budget (bench/phase2.py runs those); then `kv memory` (our server with KV
+memory on: each request carries the system prompt, the last user message and the last
+`--memory-window` exchanges, and the session's memory brings back the rest as KV blocks); then
+`plain` (plain SGLang, full cache, its own server). Budgets are history budgets (`budget_mode:
+history`, the IntentKV paper's): BFCL's tool docs alone are 1.6k-4.7k tokens and sit in the system
+prompt, which a total budget would have to hold.
 
 With --agreement, each method also gets the full cache's conversation at each of its decision
 points (teacher-forced) and its next call is compared with the full cache's.
@@ -59,8 +60,18 @@ def methods(budgets: list[int]) -> list[tuple[str, dict | None]]:
         out.append((name, fields if name == "full cache" else {**fields, "budget_mode": "history"}))
     for b in budgets:
         # the same IntentKV with the system prompt (the tool docs) compressible: which of the two is right
-        out.append((f"intentkv-memory+system/dead_slot@{b}",
-                    {"budget": b, "budget_mode": "history", "system_prompt": "compressible", "scorer": "memory", "layout": "dead_slot"}))  # fmt: skip
+        out.append(
+            (
+                f"intentkv-memory+system/dead_slot@{b}",
+                {
+                    "budget": b,
+                    "budget_mode": "history",
+                    "system_prompt": "compressible",
+                    "scorer": "memory",
+                    "layout": "dead_slot",
+                },
+            )
+        )
         # Phase 2's Appendix-B ablations (`residual` off is Phase 1, intentkv-memory) and its adaptive
         # budget, which starts at b and moves within the server's [budget_floor, budget_ceiling]
         learned = {"budget": b, "budget_mode": "history", "scorer": "learned", "layout": "dead_slot"}
@@ -91,23 +102,39 @@ def task_row(method: str, fields: dict | None, task, result: dict, wall_s: float
     steps = result["steps"]
     prompt, cached = sum(s["prompt_tokens"] for s in steps), sum(s["cached_tokens"] for s in steps)
     return {
-        "method": method, "budget": budget_of(fields), "task": task.id, "category": task.category,
-        "completed": result["reason"] is None, "reason": result["reason"], "valid": result["valid"],
-        "error_type": result.get("error_type"), "steps": len(steps), "tool_calls": sum(len(s.get("results", [])) for s in steps),
+        "method": method,
+        "budget": budget_of(fields),
+        "task": task.id,
+        "category": task.category,
+        "completed": result["reason"] is None,
+        "reason": result["reason"],
+        "valid": result["valid"],
+        "error_type": result.get("error_type"),
+        "steps": len(steps),
+        "tool_calls": sum(len(s.get("results", [])) for s in steps),
         "pt": max((s["peak_request_tokens"] for s in steps), default=0),
         "eff_live_kv": max((s["live_kv_tokens"] for s in steps), default=0),
-        "raw_kv_reads": sum(s["raw_kv_reads"] for s in steps), "eff_kv_reads": sum(s["eff_kv_reads"] for s in steps),
-        "prompt_tokens": prompt, "cached_tokens": cached, "prefix_hit": cached / prompt if prompt else 0.0, "wall_s": wall_s,
-        "f1": result.get("f1"), "commit": commit(),  # a resumed file mixes runs
+        "raw_kv_reads": sum(s["raw_kv_reads"] for s in steps),
+        "eff_kv_reads": sum(s["eff_kv_reads"] for s in steps),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefix_hit": cached / prompt if prompt else 0.0,
+        "wall_s": wall_s,
+        "f1": result.get("f1"),
+        "commit": commit(),  # a resumed file mixes runs
         **event_costs([s["metrics"] for s in steps]),
-    }  # fmt: skip
+    }
 
 
 def event_costs(metrics: list[dict]) -> dict:
     """The compression events' scoring time and the prefill time they follow, summed over the steps
     that had one and a prefill time (0 for methods that never prune)."""
     timed = [m for m in metrics if m.get("compression_events") and m.get("prefill_ms")]
-    return {"events": len(timed), "scoring_ms": sum(m["scoring_ms"] for m in timed), "prefill_ms": sum(m["prefill_ms"] for m in timed)}
+    return {
+        "events": len(timed),
+        "scoring_ms": sum(m["scoring_ms"] for m in timed),
+        "prefill_ms": sum(m["prefill_ms"] for m in timed),
+    }
 
 
 def aggregate(rows: list[dict], agreements: list[dict] = ()) -> list[dict]:
@@ -119,21 +146,33 @@ def aggregate(rows: list[dict], agreements: list[dict] = ()) -> list[dict]:
         rs = [r for r in rows if r["method"] == method]
         done = [r for r in rs if r["completed"]]
         mean = lambda key, of=rs: sum(r[key] for r in of) / len(of) if of else None  # noqa: E731
-        out.append({
-            "method": method, "budget": rs[0]["budget"], "tasks": len(rs),
-            "compl": len(done) / len(rs), "raw": sum(r["valid"] for r in done) / len(done) if done else None,
-            "true_acc": sum(r["valid"] for r in rs) / len(rs),
-            "pt": mean("pt"), "eff_live_kv": mean("eff_live_kv"), "raw_kv_reads": mean("raw_kv_reads"),
-            "eff_kv_reads": mean("eff_kv_reads"),
-            "prefix_hit": sum(r["cached_tokens"] for r in rs) / max(sum(r["prompt_tokens"] for r in rs), 1),
-            "wall_s": mean("wall_s"), "tool_calls": mean("tool_calls"), "steps": mean("steps"),
-            "f1": mean("f1") if all(r.get("f1") is not None for r in rs) else None,
-            # scoring time over the prefill time of the same requests (IntentKV's target: under 5%)
-            "scoring_overhead": sum(r.get("scoring_ms", 0) for r in rs) / sum(r.get("prefill_ms", 0) for r in rs)
-            if any(r.get("prefill_ms") for r in rs) else None,
-            "non_completion": {k: sum(r["reason"] == k for r in rs) for k in ("turn_cap", "overflow", "error", "empty")},
-            **agreement_of([a for a in agreements if a["method"] == method]),
-        })  # fmt: skip
+        out.append(
+            {
+                "method": method,
+                "budget": rs[0]["budget"],
+                "tasks": len(rs),
+                "compl": len(done) / len(rs),
+                "raw": sum(r["valid"] for r in done) / len(done) if done else None,
+                "true_acc": sum(r["valid"] for r in rs) / len(rs),
+                "pt": mean("pt"),
+                "eff_live_kv": mean("eff_live_kv"),
+                "raw_kv_reads": mean("raw_kv_reads"),
+                "eff_kv_reads": mean("eff_kv_reads"),
+                "prefix_hit": sum(r["cached_tokens"] for r in rs) / max(sum(r["prompt_tokens"] for r in rs), 1),
+                "wall_s": mean("wall_s"),
+                "tool_calls": mean("tool_calls"),
+                "steps": mean("steps"),
+                "f1": mean("f1") if all(r.get("f1") is not None for r in rs) else None,
+                # scoring time over the prefill time of the same requests (IntentKV's target: under 5%)
+                "scoring_overhead": sum(r.get("scoring_ms", 0) for r in rs) / sum(r.get("prefill_ms", 0) for r in rs)
+                if any(r.get("prefill_ms") for r in rs)
+                else None,
+                "non_completion": {
+                    k: sum(r["reason"] == k for r in rs) for k in ("turn_cap", "overflow", "error", "empty")
+                },
+                **agreement_of([a for a in agreements if a["method"] == method]),
+            }
+        )
     full = next((r for r in out if r["method"] == REFERENCE), None)
     for r in out:  # ratios to our full cache, as the benchmarks quote them
         r["wall_vs_full"] = r["wall_s"] / full["wall_s"] if full else None
@@ -143,7 +182,10 @@ def aggregate(rows: list[dict], agreements: list[dict] = ()) -> list[dict]:
 
 def agreement_of(rows: list[dict]) -> dict:
     points = sum(r["points"] for r in rows)
-    return {"next_action_agreement": sum(r["agree"] for r in rows) / points if points else None, "agreement_points": points}
+    return {
+        "next_action_agreement": sum(r["agree"] for r in rows) / points if points else None,
+        "agreement_points": points,
+    }
 
 
 def agreement(work, task, endpoint: Endpoint, reference: dict, session: str) -> dict:
@@ -166,8 +208,22 @@ def append(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-TABLE = ("method", "tasks", "compl", "raw", "true_acc", "f1", "next_action_agreement", "pt", "eff_live_kv",
-         "eff_kv_reads_vs_full", "prefix_hit", "wall_vs_full", "scoring_overhead", "tool_calls")  # fmt: skip
+TABLE = (
+    "method",
+    "tasks",
+    "compl",
+    "raw",
+    "true_acc",
+    "f1",
+    "next_action_agreement",
+    "pt",
+    "eff_live_kv",
+    "eff_kv_reads_vs_full",
+    "prefix_hit",
+    "wall_vs_full",
+    "scoring_overhead",
+    "tool_calls",
+)
 
 
 def table(rows: list[dict], cols: tuple[str, ...] = TABLE) -> str:
@@ -190,12 +246,28 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     markers = "osD^v<>Xph*P"
     for i, r in enumerate(rows):
         family = r["method"].split("@")[0]
-        color = "tab:purple" if family == KV_MEMORY[0] else "tab:gray" if r["budget"] is None else \
-            "tab:green" if "intentkv" in family else "tab:blue" if "dead_slot" in family else "tab:red"  # fmt: skip
+        color = (
+            "tab:purple"
+            if family == KV_MEMORY[0]
+            else "tab:gray"
+            if r["budget"] is None
+            else "tab:green"
+            if "intentkv" in family
+            else "tab:blue"
+            if "dead_slot" in family
+            else "tab:red"
+        )
         for ax, key in zip(axes, ("true_acc", "next_action_agreement")):
             if r.get(key) is not None:
-                ax.scatter(r["eff_live_kv"], r[key], color=color, marker=markers[i % len(markers)], s=60,
-                           label=f"{r['method']} ({r['tasks']} tasks)", alpha=0.8)  # fmt: skip
+                ax.scatter(
+                    r["eff_live_kv"],
+                    r[key],
+                    color=color,
+                    marker=markers[i % len(markers)],
+                    s=60,
+                    label=f"{r['method']} ({r['tasks']} tasks)",
+                    alpha=0.8,
+                )
     for ax, label in zip(axes, ("True Acc", "next-action agreement with the full cache")):
         ax.set_xlabel("effective live KV (tokens, per-task peak, mean)")
         ax.set_ylabel(label)
@@ -214,8 +286,12 @@ def workload(args):
         raise SystemExit("--bcp-corpus and --bcp-queries go together")
     docs = bcp.bcp_corpus(args.bcp_corpus) if args.bcp_corpus else bcp.locomo_corpus()
     todo = bcp.bcp_tasks(args.bcp_queries, args.limit) if args.bcp_queries else bcp.locomo_tasks(args.limit)
-    return bcp.Workload(bcp.Corpus(docs, args.out / "agent_bcp.search_cache.json"), todo, llm_judge=args.judge == "llm",
-                        snippet_words=args.snippet_words)  # fmt: skip
+    return bcp.Workload(
+        bcp.Corpus(docs, args.out / "agent_bcp.search_cache.json"),
+        todo,
+        llm_judge=args.judge == "llm",
+        snippet_words=args.snippet_words,
+    )
 
 
 def start(kind: str, model: str, work: Path):
@@ -223,7 +299,9 @@ def start(kind: str, model: str, work: Path):
     if kind == "plain":
         spec = models.MODELS.get(model)
         parser = ["--tool-call-parser", spec.tool_call_parser] if spec and spec.tool_call_parser else []
-        cmd, env = harness.plain_sglang(model_path, *harness.cpu_flags(model_path, "torch_native"), "--enable-cache-report", *parser)
+        cmd, env = harness.plain_sglang(
+            model_path, *harness.cpu_flags(model_path, "torch_native"), "--enable-cache-report", *parser
+        )
         return harness.start(cmd, work / "plain.log", env=env)
     (work / "memory.yaml").write_text((INTENT_CONFIG if kind == "intent" else MEMORY_CONFIG) + harness.PERSIST_OFF)
     return harness.start(harness.our_command(model, "--memory-config", str(work / "memory.yaml")), work / f"{kind}.log")
@@ -233,29 +311,59 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.agent", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=WORKLOADS, default="bfcl")
     ap.add_argument("--model", default=models.DEFAULT_MODEL)
-    ap.add_argument("--methods", nargs="+", default=["*"], help="method names or shell patterns, e.g. plain 'intentkv-*'")
+    ap.add_argument(
+        "--methods", nargs="+", default=["*"], help="method names or shell patterns, e.g. plain 'intentkv-*'"
+    )
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
-    ap.add_argument("--categories", nargs="+", default=None,
-                    help="BFCL categories (default: every development one); bcp: locomo_cat1..4 or bcp")
+    ap.add_argument(
+        "--categories",
+        nargs="+",
+        default=None,
+        help="BFCL categories (default: every development one); bcp: locomo_cat1..4 or bcp",
+    )
     ap.add_argument("--tasks", nargs="+", default=["*"], help="task ids or shell patterns, e.g. multi_turn_base_1")
     ap.add_argument("--limit", type=int, default=2, help="tasks per BFCL category / LoCoMo conversation / BCP file")
-    ap.add_argument("--max-steps", type=int, default=None,
-                    help="steps with calls per turn before the turn cap (bfcl: BFCL's 20; bcp: 10)")
+    ap.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="steps with calls per turn before the turn cap (bfcl: BFCL's 20; bcp: 10)",
+    )
     ap.add_argument("--bcp-corpus", type=Path, help="BCP's corpus jsonl (docid, text[, title, url])")
     ap.add_argument("--bcp-queries", type=Path, help="BCP's decrypted queries jsonl (query_id, query, answer)")
-    ap.add_argument("--judge", choices=("match", "llm"), default="match",
-                    help="bcp: the normalised-match judge, or BCP's LLM judge on the run's own server")
-    ap.add_argument("--snippet-words", type=int, default=bcp.SNIPPET_WORDS, help="words of each search hit's text (bcp)")
+    ap.add_argument(
+        "--judge",
+        choices=("match", "llm"),
+        default="match",
+        help="bcp: the normalised-match judge, or BCP's LLM judge on the run's own server",
+    )
+    ap.add_argument(
+        "--snippet-words", type=int, default=bcp.SNIPPET_WORDS, help="words of each search hit's text (bcp)"
+    )
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--agreement", action="store_true",
-                    help="also measure next-action agreement with the full cache (a teacher-forced pass per method)")
-    ap.add_argument("--memory-window", type=int, default=2,
-                    help="kv memory: the exchanges (a call and its results) each request carries after the last user message")
-    ap.add_argument("--url", help="an sgl-memory server already running with intent (and, for kv memory, memory) on; its "
-                                  "radix cache is flushed between methods; default: the benchmark starts its own")  # fmt: skip
-    ap.add_argument("--memory-window-tokens", type=int, default=None,
-                    help="kv memory: the most tokens those exchanges hold (older ones are left out; the last is always sent)")
+    ap.add_argument(
+        "--agreement",
+        action="store_true",
+        help="also measure next-action agreement with the full cache (a teacher-forced pass per method)",
+    )
+    ap.add_argument(
+        "--memory-window",
+        type=int,
+        default=2,
+        help="kv memory: the exchanges (a call and its results) each request carries after the last user message",
+    )
+    ap.add_argument(
+        "--url",
+        help="an sgl-memory server already running with intent (and, for kv memory, memory) on; its "
+        "radix cache is flushed between methods; default: the benchmark starts its own",
+    )
+    ap.add_argument(
+        "--memory-window-tokens",
+        type=int,
+        default=None,
+        help="kv memory: the most tokens those exchanges hold (older ones are left out; the last is always sent)",
+    )
     args = ap.parse_args(argv)
     if args.memory_window < 0:
         ap.error("--memory-window takes a number of exchanges >= 0")
@@ -267,7 +375,11 @@ def main(argv: list[str] | None = None) -> None:
     chosen = [(n, f) for n, f in methods(args.budgets) if any(fnmatch.fnmatchcase(n, p) for p in args.methods)]
     if not chosen:
         raise SystemExit(f"no method matches {args.methods}; methods: {', '.join(n for n, _ in methods(args.budgets))}")
-    todo = [t for t in work.tasks(args.categories, limit=args.limit) if any(fnmatch.fnmatchcase(t.id, p) for p in args.tasks)]
+    todo = [
+        t
+        for t in work.tasks(args.categories, limit=args.limit)
+        if any(fnmatch.fnmatchcase(t.id, p) for p in args.tasks)
+    ]
     stem = args.out / f"agent_{args.workload}"
     rows_path, traces_path = stem.with_suffix(".tasks.jsonl"), stem.with_suffix(".traces.jsonl")
     agreement_path = stem.with_suffix(".agreement.jsonl")
@@ -292,20 +404,33 @@ def main(argv: list[str] | None = None) -> None:
                 requests.post(url + "/flush_cache?timeout=60", timeout=120).raise_for_status()
             endpoint = Endpoint(url, fields, args.max_tokens)
             if server_of(fields) == "memory":
-                endpoint.window, endpoint.window_tokens, endpoint.count = args.memory_window, args.memory_window_tokens, count
+                endpoint.window, endpoint.window_tokens, endpoint.count = (
+                    args.memory_window,
+                    args.memory_window_tokens,
+                    count,
+                )
             for task in tqdm([t for t in todo if wanted(name, t)], desc=name):
                 if (name, task.id) not in done:
                     t0 = time.perf_counter()
                     result = work.run(task, endpoint, session_id(name, task.id, run_id), **steps)
                     row = task_row(name, fields, task, result, time.perf_counter() - t0)
-                    trace = {"workload": args.workload, "model": args.model, "method": name, "fields": fields,
-                             "task": task.id, "category": task.category, **result}  # fmt: skip
+                    trace = {
+                        "workload": args.workload,
+                        "model": args.model,
+                        "method": name,
+                        "fields": fields,
+                        "task": task.id,
+                        "category": task.category,
+                        **result,
+                    }
                     append(traces_path, trace)
                     append(rows_path, row)
                     if name == REFERENCE:
                         references[task.id] = trace
                 if args.agreement and name != REFERENCE and task.id in references and (name, task.id) not in agreed:
-                    score = agreement(work, task, endpoint, references[task.id], session_id(name, task.id, run_id + "-agree"))
+                    score = agreement(
+                        work, task, endpoint, references[task.id], session_id(name, task.id, run_id + "-agree")
+                    )
                     append(agreement_path, {"method": name, "task": task.id, **score})
 
     for kind in ("intent", "memory", "plain"):  # the full cache first: the reference the others are compared with

@@ -59,9 +59,19 @@ def split(rows: list[dict], shares: dict[tuple[str, int], float]) -> list[dict]:
                 vs_full[k[0]].append(r["gold_logprob"] - r["ref_gold_logprob"])
                 vs_base[k[0]].append(r["gold_logprob"] - by_point[k][BASE]["gold_logprob"])
             full, base = bootstrap(list(vs_full.values())), bootstrap(list(vs_base.values()))
-            out.append({"quartile": q + 1, "copied_low": shares[part[0]], "copied_high": shares[part[-1]], "method": m,
-                        "n": sum(map(len, vs_full.values())), "vs_full": full[0], "vs_full_ci": full[1:],
-                        f"vs_{BASE}": base[0], f"vs_{BASE}_ci": base[1:]})  # fmt: skip
+            out.append(
+                {
+                    "quartile": q + 1,
+                    "copied_low": shares[part[0]],
+                    "copied_high": shares[part[-1]],
+                    "method": m,
+                    "n": sum(map(len, vs_full.values())),
+                    "vs_full": full[0],
+                    "vs_full_ci": full[1:],
+                    f"vs_{BASE}": base[0],
+                    f"vs_{BASE}_ci": base[1:],
+                }
+            )
     return out
 
 
@@ -76,14 +86,18 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(args.model))
     markers = RoleMarkers.from_tokenizer(tokenizer, "chatml")
     per_category = max(int(r["trajectory"].rsplit("_", 1)[1]) for r in rows if r["workload"] == "bfcl") + 1
-    shares = {(t.id, i): copied_share(p, markers) for t in P.bfcl(tokenizer, per_category) for i, p in enumerate(t.points)}
+    shares = {
+        (t.id, i): copied_share(p, markers) for t in P.bfcl(tokenizer, per_category) for i, p in enumerate(t.points)
+    }
     result = split(rows, shares)
     write_json(args.points.with_suffix(".copying.json"), {"rows": result})
     print("| copied share | method | N | vs full | vs IntentKV memory |\n|---|---|---|---|---|")
     for r in result:
         lo, hi = r[f"vs_{BASE}_ci"]
-        print(f"| {r['copied_low']:.2f}-{r['copied_high']:.2f} | {r['method']} | {r['n']} | {r['vs_full']:+.1f} "
-              f"[{r['vs_full_ci'][0]:+.1f}, {r['vs_full_ci'][1]:+.1f}] | {r[f'vs_{BASE}']:+.1f} [{lo:+.1f}, {hi:+.1f}] |")  # fmt: skip
+        print(
+            f"| {r['copied_low']:.2f}-{r['copied_high']:.2f} | {r['method']} | {r['n']} | {r['vs_full']:+.1f} "
+            f"[{r['vs_full_ci'][0]:+.1f}, {r['vs_full_ci'][1]:+.1f}] | {r[f'vs_{BASE}']:+.1f} [{lo:+.1f}, {hi:+.1f}] |"
+        )
 
 
 if __name__ == "__main__":

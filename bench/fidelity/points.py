@@ -51,7 +51,11 @@ class Trajectory:
 
 
 def _render(tokenizer, messages: list[dict], tools: list[dict] | None, generation: bool) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation, tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation, tokenize=True, return_dict=False
+        )
+    )
 
 
 def _templated(message: dict) -> dict:
@@ -113,8 +117,15 @@ def _asked(context: str | None, question: str) -> list[dict]:
 
     before = []
     if context is not None:
-        before = [{"role": "user", "content": prompts.CONTEXT_HEADER + context}, {"role": "assistant", "content": "Noted."}]
-    return [{"role": "system", "content": prompts.SYSTEM}, *before, {"role": "user", "content": f"Question: {question}"}]
+        before = [
+            {"role": "user", "content": prompts.CONTEXT_HEADER + context},
+            {"role": "assistant", "content": "Noted."},
+        ]
+    return [
+        {"role": "system", "content": prompts.SYSTEM},
+        *before,
+        {"role": "user", "content": f"Question: {question}"},
+    ]
 
 
 def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -> list[Trajectory]:
@@ -132,8 +143,11 @@ def locomo(tokenizer, conversations: list[int], questions: int, seed: int = 0) -
         for q in data.stratified(data.questions(samples[c], c), questions, seed):
             answer, label = {"role": "assistant", "content": str(q.answer)}, f"q{q.qa_index} cat{q.category}"
             pt = point(tokenizer, _asked(transcript, q.question), answer, None, label)
-            contexts = {"question": None, "text": data.render(retriever.pick(q.question, TEXT_BUDGET)),
-                        f"text@{LARGE_BUDGET}": data.render(retriever.pick(q.question, LARGE_BUDGET))}  # fmt: skip
+            contexts = {
+                "question": None,
+                "text": data.render(retriever.pick(q.question, TEXT_BUDGET)),
+                f"text@{LARGE_BUDGET}": data.render(retriever.pick(q.question, LARGE_BUDGET)),
+            }
             for name, context in contexts.items():
                 other = point(tokenizer, _asked(context, q.question), answer, None, label)
                 if other.gold != pt.gold:  # gold log-likelihoods compare only over the same tokens
@@ -167,7 +181,11 @@ def bcp(tokenizer, per_conversation: int, seed: int = 0) -> list[Trajectory]:
             docs = [d for d in docs if d in work.corpus.by_id][:BCP_DOCUMENTS]
             if not docs:
                 continue
-            actions = [("search", {"query": q.question}), *(("get_document", {"docid": d}) for d in docs), ("answer", {"answer": q.answer})]
+            actions = [
+                ("search", {"query": q.question}),
+                *(("get_document", {"docid": d}) for d in docs),
+                ("answer", {"answer": q.answer}),
+            ]
             messages = [{"role": "system", "content": B.SYSTEM}, {"role": "user", "content": q.question}]
             traj = Trajectory("bcp", f"c{c}-q{q.qa_index}")
             for i, (name, arguments) in enumerate(actions):
@@ -180,7 +198,9 @@ def bcp(tokenizer, per_conversation: int, seed: int = 0) -> list[Trajectory]:
 
 
 TEXTWORLD_SEED = 200  # games seed .. seed + n - 1 (bench/keep_textworld plays 100-105)
-TEXTWORLD_SYSTEM = "You are playing a text adventure game. {objective} Answer with exactly one of the valid commands and nothing else."
+TEXTWORLD_SYSTEM = (
+    "You are playing a text adventure game. {objective} Answer with exactly one of the valid commands and nothing else."
+)
 
 
 def textworld(tokenizer, games: int, seed: int = TEXTWORLD_SEED) -> list[Trajectory]:
@@ -205,7 +225,9 @@ def textworld(tokenizer, games: int, seed: int = TEXTWORLD_SEED) -> list[Traject
         for step, command in enumerate(state["extra.walkthrough"]):
             if command not in state["admissible_commands"]:
                 continue  # a no-op of the walkthrough ("open fridge" once it is open): not a decision
-            messages.append({"role": "user", "content": f"{text}\n\nValid commands: {', '.join(state['admissible_commands'])}"})
+            messages.append(
+                {"role": "user", "content": f"{text}\n\nValid commands: {', '.join(state['admissible_commands'])}"}
+            )
             gold = {"role": "assistant", "content": command}
             traj.points.append(point(tokenizer, messages, gold, None, f"step {step}"))
             messages.append(gold)

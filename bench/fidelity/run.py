@@ -72,8 +72,11 @@ MEMORY_CONFIG = CONFIG + "memory:\n  enabled: true\n  cut: lines\nkeep:\n  enabl
 # a restored session's methods: the store's format is the server's, one server per format (its
 # directory is added per run: a fresh store, so every restore is of this run's writes)
 PERSISTED = ("q4", "q8", "bf16")
-SERVERS = {"intent": CONFIG + harness.PERSIST_OFF, "memory": MEMORY_CONFIG + harness.PERSIST_OFF,
-           **{f"persist {q}": CONFIG + f"persist:\n  enabled: true\n  quant: {q}\n" for q in PERSISTED}}  # fmt: skip
+SERVERS = {
+    "intent": CONFIG + harness.PERSIST_OFF,
+    "memory": MEMORY_CONFIG + harness.PERSIST_OFF,
+    **{f"persist {q}": CONFIG + f"persist:\n  enabled: true\n  quant: {q}\n" for q in PERSISTED},
+}
 BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
 INTENT = ("memory", "memory_pool", "query", "learned")
 REFERENCE = "full cache"
@@ -118,8 +121,10 @@ def methods(budgets: list[int]) -> list[Method]:
         out += [Method(s, b, {**pruned, "scorer": s}) for s in BASELINES]
     retrieve = {"mode": "retrieve", "top_k": MEMORY_TOP_K, "placed_tokens": P.TEXT_BUDGET, "store": False}
     out += [Method(f"persisted {q}", None, full, server=f"persist {q}") for q in PERSISTED]
-    out += [Method(name, None, {**full, "memory": {**retrieve, **MEMORY_DEFAULTS, **memory}}, "question", "memory")
-            for name, memory in MEMORY_METHODS.items()]  # fmt: skip
+    out += [
+        Method(name, None, {**full, "memory": {**retrieve, **MEMORY_DEFAULTS, **memory}}, "question", "memory")
+        for name, memory in MEMORY_METHODS.items()
+    ]
     large = f"@{P.LARGE_BUDGET}"
     out += [Method(TEXT, None, full, "text"), Method(TEXT + " " + large, None, full, "text" + large)]
     return out
@@ -135,7 +140,11 @@ MEMORY_METHODS = {
     "kv memory, lines + keep": {"unit": "line", "recompute": "keep"},
     "kv memory, lines + full recompute": {"unit": "line", "recompute": "full"},
     f"kv memory, lines @{P.LARGE_BUDGET}": {"unit": "line", "placed_tokens": P.LARGE_BUDGET},
-    f"kv memory, lines + turn header @{P.LARGE_BUDGET}": {"unit": "line", "header": "turn", "placed_tokens": P.LARGE_BUDGET},
+    f"kv memory, lines + turn header @{P.LARGE_BUDGET}": {
+        "unit": "line",
+        "header": "turn",
+        "placed_tokens": P.LARGE_BUDGET,
+    },
 }
 MEMORY_DEFAULTS = {"header": "none", "placement": "first", "recompute": "none"}
 
@@ -164,20 +173,45 @@ def score_point(server, pt: P.Point, prompt: list[int], field: dict, ref: dict |
     n = len(pt.gold)
     top = TOP_K if ref is None else 1
     asked = sorted({pt.gold[0], *(t for t, _ in ref["top"][0])}) if ref else [pt.gold[0]]
-    a = generate(server, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-                          "return_logprob": True, "top_logprobs_num": top, "token_ids_logprob": asked, **_memory(field)})  # fmt: skip
+    a = generate(
+        server,
+        {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": top,
+            "token_ids_logprob": asked,
+            **_memory(field),
+        },
+    )
     first = _logprobs(a["output_token_ids_logprobs"][0])
     mem = a.get("sgl_memory") or {}
-    out = {"gold": [first[pt.gold[0]]], "argmax": [a["output_top_logprobs"][0][0][1]], "ids": [first],
-           "top": [[[t, lp] for lp, t, *_ in a["output_top_logprobs"][0]]],
-           # intent reports what stayed live of the request's tokens, placed memory blocks included
-           "live_kv": mem["live_kv_tokens"] - 2 if "live_kv_tokens" in mem else len(prompt) + mem.get("memory_kv_tokens", 0),
-           "events": mem.get("compression_events", 0), "restored": mem.get("restored_tokens", 0)}  # fmt: skip
+    out = {
+        "gold": [first[pt.gold[0]]],
+        "argmax": [a["output_top_logprobs"][0][0][1]],
+        "ids": [first],
+        "top": [[[t, lp] for lp, t, *_ in a["output_top_logprobs"][0]]],
+        # intent reports what stayed live of the request's tokens, placed memory blocks included
+        "live_kv": mem["live_kv_tokens"] - 2
+        if "live_kv_tokens" in mem
+        else len(prompt) + mem.get("memory_kv_tokens", 0),
+        "events": mem.get("compression_events", 0),
+        "restored": mem.get("restored_tokens", 0),
+    }
     if n > 1:
         asked = sorted({*pt.gold, *(t for pos in ref["top"][1:] for t, _ in pos)}) if ref else sorted(set(pt.gold))
-        b = generate(server, {"input_ids": prompt + pt.gold, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                              "return_logprob": True, "logprob_start_len": len(prompt), "top_logprobs_num": top,
-                              "token_ids_logprob": asked, **_memory(field, readonly=True)})  # fmt: skip
+        b = generate(
+            server,
+            {
+                "input_ids": prompt + pt.gold,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                "return_logprob": True,
+                "logprob_start_len": len(prompt),
+                "top_logprobs_num": top,
+                "token_ids_logprob": asked,
+                **_memory(field, readonly=True),
+            },
+        )
         # entry i is the token at len(history) + i; the first (gold[0], predicted by the prompt's
         # last row, which B does not compute) came from A
         tops, ids = b["input_top_logprobs"][1:n], b["input_token_ids_logprobs"][1:n]
@@ -200,7 +234,9 @@ def kl_rest(ref_top: list[list], method: dict[int, float]) -> float:
     p = [math.exp(lp) for _, lp in ref_top]
     q = [math.exp(method[t]) for t, _ in ref_top]
     p_rest, q_rest = max(1.0 - sum(p), 1e-12), max(1.0 - sum(q), 1e-12)
-    return sum(a * (math.log(a) - math.log(max(b, 1e-30))) for a, b in zip(p, q) if a > 0) + p_rest * math.log(p_rest / q_rest)
+    return sum(a * (math.log(a) - math.log(max(b, 1e-30))) for a, b in zip(p, q) if a > 0) + p_rest * math.log(
+        p_rest / q_rest
+    )
 
 
 def score_trajectory(server, traj: P.Trajectory, method: Method, field: dict, refs: list[dict] | None) -> list[dict]:
@@ -214,16 +250,32 @@ def score_trajectory(server, traj: P.Trajectory, method: Method, field: dict, re
         if method.restores:
             post(server, "/flush_cache?timeout=600", {})  # waits for the session's write
         if refs is None:
-            rows.append({"point": i, "gold": s["gold"], "argmax": s["argmax"], "top": s["top"], "live_kv": s["live_kv"]})
+            rows.append(
+                {"point": i, "gold": s["gold"], "argmax": s["argmax"], "top": s["top"], "live_kv": s["live_kv"]}
+            )
             continue
         r = refs[i]
-        rows.append({
-            "point": i, "label": pt.label, "gold_tokens": len(pt.gold), "history_tokens": len(pt.history), "prompt_tokens": len(prompt),
-            "live_kv": s["live_kv"], "events": s["events"], "restored_tokens": s["restored"], "same_blocks": s.get("same_blocks", True), "gold_logprob": sum(s["gold"]), "gold_match": s["argmax"] == pt.gold,
-            "full_match": s["argmax"] == r["argmax"],
-            "token_agreement": sum(a == b for a, b in zip(s["argmax"], r["argmax"])) / len(pt.gold), "kl": sum(kl_rest(rt, m) for rt, m in zip(r["top"], s["ids"])) / len(pt.gold),
-            "ref_gold_logprob": sum(r["gold"]), "ref_gold_match": r["argmax"] == pt.gold, "wall_s": time.perf_counter() - t0,
-        })  # fmt: skip
+        rows.append(
+            {
+                "point": i,
+                "label": pt.label,
+                "gold_tokens": len(pt.gold),
+                "history_tokens": len(pt.history),
+                "prompt_tokens": len(prompt),
+                "live_kv": s["live_kv"],
+                "events": s["events"],
+                "restored_tokens": s["restored"],
+                "same_blocks": s.get("same_blocks", True),
+                "gold_logprob": sum(s["gold"]),
+                "gold_match": s["argmax"] == pt.gold,
+                "full_match": s["argmax"] == r["argmax"],
+                "token_agreement": sum(a == b for a, b in zip(s["argmax"], r["argmax"])) / len(pt.gold),
+                "kl": sum(kl_rest(rt, m) for rt, m in zip(r["top"], s["ids"])) / len(pt.gold),
+                "ref_gold_logprob": sum(r["gold"]),
+                "ref_gold_match": r["argmax"] == pt.gold,
+                "wall_s": time.perf_counter() - t0,
+            }
+        )
     return rows
 
 
@@ -242,16 +294,27 @@ def aggregate(rows: list[dict], seed: int = 0) -> list[dict]:
         def ci(value):
             return bootstrap([[value(r) for r in c] for c in clusters.values()], seed)
 
-        row = {"workload": workload, "method": method, "budget": budget, "n": len(rs), "trajectories": len(clusters),
-               "eff_live_kv": sum(r["live_kv"] / r["history_tokens"] for r in rs) / len(rs),
-               "history_tokens": sum(r["history_tokens"] for r in rs) / len(rs), "wall_s": sum(r["wall_s"] for r in rs)}  # fmt: skip
+        row = {
+            "workload": workload,
+            "method": method,
+            "budget": budget,
+            "n": len(rs),
+            "trajectories": len(clusters),
+            "eff_live_kv": sum(r["live_kv"] / r["history_tokens"] for r in rs) / len(rs),
+            "history_tokens": sum(r["history_tokens"] for r in rs) / len(rs),
+            "wall_s": sum(r["wall_s"] for r in rs),
+        }
         for m in METRICS:
             row[m], row[f"{m}_ci_low"], row[f"{m}_ci_high"] = ci(lambda r, m=m: float(r[m]))
         for m, ref in (("gold_logprob", "ref_gold_logprob"), ("gold_match", "ref_gold_match")):
-            row[f"{m}_vs_full"], row[f"{m}_vs_full_ci_low"], row[f"{m}_vs_full_ci_high"] = ci(lambda r, m=m, ref=ref: float(r[m]) - float(r[ref]))
+            row[f"{m}_vs_full"], row[f"{m}_vs_full_ci_low"], row[f"{m}_vs_full_ci_high"] = ci(
+                lambda r, m=m, ref=ref: float(r[m]) - float(r[ref])
+            )
         row["ref_gold_match"] = sum(r["ref_gold_match"] for r in rs) / len(rs)
         row.update(_versus(rs, groups.get((workload, DEFAULT, budget), []), "default", seed))
-        row.update(_versus(rs, next((g for (w, m, _), g in groups.items() if w == workload and m == TEXT), []), "text", seed))
+        row.update(
+            _versus(rs, next((g for (w, m, _), g in groups.items() if w == workload and m == TEXT), []), "text", seed)
+        )
         out.append(row)
     return out
 
@@ -277,22 +340,33 @@ def table(rows: list[dict]) -> str:
     def ci(r, m, f):
         return f"{format(r[m], f)} [{format(r[m + '_ci_low'], f)}, {format(r[m + '_ci_high'], f)}]"
 
-    head = ("| workload | method | budget | N (sessions) | live KV | gold log-lik. | vs full | gold match | vs full | = full cache "
-            "| token agreement | KL |")
+    head = (
+        "| workload | method | budget | N (sessions) | live KV | gold log-lik. | vs full | gold match | vs full "
+        "| = full cache | token agreement | KL |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['method']} | {r['budget'] or '-'} | {r['n']} ({r['trajectories']}) | {r['eff_live_kv']:.2f} "
-                     f"| {ci(r, 'gold_logprob', '.2f')} | {ci(r, 'gold_logprob_vs_full', '+.2f')} | {ci(r, 'gold_match', '.3f')} "
-                     f"| {ci(r, 'gold_match_vs_full', '+.3f')} | {ci(r, 'full_match', '.3f')} | {ci(r, 'token_agreement', '.3f')} "
-                     f"| {ci(r, 'kl', '.2g')} |")  # fmt: skip
+        lines.append(
+            f"| {r['workload']} | {r['method']} | {r['budget'] or '-'} | {r['n']} ({r['trajectories']}) "
+            f"| {r['eff_live_kv']:.2f} | {ci(r, 'gold_logprob', '.2f')} | {ci(r, 'gold_logprob_vs_full', '+.2f')} "
+            f"| {ci(r, 'gold_match', '.3f')} | {ci(r, 'gold_match_vs_full', '+.3f')} | {ci(r, 'full_match', '.3f')} "
+            f"| {ci(r, 'token_agreement', '.3f')} | {ci(r, 'kl', '.2g')} |"
+        )
     for tag, other in (("default", f"{DEFAULT} at the same budget"), ("text", f"{TEXT} on the same questions")):
         paired = [r for r in rows if f"n_vs_{tag}" in r]
         if paired:
-            lines += ["", f"Paired against {other} (method - it; positive log-likelihood and negative KL are better):", "",
-                      "| workload | method | budget | N | gold log-lik. | KL |", "|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [
+                "",
+                f"Paired against {other} (method - it; positive log-likelihood and negative KL are better):",
+                "",
+                "| workload | method | budget | N | gold log-lik. | KL |",
+                "|---|---|---|---|---|---|",
+            ]
             for r in paired:
-                lines.append(f"| {r['workload']} | {r['method']} | {r['budget'] or '-'} | {r[f'n_vs_{tag}']} "
-                             f"| {ci(r, f'gold_logprob_vs_{tag}', '+.2f')} | {ci(r, f'kl_vs_{tag}', '+.3f')} |")  # fmt: skip
+                lines.append(
+                    f"| {r['workload']} | {r['method']} | {r['budget'] or '-'} | {r[f'n_vs_{tag}']} "
+                    f"| {ci(r, f'gold_logprob_vs_{tag}', '+.2f')} | {ci(r, f'kl_vs_{tag}', '+.3f')} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -306,12 +380,24 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
     for ax, w in zip(axes[0], workloads):
         for r in [r for r in rows if r["workload"] == w]:
-            err = [[r["gold_logprob_vs_full"] - r["gold_logprob_vs_full_ci_low"]], [r["gold_logprob_vs_full_ci_high"] - r["gold_logprob_vs_full"]]]
-            ax.errorbar(r["eff_live_kv"], r["gold_logprob_vs_full"], yerr=err, fmt="o", capsize=3,
-                        label=f"{r['method']}@{r['budget']}" if r["budget"] else r["method"])  # fmt: skip
+            err = [
+                [r["gold_logprob_vs_full"] - r["gold_logprob_vs_full_ci_low"]],
+                [r["gold_logprob_vs_full_ci_high"] - r["gold_logprob_vs_full"]],
+            ]
+            ax.errorbar(
+                r["eff_live_kv"],
+                r["gold_logprob_vs_full"],
+                yerr=err,
+                fmt="o",
+                capsize=3,
+                label=f"{r['method']}@{r['budget']}" if r["budget"] else r["method"],
+            )
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set(title=f"{w}: gold-action log-likelihood vs the full cache (95% CI)", xlabel="live KV / full cache (prompt positions)",
-               ylabel="paired difference (nats per action)")  # fmt: skip
+        ax.set(
+            title=f"{w}: gold-action log-likelihood vs the full cache (95% CI)",
+            xlabel="live KV / full cache (prompt positions)",
+            ylabel="paired difference (nats per action)",
+        )
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -323,13 +409,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--workloads", nargs="+", default=list(P.SOURCES), choices=list(P.SOURCES))
     ap.add_argument("--budgets", type=int, nargs="+", default=[32, 128], help="history budgets (prompt positions)")
     ap.add_argument("--methods", nargs="+", default=None, help="method names to run (default: all)")
-    ap.add_argument("--head", type=Path, default=None, help="the learned scorer's head file (default: the one shipped for "
-                    "the model); give such a run an --out of its own")
-    ap.add_argument("--only", type=Path, default=None, help="a file of trajectory ids, one per line: run only those "
-                    "(scripts/train_pruner.py writes a head's held-out ones)")
+    ap.add_argument(
+        "--head",
+        type=Path,
+        default=None,
+        help="the learned scorer's head file (default: the one shipped for "
+        "the model); give such a run an --out of its own",
+    )
+    ap.add_argument(
+        "--only",
+        type=Path,
+        default=None,
+        help="a file of trajectory ids, one per line: run only those "
+        "(scripts/train_pruner.py writes a head's held-out ones)",
+    )
     P.add_size_options(ap)
-    ap.add_argument("--quick", action="store_true", help="one BFCL task per category, one BCP question per conversation, "
-                    "8 LoCoMo questions, one game, one budget")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="one BFCL task per category, one BCP question per conversation, 8 LoCoMo questions, one game, one budget",
+    )
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--report-only", action="store_true", help="aggregate the points file, run nothing")
     ap.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
@@ -365,16 +464,41 @@ def run(args, points_path: Path, refs_path: Path) -> None:
                 if name.startswith("persist"):
                     config += f"  dir: {logs / 'sessions' / name.split()[1]}\n"
                 (logs / "config.yaml").write_text(config)
-                cmd = harness.our_command(args.model, "--memory-config", str(logs / "config.yaml"), "--max-total-tokens", str(args.max_total_tokens))
+                cmd = harness.our_command(
+                    args.model,
+                    "--memory-config",
+                    str(logs / "config.yaml"),
+                    "--max-total-tokens",
+                    str(args.max_total_tokens),
+                )
                 server = harness.start(cmd, logs / "server.log")
                 try:
-                    serve(server, trajs, phase, ms[0], f"{run_id}-{name.replace(' ', '-')}", points_path, refs_path, refs, bar)
+                    serve(
+                        server,
+                        trajs,
+                        phase,
+                        ms[0],
+                        f"{run_id}-{name.replace(' ', '-')}",
+                        points_path,
+                        refs_path,
+                        refs,
+                        bar,
+                    )
                 finally:
                     harness.stop(server)
 
 
-def serve(server, trajs: list[P.Trajectory], todo: list[tuple], ref_method: Method, run_id: str, points_path: Path, refs_path: Path,
-          refs: dict[str, list[dict]], bar) -> None:  # fmt: skip
+def serve(
+    server,
+    trajs: list[P.Trajectory],
+    todo: list[tuple],
+    ref_method: Method,
+    run_id: str,
+    points_path: Path,
+    refs_path: Path,
+    refs: dict[str, list[dict]],
+    bar,
+) -> None:
     memories: set[str] = set()  # groups whose memory this server holds
     for traj in trajs:
         mine = [m for t, m in todo if t is traj]
@@ -389,7 +513,9 @@ def serve(server, trajs: list[P.Trajectory], todo: list[tuple], ref_method: Meth
         if ref is None or shared:
             bar.set_description(f"{traj.id} {REFERENCE}")
             # sessionless, it still names the full budget: the server's default budget would prune it
-            field = {"session_id": f"{run_id}:{traj.id}:ref", **ref_method.fields} if shared else dict(ref_method.fields)
+            field = (
+                {"session_id": f"{run_id}:{traj.id}:ref", **ref_method.fields} if shared else dict(ref_method.fields)
+            )
             ref = refs[traj.id] = score_trajectory(server, traj, ref_method, field, None)
             with refs_path.open("a") as f:
                 f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
@@ -400,20 +526,39 @@ def serve(server, trajs: list[P.Trajectory], todo: list[tuple], ref_method: Meth
             if m.recalls and traj.group not in memories:
                 bar.set_description(f"{traj.group} ingest")
                 for ids in traj.ingest:
-                    generate(server, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                                      "sgl_memory": {"session_id": session, **ref_method.fields}})  # fmt: skip
+                    generate(
+                        server,
+                        {
+                            "input_ids": ids,
+                            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                            "sgl_memory": {"session_id": session, **ref_method.fields},
+                        },
+                    )
                 memories.add(traj.group)
             rows = score_trajectory(server, traj, m, {"session_id": session, **m.fields}, ref)
             with points_path.open("a") as f:
                 for r in rows:
-                    f.write(json.dumps({"workload": traj.workload, "trajectory": traj.id, "method": m.name, "budget": m.budget,
-                                        "commit": commit(), **r}) + "\n")  # fmt: skip
+                    f.write(
+                        json.dumps(
+                            {
+                                "workload": traj.workload,
+                                "trajectory": traj.id,
+                                "method": m.name,
+                                "budget": m.budget,
+                                "commit": commit(),
+                                **r,
+                            }
+                        )
+                        + "\n"
+                    )
             bar.update(len(rows))
 
 
 def servable(traj: P.Trajectory, m: Method) -> bool:
     """Whether the trajectory's points carry the method's prompt (and its memory)."""
-    return m.prompt == "history" or (all(m.prompt in pt.alternates for pt in traj.points) and (not m.recalls or traj.ingest is not None))
+    return m.prompt == "history" or (
+        all(m.prompt in pt.alternates for pt in traj.points) and (not m.recalls or traj.ingest is not None)
+    )
 
 
 def main(argv=None) -> None:

@@ -27,10 +27,14 @@ def rows(path: Path, variant: str) -> dict[str, dict]:
 def compare(a: dict[str, dict], b: dict[str, dict]) -> dict:
     both = sorted(set(a) & set(b))
     spans = [q for q in both if "retrieved_spans" in a[q] and "retrieved_spans" in b[q]]
-    return {"questions": len(both), "answers_differ": sum(a[q]["prediction"] != b[q]["prediction"] for q in both),
-            "spans_compared": len(spans), "spans_differ": sum(a[q]["retrieved_spans"] != b[q]["retrieved_spans"] for q in spans),
-            "f1": [sum(r[q]["f1"] for q in both) / len(both) if both else None for r in (a, b)],
-            "commits": [sorted({r[q].get("commit", "unrecorded") for q in both}) for r in (a, b)]}  # fmt: skip
+    return {
+        "questions": len(both),
+        "answers_differ": sum(a[q]["prediction"] != b[q]["prediction"] for q in both),
+        "spans_compared": len(spans),
+        "spans_differ": sum(a[q]["retrieved_spans"] != b[q]["retrieved_spans"] for q in spans),
+        "f1": [sum(r[q]["f1"] for q in both) / len(both) if both else None for r in (a, b)],
+        "commits": [sorted({r[q].get("commit", "unrecorded") for q in both}) for r in (a, b)],
+    }
 
 
 def main(argv=None) -> None:
@@ -40,11 +44,16 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     loaded = [rows(f, args.variant) for f in args.files]
-    pairs = [{"a": str(args.files[i]), "b": str(args.files[j]), **compare(loaded[i], loaded[j])}
-             for i in range(len(loaded)) for j in range(i + 1, len(loaded))]  # fmt: skip
+    pairs = [
+        {"a": str(args.files[i]), "b": str(args.files[j]), **compare(loaded[i], loaded[j])}
+        for i in range(len(loaded))
+        for j in range(i + 1, len(loaded))
+    ]
     for p in pairs:
-        print(f"{p['a']} vs {p['b']}: {p['answers_differ']} of {p['questions']} answers differ, "
-              f"{p['spans_differ']} of {p['spans_compared']} span lists; F1 {p['f1'][0]:.3f} vs {p['f1'][1]:.3f}")  # fmt: skip
+        print(
+            f"{p['a']} vs {p['b']}: {p['answers_differ']} of {p['questions']} answers differ, "
+            f"{p['spans_differ']} of {p['spans_compared']} span lists; F1 {p['f1'][0]:.3f} vs {p['f1'][1]:.3f}"
+        )
     if args.out:
         write_json(args.out, {"variant": args.variant, "pairs": pairs})
 

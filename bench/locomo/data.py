@@ -12,7 +12,10 @@ from pathlib import Path
 # The one place the LoCoMo development conversations are read from: outside the repository, in the
 # workplace's shared folder next to the checkout, or wherever SGLMEMORY_LOCOMO names (README:
 # "Outside the repository" lists what needs them).
-DATA = Path(os.environ.get("SGLMEMORY_LOCOMO") or Path(__file__).resolve().parents[3] / "shared" / "data" / "locomo" / "locomo_dev7.json")
+DATA = Path(
+    os.environ.get("SGLMEMORY_LOCOMO")
+    or Path(__file__).resolve().parents[3] / "shared" / "data" / "locomo" / "locomo_dev7.json"
+)
 ADVERSARIAL = 5  # category without a gold answer; the MemArt paper leaves it out as well
 
 
@@ -41,8 +44,10 @@ class Question:
 
 def load(path: Path = DATA) -> list[dict]:
     if not Path(path).is_file():
-        raise FileNotFoundError(f"the LoCoMo development conversations are not at {path}: set SGLMEMORY_LOCOMO to their "
-                                "locomo_dev7.json (see the README, 'Data outside the repository')")  # fmt: skip
+        raise FileNotFoundError(
+            f"the LoCoMo development conversations are not at {path}: set SGLMEMORY_LOCOMO to their "
+            "locomo_dev7.json (see the README, 'Data outside the repository')"
+        )
     return json.loads(Path(path).read_text())
 
 
@@ -91,7 +96,9 @@ def questions(sample: dict, conversation: int) -> list[Question]:
     for i, qa in enumerate(sample["qa"]):
         if qa["category"] == ADVERSARIAL or qa.get("answer") is None:
             continue
-        out.append(Question(conversation, i, qa["question"], str(qa["answer"]), qa["category"], tuple(qa.get("evidence", ()))))
+        out.append(
+            Question(conversation, i, qa["question"], str(qa["answer"]), qa["category"], tuple(qa.get("evidence", ())))
+        )
     return out
 
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-QUALITY = (("f1", "token F1"), ("bleu1", "BLEU-1"), ("sim", "MiniLM similarity"), ("evidence_recall", "evidence recall"))
+QUALITY = (
+    ("f1", "token F1"),
+    ("bleu1", "BLEU-1"),
+    ("sim", "MiniLM similarity"),
+    ("evidence_recall", "evidence recall"),
+)
 
 
 def plot(result: dict, path: Path, order: list[str]) -> None:
@@ -26,8 +31,14 @@ def plot(result: dict, path: Path, order: list[str]) -> None:
     ax1.set_ylabel("mean over questions")
     ax1.set_title("answer quality")
     ax1.legend(fontsize=8)
-    for ax, names, title in ((ax2, (("prefill_tokens", "prefill"), ("kv_decode_tokens", "KV length in decode")), "tokens per question (log)"),
-                             (ax3, (("wall_s", "wall"), ("e2e_latency", "server e2e")), "seconds per question")):  # fmt: skip
+    for ax, names, title in (
+        (
+            ax2,
+            (("prefill_tokens", "prefill"), ("kv_decode_tokens", "KV length in decode")),
+            "tokens per question (log)",
+        ),
+        (ax3, (("wall_s", "wall"), ("e2e_latency", "server e2e")), "seconds per question"),
+    ):
         w = 0.8 / len(names)
         for j, (name, legend) in enumerate(names):
             ax.bar([i + j * w for i in x], [summary[s][name] or 0 for s in labels], w, label=legend)
@@ -64,7 +75,10 @@ def plot_recompute(table: dict, path: Path) -> None:
     ax2.bar(range(len(rows)), [r["recompute_share"] or 0 for r in rows])
     ax2.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
     ax2.set_title("recomputed share of placed KV (tokens x layers)")
-    fig.suptitle(f"LoCoMo recomputation of placed memory, {table['settings']['model']}, questions: {sorted({r['tasks'] for r in rows})}")
+    fig.suptitle(
+        f"LoCoMo recomputation of placed memory, {table['settings']['model']}, "
+        f"questions: {sorted({r['tasks'] for r in rows})}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -56,5 +56,9 @@ def session_ends(turns, token_turn: list[int | None]) -> list[int]:
     these turns), the last end being its length: the memory's turns when each session is sent as one."""
     lines = sorted(turns, key=lambda t: t.index)
     session = [None if i is None else lines[i].session for i in token_turn]
-    ends = [j for j in range(1, len(session)) if session[j] is not None and session[j - 1] is not None and session[j] != session[j - 1]]
+    ends = [
+        j
+        for j in range(1, len(session))
+        if session[j] is not None and session[j - 1] is not None and session[j] != session[j - 1]
+    ]
     return ends + [len(token_turn)]

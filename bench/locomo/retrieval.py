@@ -11,8 +11,9 @@ class TurnRetriever:
     def __init__(self, embedder, tokenizer, turns: list[data.Turn]):
         self.embedder, self.turns = embedder, turns
         # speaker and text, not the date: names carry the question's subject, dates only add noise
-        self.vectors = embedder.encode([f"{t.speaker}: {t.text}" for t in turns], normalize_embeddings=True,
-                                       convert_to_tensor=True, batch_size=64)  # fmt: skip
+        self.vectors = embedder.encode(
+            [f"{t.speaker}: {t.text}" for t in turns], normalize_embeddings=True, convert_to_tensor=True, batch_size=64
+        )
         # the dated form bounds what a line can cost once it opens its session in the excerpt
         self.cost = [len(tokenizer(t.line(dated=True) + "\n", add_special_tokens=False)["input_ids"]) for t in turns]
 

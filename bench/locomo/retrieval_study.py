@@ -42,8 +42,16 @@ OUT = Path(__file__).resolve().parents[1] / "results" / "locomo_retrieval_study.
 DEFAULT = ("aabb", "rr", "max", "query", "mean", "all")  # the server's retrieval today
 
 # Layer sets, by name; "L<i>" single layers are added in the layer family.
-BANDS = {"all": range(24), ">=4": range(4, 24), ">=8": range(8, 24), ">=12": range(12, 24), ">=16": range(16, 24),
-         "6-17": range(6, 18), "<12": range(0, 12), "<6": range(0, 6)}  # fmt: skip
+BANDS = {
+    "all": range(24),
+    ">=4": range(4, 24),
+    ">=8": range(8, 24),
+    ">=12": range(12, 24),
+    ">=16": range(16, 24),
+    "6-17": range(6, 18),
+    "<12": range(0, 12),
+    "<6": range(0, 6),
+}
 
 
 # ---------------------------------------------------------------- model passes (cached in /tmp)
@@ -129,15 +137,19 @@ class Setup:
         token_turn = prompts.ingest_turn_of_tokens(tok, turns)
         lines = sorted(turns, key=lambda t: t.index)
         self.n_blocks = math.ceil(len(self.ids) / BLOCK)
-        self.block_dias = [{lines[i].dia_id for i in token_turn[b * BLOCK : (b + 1) * BLOCK] if i is not None}
-                           for b in range(self.n_blocks)]  # fmt: skip
+        self.block_dias = [
+            {lines[i].dia_id for i in token_turn[b * BLOCK : (b + 1) * BLOCK] if i is not None}
+            for b in range(self.n_blocks)
+        ]
         self.known_dias = {t.dia_id for t in turns}
         everything = data.questions(sample, CONVERSATION)
         bench = {q.qa_index for q in data.stratified(list(everything), BENCH_QUESTIONS, seed=0)}
         self.questions = [q for q in everything if q.evidence]
-        self.sets = {"bench24": [q.qa_index for q in self.questions if q.qa_index in bench],
-                     "other": [q.qa_index for q in self.questions if q.qa_index not in bench],
-                     "all": [q.qa_index for q in self.questions]}  # fmt: skip
+        self.sets = {
+            "bench24": [q.qa_index for q in self.questions if q.qa_index in bench],
+            "other": [q.qa_index for q in self.questions if q.qa_index not in bench],
+            "all": [q.qa_index for q in self.questions],
+        }
         self.markers = RoleMarkers.from_tokenizer(tok, "chatml")
 
     def recall(self, q: data.Question, blocks: list[int]) -> float:
@@ -286,18 +298,27 @@ def fam_layers() -> list[tuple]:
 
 
 def fam_tokens() -> list[tuple]:
-    return [("aabb", n, a, t, "mean", "all") for n, a in (("rr", "max"), ("rr", "sum"), ("softmax", "sum"))
-            for t in ("all", "query", "question", "last")]  # fmt: skip
+    return [
+        ("aabb", n, a, t, "mean", "all")
+        for n, a in (("rr", "max"), ("rr", "sum"), ("softmax", "sum"))
+        for t in ("all", "query", "question", "last")
+    ]
 
 
 def fam_bounds() -> list[tuple]:
-    return [(b, n, a, t, "mean", "all") for b in ("aabb", "aabb-sub8", "aabb-sub4", "exact", "centroid")
-            for n, a in (("rr", "max"), ("softmax", "sum"), ("softmax", "max")) for t in ("query", "question")]  # fmt: skip
+    return [
+        (b, n, a, t, "mean", "all")
+        for b in ("aabb", "aabb-sub8", "aabb-sub4", "exact", "centroid")
+        for n, a in (("rr", "max"), ("softmax", "sum"), ("softmax", "max"))
+        for t in ("query", "question")
+    ]
 
 
 def fam_heads() -> list[tuple]:
-    return [(b, "rr", "max", "query", h, "all") for b, h in
-            (("aabb", "mean"), ("aabb", "max"), ("aabb-kvq", "mean"), ("aabb-kvlogit", "mean"))]  # fmt: skip
+    return [
+        (b, "rr", "max", "query", h, "all")
+        for b, h in (("aabb", "mean"), ("aabb", "max"), ("aabb-kvq", "mean"), ("aabb-kvlogit", "mean"))
+    ]
 
 
 def fam_grid() -> list[tuple]:
@@ -308,8 +329,14 @@ def fam_grid() -> list[tuple]:
     return [v for v in grid if v[0] == "aabb" or v[3] != "all"]
 
 
-FAMILIES = {"1 default": fam_default, "2 norm x agg": fam_norm_agg, "3 layers": fam_layers, "4 tokens": fam_tokens,
-            "5 bound": fam_bounds, "6 heads": fam_heads}  # fmt: skip
+FAMILIES = {
+    "1 default": fam_default,
+    "2 norm x agg": fam_norm_agg,
+    "3 layers": fam_layers,
+    "4 tokens": fam_tokens,
+    "5 bound": fam_bounds,
+    "6 heads": fam_heads,
+}
 RR_CONSTANTS = (1.0, 10.0, 60.0, 200.0)
 
 
@@ -350,19 +377,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     setup = Setup(tok)
-    print(f"conversation {CONVERSATION}: {len(setup.ids)} ingest tokens, {setup.n_blocks} blocks, "
-          f"{len(setup.questions)} questions with evidence", flush=True)  # fmt: skip
+    print(
+        f"conversation {CONVERSATION}: {len(setup.ids)} ingest tokens, {setup.n_blocks} blocks, "
+        f"{len(setup.questions)} questions with evidence",
+        flush=True,
+    )
     missing = sorted({e for q in setup.questions for e in q.evidence} - setup.known_dias)
     if missing:
         print(f"  evidence ids absent from the transcript (never recallable): {missing}")
 
-    keys = cached(f"keys_conv{CONVERSATION}_bf16.pt", args.fresh, lambda: ingest_keys(model, setup.ids, head_dim)).float()
+    keys = cached(
+        f"keys_conv{CONVERSATION}_bf16.pt", args.fresh, lambda: ingest_keys(model, setup.ids, head_dim)
+    ).float()
     lo, hi = aabb_boxes(keys, setup.n_blocks)
     cent = centroids(keys, setup.n_blocks)
 
     prompts_of = {q.qa_index: token_sets(tok, setup.markers, q.question) for q in setup.questions}
-    queries = cached(f"queries_conv{CONVERSATION}_bf16.pt", args.fresh,
-                     lambda: {i: question_queries(model, ids, head_dim) for i, (ids, _) in prompts_of.items()})  # fmt: skip
+    queries = cached(
+        f"queries_conv{CONVERSATION}_bf16.pt",
+        args.fresh,
+        lambda: {i: question_queries(model, ids, head_dim) for i, (ids, _) in prompts_of.items()},
+    )
     print(f"model passes ready, {time.time() - t_start:.0f} s", flush=True)
 
     variants = {}
@@ -396,12 +431,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  scored {n + 1}/{len(setup.questions)} questions, {time.time() - t_start:.0f} s", flush=True)
 
     base = results[DEFAULT]
-    out = {"settings": {"model": models.DEFAULT_MODEL, "dtype": "bfloat16 model, float32 keys/queries",
-                        "conversation": CONVERSATION, "block_size": BLOCK, "rr_constant": RR_C,
-                        "ingest_tokens": len(setup.ids), "blocks": setup.n_blocks,
-                        "questions": {k: len(v) for k, v in setup.sets.items()},
-                        "default": name(DEFAULT), "missing_evidence_ids": missing},  # fmt: skip
-           "variants": {}}
+    out = {
+        "settings": {
+            "model": models.DEFAULT_MODEL,
+            "dtype": "bfloat16 model, float32 keys/queries",
+            "conversation": CONVERSATION,
+            "block_size": BLOCK,
+            "rr_constant": RR_C,
+            "ingest_tokens": len(setup.ids),
+            "blocks": setup.n_blocks,
+            "questions": {k: len(v) for k, v in setup.sets.items()},
+            "default": name(DEFAULT),
+            "missing_evidence_ids": missing,
+        },
+        "variants": {},
+    }
 
     def record(label: str, fam: str, per_q: dict, sets: list[set[int]] | None = None) -> None:
         entry = {"family": fam, **summarize(per_q, setup.sets["bench24"])}
@@ -426,17 +470,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(out: dict) -> None:
     rows = out["variants"]
-    head = f"{'variant':64} {'@32':>6} {'@64':>6} {'@128':>6} | {'oth@64':>6} {'all@64':>6} {'dAll':>6} {'se':>5} {'ovl':>5}"
+    head = (
+        f"{'variant':64} {'@32':>6} {'@64':>6} {'@128':>6} "
+        f"| {'oth@64':>6} {'all@64':>6} {'dAll':>6} {'se':>5} {'ovl':>5}"
+    )
 
     def line(label, e):
         a = e["all"]
-        return (f"{label:64} {e['recall@32']:6.3f} {e['recall@64']:6.3f} {e['recall@128']:6.3f} | "
-                f"{e['other']['recall@64']:6.3f} {a['recall@64']:6.3f} {a['diff@64']:+6.3f} {a['se']:5.3f} "
-                f"{e.get('overlap@64', float('nan')):5.2f}")  # fmt: skip
+        return (
+            f"{label:64} {e['recall@32']:6.3f} {e['recall@64']:6.3f} {e['recall@128']:6.3f} | "
+            f"{e['other']['recall@64']:6.3f} {a['recall@64']:6.3f} {a['diff@64']:+6.3f} {a['se']:5.3f} "
+            f"{e.get('overlap@64', float('nan')):5.2f}"
+        )
 
     q = out["settings"]["questions"]
-    print(f"\nrecall on bench24 ({q['bench24']} q) at 32/64/128 blocks | @64 on the other {q['other']}, on all {q['all']}, "
-          f"difference to the default on all (paired, with standard error), top-64 overlap between questions")  # fmt: skip
+    print(
+        f"\nrecall on bench24 ({q['bench24']} q) at 32/64/128 blocks "
+        f"| @64 on the other {q['other']}, on all {q['all']}, "
+        f"difference to the default on all (paired, with standard error), top-64 overlap between questions"
+    )
     print(head)
     for fam in sorted({e["family"] for e in rows.values()} - {"grid"}):
         print(f"-- {fam}")

@@ -78,7 +78,9 @@ class Variant:
             return "full"
         if self.method == "text":
             return f"text-k{self.top_k}"  # budget from the main MemArt variant at this top_k
-        suffix = ("-aabb" if self.scoring == "aabb" else "") + ("-after-system" if self.placement == "after_system" else "")
+        suffix = ("-aabb" if self.scoring == "aabb" else "") + (
+            "-after-system" if self.placement == "after_system" else ""
+        )
         suffix += "-session-turns" if self.turns == "sessions" else ""
         suffix += f"-cut-{self.cut}" if self.cut != "tokens" else ""
         suffix += f"-header-{self.header}" if self.header != "none" else ""
@@ -102,10 +104,17 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
         if group == "memart":
             out.append(main_memart(top_k))
         elif group == "norm-agg":
-            out += [Variant("memart", 16, top_k, n, a) for n in ("rr", "softmax") for a in ("max", "sum")
-                    if (n, a) != (MAIN_NORM, MAIN_AGG)]  # fmt: skip
+            out += [
+                Variant("memart", 16, top_k, n, a)
+                for n in ("rr", "softmax")
+                for a in ("max", "sum")
+                if (n, a) != (MAIN_NORM, MAIN_AGG)
+            ]
         elif group == "aabb":  # MemArt's compressed keys, with the paper's choice for Qwen and ours
-            out += [Variant("memart", 16, top_k, "rr", "max", scoring="aabb"), Variant("memart", 16, top_k, scoring="aabb")]
+            out += [
+                Variant("memart", 16, top_k, "rr", "max", scoring="aabb"),
+                Variant("memart", 16, top_k, scoring="aabb"),
+            ]
         elif group == "placement":
             out.append(Variant("memart", 16, top_k, placement="after_system"))  # [system][blocks][question]
         elif group == "block8":
@@ -114,13 +123,21 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
             out.append(Variant("memart", 16, top_k, recompute="full"))
             out += [Variant("memart", 16, top_k, recompute="keep", ratio=r) for r in RATIOS]
             out.append(Variant("memart", 16, top_k, recompute="keep", ratio=RATIOS[-1], hops=1))  # without multi-hop
-            out.append(Variant("memart", 16, top_k, recompute="keep", ratio=RATIOS[-1], compact=False))  # without row dropping
+            out.append(
+                Variant("memart", 16, top_k, recompute="keep", ratio=RATIOS[-1], compact=False)
+            )  # without row dropping
             out += [Variant("memart", 16, top_k, recompute="cacheblend", ratio=r) for r in RATIOS]
-        elif group == "repairs":  # the two cheap repairs: blocks within turns (sessions, lines), headers placed with blocks
+        elif (
+            group == "repairs"
+        ):  # the two cheap repairs: blocks within turns (sessions, lines), headers placed with blocks
             sessions = Variant("memart", 16, top_k, turns="sessions")
-            out += [sessions, replace(sessions, header="turn"), replace(sessions, cut="lines"),
-                    replace(sessions, cut="lines", header="turn_line"),
-                    replace(sessions, cut="lines", header="turn_line", recompute="keep", ratio=RATIOS[-1])]
+            out += [
+                sessions,
+                replace(sessions, header="turn"),
+                replace(sessions, cut="lines"),
+                replace(sessions, cut="lines", header="turn_line"),
+                replace(sessions, cut="lines", header="turn_line", recompute="keep", ratio=RATIOS[-1]),
+            ]
         else:
             out.append(Variant(group, 16, top_k))
     return out
@@ -146,8 +163,12 @@ class Conversation:
         if not q.evidence:
             return None
         lines = sorted(self.turns, key=lambda t: t.index)
-        covered = {lines[i].dia_id for turn, offset, n in spans
-                   for i in self.token_turn[starts[turn] + offset : starts[turn] + offset + n] if i is not None}  # fmt: skip
+        covered = {
+            lines[i].dia_id
+            for turn, offset, n in spans
+            for i in self.token_turn[starts[turn] + offset : starts[turn] + offset + n]
+            if i is not None
+        }
         return sum(e in covered for e in q.evidence) / len(q.evidence)
 
 
@@ -171,8 +192,16 @@ def conversations(args, tokenizer) -> list[Conversation]:
         turns = cut(data.turns(samples[i]), tokenizer, args.max_transcript_tokens)
         transcript = data.render(turns)
         qs = data.stratified(data.questions(samples[i], i), args.questions_per_conversation, args.seed)
-        out.append(Conversation(i, turns, transcript, qs, prompts.ingest_ids(tokenizer, transcript),
-                                prompts.ingest_turn_of_tokens(tokenizer, turns)))  # fmt: skip
+        out.append(
+            Conversation(
+                i,
+                turns,
+                transcript,
+                qs,
+                prompts.ingest_ids(tokenizer, transcript),
+                prompts.ingest_turn_of_tokens(tokenizer, turns),
+            )
+        )
     return out
 
 
@@ -185,8 +214,9 @@ class Results:
         if path.exists() and not fresh:
             old = json.loads(path.read_text())
             if old.get("settings") != settings:
-                raise SystemExit(f"{path} was written with other settings {old.get('settings')}; "
-                                 "pass --fresh or another --out")  # fmt: skip
+                raise SystemExit(
+                    f"{path} was written with other settings {old.get('settings')}; pass --fresh or another --out"
+                )
             self.data.update(old)
 
     @staticmethod
@@ -205,12 +235,17 @@ class Results:
         write_json(self.path, self.data)
 
 
-def generate(server, input_ids: list[int], max_new_tokens: int, memory: dict | None = None,
-             extra_key: str | None = None) -> tuple[str, dict, float]:  # fmt: skip
+def generate(
+    server, input_ids: list[int], max_new_tokens: int, memory: dict | None = None, extra_key: str | None = None
+) -> tuple[str, dict, float]:
     """The answer, its meta_info with `ttft_s` added (the first streamed chunk, measured here: the
     probe of a memory-mode request included), and the wall time. `extra_key`: SGLang's radix-cache
     namespace; a fresh one keeps the request from reusing what earlier requests left in the tree."""
-    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, "stream": True}
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+        "stream": True,
+    }
     if extra_key is not None:
         body["extra_key"] = extra_key
     if memory is not None:
@@ -223,21 +258,25 @@ def generate(server, input_ids: list[int], max_new_tokens: int, memory: dict | N
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue
             ttft = time.perf_counter() - t0 if ttft is None else ttft
-            last = json.loads(line[len(b"data:"):])
+            last = json.loads(line[len(b"data:") :])
     wall = time.perf_counter() - t0
     return last["text"], {**last["meta_info"], "ttft_s": ttft}, wall
 
 
-def server_config(directory: Path, block_size: int, top_k: int, memory_on: bool, capacity_blocks: int, compact: bool,
-                  cut: str) -> Path:  # fmt: skip
-    path = directory / f"locomo-bs{block_size}{'' if compact else '-no-drop'}{'' if cut == 'tokens' else '-cut-' + cut}.yaml"
+def server_config(
+    directory: Path, block_size: int, top_k: int, memory_on: bool, capacity_blocks: int, compact: bool, cut: str
+) -> Path:
+    path = (
+        directory
+        / f"locomo-bs{block_size}{'' if compact else '-no-drop'}{'' if cut == 'tokens' else '-cut-' + cut}.yaml"
+    )
     path.write_text(
         "memory:\n"
         f"  enabled: {str(memory_on).lower()}\n  block_size: {block_size}\n  top_k: {top_k}\n"
         f"  norm: {MAIN_NORM}\n  agg: {MAIN_AGG}\n  capacity_blocks: {capacity_blocks}\n  cut: {cut}\n"
         "  unit: block\n  placed_tokens: 0\n"  # top_k blocks of block_size, as every variant here counts them
-        f"keep:\n  enabled: {str(memory_on).lower()}\n  compact: {str(compact).lower()}\n"  # the recompute variants' repairs
-        + harness.PERSIST_OFF
+        # the recompute variants' repairs
+        f"keep:\n  enabled: {str(memory_on).lower()}\n  compact: {str(compact).lower()}\n" + harness.PERSIST_OFF
     )
     return path
 
@@ -270,9 +309,17 @@ class Runner:
         for end in ends:
             _, meta, seconds = generate(server, conv.ingest_ids[:end], 1, {"session_id": sid})
             wall += seconds
-        record = {"session_id": sid, "tokens": len(conv.ingest_ids), "turns": len(ends), "wall_s": wall,
-                  "e2e_latency": meta.get("e2e_latency"), "sgl_memory": meta.get("sgl_memory")}  # fmt: skip
-        self.results.data["ingest"].setdefault(f"bs{variant.block_size}-{variant.turns}|c{conv.index}", []).append(record)
+        record = {
+            "session_id": sid,
+            "tokens": len(conv.ingest_ids),
+            "turns": len(ends),
+            "wall_s": wall,
+            "e2e_latency": meta.get("e2e_latency"),
+            "sgl_memory": meta.get("sgl_memory"),
+        }
+        self.results.data["ingest"].setdefault(f"bs{variant.block_size}-{variant.turns}|c{conv.index}", []).append(
+            record
+        )
         self.results.save()
         return sid, [0] + ends[:-1]
 
@@ -291,19 +338,36 @@ class Runner:
             picked = conv.retriever.pick(q.question, budget)
             excerpt = data.render(picked)
             found = {t.dia_id for t in picked}
-            extra = {"budget_tokens": budget, "budget_source": source, "context_turns": len(picked),
-                     "context_tokens": len(self.tokenizer(excerpt, add_special_tokens=False)["input_ids"]),
-                     "evidence_recall": sum(e in found for e in q.evidence) / len(q.evidence) if q.evidence else None}  # fmt: skip
+            extra = {
+                "budget_tokens": budget,
+                "budget_source": source,
+                "context_turns": len(picked),
+                "context_tokens": len(self.tokenizer(excerpt, add_special_tokens=False)["input_ids"]),
+                "evidence_recall": sum(e in found for e in q.evidence) / len(q.evidence) if q.evidence else None,
+            }
             return prompts.with_context(self.tokenizer, excerpt, q.question), None, extra
-        memory = {"session_id": sid, "memory": {"mode": "retrieve", "top_k": variant.top_k, "norm": variant.norm,
-                                                "agg": variant.agg, "scoring": variant.scoring, "placement": variant.placement,
-                                                "store": False, "recompute": variant.recompute, "header": variant.header}}  # fmt: skip
+        memory = {
+            "session_id": sid,
+            "memory": {
+                "mode": "retrieve",
+                "top_k": variant.top_k,
+                "norm": variant.norm,
+                "agg": variant.agg,
+                "scoring": variant.scoring,
+                "placement": variant.placement,
+                "store": False,
+                "recompute": variant.recompute,
+                "header": variant.header,
+            },
+        }
         keep = {k: v for k, v in (("ratio", variant.ratio), ("hops", variant.hops)) if v is not None}
         if keep:
             memory["keep"] = keep
         return prompts.question_only(self.tokenizer, q.question), memory, {}
 
-    def ask(self, server, variant: Variant, conv: Conversation, q: data.Question, sid: str | None, starts: list[int]) -> None:
+    def ask(
+        self, server, variant: Variant, conv: Conversation, q: data.Question, sid: str | None, starts: list[int]
+    ) -> None:
         ids, memory, extra = self.prompt(variant, conv, q, sid)
         text, meta, wall = generate(server, ids, self.args.max_new_tokens, memory)
         if variant.method == "memart":
@@ -332,8 +396,9 @@ class Runner:
                     self.ask(server, variant, conv, q, sid, starts)
 
 
-def score(embedder, variant: Variant, q: data.Question, ids: list[int], text: str, meta: dict, wall: float,
-          extra: dict) -> dict:  # fmt: skip
+def score(
+    embedder, variant: Variant, q: data.Question, ids: list[int], text: str, meta: dict, wall: float, extra: dict
+) -> dict:
     prediction = text.strip()
     mem = meta.get("sgl_memory") or {}
     prompt_tokens = len(ids)
@@ -341,21 +406,59 @@ def score(embedder, variant: Variant, q: data.Question, ids: list[int], text: st
     memory_kv = mem.get("memory_kv_tokens") or 0
     completion = meta.get("completion_tokens") or 0
     return {
-        "method": variant.method, "variant": variant.label, "conversation": q.conversation, "qa_index": q.qa_index,
-        "category": q.category, "question": q.question, "answer": q.answer, "prediction": prediction,
-        "f1": metrics.token_f1(prediction, q.answer), "bleu1": metrics.bleu1(prediction, q.answer),
+        "method": variant.method,
+        "variant": variant.label,
+        "conversation": q.conversation,
+        "qa_index": q.qa_index,
+        "category": q.category,
+        "question": q.question,
+        "answer": q.answer,
+        "prediction": prediction,
+        "f1": metrics.token_f1(prediction, q.answer),
+        "bleu1": metrics.bleu1(prediction, q.answer),
         "sim": metrics.similarity(embedder, prediction, q.answer),
-        "prompt_tokens": prompt_tokens, "cached_tokens": cached, "memory_kv_tokens": memory_kv,
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "memory_kv_tokens": memory_kv,
         "prefill_tokens": mem.get("prefill_tokens", prompt_tokens - cached),
-        "kv_decode_tokens": prompt_tokens + memory_kv + completion, "completion_tokens": completion,
-        "e2e_latency": meta.get("e2e_latency"), "ttft_s": meta.get("ttft_s"), "wall_s": wall,
-        **{k: mem[k] for k in ("retrieved_blocks", "retrieved_spans", "probe_tokens", "retrieval_ms", "recompute", "recomputed_tokens",
-                               "recompute_share", "recompute_ms", "recompute_dropped_rows") if k in mem}, **extra,
-    }  # fmt: skip
+        "kv_decode_tokens": prompt_tokens + memory_kv + completion,
+        "completion_tokens": completion,
+        "e2e_latency": meta.get("e2e_latency"),
+        "ttft_s": meta.get("ttft_s"),
+        "wall_s": wall,
+        **{
+            k: mem[k]
+            for k in (
+                "retrieved_blocks",
+                "retrieved_spans",
+                "probe_tokens",
+                "retrieval_ms",
+                "recompute",
+                "recomputed_tokens",
+                "recompute_share",
+                "recompute_ms",
+                "recompute_dropped_rows",
+            )
+            if k in mem
+        },
+        **extra,
+    }
 
 
-MEANS = ("f1", "bleu1", "sim", "evidence_recall", "prefill_tokens", "kv_decode_tokens", "memory_kv_tokens", "e2e_latency", "ttft_s",
-         "wall_s", "recomputed_tokens", "recompute_share")
+MEANS = (
+    "f1",
+    "bleu1",
+    "sim",
+    "evidence_recall",
+    "prefill_tokens",
+    "kv_decode_tokens",
+    "memory_kv_tokens",
+    "e2e_latency",
+    "ttft_s",
+    "wall_s",
+    "recomputed_tokens",
+    "recompute_share",
+)
 
 
 def _mean(rows: list[dict], name: str) -> float | None:
@@ -375,10 +478,18 @@ def summarize(results: Results, convs: list[Conversation] | None) -> dict:
     summary = {}
     for label, rows in by_label.items():
         cats = sorted({r["category"] for r in rows})
-        summary[label] = {"n": len(rows), **{m: _mean(rows, m) for m in MEANS}, **intervals(rows, text),
-                          "by_category": {str(c): {"n": sum(r["category"] == c for r in rows),
-                                                   **{m: _mean([r for r in rows if r["category"] == c], m) for m in ("f1", "bleu1", "sim")}}
-                                          for c in cats}}  # fmt: skip
+        summary[label] = {
+            "n": len(rows),
+            **{m: _mean(rows, m) for m in MEANS},
+            **intervals(rows, text),
+            "by_category": {
+                str(c): {
+                    "n": sum(r["category"] == c for r in rows),
+                    **{m: _mean([r for r in rows if r["category"] == c], m) for m in ("f1", "bleu1", "sim")},
+                }
+                for c in cats
+            },
+        }
     return summary
 
 
@@ -388,7 +499,11 @@ def intervals(rows: list[dict], text: list[dict]) -> dict:
     _, low, high = bootstrap([[r["f1"]] for r in rows])
     out = {"f1_ci": [low, high]}
     theirs = {(r["conversation"], r["qa_index"]): r["f1"] for r in text}
-    pairs = [[r["f1"] - theirs[r["conversation"], r["qa_index"]]] for r in rows if (r["conversation"], r["qa_index"]) in theirs]
+    pairs = [
+        [r["f1"] - theirs[r["conversation"], r["qa_index"]]]
+        for r in rows
+        if (r["conversation"], r["qa_index"]) in theirs
+    ]
     if pairs and rows is not text:
         out["f1_vs_text"], low, high = bootstrap(pairs)
         out["f1_vs_text_ci"], out["n_vs_text"] = [low, high], len(pairs)
@@ -418,20 +533,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.locomo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=models.DEFAULT_MODEL)
     ap.add_argument("--conversations", type=int, nargs="+", default=[0], help="indices into the data file")
-    ap.add_argument("--questions-per-conversation", type=int, default=40,
-                    help="stratified by category, fixed seed; 0 or more than there are: all (categories 1-4)")  # fmt: skip
+    ap.add_argument(
+        "--questions-per-conversation",
+        type=int,
+        default=40,
+        help="stratified by category, fixed seed; 0 or more than there are: all (categories 1-4)",
+    )
     ap.add_argument("--methods", nargs="+", default=list(METHOD_GROUPS), choices=METHOD_GROUPS)
     ap.add_argument("--top-k", type=int, default=64, help="MemArt blocks at block size 16 (doubled at 8)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--max-transcript-tokens", type=int, default=None,
-                    help="keep the first turns within this many tokens (for short-context test models)")  # fmt: skip
+    ap.add_argument(
+        "--max-transcript-tokens",
+        type=int,
+        default=None,
+        help="keep the first turns within this many tokens (for short-context test models)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", type=Path, default=data.DATA)
     ap.add_argument("--out", type=Path, default=RESULTS / "locomo.json")
     ap.add_argument("--fresh", action="store_true", help="ignore an existing results file")
-    ap.add_argument("--report-only", action="store_true", help="print the table of every row in --out, with intervals; run and write nothing")
-    ap.add_argument("--table", type=Path, default=None,
-                    help="also write the per-variant summary here as a list `rows` (with a plot beside it)")  # fmt: skip
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="print the table of every row in --out, with intervals; run and write nothing",
+    )
+    ap.add_argument(
+        "--table",
+        type=Path,
+        default=None,
+        help="also write the per-variant summary here as a list `rows` (with a plot beside it)",
+    )
     args = ap.parse_args(argv)
     if args.questions_per_conversation <= 0:
         args.questions_per_conversation = 1 << 30
@@ -440,8 +571,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def settings(args) -> dict:
     """What makes rows comparable: a results file only resumes under the same settings."""
-    return {"model": args.model, "max_new_tokens": args.max_new_tokens, "max_transcript_tokens": args.max_transcript_tokens,
-            "system": prompts.SYSTEM, "data": str(args.data)}  # fmt: skip
+    return {
+        "model": args.model,
+        "max_new_tokens": args.max_new_tokens,
+        "max_transcript_tokens": args.max_transcript_tokens,
+        "system": prompts.SYSTEM,
+        "data": str(args.data),
+    }
 
 
 def _fmt(x, spec: str) -> str:
@@ -451,15 +587,19 @@ def _fmt(x, spec: str) -> str:
 def report(result: dict, vs_order: list[str], ingest: dict[str, float]) -> None:
     """The table, with seconds per question: the cost a reader compares first."""
     summary = result["summary"]
-    print(f"{'variant':48} {'n':>4} {'F1':>6} {'95% CI':>13} {'vs text':>21} {'BLEU1':>6} {'sim':>6} {'recall':>6} {'prefill':>8} "
-          f"{'KV dec':>7} {'TTFT':>6} {'s/q':>7}")  # fmt: skip
+    print(
+        f"{'variant':48} {'n':>4} {'F1':>6} {'95% CI':>13} {'vs text':>21} {'BLEU1':>6} {'sim':>6} {'recall':>6} "
+        f"{'prefill':>8} {'KV dec':>7} {'TTFT':>6} {'s/q':>7}"
+    )
     for label in sorted(summary, key=lambda s: (vs_order.index(s) if s in vs_order else len(vs_order), s)):
         s = summary[label]
         ci = "[{:.3f}, {:.3f}]".format(*s["f1_ci"]) if "f1_ci" in s else "-"
         vs = "{:+.3f} [{:+.3f}, {:+.3f}]".format(s["f1_vs_text"], *s["f1_vs_text_ci"]) if "f1_vs_text" in s else "-"
-        print(f"{label:48} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {ci:>13} {vs:>21} {_fmt(s['bleu1'], '6.3f')} {_fmt(s['sim'], '6.3f')} "
-              f"{_fmt(s['evidence_recall'], '6.3f')} {_fmt(s['prefill_tokens'], '8.0f')} {_fmt(s['kv_decode_tokens'], '7.0f')} "
-              f"{_fmt(s['ttft_s'], '6.2f')} {_fmt(s['wall_s'], '7.2f')}")  # fmt: skip
+        print(
+            f"{label:48} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {ci:>13} {vs:>21} {_fmt(s['bleu1'], '6.3f')} "
+            f"{_fmt(s['sim'], '6.3f')} {_fmt(s['evidence_recall'], '6.3f')} {_fmt(s['prefill_tokens'], '8.0f')} "
+            f"{_fmt(s['kv_decode_tokens'], '7.0f')} {_fmt(s['ttft_s'], '6.2f')} {_fmt(s['wall_s'], '7.2f')}"
+        )
     for bs, seconds in ingest.items():
         print(f"memart ingestion {bs}: {seconds:.1f} s per conversation")
 
@@ -481,8 +621,11 @@ def main(argv=None) -> None:
     convs = conversations(args, tokenizer)
     results = Results(args.out, settings(args), args.fresh)
     for c in convs:
-        results.data["transcripts"][str(c.index)] = {"turns": len(c.turns), "tokens": len(c.ingest_ids),
-                                                     "questions": len(c.questions)}  # fmt: skip
+        results.data["transcripts"][str(c.index)] = {
+            "turns": len(c.turns),
+            "tokens": len(c.ingest_ids),
+            "questions": len(c.questions),
+        }
     vs = variants(args.methods, args.top_k)
     work = pending(results, vs, convs)
     total = sum(len(qs) for by_v in work.values() for by_c in by_v.values() for qs in by_c.values())
@@ -529,8 +672,21 @@ def table_rows(summary: dict, vs: list[Variant]) -> list[dict]:
         s = summary.get(v.label)
         if s is None:
             continue
-        rows.append({"method": v.label, "recompute": v.recompute if v.method == "memart" else v.method, "ratio": v.ratio,
-                     "hops": v.hops, "tasks": s["n"], "f1": s["f1"], "bleu1": s["bleu1"], "evidence_recall": s["evidence_recall"],
-                     "ttft_s": s["ttft_s"], "prefill_tokens": s["prefill_tokens"], "recomputed_tokens": s["recomputed_tokens"],
-                     "recompute_share": s["recompute_share"], "by_category": s["by_category"]})  # fmt: skip
+        rows.append(
+            {
+                "method": v.label,
+                "recompute": v.recompute if v.method == "memart" else v.method,
+                "ratio": v.ratio,
+                "hops": v.hops,
+                "tasks": s["n"],
+                "f1": s["f1"],
+                "bleu1": s["bleu1"],
+                "evidence_recall": s["evidence_recall"],
+                "ttft_s": s["ttft_s"],
+                "prefill_tokens": s["prefill_tokens"],
+                "recomputed_tokens": s["recomputed_tokens"],
+                "recompute_share": s["recompute_share"],
+                "by_category": s["by_category"],
+            }
+        )
     return rows

@@ -52,7 +52,11 @@ def methods(budgets: list[int]) -> dict[str, dict]:
 
 
 def render(tokenizer, messages: list[dict]) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tools=S.TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tools=S.TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
 
 
 def plan(tokenizer, lengths: list[int], per_length: int) -> list[tuple[int, S.Session]]:
@@ -60,7 +64,11 @@ def plan(tokenizer, lengths: list[int], per_length: int) -> list[tuple[int, S.Se
     out = []
     for length in lengths:
         for i in range(per_length):
-            shape, hops, depth = S.SHAPES[i % len(S.SHAPES)], HOPS[(i // len(S.SHAPES)) % len(HOPS)], DEPTHS[i % len(DEPTHS)]
+            shape, hops, depth = (
+                S.SHAPES[i % len(S.SHAPES)],
+                HOPS[(i // len(S.SHAPES)) % len(HOPS)],
+                DEPTHS[i % len(DEPTHS)],
+            )
             steps = hops + 1
             while (n := len(render(tokenizer, (s := S.generate(i, steps, shape, hops, depth)).messages))) < length:
                 steps += max(1, (length - n) // 400)
@@ -77,8 +85,11 @@ def ask(server, ids: list[int], field: dict, n: int) -> dict:
 
 def run_session(server, tokenizer, session: S.Session, name: str, fields: dict, run_id: str) -> dict:
     """The session step by step in its own session id and tenant; the question's answer and costs."""
-    field = {"session_id": f"{run_id}:{session.seed}:{len(session.messages)}", "tenant": f"recall-{name.replace('@', '-')}",
-             **fields}  # fmt: skip
+    field = {
+        "session_id": f"{run_id}:{session.seed}:{len(session.messages)}",
+        "tenant": f"recall-{name.replace('@', '-')}",
+        **fields,
+    }
     t0 = time.perf_counter()
     prompt = cached = 0
     # the agent's requests: after the task, each tool output and each earlier hop's question
@@ -92,9 +103,14 @@ def run_session(server, tokenizer, session: S.Session, name: str, fields: dict, 
     meta = out["meta_info"]
     mem = meta.get("sgl_memory") or {}
     prompt, cached = prompt + len(ids), cached + meta.get("cached_tokens", 0)
-    return {"prediction": out["text"], "correct": S.correct(out["text"], session.answer), "prompt_tokens": len(ids),
-            "live_kv": mem.get("live_kv_tokens", len(ids) + meta.get("completion_tokens", 0)), "prefix_hit": cached / prompt,
-            "wall_s": time.perf_counter() - t0}  # fmt: skip
+    return {
+        "prediction": out["text"],
+        "correct": S.correct(out["text"], session.answer),
+        "prompt_tokens": len(ids),
+        "live_kv": mem.get("live_kv_tokens", len(ids) + meta.get("completion_tokens", 0)),
+        "prefix_hit": cached / prompt,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def _share(rows: list[dict], key: str, value) -> float | None:
@@ -121,12 +137,29 @@ def aggregate(rows: list[dict]) -> list[dict]:
         vs_full = _paired(rs, groups.get((length, "full"), []))
         budget = method.partition("@")[2]  # the default scorer at the same budget: what part 5 of issue 29 must beat
         vs_default = _paired(rs, groups.get((length, f"{DEFAULT}@{budget}"), [])) if budget else (None, None, None, 0)
-        out.append({"length": length, "method": method, "n": len(rs), "accuracy": acc, "ci_low": lo, "ci_high": hi,
-                    "vs_full": vs_full[0], "vs_full_ci_low": vs_full[1], "vs_full_ci_high": vs_full[2], "n_paired": vs_full[3],
-                    "vs_default": vs_default[0], "vs_default_ci_low": vs_default[1], "vs_default_ci_high": vs_default[2],
-                    "by_hops": {h: _share(rs, "hops", h) for h in (1, 2, 3)}, "by_shape": {k: _share(rs, "shape", k) for k in S.SHAPES},
-                    "prompt_tokens": sum(r["prompt_tokens"] for r in rs) / len(rs), "eff_live_kv": sum(r["live_kv"] for r in rs) / len(rs),
-                    "prefix_hit": sum(r["prefix_hit"] for r in rs) / len(rs), "wall_s": sum(r["wall_s"] for r in rs) / len(rs)})  # fmt: skip
+        out.append(
+            {
+                "length": length,
+                "method": method,
+                "n": len(rs),
+                "accuracy": acc,
+                "ci_low": lo,
+                "ci_high": hi,
+                "vs_full": vs_full[0],
+                "vs_full_ci_low": vs_full[1],
+                "vs_full_ci_high": vs_full[2],
+                "n_paired": vs_full[3],
+                "vs_default": vs_default[0],
+                "vs_default_ci_low": vs_default[1],
+                "vs_default_ci_high": vs_default[2],
+                "by_hops": {h: _share(rs, "hops", h) for h in (1, 2, 3)},
+                "by_shape": {k: _share(rs, "shape", k) for k in S.SHAPES},
+                "prompt_tokens": sum(r["prompt_tokens"] for r in rs) / len(rs),
+                "eff_live_kv": sum(r["live_kv"] for r in rs) / len(rs),
+                "prefix_hit": sum(r["prefix_hit"] for r in rs) / len(rs),
+                "wall_s": sum(r["wall_s"] for r in rs) / len(rs),
+            }
+        )
     return out
 
 
@@ -137,12 +170,18 @@ def table(rows: list[dict]) -> str:
     def diff(r: dict, key: str) -> str:
         return "-" if r[key] is None else f"{r[key]:+.2f} [{r[key + '_ci_low']:+.2f}, {r[key + '_ci_high']:+.2f}]"
 
-    lines = [f"| length | method | N | accuracy [95% CI] | vs full, paired | vs {DEFAULT}, paired | 1 / 2 / 3 hops | one hop: {' / '.join(S.SHAPES)} "
-             "| prompt | live KV | prefix hit | s / session |", "|" + "---|" * 12]  # fmt: skip
+    lines = [
+        f"| length | method | N | accuracy [95% CI] | vs full, paired | vs {DEFAULT}, paired | 1 / 2 / 3 hops "
+        f"| one hop: {' / '.join(S.SHAPES)} | prompt | live KV | prefix hit | s / session |",
+        "|" + "---|" * 12,
+    ]
     for r in rows:
-        lines.append(f"| {r['length']} | {r['method']} | {r['n']} | {r['accuracy']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] "
-                     f"| {diff(r, 'vs_full')} | {diff(r, 'vs_default')} | {shares(r['by_hops'])} | {shares(r['by_shape'])} | {r['prompt_tokens']:.0f} | {r['eff_live_kv']:.0f} "
-                     f"| {r['prefix_hit']:.2f} | {r['wall_s']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {r['length']} | {r['method']} | {r['n']} | {r['accuracy']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}] "
+            f"| {diff(r, 'vs_full')} | {diff(r, 'vs_default')} | {shares(r['by_hops'])} | {shares(r['by_shape'])} "
+            f"| {r['prompt_tokens']:.0f} | {r['eff_live_kv']:.0f} "
+            f"| {r['prefix_hit']:.2f} | {r['wall_s']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -156,10 +195,21 @@ def plot(rows: list[dict], path: Path) -> None:
     for method in sorted({r["method"] for r in rows}):
         rs = sorted((r for r in rows if r["method"] == method), key=lambda r: r["length"])
         x = [r["length"] for r in rs]
-        ax.errorbar(x, [r["accuracy"] for r in rs], yerr=[[r["accuracy"] - r["ci_low"] for r in rs], [r["ci_high"] - r["accuracy"] for r in rs]],
-                    marker="o", capsize=3, label=method)  # fmt: skip
-    ax.set(xscale="log", xlabel="session length (tokens)", ylabel="accuracy (95% CI)", ylim=(0, 1.05),
-           title="recall of a tool output many turns back")  # fmt: skip
+        ax.errorbar(
+            x,
+            [r["accuracy"] for r in rs],
+            yerr=[[r["accuracy"] - r["ci_low"] for r in rs], [r["ci_high"] - r["accuracy"] for r in rs]],
+            marker="o",
+            capsize=3,
+            label=method,
+        )
+    ax.set(
+        xscale="log",
+        xlabel="session length (tokens)",
+        ylabel="accuracy (95% CI)",
+        ylim=(0, 1.05),
+        title="recall of a tool output many turns back",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -170,12 +220,23 @@ def run_sessions(args, tokenizer, todo: list[tuple[int, S.Session, str]], ms: di
     logs = Path(tempfile.gettempdir()) / "sgl-memory-recall"
     logs.mkdir(exist_ok=True)
     (logs / "config.yaml").write_text(CONFIG)
-    server = harness.start(harness.our_command(args.model, "--memory-config", str(logs / "config.yaml")), logs / "server.log")
+    server = harness.start(
+        harness.our_command(args.model, "--memory-config", str(logs / "config.yaml")), logs / "server.log"
+    )
     try:
         for length, session, name in tqdm(todo, desc="sessions x methods", disable=None):
             row = run_session(server, tokenizer, session, name, ms[name], run_id)
-            row.update(length=length, seed=session.seed, method=name, shape=session.shape, hops=session.hops, depth=session.depth,
-                       steps=sum(m["role"] == "tool" for m in session.messages), answer=session.answer, commit=commit())  # fmt: skip
+            row.update(
+                length=length,
+                seed=session.seed,
+                method=name,
+                shape=session.shape,
+                hops=session.hops,
+                depth=session.depth,
+                steps=sum(m["role"] == "tool" for m in session.messages),
+                answer=session.answer,
+                commit=commit(),
+            )
             with rows_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     finally:
@@ -189,7 +250,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--per-length", type=int, default=24)
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 1024], help="history budgets (prompt positions)")
     ap.add_argument("--methods", nargs="+", default=None, help="method names (default: all)")
-    ap.add_argument("--quick", action="store_true", help="2048 tokens, 4 sessions, the full cache and two scorers at one budget")
+    ap.add_argument(
+        "--quick", action="store_true", help="2048 tokens, 4 sessions, the full cache and two scorers at one budget"
+    )
     ap.add_argument("--report-only", action="store_true", help="run nothing: summarise every row the rows file holds")
     ap.add_argument("--out", type=Path, default=RESULTS / "recall.json")
     args = ap.parse_args(argv)

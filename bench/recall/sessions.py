@@ -31,37 +31,133 @@ import json
 import random
 from dataclasses import dataclass, field
 
-SYSTEM = ("You are an operations assistant. Use the tools to look things up. When the user asks a question, "
-          "answer with the exact value from the tool outputs, and nothing else.")  # fmt: skip
+SYSTEM = (
+    "You are an operations assistant. Use the tools to look things up. When the user asks a question, "
+    "answer with the exact value from the tool outputs, and nothing else."
+)
 TASK = "I am auditing our systems today. Fetch what I ask for and keep it at hand; I will ask questions at the end."
 TOOLS = [
-    {"type": "function", "function": {"name": name, "description": desc, "parameters": {
-        "type": "object", "properties": {arg: {"type": "string", "description": arg_desc}}, "required": [arg]}}}
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": desc,
+            "parameters": {
+                "type": "object",
+                "properties": {arg: {"type": "string", "description": arg_desc}},
+                "required": [arg],
+            },
+        },
+    }
     for name, desc, arg, arg_desc in (
         ("get_orders", "Order records of a region, as JSON.", "region", "a sales region"),
         ("search_logs", "Log lines of a service.", "service", "a service name"),
         ("list_files", "A directory listing.", "path", "a directory"),
         ("web_search", "Web search results.", "query", "what to search for"),
     )
-]  # fmt: skip
+]
 TOOL_OF = {"orders": "get_orders", "logs": "search_logs", "files": "list_files", "search": "web_search"}
 ARGUMENT_OF = {t["function"]["name"]: t["function"]["parameters"]["required"][0] for t in TOOLS}
-FIRST = ["Dana", "Omar", "Lena", "Ravi", "Mia", "Tomas", "Aiko", "Jonas", "Priya", "Karl", "Ines", "Yusuf", "Nora", "Pablo", "Sofia", "Liam"]
-LAST = ["Whitfield", "Haddad", "Novak", "Iyer", "Larsen", "Moreau", "Tanaka", "Berg", "Rao", "Meyer", "Costa", "Demir", "Quinn", "Ortiz"]
-CITIES = ["Lisbon", "Porto", "Lyon", "Graz", "Utrecht", "Tampere", "Bergen", "Gdansk", "Bilbao", "Trieste", "Aarhus", "Brno", "Cork", "Malmo"]
-ITEMS = ["standing desk", "usb hub", "monitor arm", "webcam", "desk lamp", "keyboard", "headset", "router", "dock", "ssd"]
+FIRST = [
+    "Dana",
+    "Omar",
+    "Lena",
+    "Ravi",
+    "Mia",
+    "Tomas",
+    "Aiko",
+    "Jonas",
+    "Priya",
+    "Karl",
+    "Ines",
+    "Yusuf",
+    "Nora",
+    "Pablo",
+    "Sofia",
+    "Liam",
+]
+LAST = [
+    "Whitfield",
+    "Haddad",
+    "Novak",
+    "Iyer",
+    "Larsen",
+    "Moreau",
+    "Tanaka",
+    "Berg",
+    "Rao",
+    "Meyer",
+    "Costa",
+    "Demir",
+    "Quinn",
+    "Ortiz",
+]
+CITIES = [
+    "Lisbon",
+    "Porto",
+    "Lyon",
+    "Graz",
+    "Utrecht",
+    "Tampere",
+    "Bergen",
+    "Gdansk",
+    "Bilbao",
+    "Trieste",
+    "Aarhus",
+    "Brno",
+    "Cork",
+    "Malmo",
+]
+ITEMS = [
+    "standing desk",
+    "usb hub",
+    "monitor arm",
+    "webcam",
+    "desk lamp",
+    "keyboard",
+    "headset",
+    "router",
+    "dock",
+    "ssd",
+]
 STATUS = ["shipped", "pending", "returned", "cancelled", "delivered"]
 SERVICES = ["api-gateway", "billing", "auth", "search", "checkout", "notifications", "inventory", "reports"]
 REGIONS = ["north", "south", "east", "west", "central", "coastal", "alpine", "islands"]
-WORDS = ["alpha", "beta", "ledger", "q3", "draft", "final", "backup", "export", "summary", "invoice", "audit", "notes", "plan"]
-TOPICS = ["company", "bridge", "observatory", "festival", "library", "railway", "museum", "stadium", "harbour", "university"]
+WORDS = [
+    "alpha",
+    "beta",
+    "ledger",
+    "q3",
+    "draft",
+    "final",
+    "backup",
+    "export",
+    "summary",
+    "invoice",
+    "audit",
+    "notes",
+    "plan",
+]
+TOPICS = [
+    "company",
+    "bridge",
+    "observatory",
+    "festival",
+    "library",
+    "railway",
+    "museum",
+    "stadium",
+    "harbour",
+    "university",
+]
 KEYS = """apricot birch cedar dahlia ember falcon garnet harbor iris juniper kestrel lagoon maple nectar onyx
 pepper quartz raven saffron thistle umber velvet willow yarrow zephyr acorn basil clover dune elm fern glacier hazel
 indigo jasmine kelp lotus mango nutmeg oak pebble quill reed sage tulip violet walnut almond bramble canyon delta
 ebony fjord gorse heather ivy jade kale lily moss nettle olive pine quince rowan spruce tansy vale wheat yew alder
 bay cobalt daisy fig ginger holly islet jet kiwi larch mint nova orchid plum rye sorrel teak upland vetch wren
 amber blossom coral dove echo flint grove hickory inlet jasper krill laurel marble nimbus opal poplar ridge slate
-topaz valley willet yucca aspen beacon cliff drift fennel granite hemlock iceberg juno kingfisher lichen meadow""".split()
+topaz valley willet yucca aspen beacon cliff drift fennel granite hemlock iceberg juno kingfisher
+lichen meadow""".split()
 SHAPES = ("orders", "logs", "files", "search")
 # with tools offered, the small models call one instead of answering unless told
 ANSWER_ONLY = " Do not call a tool: reply with the value only."
@@ -103,38 +199,67 @@ class Ids:
 def _order(rng, ids: Ids, customer: str | None = None) -> dict:
     # the fields a question looks up follow the field it names: the item the order id, the city the customer
     # ids of words, not digits: the 0.5B default model tells five-digit ids apart badly (measured)
-    return {"order_id": f"ORD-{ids.word()}", "item": rng.choice(ITEMS), "customer_id": customer or f"cust-{ids.word()}", "city": rng.choice(CITIES),
-            "total": f"{rng.randrange(5, 900)}.{rng.randrange(10, 99)}", "status": rng.choice(STATUS)}  # fmt: skip
+    return {
+        "order_id": f"ORD-{ids.word()}",
+        "item": rng.choice(ITEMS),
+        "customer_id": customer or f"cust-{ids.word()}",
+        "city": rng.choice(CITIES),
+        "total": f"{rng.randrange(5, 900)}.{rng.randrange(10, 99)}",
+        "status": rng.choice(STATUS),
+    }
 
 
 def _log(rng, ids: Ids, service: str, user: str | None = None) -> dict:
-    return {"time": f"2024-0{rng.randrange(1, 9)}-{rng.randrange(10, 28)}T{rng.randrange(10, 23)}:{rng.randrange(10, 59)}:{rng.randrange(10, 59)}Z",
-            "request": f"R-{ids.word()}", "user": user or f"cust-{ids.word()}",
-            "status": str(rng.choice([200, 200, 200, 201, 204, 301, 400, 401, 403, 404, 409, 429, 500, 502, 503])),
-            "latency": str(rng.randrange(3, 2400)), "service": service}  # fmt: skip
+    return {
+        "time": f"2024-0{rng.randrange(1, 9)}-{rng.randrange(10, 28)}"
+        f"T{rng.randrange(10, 23)}:{rng.randrange(10, 59)}:{rng.randrange(10, 59)}Z",
+        "request": f"R-{ids.word()}",
+        "user": user or f"cust-{ids.word()}",
+        "status": str(rng.choice([200, 200, 200, 201, 204, 301, 400, 401, 403, 404, 409, 429, 500, 502, 503])),
+        "latency": str(rng.randrange(3, 2400)),
+        "service": service,
+    }
 
 
 def _file(rng, ids: Ids) -> dict:
     name = f"{ids.word()}_{rng.choice(WORDS)}.{rng.choice(['pdf', 'csv', 'txt', 'xlsx'])}"
-    return {"name": name, "owner": f"{rng.choice(FIRST)} {rng.choice(LAST)}", "size": str(rng.randrange(100, 9999)),
-            "date": f"{rng.choice(['Jan', 'Feb', 'Mar', 'Apr', 'May', 'Jun'])} {rng.randrange(10, 28)} {rng.randrange(10, 23)}:{rng.randrange(10, 59)}"}  # fmt: skip
+    return {
+        "name": name,
+        "owner": f"{rng.choice(FIRST)} {rng.choice(LAST)}",
+        "size": str(rng.randrange(100, 9999)),
+        "date": f"{rng.choice(['Jan', 'Feb', 'Mar', 'Apr', 'May', 'Jun'])} {rng.randrange(10, 28)} "
+        f"{rng.randrange(10, 23)}:{rng.randrange(10, 59)}",
+    }
 
 
 def _snippet(rng, ids: Ids, city: str | None = None) -> dict:
     subject = ids.make(lambda r: f"the {city or r.choice(CITIES)} {r.choice(TOPICS)}")
-    return {"subject": subject, "year": str(rng.randrange(1820, 2015)), "source": f"{rng.choice(WORDS)}{rng.choice(['.org', '.net', '.com'])}",
-            "title": f"History of {subject}"}  # fmt: skip
+    return {
+        "subject": subject,
+        "year": str(rng.randrange(1820, 2015)),
+        "source": f"{rng.choice(WORDS)}{rng.choice(['.org', '.net', '.com'])}",
+        "title": f"History of {subject}",
+    }
 
 
 def render(shape: str, items: list[dict]) -> str:
     if shape == "orders":
         return "[\n" + ",\n".join(json.dumps(i) for i in items) + "\n]"  # a record per line
     if shape == "logs":
-        return "\n".join(f"{i['time']} {i['service']} req={i['request']} user={i['user']} status={i['status']} latency_ms={i['latency']}" for i in items)
+        return "\n".join(
+            f"{i['time']} {i['service']} req={i['request']} user={i['user']} status={i['status']} "
+            f"latency_ms={i['latency']}"
+            for i in items
+        )
     if shape == "files":
-        return "| name | owner | size_bytes | modified |\n" + "\n".join(f"| {i['name']} | {i['owner']} | {i['size']} | {i['date']} |" for i in items)
-    return "\n".join(f"[{n + 1}] {i['title']} - {i['subject'][0].upper() + i['subject'][1:]} was founded in {i['year']}. ({i['source']})"
-                     for n, i in enumerate(items))  # fmt: skip
+        return "| name | owner | size_bytes | modified |\n" + "\n".join(
+            f"| {i['name']} | {i['owner']} | {i['size']} | {i['date']} |" for i in items
+        )
+    return "\n".join(
+        f"[{n + 1}] {i['title']} - {i['subject'][0].upper() + i['subject'][1:]} was founded in {i['year']}. "
+        f"({i['source']})"
+        for n, i in enumerate(items)
+    )
 
 
 def _item(shape: str, rng, ids: Ids, service: str = "") -> dict:
@@ -148,7 +273,12 @@ def _item(shape: str, rng, ids: Ids, service: str = "") -> dict:
 
 def _step(shape: str, rng, ids: Ids, n: int, needles: list[dict] = ()) -> tuple[dict, list[dict]]:
     """One tool call and its output's items: n of the shape, the needles among them at random places."""
-    arg = {"orders": rng.choice(REGIONS), "logs": rng.choice(SERVICES), "files": f"/data/{rng.choice(WORDS)}", "search": rng.choice(TOPICS)}[shape]
+    arg = {
+        "orders": rng.choice(REGIONS),
+        "logs": rng.choice(SERVICES),
+        "files": f"/data/{rng.choice(WORDS)}",
+        "search": rng.choice(TOPICS),
+    }[shape]
     items = [_item(shape, rng, ids, arg) for _ in range(n - len(needles))]
     for needle in needles:
         if shape == "logs":
@@ -204,10 +334,17 @@ def generate(seed: int, steps: int, shape: str, hops: int, depth: float) -> Sess
         call, items = _step(kind, rng, ids, ITEMS_PER_OUTPUT[kind], planted)
         outputs.append((kind, items))
         cid = f"call_{s}"
-        messages.append({"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function", "function": call}]})
+        messages.append(
+            {"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function", "function": call}]}
+        )
         messages.append({"role": "tool", "tool_call_id": cid, "content": render(kind, items)})
     if hops == 1:  # the warm-up: the latest needle-free output's first item whose answer is not the gold one
-        asked = [ask(kind, item) for s, (kind, items) in reversed(list(enumerate(outputs))) if s not in needed for item in items]
+        asked = [
+            ask(kind, item)
+            for s, (kind, items) in reversed(list(enumerate(outputs)))
+            if s not in needed
+            for item in items
+        ]
         chain.insert(0, next(qa for qa in asked if qa[1] != answer))
     # the earlier questions as the agent takes them: asked, and answered (gold), before the last
     for q, a in chain[:-1]:

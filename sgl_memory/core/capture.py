@@ -35,7 +35,9 @@ class ExtendRows(NamedTuple):
 
     def row_positions(self) -> torch.Tensor:
         """The position of each row, on the host."""
-        return self.positions.cpu() if self.positions is not None else torch.arange(self.prefix, self.prefix + self.count)
+        return (
+            self.positions.cpu() if self.positions is not None else torch.arange(self.prefix, self.prefix + self.count)
+        )
 
 
 def extend_rows(forward_batch) -> list[ExtendRows]:

@@ -5,24 +5,11 @@ The tree (engine/radix_cache.py) builds one `Composition` from the config once i
 that the enabled mechanisms can run together at its tensor-parallel size and page size (`check`),
 and the engine asks the composition, never a mechanism by name and never a module-level registry.
 
-The rules, one per hook (Mechanism's docstrings say what each hook is):
-
-| hook | who is asked | how the answers combine |
-| --- | --- | --- |
-| `open`, `admit` | the mechanisms the request admits, by order; every `open` before the first `admit` | in turn; an abort stops the rest |
-| `before_prefill` | every mechanism, by order | the union of the requests held back |
-| `match_limit` | every mechanism | the least limit |
-| `branch_ids`, `branches` | every mechanism | at most one answers for a request (else an error) |
-| `on_checkpoint` | every mechanism, by order | every one runs; at most one returns a row edit (else an error) |
-| `on_release`, `on_drop`, `drain` | every mechanism, by order | in turn |
-| `subscriber` | once, at build | every subscriber is fed each prefill forward |
-| `dropper` | once, at build | a row is dropped when any dropper drops it and no other subscriber reads it |
-| `position_shift`, `step_reads`, `placed_kv` | the mechanisms that define the hook | at most one answers for a request (else an error) |
-| `export_session`, `import_session`, `describe_session` | every mechanism | each under its own name |
-
-"At most one" rules fail loudly: two mechanisms that both edit a row (or branch a path, or choose
-a decode step's reads) for one request do not compose, which is an error in the mechanisms, not in
-the request.
+Each method below applies one hook's rule: who is asked, in which order, and how their answers
+combine; docs/architecture.md ("How mechanisms compose") has them as one table, and
+tests/test_composition.py holds the code to it. "At most one" rules fail loudly: two mechanisms
+that both edit a row (or branch a path, or choose a decode step's reads) for one request do not
+compose, which is an error in the mechanisms, not in the request.
 """
 
 from __future__ import annotations
@@ -46,7 +33,9 @@ def only_one(answers: Iterable[tuple[str, Any]], what: str):
 
 def scale_refusals(cls: type[Mechanism]) -> tuple[str | None, str | None]:
     """Why the mechanism refuses a page size > 1 and a TP size > 1 (None: it serves it)."""
-    page = cls.page_refusal or ("it points single positions at the tree's sentinel slot" if cls.needs_sentinel else None)
+    page = cls.page_refusal or (
+        "it points single positions at the tree's sentinel slot" if cls.needs_sentinel else None
+    )
     return page, cls.tp_refusal
 
 
@@ -87,6 +76,8 @@ class Composition:
 
     def __init__(self, mechanisms: list[Mechanism]):
         self.mechanisms = sorted(mechanisms, key=lambda m: (m.order, m.name))
+        # asked once: every subscriber is fed each prefill forward; a row is dropped when a dropper
+        # drops it and no other subscriber reads it (engine/layers.py)
         self.subscribers = [s for m in self.mechanisms if (s := m.subscriber()) is not None]
         self.droppers = [d for m in self.mechanisms if (d := m.dropper()) is not None]
         # asked per forward and request: only the mechanisms that answer at all
@@ -103,6 +94,8 @@ class Composition:
     # --- a request's life ---------------------------------------------------------------------------
 
     def admit(self, scheduler, req, spec) -> None:
+        """The mechanisms the request admits, by order, every `open` before the first `admit`; an
+        abort stops the rest."""
         admitting = [m for m in self.mechanisms if spec.admits(m)]
         for m in admitting:
             m.open(scheduler, req, spec)
@@ -112,25 +105,32 @@ class Composition:
             m.admit(scheduler, req, spec)
 
     def before_prefill(self, scheduler, waiting: list, running: bool) -> list:
+        """Every mechanism, by order: the union of the requests they hold back."""
         return [req for m in self.mechanisms for req in m.before_prefill(scheduler, waiting, running)]
 
     def match_limit(self, req) -> int | None:
+        """The least of the mechanisms' limits (None: none sets one)."""
         limits = [n for m in self.mechanisms if (n := m.match_limit(req)) is not None]
         return min(limits) if limits else None
 
     def branch_ids(self, req) -> tuple[Mechanism, Any] | None:
         """The mechanism that branches the request's path and its branch-id function, or None."""
-        return only_one([(m.name, (m, ids)) for m in self.mechanisms if (ids := m.branch_ids(req)) is not None],
-                        "branches the request's path")  # fmt: skip
+        return only_one(
+            [(m.name, (m, ids)) for m in self.mechanisms if (ids := m.branch_ids(req)) is not None],
+            "branches the request's path",
+        )
 
     def branches(self, req):
+        """The one mechanism's branches of the request's path, () for a plain path."""
         return only_one(((m.name, m.branches(req)) for m in self.mechanisms), "branches the request's path") or ()
 
     def checkpoint(self, req, tree):
-        # every mechanism sees the checkpoint (KV memory copies the prompt off before intent prunes it)
+        """Every mechanism, by order (KV memory copies the prompt off before intent prunes it): the
+        one row edit made, or None."""
         return only_one([(m.name, m.on_checkpoint(req, tree)) for m in self.mechanisms], "edits the request's row")
 
     def release(self, req) -> None:
+        """Every mechanism, by order; so `drop` and `drain`."""
         for m in self.mechanisms:
             m.on_release(req)
 
@@ -144,8 +144,12 @@ class Composition:
 
     # --- inside the forward -------------------------------------------------------------------------
 
+    # at most one answers for a request; only the mechanisms that define the hook are asked
+
     def position_shift(self, rid: str) -> int:
-        return only_one(((m.name, m.position_shift(rid)) for m in self._shifting), "shifts the request's positions") or 0
+        return (
+            only_one(((m.name, m.position_shift(rid)) for m in self._shifting), "shifts the request's positions") or 0
+        )
 
     def step_reads(self, rid: str):
         return only_one(((m.name, m.step_reads(rid)) for m in self._reading), "chooses the request's decode reads")
@@ -162,6 +166,8 @@ class Composition:
         return bool(self._shifting)
 
     # --- sessions ------------------------------------------------------------------------------------
+
+    # each mechanism's state under its own name
 
     def export_session(self, key, skip: Mechanism | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Every mechanism's state of the session (but `skip`'s), its tensors named

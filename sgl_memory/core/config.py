@@ -71,22 +71,31 @@ class MemoryConfig:
             raise AttributeError(f"no mechanism registers config section {name!r}") from None
 
     def __eq__(self, other):
-        return isinstance(other, MemoryConfig) and (self.sections, self.plugins, self.sessions) == (other.sections, other.plugins, other.sessions)
+        return isinstance(other, MemoryConfig) and (self.sections, self.plugins, self.sessions) == (
+            other.sections,
+            other.plugins,
+            other.sessions,
+        )
 
     def __hash__(self):
         return hash((tuple(sorted(self.sections.items())), self.plugins, self.sessions))
 
     def __repr__(self):
-        return (f"MemoryConfig(plugins={self.plugins!r}, sessions={self.sessions!r}, "
-                f"{', '.join(f'{k}={v!r}' for k, v in self.sections.items())})")  # fmt: skip
+        return (
+            f"MemoryConfig(plugins={self.plugins!r}, sessions={self.sessions!r}, "
+            f"{', '.join(f'{k}={v!r}' for k, v in self.sections.items())})"
+        )
 
     def section(self, name: str):
         return self.sections[name]
 
     def as_dict(self) -> dict:
         """The config as YAML would spell it (GET /sgl_memory/info)."""
-        return {"plugins": list(self.plugins), "sessions": dataclasses.asdict(self.sessions),
-                **{name: dataclasses.asdict(s) for name, s in self.sections.items()}}  # fmt: skip
+        return {
+            "plugins": list(self.plugins),
+            "sessions": dataclasses.asdict(self.sessions),
+            **{name: dataclasses.asdict(s) for name, s in self.sections.items()},
+        }
 
 
 def choices(section: type, name: str) -> tuple[str, ...]:

@@ -9,8 +9,9 @@ metrics (`schema`, `observe`), its HTTP routes (`mount`) and what it does to req
 way in (`before_generate`, with the engine API of front.py), and what it does inside the forward
 (`subscriber`, `dropper`, `position_shift`, `step_reads`, `placed_kv`). The tree (radix_cache.py)
 builds the enabled ones into a `composition.Composition`, which calls them at the points of a
-request's life below and combines their answers by the rules written there. Per-request state
-lives in the mechanism or in a `slots.Slot` beside SGLang's request, never on it; no mechanism
+request's life below and combines their answers by the rules written there. What a mechanism
+sees of SGLang's request and scheduler is views.RequestView and views.SchedulerView. Per-request
+state lives in the mechanism or in a `slots.Slot` beside SGLang's request, never on it; no mechanism
 imports another, and a mechanism reaches another's answer only through the tree (kvhost.KVHost).
 
 Mechanisms are found by importing their modules: each package of sgl-memory that holds one names
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from sgl_memory.core.decode import StepReads
     from sgl_memory.core.reuse import ReusedKV
     from sgl_memory.core.rows import RowDropper
+    from sgl_memory.core.views import RequestView, SchedulerView
 
 REGISTRY: dict[str, type[Mechanism]] = {}
 
@@ -134,19 +136,19 @@ class Mechanism(ABC):
         ValueError for a server it cannot serve (its model, its attention backend); the TP and page
         sizes it cannot serve it declares instead (tp_refusal, page_refusal)."""
 
-    def open(self, scheduler, req, spec) -> None:
+    def open(self, scheduler: SchedulerView, req: RequestView, spec) -> None:
         """Before any mechanism admits the request (scheduler thread): bring its session into this
         server's memory. Persistence loads a session seen by an earlier server from its file and
         hands the other mechanisms their part (the tree's import_session), so that every admission,
         whatever its order, sees the session's state."""
 
-    def admit(self, scheduler, req, spec) -> None:
+    def admit(self, scheduler: SchedulerView, req: RequestView, spec) -> None:
         """Before the request is queued (scheduler thread), after the mechanisms of lower order.
         May rewrite `req.origin_input_ids` and `req.extra_key` (through `namespace`), keep its
         per-request state, put KV into the tree (tree_fill.place), or abort the request with a
         client error."""
 
-    def before_prefill(self, scheduler, waiting: list, running: bool) -> list:
+    def before_prefill(self, scheduler: SchedulerView, waiting: list[RequestView], running: bool) -> list:
         """Before the scheduler forms a prefill batch (scheduler thread), with its waiting queue in
         order and whether requests are running (they will give their KV slots back when they end):
         a mechanism may bring KV back for requests it deferred at admission. Returns the
@@ -155,30 +157,30 @@ class Mechanism(ABC):
         every hold when nothing can run)."""
         return []
 
-    def match_limit(self, req) -> int | None:
+    def match_limit(self, req: RequestView) -> int | None:
         """The most of the request's first tokens the tree may give it from the cache (None: this
         mechanism sets no limit). A mechanism that reads rows as the prefill computes them (a
         scorer's query rows, a probe's) needs them prefilled by the request itself."""
         return None
 
-    def branch_ids(self, req) -> Any:
+    def branch_ids(self, req: RequestView) -> Any:
         """Where this request's path may leave the shared tree (tree_fill.py, branches): a function
         from the request's token ids (an int64 array) to the key id each would take at a branch of
         its own, or None for a plain path. The tree finds the branches on the path and reports them
         with `on_match`."""
         return None
 
-    def on_match(self, req, branches) -> None:
+    def on_match(self, req: RequestView, branches) -> None:
         """The branches (kvhost.Branches) the tree matched on the request's path, for a request
         whose `branch_ids` is not None."""
 
-    def branches(self, req):
+    def branches(self, req: RequestView):
         """Where the request's key in the tree takes branch ids instead of its tokens
         (kvhost.Branches; () for a plain path): the tree inserts its row under that key. At most one
         mechanism branches a given request's path (the tree raises if two do)."""
         return ()
 
-    def on_checkpoint(self, req, tree) -> RowEdit | None:
+    def on_checkpoint(self, req: RequestView, tree) -> RowEdit | None:
         """At the end of the request's prefill, before its row is inserted into the tree. Returns the
         RowEdit it made (edits are made in place, through the tree's `row(req)`) or None when it left
         the row as it is. Every mechanism is
@@ -186,11 +188,11 @@ class Mechanism(ABC):
         do: their edits would not compose)."""
         return None
 
-    def on_release(self, req) -> None:
+    def on_release(self, req: RequestView) -> None:
         """After the tree released the request (scheduler thread): attach its metrics, copy out what
         it keeps (tree_fill.copy_path) and queue the rest of the work for its worker."""
 
-    def on_drop(self, req) -> None:
+    def on_drop(self, req: RequestView) -> None:
         """The request was aborted before it held a KV row (in the waiting queue, or refused by
         SGLang after admission): the tree never releases it, so `on_release` does not run. Drop
         the per-request state `admit` kept outside the req."""
@@ -217,7 +219,7 @@ class Mechanism(ABC):
         position. Asked once per decode forward and request: keep it a lookup."""
         return None
 
-    def placed_kv(self, req) -> ReusedKV | None:
+    def placed_kv(self, req: RequestView) -> ReusedKV | None:
         """The KV this mechanism placed among the request's new tokens for a repair (reuse.py), which
         the repairing mechanism asks the tree for (KVHost.placed_kv); None: none."""
         return None
@@ -261,7 +263,9 @@ def register(name: str):
         taken = {f: m.name for m in REGISTRY.values() if m.name != name for f in m.fields}
         clash = sorted(set(cls.fields) & set(taken))
         if clash:
-            raise ValueError(f"mechanism {name!r}: request field key(s) {clash} belong to {sorted({taken[f] for f in clash})}")
+            raise ValueError(
+                f"mechanism {name!r}: request field key(s) {clash} belong to {sorted({taken[f] for f in clash})}"
+            )
         cls.name = name
         REGISTRY[name] = cls
         return cls

@@ -35,7 +35,13 @@ class Series:
     `labels(...)` selects a labelled child as prometheus_client does."""
 
     def __init__(self, kind: str, name: str, doc: str, labels=(), **options):
-        self.kind, self.name, self.doc, self.label_names, self.options = kind, PREFIX + name, doc, tuple(labels), options
+        self.kind, self.name, self.doc, self.label_names, self.options = (
+            kind,
+            PREFIX + name,
+            doc,
+            tuple(labels),
+            options,
+        )
         self._made = None
         if self.name in DECLARED:
             raise ValueError(f"Prometheus series {self.name} is declared twice")
@@ -47,8 +53,11 @@ class Series:
 
             with _lock:
                 if self._made is None:
-                    make = {"counter": prometheus_client.Counter, "histogram": prometheus_client.Histogram,
-                            "gauge": prometheus_client.Gauge}[self.kind]  # fmt: skip
+                    make = {
+                        "counter": prometheus_client.Counter,
+                        "histogram": prometheus_client.Histogram,
+                        "gauge": prometheus_client.Gauge,
+                    }[self.kind]
                     self._made = make(self.name, self.doc, self.label_names, **self.options)
         return self._made
 
@@ -97,7 +106,9 @@ def gauge(name: str, doc: str) -> Series:
 REQUESTS = counter("requests", "Requests that carried a mechanism's metrics", ["mechanism"])
 PROMPT_TOKENS = counter("prompt_tokens", "Prompt tokens of those requests", ["mechanism"])
 CACHED_TOKENS = counter("cached_tokens", "Prompt tokens that were radix prefix hits", ["mechanism"])
-REFUSALS = counter("refusals", "A mechanism declined to act and the request was served without it", ["mechanism", "reason"])
+REFUSALS = counter(
+    "refusals", "A mechanism declined to act and the request was served without it", ["mechanism", "reason"]
+)
 BAD_REQUESTS = counter("bad_requests", "Requests refused by sgl-memory's validation: field, json, size", ["reason"])
 
 

@@ -54,12 +54,17 @@ class RequestPart:
         session's history: a text-level match against the session's stored path does not apply."""
         return False
 
-
     def over(self, base):
         """`base` (the mechanism's config section, a dataclass) with this part's fields of the same
         names that are set (not None): a request's overrides of the server's settings."""
-        return dataclasses.replace(base, **{f.name: v for f in dataclasses.fields(self)
-                                            if (v := getattr(self, f.name)) is not None and hasattr(base, f.name)})  # fmt: skip
+        return dataclasses.replace(
+            base,
+            **{
+                f.name: v
+                for f in dataclasses.fields(self)
+                if (v := getattr(self, f.name)) is not None and hasattr(base, f.name)
+            },
+        )
 
 
 COMMON = ("session_id", "tenant", "readonly")  # the keys no mechanism owns

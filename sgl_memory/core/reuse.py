@@ -34,4 +34,3 @@ class ReusedKV:
     def segment_of_token(self) -> torch.Tensor:
         """[M] the segment index of each placed token."""
         return torch.repeat_interleave(torch.arange(len(self.segments)), torch.tensor(self.segments))
-

@@ -50,7 +50,9 @@ class RoleMarkers:
         roles = {r: tuple(tokenizer.encode(r, add_special_tokens=False)) for r in ("system", "assistant", *QUERY_ROLES)}
         # Qwen's tool results are user messages that open with it after the role's line end; its
         # ">" may merge with the next newline, or the whole tag be one added token
-        tool = tuple(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in ("\n<tool_response>", "\n<tool_response"))
+        tool = tuple(
+            tuple(tokenizer.encode(t, add_special_tokens=False)) for t in ("\n<tool_response>", "\n<tool_response")
+        )
         return cls(opener, roles, tool)
 
     def role_at(self, token_ids, pos: int) -> str | None:
@@ -69,7 +71,9 @@ class RoleMarkers:
             if t == self.opener:
                 role = self.role_at(token_ids, i)
                 at = i + 1 + len(self.roles.get("user", ()))
-                if role == "user" and any(tuple(token_ids[at : at + len(tag)]) == tag for tag in self.tool_result if tag):
+                if role == "user" and any(
+                    tuple(token_ids[at : at + len(tag)]) == tag for tag in self.tool_result if tag
+                ):
                     role = "tool"
                 out.append((i, role))
         return out

@@ -35,6 +35,7 @@ import torch
 from sgl_memory.core.kvhost import Branches, KVHost
 from sgl_memory.core.slots import Slot
 
+
 def with_branches(token_ids, branches: Branches):
     """The key ids of a path with these branches (those beyond its end left out): a
     copy of the same sequence type, which the tree's key comparison requires, or `token_ids` itself

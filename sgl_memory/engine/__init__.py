@@ -1,1 +1,2 @@
-"""The engine: the one part of sgl-memory that touches SGLang internals (see the layer table in docs/architecture.md)."""
+"""The engine: the one part of sgl-memory that touches SGLang internals (see the layer table in
+docs/architecture.md)."""

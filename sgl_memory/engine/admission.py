@@ -84,7 +84,9 @@ def prefill_hook(original, scheduler, running_batch, *args, **kwargs):
     if CHECK_EVERY_STEP and not getattr(tree, "disable", True) and hasattr(tree, "check_integrity"):
         problems = tree.check_integrity(row_owners(scheduler))
         if problems:
-            raise RuntimeError(f"{CHECK_INTEGRITY_ENV}: the tree's integrity failed before a batch: {'; '.join(problems)}")
+            raise RuntimeError(
+                f"{CHECK_INTEGRITY_ENV}: the tree's integrity failed before a batch: {'; '.join(problems)}"
+            )
     if not getattr(tree, "mechanisms", None):
         return original(scheduler, running_batch, *args, **kwargs)
     # the batch that runs now (the last prefill merged in), not scheduler.running_batch, which lags it

@@ -91,10 +91,18 @@ class TokenizerEngine:
         rid = f"sgl-memory-pass-{uuid.uuid4().hex}"
         if like is not None:
             src = like.obj
-            obj = GenerateReqInput(text=src.text, input_ids=src.input_ids, lora_path=src.lora_path, extra_key=src.extra_key,
-                                   sampling_params=_with_field(src.sampling_params, raw, max_new_tokens=0, n=1), rid=rid)  # fmt: skip
+            obj = GenerateReqInput(
+                text=src.text,
+                input_ids=src.input_ids,
+                lora_path=src.lora_path,
+                extra_key=src.extra_key,
+                sampling_params=_with_field(src.sampling_params, raw, max_new_tokens=0, n=1),
+                rid=rid,
+            )
         else:
-            obj = GenerateReqInput(input_ids=input_ids, sampling_params=_with_field(None, raw, max_new_tokens=0), rid=rid)
+            obj = GenerateReqInput(
+                input_ids=input_ids, sampling_params=_with_field(None, raw, max_new_tokens=0), rid=rid
+            )
         token = _OWN_PASS.set(True)
         try:
             out = None
@@ -115,4 +123,3 @@ async def generate_hook(original, manager, obj, request=None):
             await cls.before_generate(incoming, engine)
     async for out in original(manager, obj, request):
         yield out
-

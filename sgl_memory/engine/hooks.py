@@ -53,7 +53,8 @@ def meta_info_hook(original, manager, meta_info, state, customized_info, index, 
         reported = ours[index][-1]
         meta_info[FIELD] = reported
         if str(meta_info.get("id", "")).startswith(HEALTH_CHECK_RID_PREFIX):
-            return  # SGLang's /health generates one token: a probe (a router's, a load balancer's), not a request served
+            # SGLang's /health generates one token: a probe (a router's, a load balancer's), not a request served
+            return
         metrics.STATS.record(meta_info.get("id"), reported, meta_info)
         prometheus.record_request(reported, meta_info)
 

@@ -56,9 +56,16 @@ def mount(server_args, *args, **kwargs):
     config = from_env()
     prometheus.enable(server_args)
     choice = cpu_dtype.announced()
-    dtype = dataclasses.asdict(choice) if choice else {
-        "dtype": server_args.dtype, "kv_cache_dtype": server_args.kv_cache_dtype, "source": "sglang",
-        "reason": "not chosen by sgl_memory.launch_server (a GPU server, or SGLang's own launcher)"}  # fmt: skip
+    dtype = (
+        dataclasses.asdict(choice)
+        if choice
+        else {
+            "dtype": server_args.dtype,
+            "kv_cache_dtype": server_args.kv_cache_dtype,
+            "source": "sglang",
+            "reason": "not chosen by sgl_memory.launch_server (a GPU server, or SGLang's own launcher)",
+        }
+    )
 
     @app.get("/sgl_memory/info")
     async def sgl_memory_info():
@@ -92,6 +99,7 @@ def mount(server_args, *args, **kwargs):
         states = await engine.manager.get_internal_state()
         problems = [p for state in states or () for p in state.get(INTEGRITY_KEY, [])]
         return {"whole": not problems, "problems": problems}
+
     for cls in mechanism.ordered():
         cls.mount(app, config, engine)
     app.add_middleware(MemoryFieldMiddleware, config=config)
@@ -114,14 +122,23 @@ def with_headers(raw, headers: list[tuple[bytes, bytes]], sources: SessionSource
     field = dict(raw or {})
     if session is not None:
         if not sources.session_header:
-            raise SpecError(f"header {SESSION_HEADER}: sessions named by a header are off on this server (sessions.session_header: false)")
+            raise SpecError(
+                f"header {SESSION_HEADER}: sessions named by a header are off on this server "
+                "(sessions.session_header: false)"
+            )
         field.setdefault("session_id", check_id(session, "session_id", f"header {SESSION_HEADER}"))
     if tenant is not None:
         if not sources.tenant_header:
-            raise SpecError(f"header {TENANT_HEADER}: tenants named by a header are off on this server (sessions.tenant_header: false)")
+            raise SpecError(
+                f"header {TENANT_HEADER}: tenants named by a header are off on this server "
+                "(sessions.tenant_header: false)"
+            )
         check_id(tenant, "tenant", f"header {TENANT_HEADER}")
         if field.get("tenant", tenant) != tenant:
-            raise SpecError(f"{FIELD}.tenant {field['tenant']!r} differs from header {TENANT_HEADER} {tenant!r}, which names the tenant here")
+            raise SpecError(
+                f"{FIELD}.tenant {field['tenant']!r} differs from header {TENANT_HEADER} {tenant!r}, "
+                "which names the tenant here"
+            )
         field["tenant"] = tenant
     return field
 
@@ -151,7 +168,9 @@ def with_chain(raw, body: dict):
 MAX_PAGE = 1000  # sessions per page of GET /sgl_memory/sessions
 
 
-def session_page(query: dict[str, str], headers: list[tuple[bytes, bytes]], sources: SessionSources) -> tuple[str | None, int, int]:
+def session_page(
+    query: dict[str, str], headers: list[tuple[bytes, bytes]], sources: SessionSources
+) -> tuple[str | None, int, int]:
     """GET /sgl_memory/sessions' query: (tenant, offset, limit). A caller whose gateway names its
     tenant (x-tenant-id, where allowed) sees that tenant's sessions only: asking for another's is a
     PermissionError (403). Bad parameters: SpecError (400) naming the parameter."""
@@ -172,7 +191,9 @@ def _count(query: dict[str, str], name: str, default: int, low: int, high: int |
     if raw is None:
         return default
     if not raw.isdigit() or int(raw) < low or (high is not None and int(raw) > high):
-        raise SpecError(f"query parameter {name} must be an integer from {low}{f' to {high}' if high else ' up'}, got {raw!r}")
+        raise SpecError(
+            f"query parameter {name} must be an integer from {low}{f' to {high}' if high else ' up'}, got {raw!r}"
+        )
     return int(raw)
 
 
@@ -254,8 +275,11 @@ class MemoryFieldMiddleware:
             except SpecError as exc:
                 prometheus.BAD_REQUESTS.labels("field").inc()
                 return await _send_error(send, 400, str(exc))
-        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"]
-                     + [(b"content-length", str(len(body)).encode())])  # fmt: skip
+        scope = dict(
+            scope,
+            headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"]
+            + [(b"content-length", str(len(body)).encode())],
+        )
         request = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
         await self.app(scope, request, _with_metrics(send) if path in OPENAI else send)
 
@@ -330,7 +354,7 @@ class MetricsChunk:
         for event in events:
             if event.startswith(b"data: {") and self.head is None:
                 try:
-                    first = json.loads(event[len(b"data: "):])
+                    first = json.loads(event[len(b"data: ") :])
                     self.head = {k: first.get(k) for k in ("id", "object", "created", "model")}
                 except (ValueError, RecursionError):
                     pass
@@ -421,6 +445,11 @@ async def _send_error(send, status: int, message: str) -> None:
 
 async def _send_json(send, status: int, payload: dict) -> None:
     body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

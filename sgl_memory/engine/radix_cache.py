@@ -57,7 +57,9 @@ COUNTED: Slot[bool] = Slot("counted")
 NEXT_USE: Slot[Callable[[float], float]] = Slot("next use")
 
 BACKEND_NAME = "sgl_memory"
-HELD_TOKENS = prometheus.gauge("held_tokens", "KV tokens held in the tree for requests waiting to run (restored or matched)")
+HELD_TOKENS = prometheus.gauge(
+    "held_tokens", "KV tokens held in the tree for requests waiting to run (restored or matched)"
+)
 
 
 class SentinelSafeAllocator:
@@ -191,7 +193,9 @@ class SglMemoryRadixCache(RadixCache):
         limit = self.composition.match_limit(params.req) if params.req is not None else None
         if limit is not None:
             limit = limit if key.limit is None else min(key.limit, limit)
-            key = RadixKey(key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit, cache_salt=key.cache_salt)
+            key = RadixKey(
+                key.token_ids, key.extra_key, is_bigram=key.is_bigram, limit=limit, cache_salt=key.cache_salt
+            )
             params = dataclasses.replace(params, key=key)
         owner = self.composition.branch_ids(params.req) if params.req is not None and not self.disable else None
         if owner is None:
@@ -242,7 +246,9 @@ class SglMemoryRadixCache(RadixCache):
         branches = self.branches(req)
         if not branches:
             return False
-        key = RadixKey(with_branches(req.full_untruncated_fill_ids[:up_to], branches), req.extra_key, cache_salt=req.cache_salt)
+        key = RadixKey(
+            with_branches(req.full_untruncated_fill_ids[:up_to], branches), req.extra_key, cache_salt=req.cache_salt
+        )
         held = RadixCache.match_prefix(self, MatchPrefixParams(key=key)).last_device_node
         tree = self.path_device_indices(held)
         start = req.kv.cache_protected_len
@@ -396,14 +402,21 @@ class SglMemoryRadixCache(RadixCache):
         free_pages = self.token_to_kv_pool_allocator.get_all_free_pages()
         free = cat([] if free_pages is None else [free_pages])
         once("the free list", free)
-        held = {"the tree": tree // page, "running requests": own // page, "reservations": reserved // page, "the free list": free}
+        held = {
+            "the tree": tree // page,
+            "running requests": own // page,
+            "reservations": reserved // page,
+            "the free list": free,
+        }
         names = list(held)
         for i, a in enumerate(names):
             for b in names[i + 1 :]:
                 both = torch.isin(torch.unique(held[a]), held[b]).sum()
                 if both:
                     problems.append(f"{int(both)} page(s) held by both {a} and {b}")
-        owned = torch.unique(torch.cat([*held.values(), empty if sentinel is None else torch.tensor([sentinel // page])]))
+        owned = torch.unique(
+            torch.cat([*held.values(), empty if sentinel is None else torch.tensor([sentinel // page])])
+        )
         pages = self.token_to_kv_pool_allocator.size // page  # pages 1..pages: page 0 is SGLang's padding
         lost = pages - int(((owned >= 1) & (owned <= pages)).sum())
         if lost:
@@ -423,8 +436,10 @@ class SglMemoryRadixCache(RadixCache):
                 protected, dead_protected = protected + n, dead_protected + dead
         counted = (self.evictable_size_, self.protected_size_, self._dead_evictable, self._dead_protected)
         if counted != (evictable, protected, dead_evictable, dead_protected):
-            problems.append(f"the tree counts (evictable, protected, their sentinel entries) {counted}, its nodes hold "
-                            f"{(evictable, protected, dead_evictable, dead_protected)}")  # fmt: skip
+            problems.append(
+                f"the tree counts (evictable, protected, their sentinel entries) {counted}, its nodes hold "
+                f"{(evictable, protected, dead_evictable, dead_protected)}"
+            )
         return problems
 
     # --- the KV host (kvhost.py): what the mechanisms may ask of the tree -------------------------
@@ -615,8 +630,10 @@ def check_pool_size(allocator, server_args) -> None:
     from the cause."""
     asked = getattr(server_args, "max_total_tokens", None)
     if asked and allocator.size < asked - (allocator.page_size - 1):
-        raise PoolTooSmall(f"the KV pool holds {allocator.size} tokens, fewer than --max-total-tokens {asked}: not enough "
-                           "memory was free when the pool was sized; free memory, or ask for fewer tokens")  # fmt: skip
+        raise PoolTooSmall(
+            f"the KV pool holds {allocator.size} tokens, fewer than --max-total-tokens {asked}: not enough "
+            "memory was free when the pool was sized; free memory, or ask for fewer tokens"
+        )
 
 
 def build(ctx) -> SglMemoryRadixCache:

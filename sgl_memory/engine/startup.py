@@ -27,8 +27,11 @@ from sgl_memory.core.config import CONFIG_ENV, PLAIN_ENV, from_env
 logger = logging.getLogger("sgl_memory")
 
 READY_TIMEOUT_S = 120.0  # as SGLang's warm-up waits for the server
-IMPORT_ERROR_LOGGERS = ("sglang.srt.models.registry", "sglang.srt.managers.multimodal_processor",
-                        "sglang.srt.dllm.algorithm")  # fmt: skip
+IMPORT_ERROR_LOGGERS = (
+    "sglang.srt.models.registry",
+    "sglang.srt.managers.multimodal_processor",
+    "sglang.srt.dllm.algorithm",
+)
 IMPORT_ERROR = "Ignore import error when loading"
 
 
@@ -74,7 +77,9 @@ def _wait_until_up(server_args) -> bool:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
-            if requests.get(server_args.url() + "/model_info", timeout=5, headers=headers, verify=ssl_verify_of(server_args)).ok:
+            if requests.get(
+                server_args.url() + "/model_info", timeout=5, headers=headers, verify=ssl_verify_of(server_args)
+            ).ok:
                 return True
         except requests.RequestException:
             pass

@@ -51,9 +51,15 @@ def backbone_spec(hf_config) -> dict:
     """What a head's weights depend on: the features are this backbone's keys and queries."""
     text = getattr(hf_config, "text_config", None) or hf_config
     heads = text.num_attention_heads
-    return {"model_type": text.model_type, "num_hidden_layers": text.num_hidden_layers, "num_attention_heads": heads,
-            "num_key_value_heads": getattr(text, "num_key_value_heads", heads), "hidden_size": text.hidden_size,
-            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads, "vocab_size": text.vocab_size}  # fmt: skip
+    return {
+        "model_type": text.model_type,
+        "num_hidden_layers": text.num_hidden_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", heads),
+        "hidden_size": text.hidden_size,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "vocab_size": text.vocab_size,
+    }
 
 
 class HeadError(ValueError):
@@ -77,7 +83,9 @@ class PrunerHead(nn.Module):
         nn.init.zeros_(self.out.bias)
         self.gain = nn.Parameter(torch.tensor(1.0))
 
-    def residual(self, keys: torch.Tensor, memory: torch.Tensor, context: torch.Tensor | None, ablation: str = "none") -> torch.Tensor:
+    def residual(
+        self, keys: torch.Tensor, memory: torch.Tensor, context: torch.Tensor | None, ablation: str = "none"
+    ) -> torch.Tensor:
         """g([f ; c]) [n] for candidate keys [n, D] (mean over layers and heads), the memory [D]
         (the same mean) and the query positions' keys [m, D] (None or empty: no cross-attention)."""
         m = self.memory_proj(memory.float())
@@ -93,8 +101,14 @@ class PrunerHead(nn.Module):
     def clipped_gain(self) -> torch.Tensor:
         return self.gain.clamp(-self.shape.gain_clip, self.shape.gain_clip)
 
-    def score(self, rule: torch.Tensor, keys: torch.Tensor, memory: torch.Tensor, context: torch.Tensor | None,
-              ablation: str = "none") -> torch.Tensor:
+    def score(
+        self,
+        rule: torch.Tensor,
+        keys: torch.Tensor,
+        memory: torch.Tensor,
+        context: torch.Tensor | None,
+        ablation: str = "none",
+    ) -> torch.Tensor:
         """Eq. 4 [n] float64: the rule share `rule` [n] (already computed with the ablation's memory)
         and the residual."""
         prior = torch.log(rule.double() * rule.numel() + EPS)
@@ -124,7 +138,11 @@ class PrunerHead(nn.Module):
         except (OSError, KeyError, ValueError, TypeError, SafetensorError) as exc:
             raise HeadError(f"{path} is not a pruner head file ({exc})") from None
         if spec is not None and trained_for != spec:
-            diff = {k: (trained_for.get(k), spec.get(k)) for k in sorted(set(trained_for) | set(spec)) if trained_for.get(k) != spec.get(k)}
+            diff = {
+                k: (trained_for.get(k), spec.get(k))
+                for k in sorted(set(trained_for) | set(spec))
+                if trained_for.get(k) != spec.get(k)
+            }
             raise HeadError(f"{path} was trained for another backbone: (head, served) {diff}")
         head = cls(shape)
         try:

@@ -44,9 +44,17 @@ def apply_dead_slot(row: torch.Tensor, kept: torch.Tensor, length: int, protecte
 
 
 def apply_compact(
-    row: torch.Tensor, kept: torch.Tensor, length: int, protected: int, sentinel: int,
-    alloc, free, k_buffers, v_buffers, rope: Rope,
-) -> RowEdit | None:  # fmt: skip
+    row: torch.Tensor,
+    kept: torch.Tensor,
+    length: int,
+    protected: int,
+    sentinel: int,
+    alloc,
+    free,
+    k_buffers,
+    v_buffers,
+    rope: Rope,
+) -> RowEdit | None:
     """Re-pack the kept rows into fresh slots at positions 0..K-1. None when the pool is full."""
     k = kept.numel()
     fresh = alloc(k)

@@ -39,7 +39,9 @@ def namespace(session_key: tuple[str, str], scorer: str, budget: int | str, layo
     """A 63-bit hash that names a session (tenant, id) and its pruning (`budget`: the total budget,
     or "history:N" for a history budget of N)."""
     tenant, session = session_key
-    digest = hashlib.blake2b(f"{tenant}\x00{session}\x00{scorer}\x00{budget}\x00{layout}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(
+        f"{tenant}\x00{session}\x00{scorer}\x00{budget}\x00{layout}".encode(), digest_size=8
+    ).digest()
     return int.from_bytes(digest, "little") >> 1
 
 

@@ -31,7 +31,13 @@ from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.core.spans import RoleMarkers, Spans, find_spans
 
 logger = logging.getLogger(__name__)
-ADAPTIVE_SCORERS = ("memory", "memory_pool", "query", "learned")  # their scores, normalised, are a mass over the candidates
+ADAPTIVE_SCORERS = (
+    "memory",
+    "memory_pool",
+    "query",
+    "learned",
+)  # their scores, normalised, are a mass over the candidates
+
 
 @dataclass
 class RequestIntent:
@@ -80,8 +86,18 @@ class IntentPruner(mechanism.Mechanism):
     fields = section.FIELDS
     parse_request = staticmethod(section.parse_request)
     schema = mechanism.MetricsSchema(
-        marker="compression_events", maxed=("peak_request_tokens",), counted=("session_key_source",),
-        summed=("peak_request_tokens", "live_kv_tokens", "raw_kv_reads", "eff_kv_reads", "compression_events", "scoring_ms"))  # fmt: skip
+        marker="compression_events",
+        maxed=("peak_request_tokens",),
+        counted=("session_key_source",),
+        summed=(
+            "peak_request_tokens",
+            "live_kv_tokens",
+            "raw_kv_reads",
+            "eff_kv_reads",
+            "compression_events",
+            "scoring_ms",
+        ),
+    )
     needs_sentinel = True
     # at TP > 1 its scores are combined over the ranks (scorers.py): every rank prunes the same
     # positions (tests/test_tp_scores.py, tests/test_tp_server.py)
@@ -115,8 +131,10 @@ class IntentPruner(mechanism.Mechanism):
         spec = backbone_spec(ctx.model_config.hf_config) if ctx is not None else None
         head = find_head(config.head, spec)
         if head is None and config.scorer == "learned":
-            raise ValueError("intent.scorer learned needs a head: set intent.head to a head file (scripts/train_pruner.py "
-                             "writes one); no head ships for the served model")  # fmt: skip
+            raise ValueError(
+                "intent.scorer learned needs a head: set intent.head to a head file (scripts/train_pruner.py "
+                "writes one); no head ships for the served model"
+            )
         return cls(config, tree, head)
 
     def subscriber(self) -> IntentPruner:
@@ -213,25 +231,39 @@ class IntentPruner(mechanism.Mechanism):
         key, source = None, None
         if enabled:
             key, source = resolve_key(
-                spec.session_id, spec.tenant, getattr(req, "session_id", None), tokens,
-                spans.session_span, cfg.session_prefix_tokens, req.rid,
-            )  # fmt: skip
+                spec.session_id,
+                spec.tenant,
+                getattr(req, "session_id", None),
+                tokens,
+                spans.session_span,
+                cfg.session_prefix_tokens,
+                req.rid,
+            )
         budget, reason = cfg.budget, None
         if cfg.budget_mode == "adaptive" and enabled:
             if cfg.scorer not in ADAPTIVE_SCORERS:
-                raise SpecError(f"{FIELD}.budget_mode adaptive follows a scorer's attention mass: use scorer "
-                                f"{', '.join(ADAPTIVE_SCORERS)}, not {cfg.scorer!r}")  # fmt: skip
+                raise SpecError(
+                    f"{FIELD}.budget_mode adaptive follows a scorer's attention mass: use scorer "
+                    f"{', '.join(ADAPTIVE_SCORERS)}, not {cfg.scorer!r}"
+                )
             budget = self._adaptive(key, cfg).current + forced
         elif cfg.budget_mode == "history":
             budget = cfg.budget + forced
         elif enabled and budget < forced:
             parts = f"(system prefix {spans.system_end} + actionable query span {len(tokens) - spans.query_start})"
             if asked.budget is not None:  # the client asked for what cannot be kept: say so
-                raise SpecError(f"{FIELD}.budget {budget} is smaller than this request's forced set of {forced} "
-                                f"tokens {parts}; use a budget >= {forced}, budget_mode history or system_prompt compressible")  # fmt: skip
+                raise SpecError(
+                    f"{FIELD}.budget {budget} is smaller than this request's forced set of {forced} "
+                    f"tokens {parts}; use a budget >= {forced}, budget_mode history or system_prompt compressible"
+                )
             # the server's default cannot refuse a client that asked for nothing: prune as far as it can
-            budget, reason = forced, (f"intent.budget {cfg.budget} is smaller than this request's forced set of "
-                                      f"{forced} tokens {parts}: only the forced set is kept")  # fmt: skip
+            budget, reason = (
+                forced,
+                (
+                    f"intent.budget {cfg.budget} is smaller than this request's forced set of "
+                    f"{forced} tokens {parts}: only the forced set is kept"
+                ),
+            )
         # the pruning rule names the branch: in history mode the applied budget moves with each
         # turn's forced set, in adaptive mode with the session too, and the session's next turn
         # must still find this one's path
@@ -244,9 +276,20 @@ class IntentPruner(mechanism.Mechanism):
         # an ablation of the learned head keeps another set, so it prunes on a branch of its own
         scorer = cfg.scorer if cfg.scorer != "learned" or cfg.ablation == "none" else f"{cfg.scorer}/{cfg.ablation}"
         ns = namespace(key, scorer, rule, cfg.layout) if enabled else 0
-        return RequestIntent(enabled, budget, cfg.scorer, cfg.layout, spans, len(tokens), key, source, budget_reason=reason,
-                             namespace=ns, ablation=cfg.ablation,
-                             adaptive=cfg if cfg.budget_mode == "adaptive" and enabled else None)  # fmt: skip
+        return RequestIntent(
+            enabled,
+            budget,
+            cfg.scorer,
+            cfg.layout,
+            spans,
+            len(tokens),
+            key,
+            source,
+            budget_reason=reason,
+            namespace=ns,
+            ablation=cfg.ablation,
+            adaptive=cfg if cfg.budget_mode == "adaptive" and enabled else None,
+        )
 
     def _adaptive(self, key, cfg: IntentConfig) -> AdaptiveBudget:
         """The session's adaptive budget, made at its first request from the configured budget."""
@@ -322,11 +365,21 @@ class IntentPruner(mechanism.Mechanism):
 
         query_slots = slots[positions[live & (positions >= state.spans.query_start)]]
         inputs = scorers.ScoringInputs(
-            layer_keys=keys_of(cand_slots), positions=candidates, q_mean=q_mean, q_window=q_window,
-            memory=memory, keep=keep, seed=self._seed(state, length), sinks=self.config.sinks,
-            kernel=self.config.kernel, query_keys=keys_of(query_slots), head=self.head, ablation=state.ablation,
-            features={} if self.config.trace_dir and state.scorer == "learned" else None, reduce=tree.reduce_heads,
-        )  # fmt: skip
+            layer_keys=keys_of(cand_slots),
+            positions=candidates,
+            q_mean=q_mean,
+            q_window=q_window,
+            memory=memory,
+            keep=keep,
+            seed=self._seed(state, length),
+            sinks=self.config.sinks,
+            kernel=self.config.kernel,
+            query_keys=keys_of(query_slots),
+            head=self.head,
+            ablation=state.ablation,
+            features={} if self.config.trace_dir and state.scorer == "learned" else None,
+            reduce=tree.reduce_heads,
+        )
         scores = scorer.score(inputs)
         picked = scorers.select(scores, keep)
         chosen = candidates[picked]
@@ -350,22 +403,36 @@ class IntentPruner(mechanism.Mechanism):
         tenant, session = state.session_key or ("", "")
         return zlib.crc32(f"{tenant}\x00{session}\x00{length}".encode())
 
-    def _follow(self, state: RequestIntent, scores: torch.Tensor, picked: torch.Tensor, chosen: torch.Tensor, length: int) -> None:
+    def _follow(
+        self, state: RequestIntent, scores: torch.Tensor, picked: torch.Tensor, chosen: torch.Tensor, length: int
+    ) -> None:
         """budget_mode adaptive: the scorer's mass left out (a distribution over the candidates: the
         rule's shares, or the learned score's softmax, its log-space form) moves the session's budget."""
         scores = scores.double()
-        mass = torch.softmax(scores, 0) if state.scorer == "learned" else scores.clamp_min(0) / scores.clamp_min(0).sum().clamp_min(1e-30)
+        mass = (
+            torch.softmax(scores, 0)
+            if state.scorer == "learned"
+            else scores.clamp_min(0) / scores.clamp_min(0).sum().clamp_min(1e-30)
+        )
         mass_out = max(0.0, 1.0 - float(mass[picked].sum()))
         budget = self._adaptive(state.session_key, state.adaptive)
         overlap = budget.after_event(mass_out, chosen, length, state.adaptive)
-        state.adaptive_metrics = {"mass_beyond_budget": round(mass_out, 6), "kept_overlap": None if overlap is None else round(overlap, 6),
-                                  "next_budget": budget.current}  # fmt: skip
+        state.adaptive_metrics = {
+            "mass_beyond_budget": round(mass_out, 6),
+            "kept_overlap": None if overlap is None else round(overlap, 6),
+            "next_budget": budget.current,
+        }
 
     def _trace(self, req, state: RequestIntent, candidates: torch.Tensor, keep: int, features: dict) -> None:
         """The learned head's inputs at this event, with what labels them later (the prompt's tokens,
         its forced spans, its session and turn): training rows read exactly what inference reads."""
-        tensors = dict(features, tokens=torch.tensor(list(req.origin_input_ids), dtype=torch.int64), positions=candidates,
-                       spans=torch.tensor([state.spans.system_end, state.spans.query_start]), keep=torch.tensor([keep]))  # fmt: skip
+        tensors = dict(
+            features,
+            tokens=torch.tensor(list(req.origin_input_ids), dtype=torch.int64),
+            positions=candidates,
+            spans=torch.tensor([state.spans.system_end, state.spans.query_start]),
+            keep=torch.tensor([keep]),
+        )
         tenant, session = state.session_key or ("", "")
         meta = {"tenant": tenant, "session": session, "turn": str(state.memory_turns), "rid": str(req.rid)}
         capture.write_trace(self.config.trace_dir, req.rid, tensors, meta)
@@ -378,10 +445,17 @@ class IntentPruner(mechanism.Mechanism):
         if state.layout == "dead_slot":
             return self._apply_dead_slot(req, tree, row, kept, live, protected)
         edit = apply_compact(
-            row, kept, length, protected, tree.sentinel, tree.alloc_slots, tree.free_real,
+            row,
+            kept,
+            length,
+            protected,
+            tree.sentinel,
+            tree.alloc_slots,
+            tree.free_real,
             [pool.get_key_buffer(i) for i in range(pool.layer_num)],
-            [pool.get_value_buffer(i) for i in range(pool.layer_num)], self.rope,
-        )  # fmt: skip
+            [pool.get_value_buffer(i) for i in range(pool.layer_num)],
+            self.rope,
+        )
         if edit is None:
             logger.warning("intent pruning: no free KV slots to compact request %s; left unpruned", req.rid)
             return None
@@ -407,8 +481,11 @@ class IntentPruner(mechanism.Mechanism):
         if shared.numel():
             fresh = tree.alloc_slots(shared.numel())  # may evict: the request's own path is locked
             if fresh is None:
-                logger.warning("intent pruning: no free KV slots to copy %d kept positions of request %s; left unpruned",
-                               shared.numel(), req.rid)  # fmt: skip
+                logger.warning(
+                    "intent pruning: no free KV slots to copy %d kept positions of request %s; left unpruned",
+                    shared.numel(),
+                    req.rid,
+                )
                 return None
             fresh = fresh.to(row.device)
             tree_fill.copy_within(tree, fresh, row[shared].to(torch.int64))
@@ -418,7 +495,9 @@ class IntentPruner(mechanism.Mechanism):
         # from b on the row is the request's own: SGLang's insert frees what the tree already held
         # there, its release what the tree never took
         req.kv.cache_protected_len = min(protected, b)
-        state.branches = tuple(x for x in state.branches if x[0] < b) + ((b, branch_id(state.namespace, int(req.origin_input_ids[b]))),)
+        state.branches = tuple(x for x in state.branches if x[0] < b) + (
+            (b, branch_id(state.namespace, int(req.origin_input_ids[b]))),
+        )
         return edit
 
     # --- release: metrics into meta_info -------------------------------------------------------

@@ -67,7 +67,9 @@ def get(name: str) -> Scorer:
     return SCORERS[name]()
 
 
-def rule_score(x: ScoringInputs, rows: torch.Tensor, each_layer: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+def rule_score(
+    x: ScoringInputs, rows: torch.Tensor, each_layer: Callable[[torch.Tensor], None] | None = None
+) -> torch.Tensor:
     """IntentKV eq. 3: softmax of (query state . key) over candidates, averaged over heads and layers.
     rows: [layers, H, D] (one state per layer) or [layers, R, H, D]. `each_layer(keys)` sees every
     layer's candidate keys on the way (one read of the pool for the learned head's features too)."""
@@ -142,7 +144,9 @@ class LearnedScorer(Scorer):
         if context is not None:
             context = x.reduce(context, "mean")
         if x.features is not None:
-            x.features.update(rule=rule, keys=keys, memory=memory_mean, context=keys[:0] if context is None else context)
+            x.features.update(
+                rule=rule, keys=keys, memory=memory_mean, context=keys[:0] if context is None else context
+            )
         with torch.no_grad():
             return x.head.score(rule, keys, memory_mean, context, x.ablation)
 
@@ -168,7 +172,9 @@ class SnapKVScorer(Scorer):
 
     def score(self, x):
         # each layer's head mean is pooled on its own: the layers' means are combined over the ranks first
-        per_layer = [attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1)).cpu() for layer, keys in enumerate(x.layer_keys())]
+        per_layer = [
+            attention_probs(keys, x.q_window[layer]).mean(dim=(0, 1)).cpu() for layer, keys in enumerate(x.layer_keys())
+        ]
         if not per_layer:
             return torch.zeros(x.positions.numel())
         per_layer = x.reduce(torch.stack(per_layer), "mean")

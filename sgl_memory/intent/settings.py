@@ -35,7 +35,9 @@ class IntentConfig:
     # which history positions stay live: the QueryMemory rule max-pooled over `kernel` positions
     # (memory_pool), as published (memory), this turn's query alone (query), the rule plus the learned
     # head (learned), or a baseline (streaming_llm, snapkv, h2o, random)
-    scorer: Literal["memory", "memory_pool", "query", "learned", "streaming_llm", "snapkv", "h2o", "random"] = "memory_pool"
+    scorer: Literal["memory", "memory_pool", "query", "learned", "streaming_llm", "snapkv", "h2o", "random"] = (
+        "memory_pool"
+    )
     # learned (Phase 2, intent/head.py): the head's safetensors file; "" = the head shipped for the
     # served model (sgl_memory/intent/heads/), if there is one
     head: str = ""
@@ -58,8 +60,11 @@ class IntentConfig:
     def validate(self, path: str) -> None:
         require(1 <= self.budget <= MAX_BUDGET, f"{path}.budget", f"an integer in [1, {MAX_BUDGET}]")
         require(0.0 <= self.decay < 1.0, f"{path}.decay", "a number in [0, 1)")
-        require(1 <= self.budget_floor <= self.budget_ceiling <= MAX_BUDGET, f"{path}.budget_floor / budget_ceiling",
-                 f"integers with 1 <= floor <= ceiling <= {MAX_BUDGET}")  # fmt: skip
+        require(
+            1 <= self.budget_floor <= self.budget_ceiling <= MAX_BUDGET,
+            f"{path}.budget_floor / budget_ceiling",
+            f"integers with 1 <= floor <= ceiling <= {MAX_BUDGET}",
+        )
         require(0.0 < self.grow_at <= 1.0, f"{path}.grow_at", "a number in (0, 1]")
         require(0.0 < self.shrink_at <= 1.0, f"{path}.shrink_at", "a number in (0, 1]")
         require(self.budget_step > 1.0, f"{path}.budget_step", "a number > 1")
@@ -95,5 +100,8 @@ def parse_request(raw: dict, internal: bool = False) -> IntentRequest | None:
     if not any(k in raw for k in FIELDS):
         return None
     named = {k: choice(raw.get(k), choices(IntentConfig, k), f"{FIELD}.{k}") for k in OVERRIDES if k != "budget"}
-    return IntentRequest(budget=integer(raw.get("budget"), 1, MAX_BUDGET, f"{FIELD}.budget"),
-                         enabled=flag(raw.get("intent"), f"{FIELD}.intent"), **named)  # fmt: skip
+    return IntentRequest(
+        budget=integer(raw.get("budget"), 1, MAX_BUDGET, f"{FIELD}.budget"),
+        enabled=flag(raw.get("intent"), f"{FIELD}.intent"),
+        **named,
+    )

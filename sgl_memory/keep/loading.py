@@ -102,8 +102,12 @@ class LayerLoader:
 
     def metrics(self) -> dict:
         hidden = 1.0 - self.wait_s / self.load_s if self.load_s > 0 else None
-        return {"load_ms": round(self.load_s * 1000, 3), "load_wait_ms": round(self.wait_s * 1000, 3),
-                "load_bytes": self.bytes, "load_overlap": None if hidden is None else round(max(0.0, hidden), 4)}  # fmt: skip
+        return {
+            "load_ms": round(self.load_s * 1000, 3),
+            "load_wait_ms": round(self.wait_s * 1000, 3),
+            "load_bytes": self.bytes,
+            "load_overlap": None if hidden is None else round(max(0.0, hidden), 4),
+        }
 
     # --- the loader's side ------------------------------------------------------------------------
 
@@ -145,9 +149,17 @@ class LayerLoader:
             # The rows are gathered into pinned memory, so the copies run asynchronously on the copy
             # stream (from pageable memory they would hold this thread until done); the caching
             # host allocator keeps each staging buffer until the stream has read it.
-            staged = [torch.index_select(src[layers], 1, index, out=torch.empty(
-                (src[layers].shape[0], index.numel(), *src.shape[2:]), dtype=src.dtype, pin_memory=True))
-                for src in (self.src_k, self.src_v)]  # fmt: skip
+            staged = [
+                torch.index_select(
+                    src[layers],
+                    1,
+                    index,
+                    out=torch.empty(
+                        (src[layers].shape[0], index.numel(), *src.shape[2:]), dtype=src.dtype, pin_memory=True
+                    ),
+                )
+                for src in (self.src_k, self.src_v)
+            ]
             with torch.cuda.stream(self.stream):
                 at = index.pin_memory().to(self.device, non_blocking=True)
                 self.keys[layers].index_copy_(1, at, staged[0].to(self.device, non_blocking=True))

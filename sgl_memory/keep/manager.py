@@ -116,10 +116,24 @@ class Blend:
         k_mem, v_mem = placed_k.clone(), placed_v.clone()
         q_mem = queries.new_zeros(end - start, *queries.shape[1:])
         idx = present.to(k.device)
-        k_mem[idx], v_mem[idx], q_mem[idx] = keys[mem_rows.to(k.device)], values[mem_rows.to(k.device)], queries[mem_rows.to(k.device)]
+        k_mem[idx], v_mem[idx], q_mem[idx] = (
+            keys[mem_rows.to(k.device)],
+            values[mem_rows.to(k.device)],
+            queries[mem_rows.to(k.device)],
+        )
         turn = turn_rows.to(k.device)
-        view = LayerView(q_mem, k_mem, v_mem, queries[turn], keys[turn], placed_k, placed_v, self.selected.to(k.device),
-                         self.segment.to(k.device), tree.reduce_heads)  # fmt: skip
+        view = LayerView(
+            q_mem,
+            k_mem,
+            v_mem,
+            queries[turn],
+            keys[turn],
+            placed_k,
+            placed_v,
+            self.selected.to(k.device),
+            self.segment.to(k.device),
+            tree.reduce_heads,
+        )
         n = math.ceil(ratio_at(layer_id + 1, self.layers, self.ratio, self.decay) * self.units())
         self.selected = self.selector.select(view, n).cpu()
         self.loader.want(layer_id + 1, self.needed(self.selected), ~self.selected)
@@ -135,10 +149,16 @@ class Blend:
         m = self.reuse.keys.shape[1]
         recomputed = sum(self.per_layer) if not self.refused else m * self.layers
         loads = self.loader.metrics() if self.loader is not None else {}
-        return loads | {"recompute_method": self.reuse.method, "recompute_placed_tokens": m * self.layers,
-                        "recomputed_tokens": recomputed, "recomputed_per_layer": self.per_layer,
-                "recompute_share": round(recomputed / max(1, m * self.layers), 6), "recompute_ms": round(self.select_ms, 3),
-                "recompute_dropped_rows": self.dropped_rows, "recompute_refused": self.refused}  # fmt: skip
+        return loads | {
+            "recompute_method": self.reuse.method,
+            "recompute_placed_tokens": m * self.layers,
+            "recomputed_tokens": recomputed,
+            "recomputed_per_layer": self.per_layer,
+            "recompute_share": round(recomputed / max(1, m * self.layers), 6),
+            "recompute_ms": round(self.select_ms, 3),
+            "recompute_dropped_rows": self.dropped_rows,
+            "recompute_refused": self.refused,
+        }
 
 
 REPAIRED = prometheus.counter("keep_repairs", "Requests whose placed memory blocks KEEP repaired", ["method"])
@@ -193,8 +213,17 @@ class KeepManager(mechanism.Mechanism):
         selector = SELECTORS[reuse.method](hops=hops) if reuse.method == "keep" else SELECTORS[reuse.method]()
         ratio = self.config.ratio if asked.ratio is None else asked.ratio
         compact = self.config.compact if asked.compact is None else asked.compact
-        self.blends[req.rid] = Blend(reuse, selector, ratio, self.config.decay, self.layers, len(req.origin_input_ids),
-                                     loading=self.config.loading, bandwidth=self.config.tier_bandwidth, compact=compact)  # fmt: skip
+        self.blends[req.rid] = Blend(
+            reuse,
+            selector,
+            ratio,
+            self.config.decay,
+            self.layers,
+            len(req.origin_input_ids),
+            loading=self.config.loading,
+            bandwidth=self.config.tier_bandwidth,
+            compact=compact,
+        )
 
     # --- the layers of the prefill (a capture.py subscriber) -------------------------------------
 
@@ -237,6 +266,14 @@ class KeepManager(mechanism.Mechanism):
         if len(path) < blend.reuse.end:
             return
         kv = tree_fill.copy_path(self.tree, path, blend.reuse.start, blend.reuse.end)
-        capture.write_trace(self.config.trace_dir, req.rid, {
-            "keys": kv.keys, "values": kv.values, "selected": torch.stack(blend.history).to(torch.uint8),
-            "tokens": torch.tensor(list(req.origin_input_ids), dtype=torch.int64), "start": torch.tensor([blend.reuse.start])})  # fmt: skip
+        capture.write_trace(
+            self.config.trace_dir,
+            req.rid,
+            {
+                "keys": kv.keys,
+                "values": kv.values,
+                "selected": torch.stack(blend.history).to(torch.uint8),
+                "tokens": torch.tensor(list(req.origin_input_ids), dtype=torch.int64),
+                "start": torch.tensor([blend.reuse.start]),
+            },
+        )

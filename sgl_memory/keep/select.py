@@ -102,10 +102,16 @@ def segment_attention(view: LayerView, segments: int, which: torch.Tensor) -> to
     asking = which & torch.zeros(segments, dtype=torch.bool, device=seg.device).index_fill_(0, seg[rows], True)
     picked = asking.nonzero().squeeze(1)
     index = rows.nonzero().squeeze(1)
-    sums = torch.zeros(segments, *view.q_mem.shape[1:], device=seg.device).index_add_(0, seg[index], view.q_mem[index].float())
-    counts = torch.zeros(segments, device=seg.device).index_add_(0, seg[index], torch.ones(len(index), device=seg.device))
+    sums = torch.zeros(segments, *view.q_mem.shape[1:], device=seg.device).index_add_(
+        0, seg[index], view.q_mem[index].float()
+    )
+    counts = torch.zeros(segments, device=seg.device).index_add_(
+        0, seg[index], torch.ones(len(index), device=seg.device)
+    )
     pooled = sums[picked] / counts[picked, None, None]  # [P, H, D]
-    last = torch.zeros(segments, dtype=torch.long, device=seg.device).scatter_reduce_(0, seg[index], index, "amax", include_self=False)
+    last = torch.zeros(segments, dtype=torch.long, device=seg.device).scatter_reduce_(
+        0, seg[index], index, "amax", include_self=False
+    )
     logits = _logits(pooled, view.k_mem)
     later = torch.arange(m, device=seg.device)[None, :] > last[picked][:, None]
     weights = view.reduce(logits.masked_fill(later, -math.inf).softmax(-1).mean(0), "mean").to(seg.device)  # [P, M]

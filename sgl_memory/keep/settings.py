@@ -38,7 +38,11 @@ class KeepConfig:
         require(0.0 <= self.ratio <= 1.0, f"{path}.ratio", "a number in [0, 1]")
         require(self.decay >= 0.0, f"{path}.decay", "a number >= 0")
         require(1 <= self.hops <= MAX_HOPS, f"{path}.hops", f"an integer in [1, {MAX_HOPS}]")
-        require(self.tier_bandwidth >= 0.0, f"{path}.tier_bandwidth", "a number >= 0 (bytes per second; 0: no simulated tier)")
+        require(
+            self.tier_bandwidth >= 0.0,
+            f"{path}.tier_bandwidth",
+            "a number >= 0 (bytes per second; 0: no simulated tier)",
+        )
 
 
 @dataclass(frozen=True)
@@ -55,5 +59,8 @@ def parse_request(raw: dict, internal: bool = False) -> KeepRequest | None:
     body, where = object_at(raw, "keep", ("ratio", "hops", "compact"))
     if body is None:
         return None
-    return KeepRequest(number(body.get("ratio"), 0, 1, f"{where}.ratio"), integer(body.get("hops"), 1, MAX_HOPS, f"{where}.hops"),
-                       flag(body.get("compact"), f"{where}.compact"))  # fmt: skip
+    return KeepRequest(
+        number(body.get("ratio"), 0, 1, f"{where}.ratio"),
+        integer(body.get("hops"), 1, MAX_HOPS, f"{where}.hops"),
+        flag(body.get("compact"), f"{where}.compact"),
+    )

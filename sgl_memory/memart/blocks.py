@@ -193,8 +193,14 @@ class MemArtPool:
         """Host memory of the pool: its blocks and its index."""
         return self.held + self.score.nbytes()
 
-    def submit(self, tokens: list[int], positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               tag: tuple | None = None) -> None:
+    def submit(
+        self,
+        tokens: list[int],
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tag: tuple | None = None,
+    ) -> None:
         """A finished turn's KV as copied off the KV pool (keys rotated at `positions`), for
         ingest(); `tag`: the entry or group joint KV it holds (EntryBook)."""
         with self.lock:
@@ -229,8 +235,15 @@ class MemArtPool:
             raise ValueError("a pool without the model's RoPE takes position-free keys only")
         return keys  # a view: append() and merges copy it
 
-    def add_turn(self, tokens: list[int], keys: torch.Tensor, values: torch.Tensor, block_size: int,
-                 tag: tuple | None = None, positions: torch.Tensor | None = None) -> None:
+    def add_turn(
+        self,
+        tokens: list[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        block_size: int,
+        tag: tuple | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
         """Cut one turn's KV [L, n, Hkv, D] (keys rotated at `positions`; None: position-free,
         at 0) into blocks of `block_size` tokens (the last may be shorter); with `line_ends` (token
         ids that end a line), a block also ends after each of them, so that no block holds the end
@@ -247,9 +260,20 @@ class MemArtPool:
             first = self.score.append(free)
             for start, end in pieces(tokens, block_size, self.line_ends):
                 # clones: an evicted block's memory goes with it, not with the rest of its turn
-                self._add(Block(self.next_id, tokens[start:end], keys[:, start:end].clone(), values[:, start:end].clone(),
-                                positions[start:end].clone(), [(turn, o) for o in range(start, end)], now, self.clock,
-                                end - start, first + start))  # fmt: skip
+                self._add(
+                    Block(
+                        self.next_id,
+                        tokens[start:end],
+                        keys[:, start:end].clone(),
+                        values[:, start:end].clone(),
+                        positions[start:end].clone(),
+                        [(turn, o) for o in range(start, end)],
+                        now,
+                        self.clock,
+                        end - start,
+                        first + start,
+                    )
+                )
                 self.next_id += 1
             if tag is not None:
                 stays, replaced = self.book.arrived(tag, turn)
@@ -389,8 +413,10 @@ class MemArtPool:
         blocks = list(self.blocks.values())
         if len(blocks) < 2:
             return False
-        i = min(range(len(blocks) - 1),
-                key=lambda i: (blocks[i].covers + blocks[i + 1].covers, max(blocks[i].used, blocks[i + 1].used), i))  # fmt: skip
+        i = min(
+            range(len(blocks) - 1),
+            key=lambda i: (blocks[i].covers + blocks[i + 1].covers, max(blocks[i].used, blocks[i + 1].used), i),
+        )
         first, second = blocks[i], blocks[i + 1]
         keys, values = torch.cat([first.keys, second.keys], 1), torch.cat([first.values, second.values], 1)
         positions = torch.cat([first.positions, second.positions])
@@ -406,8 +432,20 @@ class MemArtPool:
             tokens, origin = [tokens[t] for t in keep], [origin[t] for t in keep]
         self._remove(second)
         row = self.score.append(free)  # after the removal: a compaction there moves rows, not these
-        self._add(Block(first.id, tokens, keys.contiguous(), values.contiguous(), positions.contiguous(), origin,
-                        min(first.made, second.made), max(first.used, second.used), first.covers + second.covers, row))  # fmt: skip
+        self._add(
+            Block(
+                first.id,
+                tokens,
+                keys.contiguous(),
+                values.contiguous(),
+                positions.contiguous(),
+                origin,
+                min(first.made, second.made),
+                max(first.used, second.used),
+                first.covers + second.covers,
+                row,
+            )
+        )
         self.merged += 1
         return True
 
@@ -417,7 +455,11 @@ class MemArtPool:
         with self.lock:
             if self._index is None:
                 hidden = self.book.hidden_turns()
-                visible = [b for b in self.blocks.values() if hidden.isdisjoint(b.turns())] if hidden else list(self.blocks.values())
+                visible = (
+                    [b for b in self.blocks.values() if hidden.isdisjoint(b.turns())]
+                    if hidden
+                    else list(self.blocks.values())
+                )
                 self._index = BlockIndex.of(visible, self.score)
             return self._index
 
@@ -433,15 +475,20 @@ class MemArtPool:
                 return {"meta": meta, "path": path, **book}
             column = lambda name: torch.tensor([getattr(b, name) for b in blocks], dtype=torch.int64)  # noqa: E731
             return {
-                "meta": meta, "path": path, "ids": column("id"), "used": column("used"), "covers": column("covers"),
+                "meta": meta,
+                "path": path,
+                "ids": column("id"),
+                "used": column("used"),
+                "covers": column("covers"),
                 "made": torch.tensor([b.made for b in blocks], dtype=torch.float64),
                 "lengths": torch.tensor([len(b.tokens) for b in blocks], dtype=torch.int64),
                 "tokens": torch.tensor([t for b in blocks for t in b.tokens], dtype=torch.int64),
                 "origin": torch.tensor([o for b in blocks for o in b.origin], dtype=torch.int64),
                 "positions": torch.cat([b.positions for b in blocks]),
-                "keys": torch.cat([b.keys for b in blocks], 1), "values": torch.cat([b.values for b in blocks], 1),
+                "keys": torch.cat([b.keys for b in blocks], 1),
+                "values": torch.cat([b.values for b in blocks], 1),
                 **book,
-            }  # fmt: skip
+            }
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take the state `export` gave (into an empty pool); the index is computed from the keys.
@@ -458,18 +505,35 @@ class MemArtPool:
             if "origin" in tensors:
                 origin = [tuple(o) for o in tensors["origin"].tolist()]
             else:
-                origin = [(turn, offset + j) for turn, offset, n in
-                          zip(tensors["turn"].tolist(), tensors["offset"].tolist(), lengths) for j in range(n)]  # fmt: skip
+                origin = [
+                    (turn, offset + j)
+                    for turn, offset, n in zip(tensors["turn"].tolist(), tensors["offset"].tolist(), lengths)
+                    for j in range(n)
+                ]
             covers = tensors["covers"].tolist() if "covers" in tensors else lengths
             keys = keys.to(values.dtype)
-            positions = tensors["positions"].to(torch.int32) if "positions" in tensors else torch.zeros(len(tokens), dtype=torch.int32)
+            positions = (
+                tensors["positions"].to(torch.int32)
+                if "positions" in tensors
+                else torch.zeros(len(tokens), dtype=torch.int32)
+            )
             first = self.score.append(self.free_keys(keys, positions))
             start = 0
             for i, n in enumerate(lengths):
-                self._add(Block(int(tensors["ids"][i]), tokens[start : start + n], keys[:, start : start + n].clone(),
-                                values[:, start : start + n].clone(), positions[start : start + n].clone(),
-                                origin[start : start + n], float(tensors["made"][i]), int(tensors["used"][i]), covers[i],
-                                first + start))  # fmt: skip
+                self._add(
+                    Block(
+                        int(tensors["ids"][i]),
+                        tokens[start : start + n],
+                        keys[:, start : start + n].clone(),
+                        values[:, start : start + n].clone(),
+                        positions[start : start + n].clone(),
+                        origin[start : start + n],
+                        float(tensors["made"][i]),
+                        int(tensors["used"][i]),
+                        covers[i],
+                        first + start,
+                    )
+                )
                 start += n
             self._evict(lambda: len(self.blocks) > self.capacity)
 
@@ -481,5 +545,3 @@ class MemArtPool:
             for block in chosen:
                 block.used = self.clock
             return chosen
-
-

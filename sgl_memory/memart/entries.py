@@ -131,7 +131,9 @@ class EntryBook:
     def hidden_turns(self) -> set[int]:
         """Turns retrieval does not see: the members' own turns of static groups (their joint
         turn stands for them)."""
-        return {self.entries[key].turn for g in self.groups.values() if g.joint is not None for key in g.members} - {None}
+        return {self.entries[key].turn for g in self.groups.values() if g.joint is not None for key in g.members} - {
+            None
+        }
 
     def unit_turns(self) -> dict[int, tuple]:
         """Turns placed whole, with the segment they form: an entry's turn, a static group's joint turn."""
@@ -141,9 +143,13 @@ class EntryBook:
 
     def summary(self) -> dict:
         groups = [{"id": g.id, "members": list(g.members), "static": g.joint is not None} for g in self.groups.values()]
-        return {"entries": len(self.entries), "writes": self.writes, "groups": groups,
-                "static_groups": sum(g["static"] for g in groups),
-                "dynamic_groups": sum(not g["static"] for g in groups)}  # fmt: skip
+        return {
+            "entries": len(self.entries),
+            "writes": self.writes,
+            "groups": groups,
+            "static_groups": sum(g["static"] for g in groups),
+            "dynamic_groups": sum(not g["static"] for g in groups),
+        }
 
     # --- internals --------------------------------------------------------------------------
 
@@ -191,15 +197,24 @@ class EntryBook:
             "book_meta": torch.tensor([self.writes, self.next_group], dtype=torch.int64),
             "entry_keys": torch.tensor(list(b"\x00".join(keys)), dtype=torch.uint8),
             # per entry: group, written, turn (-1: none yet), token count, has an embedding
-            "entry_meta": torch.tensor([[e.group, e.written, -1 if e.turn is None else e.turn, len(e.tokens),
-                                         e.embedding is not None] for e in entries], dtype=torch.int64).reshape(-1, 5),
+            "entry_meta": torch.tensor(
+                [
+                    [e.group, e.written, -1 if e.turn is None else e.turn, len(e.tokens), e.embedding is not None]
+                    for e in entries
+                ],
+                dtype=torch.int64,
+            ).reshape(-1, 5),
             "entry_tokens": torch.tensor([t for e in entries for t in e.tokens], dtype=torch.int64),
             # per group: id, version, changed, joint turn (-1: dynamic); then its members by entry index
-            "groups": torch.tensor([[g.id, g.version, g.changed, -1 if g.joint is None else g.joint]
-                                    for g in self.groups.values()], dtype=torch.int64).reshape(-1, 4),
-            "group_members": torch.tensor([[g.id, entries.index(self.entries[k])] for g in self.groups.values()
-                                           for k in g.members], dtype=torch.int64).reshape(-1, 2),
-        }  # fmt: skip
+            "groups": torch.tensor(
+                [[g.id, g.version, g.changed, -1 if g.joint is None else g.joint] for g in self.groups.values()],
+                dtype=torch.int64,
+            ).reshape(-1, 4),
+            "group_members": torch.tensor(
+                [[g.id, entries.index(self.entries[k])] for g in self.groups.values() for k in g.members],
+                dtype=torch.int64,
+            ).reshape(-1, 2),
+        }
         if with_embedding:
             out["entry_embeddings"] = torch.stack([e.embedding for e in with_embedding])
         return out
@@ -212,8 +227,14 @@ class EntryBook:
         embeddings = iter(tensors.get("entry_embeddings", torch.zeros(0)))
         tokens, start, order = tensors["entry_tokens"].tolist(), 0, []
         for key, (group, written, turn, n, has) in zip(keys, tensors["entry_meta"].tolist()):
-            entry = Entry(key.decode(), tokens[start : start + n], next(embeddings) if has else None, group, written,
-                          None if turn < 0 else turn)  # fmt: skip
+            entry = Entry(
+                key.decode(),
+                tokens[start : start + n],
+                next(embeddings) if has else None,
+                group,
+                written,
+                None if turn < 0 else turn,
+            )
             self.entries[entry.key] = entry
             order.append(entry.key)
             start += n

@@ -56,7 +56,6 @@ MAX_SESSIONS = 1024  # session pools kept; the least recently used beyond are dr
 MAX_PROBES = 32  # recent probes kept for their request (a request with n > 1 samples uses its probe n times)
 
 
-
 @dataclass
 class MemArtTurn:
     """What memory did for one request, kept in its `TURNS` slot."""
@@ -71,7 +70,9 @@ class MemArtTurn:
     windowed: int = 0  # history tokens the HTTP side left out of a full-history request (memory.window)
     retrieved_blocks: int = 0
     retrieved_turns: list[int] = field(default_factory=list)
-    retrieved_spans: list[list[int]] = field(default_factory=list)  # [turn, offset in turn, tokens] per run (Block.spans)
+    retrieved_spans: list[list[int]] = field(
+        default_factory=list
+    )  # [turn, offset in turn, tokens] per run (Block.spans)
     probe_tokens: int = 0
     retrieval_ms: float = 0.0
     refused: str | None = None
@@ -81,11 +82,17 @@ class MemArtTurn:
     units: dict = field(default_factory=dict)  # mode "retrieve": entries and static groups placed whole
 
     def metrics(self, req, memory_blocks: int, layers: int) -> dict:
-        out = {"prefill_tokens": len(req.origin_input_ids) - req.cached_tokens, "retrieved_blocks": self.retrieved_blocks,
-               "retrieved_turns": self.retrieved_turns, "retrieved_spans": self.retrieved_spans,
-               "memory_kv_tokens": self.memory_end - self.memory_start, "probe_tokens": self.probe_tokens,
-               "retrieval_ms": round(self.retrieval_ms, 3), "memory_blocks": memory_blocks,
-               "memory_refused": self.refused}  # fmt: skip
+        out = {
+            "prefill_tokens": len(req.origin_input_ids) - req.cached_tokens,
+            "retrieved_blocks": self.retrieved_blocks,
+            "retrieved_turns": self.retrieved_turns,
+            "retrieved_spans": self.retrieved_spans,
+            "memory_kv_tokens": self.memory_end - self.memory_start,
+            "probe_tokens": self.probe_tokens,
+            "retrieval_ms": round(self.retrieval_ms, 3),
+            "memory_blocks": memory_blocks,
+            "memory_refused": self.refused,
+        }
         if self.mode == "retrieve":
             out["windowed_tokens"] = self.windowed
             out["recompute"] = self.recompute
@@ -168,7 +175,9 @@ class MemArtManager(mechanism.Mechanism):
             raise ValueError("KV memory needs the scheduler's build context (the model's RoPE)")
         manager = cls(config, tree, Rope.from_hf_config(ctx.model_config.hf_config))
         allocator.fix_mmap_threshold()  # blocks and pools come and go: their memory must go back
-        logger.info("KV memory: blocks of %d tokens, top_k %d, %s-%s", config.block_size, config.top_k, config.norm, config.agg)
+        logger.info(
+            "KV memory: blocks of %d tokens, top_k %d, %s-%s", config.block_size, config.top_k, config.norm, config.agg
+        )
         return manager
 
     def subscriber(self) -> MemArtManager:
@@ -194,7 +203,12 @@ class MemArtManager(mechanism.Mechanism):
     def take(self, bound, layer, q, k, v) -> None:
         for probe, r in bound:
             rows = slice(r.start, r.start + r.count)
-            probe.add(layer.layer_id, q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim), r.row_positions(), self.rope)
+            probe.add(
+                layer.layer_id,
+                q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim),
+                r.row_positions(),
+                self.rope,
+            )
 
     def match_limit(self, req) -> int | None:
         # a probe takes what the tree caches of its prompt (the system message: an agent's tool docs)
@@ -205,8 +219,21 @@ class MemArtManager(mechanism.Mechanism):
     def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
         # grouping off: no entry reaches the threshold, so each is a group of its own and never static
         book = lambda: EntryBook(self.config.group_threshold if self.config.groups else ALONE, self.config.static_after)  # noqa: E731
-        make = (lambda: MemArtPool(self.config.capacity_blocks, self.config.eviction, self.config.block_size, rope=self.rope,
-                                   score_layers=self.layers, book=book(), norm_ties=self.tree.tp_size == 1)) if create else None  # fmt: skip
+        make = (
+            (
+                lambda: MemArtPool(
+                    self.config.capacity_blocks,
+                    self.config.eviction,
+                    self.config.block_size,
+                    rope=self.rope,
+                    score_layers=self.layers,
+                    book=book(),
+                    norm_ties=self.tree.tp_size == 1,
+                )
+            )
+            if create
+            else None
+        )
         pool = self.tree.sessions.get(owner, self.name, make)
         if pool is not None:
             pool.line_ends = self.line_ends
@@ -234,8 +261,15 @@ class MemArtManager(mechanism.Mechanism):
         elif query.mode in ("write", "forget"):
             self._admit_edit(req, owner, query)
         else:
-            state = TURNS.set(req, MemArtTurn(owner, "retrieve", store=query.store and not spec.readonly,
-                                             recompute=query.recompute or self.config.recompute))  # fmt: skip
+            state = TURNS.set(
+                req,
+                MemArtTurn(
+                    owner,
+                    "retrieve",
+                    store=query.store and not spec.readonly,
+                    recompute=query.recompute or self.config.recompute,
+                ),
+            )
             # what the client added after the last answer (all of it: two tool results are two
             # messages in some templates), else its last message; not the history it resends
             ids = list(req.origin_input_ids)
@@ -316,15 +350,29 @@ class MemArtManager(mechanism.Mechanism):
         if not ids:
             return
         q = probe.queries()
-        scores = score_blocks(q, index, query.scoring or self.config.scoring, query.norm or self.config.norm,
-                              query.agg or self.config.agg, self.config.rr_constant, reduce=self.tree.reduce_heads)  # fmt: skip
+        scores = score_blocks(
+            q,
+            index,
+            query.scoring or self.config.scoring,
+            query.norm or self.config.norm,
+            query.agg or self.config.agg,
+            self.config.rr_constant,
+            reduce=self.tree.reduce_heads,
+        )
         limit = getattr(scheduler, "max_req_input_len", None)
         budgets = [limit - len(req.origin_input_ids)] if limit else []
         placed = query.placed_tokens if query.placed_tokens is not None else self.config.placed_tokens
         budgets += [placed] if placed else []
         ranked = [ids[i] for i in top_blocks(scores, query.top_k or self.config.top_k)]
-        blocks = memory.take(choose(memory, ranked, query.header or self.config.header, min(budgets, default=None),
-                                    query.unit or self.config.unit))  # fmt: skip
+        blocks = memory.take(
+            choose(
+                memory,
+                ranked,
+                query.header or self.config.header,
+                min(budgets, default=None),
+                query.unit or self.config.unit,
+            )
+        )
         if blocks:
             self._place(req, state, memory, blocks, probe, query)
 
@@ -358,16 +406,24 @@ class MemArtManager(mechanism.Mechanism):
                 keys, values = assemble(blocks, self.rope, at=system)
                 if system:
                     system_k, system_v = probe.system_kv.keys, probe.system_kv.values
-                    keys, values = torch.cat([system_k.to(keys.dtype), keys], 1), torch.cat([system_v.to(values.dtype), values], 1)
+                    keys, values = (
+                        torch.cat([system_k.to(keys.dtype), keys], 1),
+                        torch.cat([system_v.to(values.dtype), values], 1),
+                    )
             if not tree_fill.place(self.tree, key, match, keys[:, have:], values[:, have:]):
                 state.refused = "no free KV slots for the memory blocks"
-                logger.warning("memory: no free KV slots for %d memory tokens of session %r; answering without memory",
-                               len(placed), state.owner[1])  # fmt: skip
+                logger.warning(
+                    "memory: no free KV slots for %d memory tokens of session %r; answering without memory",
+                    len(placed),
+                    state.owner[1],
+                )
                 return
         if state.recompute in REPAIRS:
             keys, values = assemble(blocks, self.rope, at=system)
             lines = (query.unit or self.config.unit) == "line"  # a placed line is one segment
-            self.placed[req.rid] = ReusedKV(system, keys, values, memory.segments(blocks, units, lines), state.recompute)
+            self.placed[req.rid] = ReusedKV(
+                system, keys, values, memory.segments(blocks, units, lines), state.recompute
+            )
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         # SGLang resolved the client's logprob_start_len against the prompt it sent (it also caps
@@ -383,8 +439,10 @@ class MemArtManager(mechanism.Mechanism):
         state.retrieved_spans = [span for b in blocks for span in b.spans()]
         placed = {units[t] for b in blocks for t in b.turns() if t in units}
         if placed:
-            state.units = {"retrieved_entries": sum(kind == "entry" for kind, _ in placed),
-                           "retrieved_static_groups": sum(kind == "joint" for kind, _ in placed)}  # fmt: skip
+            state.units = {
+                "retrieved_entries": sum(kind == "entry" for kind, _ in placed),
+                "retrieved_static_groups": sum(kind == "joint" for kind, _ in placed),
+            }
 
     # --- recording: the turn's prompt at the end of its prefill, its answer at release -----------
 
@@ -458,8 +516,11 @@ class MemArtManager(mechanism.Mechanism):
             if len(path) > len(prompt) and path.tokens[: len(prompt)] == prompt:
                 tail = tree_fill.copy_path(self.tree, path, len(prompt))
                 tokens = path.tokens
-                kv = tree_fill.PathKV(torch.cat([kv.keys, tail.keys], 1), torch.cat([kv.values, tail.values], 1),
-                                      torch.cat([kv.live, tail.live]))  # fmt: skip
+                kv = tree_fill.PathKV(
+                    torch.cat([kv.keys, tail.keys], 1),
+                    torch.cat([kv.values, tail.values], 1),
+                    torch.cat([kv.live, tail.live]),
+                )
             state.prompt_kv = None
         else:  # released before its prefill ended (aborted, or a prefill-only write): what the tree holds of it
             start, tokens = self._turn_start(state, memory, path.tokens), path.tokens
@@ -483,7 +544,9 @@ class MemArtManager(mechanism.Mechanism):
         with the tokens of their joint KV (the HTTP side sends that pass next, memart/writes.py)."""
         with memory.lock:
             out = memory.book.summary()
-            out["due"] = [{"group": g.id, "version": g.version, "tokens": memory.book.joint_tokens(g)} for g in memory.book.due()]
+            out["due"] = [
+                {"group": g.id, "version": g.version, "tokens": memory.book.joint_tokens(g)} for g in memory.book.due()
+            ]
         out["prefill_tokens"] = len(req.origin_input_ids) - req.cached_tokens
         return {"memory_book": out}
 
@@ -498,8 +561,12 @@ class MemArtManager(mechanism.Mechanism):
 
     def describe_session(self, slot: MemArtPool) -> dict:
         with slot.lock:
-            return {"memory_turns": slot.turns, "memory_blocks": len(slot.blocks), "memory_tokens": slot.tokens,
-                    "memory_bytes": slot.bytes}  # fmt: skip
+            return {
+                "memory_turns": slot.turns,
+                "memory_blocks": len(slot.blocks),
+                "memory_tokens": slot.tokens,
+                "memory_bytes": slot.bytes,
+            }
 
     def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
         memory = self.session(key, create=True)
@@ -522,7 +589,9 @@ class MemArtManager(mechanism.Mechanism):
             if pool is not current and not pool.busy():
                 self.tree.sessions.pop(owner, self.name)
                 total -= pool.bytes
-                logger.info("memory: pool_bytes %d reached: dropped the memory of session %r", self.config.pool_bytes, owner[1])
+                logger.info(
+                    "memory: pool_bytes %d reached: dropped the memory of session %r", self.config.pool_bytes, owner[1]
+                )
         if total > self.config.pool_bytes:
             current.trim(max(0, current.bytes - (total - self.config.pool_bytes)))
         pools = [pool for _, pool in self.tree.sessions.slots(self.name)]

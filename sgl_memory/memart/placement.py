@@ -27,7 +27,9 @@ def choose(memory: MemArtPool, ranked: list[int], header: str, budget: int | Non
             if budget is None or sum(len(memory.blocks[b].tokens) for b in line if b in memory.blocks) <= budget:
                 members = line
         headers = [memory.first_of(block_id, scope) for scope in HEADER_SCOPES[header]]
-        new = [b for b in dict.fromkeys([*members, *headers]) if b is not None and b not in chosen and b in memory.blocks]
+        new = [
+            b for b in dict.fromkeys([*members, *headers]) if b is not None and b not in chosen and b in memory.blocks
+        ]
         n = sum(len(memory.blocks[b].tokens) for b in new)
         if budget is not None and used + n > budget:
             continue  # the request must still fit the context (and the placement budget)

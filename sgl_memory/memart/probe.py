@@ -50,4 +50,6 @@ async def send_probe(request, engine) -> None:
     # the placement tells the probe whether its request needs the system message's KV
     placement = {k: v for k, v in raw["memory"].items() if k == "placement"}
     await engine.prefill({**raw, "memory": {"mode": "probe", "probe": probe_id, **placement}}, like=request)
-    request.set_field({**raw, "memory": {**raw["memory"], "probe": probe_id, **({"windowed": windowed} if windowed else {})}})
+    request.set_field(
+        {**raw, "memory": {**raw["memory"], "probe": probe_id, **({"windowed": windowed} if windowed else {})}}
+    )

@@ -73,8 +73,16 @@ def block_scores(logits: torch.Tensor, norm: str, agg: str, rr_constant: float =
     return AGGS[agg](per_token, 1).mean(dim=(0, 1))
 
 
-def score_blocks(q: torch.Tensor, index: BlockIndex, scoring: str, norm: str, agg: str, rr_constant: float = 60.0,
-                 cap_bytes: int = SCAN_BYTES, reduce: Reduce = one_rank) -> torch.Tensor:
+def score_blocks(
+    q: torch.Tensor,
+    index: BlockIndex,
+    scoring: str,
+    norm: str,
+    agg: str,
+    rr_constant: float = 60.0,
+    cap_bytes: int = SCAN_BYTES,
+    reduce: Reduce = one_rank,
+) -> torch.Tensor:
     """`block_scores` of the `scoring` logits of q [L, T, H, D] over the index's blocks, computed
     over slices of the prompt tokens so that the logits and the exact scan's products stay under
     `cap_bytes`. Normalisation is per (layer, head, token) row, so the rows of one slice are final;

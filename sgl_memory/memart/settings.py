@@ -18,7 +18,8 @@ class MemArtConfig:
     enabled: bool = False  # record sessions' turns into their memory pools and serve memory-mode requests
     block_size: int = 16  # tokens per memory block (with cut: lines a block also ends at a line end)
     top_k: int = 1024  # ranked blocks considered; placed_tokens decides what is placed
-    norm: Literal["softmax", "rr"] = "softmax"  # each query token's block scores normalised: softmax, or reciprocal rank (rr)
+    # each query token's block scores normalised: softmax, or reciprocal rank (rr)
+    norm: Literal["softmax", "rr"] = "softmax"
     agg: Literal["sum", "max"] = "max"  # a block's score over the query tokens: their sum or their max
     capacity_blocks: int = 4096  # per session; beyond it the eviction policy drops (or merges) blocks
     pool_bytes: int = 4 << 30  # host memory of all sessions' pools; least recently used sessions go first
@@ -38,7 +39,8 @@ class MemArtConfig:
     # what a chosen block brings with it: nothing more (block), or the rest of its line (line: a
     # dialogue turn, a tool result's row, whole; needs cut: lines)
     unit: Literal["block", "line"] = "line"
-    placed_tokens: int = 2048  # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
+    # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
+    placed_tokens: int = 2048
     # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep
     # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the
     # blocks' tokens prefilled again in the request's context)
@@ -65,7 +67,11 @@ class MemArtConfig:
         require(0 < self.score_layers <= 1, f"{path}.score_layers", "a number in (0, 1]")
         require(self.placed_tokens >= 0, f"{path}.placed_tokens", "an integer >= 0")
         require(self.window >= 0, f"{path}.window", "an integer >= 0 (tokens; 0: off)")
-        require(self.unit != "line" or self.cut == "lines", f"{path}.unit", "block, or line with cut: lines (lines are known where blocks are cut at them)")
+        require(
+            self.unit != "line" or self.cut == "lines",
+            f"{path}.unit",
+            "block, or line with cut: lines (lines are known where blocks are cut at them)",
+        )
 
 
 MODES = ("retrieve",)
@@ -134,20 +140,33 @@ def parse_request(raw: dict, internal: bool) -> MemArtRequest | None:
     if raw.get("session_id") is None:
         raise SpecError(f"{where} needs {FIELD}.session_id: memory belongs to a session")
     embedding = body.get("embedding")
-    return MemArtRequest(mode, integer(body.get("top_k"), 1, MAX_TOP_K, f"{where}.top_k"), store=flag(body.get("store", True), f"{where}.store"),
-                         placed_tokens=integer(body.get("placed_tokens"), 0, MAX_BUDGET, f"{where}.placed_tokens"), probe=probe,
-                         entry=body.get("entry"), embedding=None if embedding is None else tuple(embedding), group=body.get("group"),
-                         version=body.get("version"), forget=tuple(body.get("forget", ())),
-                         windowed=integer(body.get("windowed"), 0, MAX_BUDGET, f"{where}.windowed") or 0, **named)  # fmt: skip
+    return MemArtRequest(
+        mode,
+        integer(body.get("top_k"), 1, MAX_TOP_K, f"{where}.top_k"),
+        store=flag(body.get("store", True), f"{where}.store"),
+        placed_tokens=integer(body.get("placed_tokens"), 0, MAX_BUDGET, f"{where}.placed_tokens"),
+        probe=probe,
+        entry=body.get("entry"),
+        embedding=None if embedding is None else tuple(embedding),
+        group=body.get("group"),
+        version=body.get("version"),
+        forget=tuple(body.get("forget", ())),
+        windowed=integer(body.get("windowed"), 0, MAX_BUDGET, f"{where}.windowed") or 0,
+        **named,
+    )
 
 
 def check_request(part: MemArtRequest, config) -> None:
     if part.unit == "line" and config.memory.cut != "lines":
-        raise SpecError(f"{FIELD}.memory.unit 'line': this server cuts memory blocks by tokens, not at lines "
-                        "(memory.cut: tokens), so it does not know its blocks' lines")  # fmt: skip
+        raise SpecError(
+            f"{FIELD}.memory.unit 'line': this server cuts memory blocks by tokens, not at lines "
+            "(memory.cut: tokens), so it does not know its blocks' lines"
+        )
     if part.recompute in REPAIRS and not config.section(REPAIRS[part.recompute]).enabled:
-        raise SpecError(f"{FIELD}.memory.recompute {part.recompute!r}: the repair of memory blocks is off on this "
-                        f"server ({REPAIRS[part.recompute]}.enabled: false)")  # fmt: skip
+        raise SpecError(
+            f"{FIELD}.memory.recompute {part.recompute!r}: the repair of memory blocks is off on this "
+            f"server ({REPAIRS[part.recompute]}.enabled: false)"
+        )
 
 
 def check_config(config) -> None:

@@ -95,7 +95,12 @@ LAST = LastPrompts()
 def window(request, engine, config, spec) -> int:
     """Cut a full-history request of a session down to its window (`config`: the memory section;
     `spec`: the request's parsed field). Returns the history tokens left out (0: it goes whole)."""
-    if not config.window or spec.session_id is None or spec.part("memory") is not None or request.reads_prompt_logprobs():
+    if (
+        not config.window
+        or spec.session_id is None
+        or spec.part("memory") is not None
+        or request.reads_prompt_logprobs()
+    ):
         return 0
     ids = request.prompt_ids()
     if ids is None:

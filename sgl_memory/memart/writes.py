@@ -100,7 +100,9 @@ async def _joint(engine, owner: dict, book: dict, joint: list[dict]) -> dict:
         if not due:
             break
         group = due.pop(0)
-        book = await _pass(engine, owner, {"mode": "write", "group": group["group"], "version": group["version"]}, group["tokens"])
+        book = await _pass(
+            engine, owner, {"mode": "write", "group": group["group"], "version": group["version"]}, group["tokens"]
+        )
         joint.append({"group": group["group"], "tokens": len(group["tokens"])})
         due += book.pop("due")
     return book
@@ -131,7 +133,11 @@ def mount(app, config: MemoryConfig, engine) -> None:
             for (key, _), ids in zip(entries, tokenized):
                 if len(ids) > limit:
                     raise SpecError(f"entry {key!r} is {len(ids)} tokens; the context holds {limit}")
-            embeddings = (await asyncio.to_thread(embed, [t for _, t in entries])) if config.memory.groups else [None] * len(entries)
+            embeddings = (
+                (await asyncio.to_thread(embed, [t for _, t in entries]))
+                if config.memory.groups
+                else [None] * len(entries)
+            )
             owner = owner_of(session_id, tenant)
             written, joint, book = [], [], None
             for (key, _), ids, embedding in zip(entries, tokenized, embeddings):

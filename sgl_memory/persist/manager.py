@@ -122,19 +122,25 @@ class PersistTurn:
     refused: str | None = None
     reuse: int = 0  # stored tokens the (possibly rewritten) prompt repeats
     loaded: bool = False  # this request loaded the session from its file
-    assembled: bool = False  # a prompt assembled by a mechanism (MemorySpec.assembled): its path is not the session's history
+    assembled: bool = (
+        False  # a prompt assembled by a mechanism (MemorySpec.assembled): its path is not the session's history
+    )
     reads_only: bool = False  # a pass that changes nothing (MemorySpec.reads_only): loads, never writes
     hints: AgentHints | None = None  # sgl_memory.agent: when the session's next turn comes
     prefetched_tokens: int = 0  # of the session's KV brought back before this turn arrived
 
     def metrics(self, error: str | None) -> dict:
-        return {"text_match": self.text_match, "restored_tokens": self.restored_tokens,
-                "restore_ms": round(self.step_ms + self.off_step_ms, 3) if self.restored_tokens else 0.0,
-                "restore_step_ms": round(self.step_ms, 3) if self.restored_tokens else 0.0,
-                "restored_from": self.restored_from,
-                "prefetched_tokens": self.prefetched_tokens,
-                "restore_parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()} if self.restored_tokens else None,
-                "persist_refused": self.refused, "persist_error": error}  # fmt: skip
+        return {
+            "text_match": self.text_match,
+            "restored_tokens": self.restored_tokens,
+            "restore_ms": round(self.step_ms + self.off_step_ms, 3) if self.restored_tokens else 0.0,
+            "restore_step_ms": round(self.step_ms, 3) if self.restored_tokens else 0.0,
+            "restored_from": self.restored_from,
+            "prefetched_tokens": self.prefetched_tokens,
+            "restore_parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()} if self.restored_tokens else None,
+            "persist_refused": self.refused,
+            "persist_error": error,
+        }
 
 
 TURNS: Slot[PersistTurn] = Slot("persist turn")  # per request
@@ -178,7 +184,11 @@ def weights_digest(model_path) -> str:
     start-up (a few hundred KiB read), and any re-training changes the sampled bytes. Empty for a
     model path that is not a local folder."""
     folder = Path(str(model_path)).expanduser()
-    files = sorted(p for p in folder.glob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)) if folder.is_dir() else []
+    files = (
+        sorted(p for p in folder.glob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+        if folder.is_dir()
+        else []
+    )
     h = hashlib.sha256()
     for path in files:
         size = path.stat().st_size
@@ -193,24 +203,46 @@ def weights_digest(model_path) -> str:
 def cache_spec(model_config, server_args, tree, tp_rank: int, tp_size: int) -> CacheSpec:
     """What a file must match to be loaded here: the model (name, and a hash of its config and its
     weights) and the layout of this rank's KV pool."""
-    config = {k: v for k, v in model_config.hf_config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    config = {
+        k: v
+        for k, v in model_config.hf_config.to_dict().items()
+        if not k.startswith("_") and k != "transformers_version"
+    }
     config["sgl_memory_weights"] = weights_digest(server_args.model_path)
     config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:32]
     name = server_args.served_model_name or server_args.model_path
     buffer = tree.pool.get_key_buffer(tree.layers()[0])
-    return CacheSpec(str(name).rstrip("/").rsplit("/", 1)[-1], config_hash, tree.pool.layer_num, buffer.shape[-2],
-                     buffer.shape[-1], str(buffer.dtype).removeprefix("torch."), tree.page_size, f"tp{tp_rank}/{tp_size}")  # fmt: skip
+    return CacheSpec(
+        str(name).rstrip("/").rsplit("/", 1)[-1],
+        config_hash,
+        tree.pool.layer_num,
+        buffer.shape[-2],
+        buffer.shape[-1],
+        str(buffer.dtype).removeprefix("torch."),
+        tree.page_size,
+        f"tp{tp_rank}/{tp_size}",
+    )
 
 
 RESTORES = prometheus.counter("restores", "Session KV restored into the tree", ["source"])
 RESTORED_TOKENS = prometheus.counter("restored_tokens", "Tokens restored from the session store")
 RESTORE_SECONDS = prometheus.histogram("restore_seconds", "Session restore time")
 WRITE_ERRORS = prometheus.counter("write_errors", "Session file writes that failed")
-WRITE_CONFLICTS = prometheus.counter("write_conflicts", "Session turns not stored: another server stored the session meanwhile")
-PREFETCHED_TOKENS = prometheus.counter("prefetched_tokens", "Session KV tokens brought back before their turn arrived (agent hints)")
-DEFERRED = prometheus.counter("restores_deferred", "Session restores deferred at admission: the held KV of waiting requests was at its bound")
-NEXT_USE_ERROR = prometheus.histogram("next_use_error_seconds", "How far a session's turn came from when it was expected (hints or learned gaps)")
-SUPERSEDED = prometheus.counter("sessions_superseded", "Sessions reloaded from their file: another server stored them since")
+WRITE_CONFLICTS = prometheus.counter(
+    "write_conflicts", "Session turns not stored: another server stored the session meanwhile"
+)
+PREFETCHED_TOKENS = prometheus.counter(
+    "prefetched_tokens", "Session KV tokens brought back before their turn arrived (agent hints)"
+)
+DEFERRED = prometheus.counter(
+    "restores_deferred", "Session restores deferred at admission: the held KV of waiting requests was at its bound"
+)
+NEXT_USE_ERROR = prometheus.histogram(
+    "next_use_error_seconds", "How far a session's turn came from when it was expected (hints or learned gaps)"
+)
+SUPERSEDED = prometheus.counter(
+    "sessions_superseded", "Sessions reloaded from their file: another server stored them since"
+)
 STORE_BYTES = prometheus.gauge("store_bytes", "Session files on disk")
 WARM_BYTES = prometheus.gauge("store_warm_bytes", "Stored-form session KV in host memory")
 
@@ -227,8 +259,12 @@ class SessionPersistence(mechanism.Mechanism):
     follows_internal = True  # an entry write or forget changes the session: its file keeps that
     # at TP > 1 each rank writes its own file; the ranks load and restore a session together or
     # not at all (rank_range in open, _load, _agree; tests/test_tp_server.py)
-    schema = mechanism.MetricsSchema(marker="text_match", summed=("restored_tokens", "restore_ms", "restore_step_ms", "prefetched_tokens"), counted=("text_match",),
-                                     flagged=("persist_error", "persist_refused"))  # fmt: skip
+    schema = mechanism.MetricsSchema(
+        marker="text_match",
+        summed=("restored_tokens", "restore_ms", "restore_step_ms", "prefetched_tokens"),
+        counted=("text_match",),
+        flagged=("persist_error", "persist_refused"),
+    )
 
     @classmethod
     def observe(cls, metrics: dict, meta_info: dict) -> None:
@@ -237,14 +273,20 @@ class SessionPersistence(mechanism.Mechanism):
             RESTORED_TOKENS.inc(metrics["restored_tokens"])
             RESTORE_SECONDS.observe(metrics["restore_ms"] / 1000)
         if metrics.get("persist_refused"):
-            prometheus.REFUSALS.labels(cls.name, "ranks" if metrics["persist_refused"] == RANKS_DIFFER else "file").inc()
+            prometheus.REFUSALS.labels(
+                cls.name, "ranks" if metrics["persist_refused"] == RANKS_DIFFER else "file"
+            ).inc()
 
     def __init__(self, config: PersistConfig, tree, spec: CacheSpec):
         self.config, self.tree, self.spec = config, tree, spec
         self.files = SessionFiles(config.store_dir(), spec, quant=config.quant, kivi=config.kivi)
         # a session stays in memory while it holds turns that are nowhere else (not yet written, or
         # a write failed); the rest are re-read from disk when they come back
-        tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda s: bool(s.pending) or s.state_changed or (bool(s.tokens) and not s.on_disk))
+        tree.sessions.limit(
+            self.name,
+            MAX_SESSIONS,
+            keep=lambda s: bool(s.pending) or s.state_changed or (bool(s.tokens) and not s.on_disk),
+        )
         self.tokenizer = None
         self._gap: float | None = None  # the gaps every session's turns came back after (a moving average)
         # requests whose restore waits for room among the holds (before_prefill), in arrival order,
@@ -252,7 +294,9 @@ class SessionPersistence(mechanism.Mechanism):
         self._deferred: dict[object, str] = {}
         # sessions a hint says come back at a time: their KV is brought back just before (_prefetch)
         self._expected_back: dict[tuple, Session] = {}
-        self._writer = Worker("sgl-memory-persist", self._write, lambda s: f"session {s.session_id!r} (tenant {s.tenant!r})")
+        self._writer = Worker(
+            "sgl-memory-persist", self._write, lambda s: f"session {s.session_id!r} (tenant {s.tenant!r})"
+        )
         # a request's restore is unpacked off the scheduler's step; at TP > 1 every rank must land a
         # restore at the same step, so there it is unpacked in the step that places it
         self._unpacker = Unpacker() if tree.tp_size == 1 else None
@@ -275,8 +319,12 @@ class SessionPersistence(mechanism.Mechanism):
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
-            logger.error("session store %s is not writable (%s): sessions are kept in memory only and every "
-                         "write is retried and reported; the server keeps serving", self.files.root, exc)  # fmt: skip
+            logger.error(
+                "session store %s is not writable (%s): sessions are kept in memory only and every "
+                "write is retried and reported; the server keeps serving",
+                self.files.root,
+                exc,
+            )
 
     def _session(self, tenant: str | None, session_id: str, create: bool) -> Session | None:
         make = (lambda: Session(tenant, session_id)) if create else None
@@ -294,19 +342,33 @@ class SessionPersistence(mechanism.Mechanism):
             return
         if self.tokenizer is None:
             self.tokenizer = scheduler.tokenizer
-        state = TURNS.set(req, PersistTurn(spec.tenant, spec.session_id, assembled=spec.assembled, reads_only=spec.reads_only,
-                                           hints=spec.part(self.name)))  # fmt: skip
+        state = TURNS.set(
+            req,
+            PersistTurn(
+                spec.tenant,
+                spec.session_id,
+                assembled=spec.assembled,
+                reads_only=spec.reads_only,
+                hints=spec.part(self.name),
+            ),
+        )
         t0 = time.perf_counter()
         session = self._session(spec.tenant, spec.session_id, create=False)
         if session is not None and not spec.reads_only:
             state.prefetched_tokens, session.prefetched = session.prefetched, 0
             self._came_back(session)
         # each tensor-parallel rank reads its own file: every rank reloads where one must, or none
-        _, (superseded, missing) = self.tree.rank_range([session is not None and self._superseded(session), session is None])
+        _, (superseded, missing) = self.tree.rank_range(
+            [session is not None and self._superseded(session), session is None]
+        )
         if session is not None and (superseded or missing):
             if superseded:
-                logger.info("session store: session %r (tenant %r) was stored by another server since this one last "
-                            "did: reloading it", spec.session_id, spec.tenant)  # fmt: skip
+                logger.info(
+                    "session store: session %r (tenant %r) was stored by another server since this one last "
+                    "did: reloading it",
+                    spec.session_id,
+                    spec.tenant,
+                )
                 SUPERSEDED.inc()
             self.tree.sessions.drop(session.key())  # every mechanism's state of it is older than the file
             session = None
@@ -442,8 +504,12 @@ class SessionPersistence(mechanism.Mechanism):
         low, high = self.tree.rank_range([record.history_digest() if record is not None else 0])
         if low == high:
             return True
-        logger.error("session store: the tensor-parallel ranks' files of session %r (tenant %r) hold different "
-                     "turns; loading none, the turn is served by normal prefill", state.session_id, state.tenant)  # fmt: skip
+        logger.error(
+            "session store: the tensor-parallel ranks' files of session %r (tenant %r) hold different "
+            "turns; loading none, the turn is served by normal prefill",
+            state.session_id,
+            state.tenant,
+        )
         state.refused = RANKS_DIFFER
         return False
 
@@ -452,8 +518,12 @@ class SessionPersistence(mechanism.Mechanism):
         try:
             return self.files.read(state.tenant, state.session_id)
         except StoreError as exc:
-            logger.error("session store: refused the file of session %r (tenant %r): %s; the turn is served by "
-                         "normal prefill", state.session_id, state.tenant, exc)  # fmt: skip
+            logger.error(
+                "session store: refused the file of session %r (tenant %r): %s; the turn is served by normal prefill",
+                state.session_id,
+                state.tenant,
+                exc,
+            )
             state.refused = str(exc)
             return None
 
@@ -464,16 +534,24 @@ class SessionPersistence(mechanism.Mechanism):
         if session.text is None:
             session.text = self._decode_text(stored)
         prompt = list(req.origin_input_ids)
-        result = textmatch.match(stored, session.text, prompt, self._decode_text(prompt), self._decode_text,
-                                 lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                                 self.config.match_threshold)  # fmt: skip
+        result = textmatch.match(
+            stored,
+            session.text,
+            prompt,
+            self._decode_text(prompt),
+            self._decode_text,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            self.config.match_threshold,
+        )
         state.text_match = result.outcome
         limit = getattr(scheduler, "max_req_input_len", None)
         if result.input_ids != prompt and not req.return_logprob and (limit is None or len(result.input_ids) <= limit):
             req.origin_input_ids = array("q", result.input_ids)
             req.origin_input_ids_unpadded = req.origin_input_ids
         ids = list(req.origin_input_ids)
-        state.reuse = result.reuse if ids[: result.reuse] == stored[: result.reuse] else tree_fill.common_prefix(stored, ids)
+        state.reuse = (
+            result.reuse if ids[: result.reuse] == stored[: result.reuse] else tree_fill.common_prefix(stored, ids)
+        )
 
     def _plan(self, req, session: Session, state: PersistTurn, source: str) -> Restore | None:
         """What of the session's path the request reuses, and where its KV is: the tree (hot) or the
@@ -507,7 +585,11 @@ class SessionPersistence(mechanism.Mechanism):
                     record = session.record = self._read(state)
                 state.parts_ms["file"] = state.parts_ms.get("file", 0.0) + (time.perf_counter() - t0) * 1000
                 source = "disk"
-            if record is None or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse]) or record.branches != stored:
+            if (
+                record is None
+                or record.token_ids[:reuse] != list(req.origin_input_ids[:reuse])
+                or record.branches != stored
+            ):
                 return None
         return Restore(req, key, match, reuse, record, None if live is None else live[:reuse], branches, source)
 
@@ -516,10 +598,14 @@ class SessionPersistence(mechanism.Mechanism):
         session): of the same prompt (a text match that rewrote it on some ranks only is undone),
         as many tokens as the rank that can restore the fewest. `plan` itself without tensor
         parallelism."""
-        (ids, reuse), (ids_high, _) = self.tree.rank_range([digest63(array("q", req.origin_input_ids).tobytes()), plan.reuse if plan else 0])
+        (ids, reuse), (ids_high, _) = self.tree.rank_range(
+            [digest63(array("q", req.origin_input_ids).tobytes()), plan.reuse if plan else 0]
+        )
         if ids != ids_high:
-            logger.error("session store: the tensor-parallel ranks matched the prompt to different stored paths; "
-                         "restoring none, the turn is served by normal prefill")  # fmt: skip
+            logger.error(
+                "session store: the tensor-parallel ranks matched the prompt to different stored paths; "
+                "restoring none, the turn is served by normal prefill"
+            )
             req.origin_input_ids, req.origin_input_ids_unpadded = prompt
             state.refused = RANKS_DIFFER
             return None
@@ -547,8 +633,12 @@ class SessionPersistence(mechanism.Mechanism):
         if reserved is None:
             if not final:
                 return False  # the requests that run (or are held) will give their slots back
-            logger.warning("session store: no free KV slots to restore %d tokens of session %r, and no request runs "
-                           "or is held that would free some; prefilling instead", plan.missing, state.session_id)  # fmt: skip
+            logger.warning(
+                "session store: no free KV slots to restore %d tokens of session %r, and no request runs "
+                "or is held that would free some; prefilling instead",
+                plan.missing,
+                state.session_id,
+            )
             return True
         # a record is never changed in place (a turn makes a new one): it is read without the session's lock
         unpack = functools.partial(self._unpack, plan.record, have, plan.reuse, reserved)
@@ -589,8 +679,10 @@ class SessionPersistence(mechanism.Mechanism):
             try:
                 parts = job.future.result()
             except Exception:
-                logger.exception("session store: restoring session %r failed; prefilling instead",
-                                 state.session_id if state is not None else None)  # fmt: skip
+                logger.exception(
+                    "session store: restoring session %r failed; prefilling instead",
+                    state.session_id if state is not None else None,
+                )
                 tree_fill.release(self.tree, reserved)
                 continue
             t0 = time.perf_counter()
@@ -731,7 +823,12 @@ class SessionPersistence(mechanism.Mechanism):
             kv = tree_fill.copy_path(self.tree, path, start)
             session.pending.append(Captured(path.tokens, start, kv.keys, kv.values, live, path.branches, req.extra_key))
             session.tokens, session.text, session.live, session.branches, session.extra_key = (
-                path.tokens, None, live, path.branches, req.extra_key)  # fmt: skip
+                path.tokens,
+                None,
+                live,
+                path.branches,
+                req.extra_key,
+            )
         self._writer.submit(session)
 
     def _same_prefix(self, session: Session, path: tree_fill.HeldPath, live, extra_key) -> int:
@@ -739,7 +836,10 @@ class SessionPersistence(mechanism.Mechanism):
         namespace, tokens, branches and live mask), so only the rest is copied and encoded again."""
         if (session.record is None and not session.pending) or session.extra_key != extra_key:
             return 0
-        if session.record is not None and (session.record.quant, session.record.kivi) != (self.config.quant, self.config.kivi):
+        if session.record is not None and (session.record.quant, session.record.kivi) != (
+            self.config.quant,
+            self.config.kivi,
+        ):
             return 0  # written with other settings: re-encode all of it
         same = tree_fill.common_prefix(session.tokens, path.tokens)
         differ = set(session.branches) ^ set(path.branches)  # the keys part at the first branch not shared
@@ -755,8 +855,16 @@ class SessionPersistence(mechanism.Mechanism):
     def _encode_pending(self, session: Session) -> None:
         """Fold the captured turns into the stored form; caller holds session.lock."""
         for c in session.pending:
-            session.record = self.files.continued(session.record, c.tokens, c.start, c.keys, c.values,
-                                                  extra_key=c.extra_key, branches=c.branches, live=c.live)  # fmt: skip
+            session.record = self.files.continued(
+                session.record,
+                c.tokens,
+                c.start,
+                c.keys,
+                c.values,
+                extra_key=c.extra_key,
+                branches=c.branches,
+                live=c.live,
+            )
         session.pending.clear()
 
     def _write(self, session: Session) -> None:
@@ -770,8 +878,12 @@ class SessionPersistence(mechanism.Mechanism):
                     try:
                         session.record = self.files.read(session.tenant, session.session_id)
                     except StoreError as exc:
-                        logger.error("session store: cannot re-read session %r (tenant %r) to write its state: %s",
-                                     session.session_id, session.tenant, exc)  # fmt: skip
+                        logger.error(
+                            "session store: cannot re-read session %r (tenant %r) to write its state: %s",
+                            session.session_id,
+                            session.tenant,
+                            exc,
+                        )
                         return
             if session.record is None:  # a session of memory-mode turns only: its state, no path
                 session.record = SessionRecord([], "", [], self.config.quant, self.config.kivi, self.files.block_size)
@@ -788,14 +900,23 @@ class SessionPersistence(mechanism.Mechanism):
                 session.generation = record.generation
             except WriteConflict as exc:
                 WRITE_CONFLICTS.inc()
-                logger.warning("session store: %s: this turn of session %r (tenant %r) is not stored; its next turn "
-                               "continues from the stored one", exc, session.session_id, session.tenant)  # fmt: skip
+                logger.warning(
+                    "session store: %s: this turn of session %r (tenant %r) is not stored; its next turn "
+                    "continues from the stored one",
+                    exc,
+                    session.session_id,
+                    session.tenant,
+                )
                 return
             except OSError as exc:
                 WRITE_ERRORS.inc()
                 session.error = f"writing the session file failed: {exc}"
-                logger.error("session store: %s (session %r, tenant %r); it stays in memory, the server keeps serving",
-                             session.error, session.session_id, session.tenant)  # fmt: skip
+                logger.error(
+                    "session store: %s (session %r, tenant %r); it stays in memory, the server keeps serving",
+                    session.error,
+                    session.session_id,
+                    session.tenant,
+                )
                 return
             finally:
                 record.state, record.state_kv = {}, {}  # the mechanisms hold it; the warm tier keeps the path only
@@ -831,9 +952,13 @@ class SessionPersistence(mechanism.Mechanism):
             live = len(slot.tokens) if slot.live is None else int(slot.live.sum())
             now = time.monotonic()
             when = self._next_use(slot, now) if slot.finished_at is not None else None
-            return {"path_tokens": len(slot.tokens), "live_tokens": live, "stored_bytes": slot.stored_bytes if slot.on_disk else 0,
-                    # seconds until its next turn is expected (null: a turn of it runs, or none comes)
-                    "expected_back_s": round(when - now, 3) if when is not None and math.isfinite(when) else None}  # fmt: skip
+            return {
+                "path_tokens": len(slot.tokens),
+                "live_tokens": live,
+                "stored_bytes": slot.stored_bytes if slot.on_disk else 0,
+                # seconds until its next turn is expected (null: a turn of it runs, or none comes)
+                "expected_back_s": round(when - now, 3) if when is not None and math.isfinite(when) else None,
+            }
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every captured turn is written and every restore started is unpacked

@@ -75,7 +75,9 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.bfloat16, out: torch.Ten
     codes = q.codes
     if q.bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
-    g = codes.float().mul_(q.scales.float().unsqueeze(-1)).add_(q.biases.float().unsqueeze(-1))  # in place: one float32 temporary
+    g = (
+        codes.float().mul_(q.scales.float().unsqueeze(-1)).add_(q.biases.float().unsqueeze(-1))
+    )  # in place: one float32 temporary
     moved = _grouped_shape(q)
     x = g.flatten(-2)[..., : moved[-1]].reshape(moved).movedim(-1, q.axis)
     return x.to(dtype) if out is None else out.copy_(x)

@@ -79,6 +79,8 @@ def parse_request(raw: dict, internal: bool = False) -> AgentHints | None:
     body, where = object_at(raw, "agent", AGENT_KEYS)
     if body is None:
         return None
-    return AgentHints(number(body.get("expected_tool_duration_ms"), 0, MAX_HINT_MS, f"{where}.expected_tool_duration_ms"),
-                      number(body.get("cache_ttl_ms"), 0, MAX_HINT_MS, f"{where}.cache_ttl_ms"),
-                      flag(body.get("done"), f"{where}.done"))  # fmt: skip
+    return AgentHints(
+        number(body.get("expected_tool_duration_ms"), 0, MAX_HINT_MS, f"{where}.expected_tool_duration_ms"),
+        number(body.get("cache_ttl_ms"), 0, MAX_HINT_MS, f"{where}.cache_ttl_ms"),
+        flag(body.get("done"), f"{where}.done"),
+    )

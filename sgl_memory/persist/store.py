@@ -161,7 +161,9 @@ def _digest(*parts: str) -> str:
 
 
 class SessionFiles:
-    def __init__(self, root: str | os.PathLike, spec: CacheSpec, quant: str = "q4", kivi: bool = False, block_size: int = 256):
+    def __init__(
+        self, root: str | os.PathLike, spec: CacheSpec, quant: str = "q4", kivi: bool = False, block_size: int = 256
+    ):
         self.root = Path(root).expanduser()
         self.spec, self.quant, self.kivi, self.block_size = spec, quant, kivi, block_size
         self.removed_partial = self._remove_partial_writes()
@@ -180,7 +182,11 @@ class SessionFiles:
                 named.update(c.name for c in _chunks(read_metadata(head)))
             except Exception:  # unreadable: read() refuses it with the reason; its chunks stay
                 named.update(p.name for p in _chunk_files(head))
-        stale += [c for c in self.root.glob(f"*/*/*{CHUNK_SUFFIX}") if c.name not in named and not _alive(c.name.split(".", 1)[1])]
+        stale += [
+            c
+            for c in self.root.glob(f"*/*/*{CHUNK_SUFFIX}")
+            if c.name not in named and not _alive(c.name.split(".", 1)[1])
+        ]
         for path in stale:
             path.unlink(missing_ok=True)
         return len(stale)
@@ -201,8 +207,10 @@ class SessionFiles:
                 entry[0] = stat
         total = sum(size for _, size in sessions.values())
         # a chunk without its head (a writer between the two, or one that died) is not a session
-        files = sorted(((stat, size, head) for head, (stat, size) in sessions.items() if stat is not None),
-                       key=lambda f: f[0].st_mtime)  # fmt: skip
+        files = sorted(
+            ((stat, size, head) for head, (stat, size) in sessions.items() if stat is not None),
+            key=lambda f: f[0].st_mtime,
+        )
         removed = []
         while files and total > quota_bytes:
             _, size, oldest = files.pop(0)
@@ -250,8 +258,15 @@ class SessionFiles:
     def record(self, token_ids: list[int], text: str, keys: torch.Tensor, values: torch.Tensor) -> SessionRecord:
         return SessionRecord(list(token_ids), text, self.encode(keys, values), self.quant, self.kivi, self.block_size)
 
-    def continued(self, previous: SessionRecord | None, token_ids: list[int], start: int, keys: torch.Tensor,
-                  values: torch.Tensor, **key) -> SessionRecord:  # fmt: skip
+    def continued(
+        self,
+        previous: SessionRecord | None,
+        token_ids: list[int],
+        start: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        **key,
+    ) -> SessionRecord:
         """The record of a path whose KV from token `start` (a block boundary) on is `keys` and
         `values` and before it the previous record's (None: start is 0). The blocks before `start`
         stay in the chunks they are in on disk: the next write writes the rest. `key`: the path's
@@ -259,20 +274,30 @@ class SessionFiles:
         kept = start // self.block_size
         previous = previous if start else None
         old = previous.blocks[:kept] if previous is not None else []
-        record = SessionRecord(token_ids, "", old + self.encode(keys, values), self.quant, self.kivi, self.block_size, **key)
+        record = SessionRecord(
+            token_ids, "", old + self.encode(keys, values), self.quant, self.kivi, self.block_size, **key
+        )
         if previous is not None:
-            record.generation, record.chunks, record.dirty = previous.generation, previous.chunks, min(previous.dirty, kept)
+            record.generation, record.chunks, record.dirty = (
+                previous.generation,
+                previous.chunks,
+                min(previous.dirty, kept),
+            )
         return record
 
     def _encode(self, name: str, x: torch.Tensor, axis: int) -> dict[str, torch.Tensor]:
         if self.quant in RAW:
             return {name: x.to(RAW[self.quant]).contiguous()}
         q = quantize(x, BITS[self.quant], axis=axis)
-        return {f"{name}.codes": q.codes.contiguous(), f"{name}.scales": q.scales.contiguous(),
-                f"{name}.biases": q.biases.contiguous()}  # fmt: skip
+        return {
+            f"{name}.codes": q.codes.contiguous(),
+            f"{name}.scales": q.scales.contiguous(),
+            f"{name}.biases": q.biases.contiguous(),
+        }
 
-    def decode(self, record: SessionRecord, start: int = 0, stop: int | None = None,
-               dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def decode(
+        self, record: SessionRecord, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.bfloat16
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [layers, stop - start, kv_heads, head_dim] of tokens start .. stop - 1;
         only the blocks that hold them are dequantized."""
         n = len(record.token_ids)
@@ -285,7 +310,9 @@ class SessionFiles:
         for b in range(first, last):
             at, length = (b - first) * size, min(size, n - b * size)
             part = (*shape[:1], length, *shape[2:])
-            self._decode(record.blocks[b], "k", part, 1 if record.kivi else 3, record.quant, dtype, keys[:, at : at + length])
+            self._decode(
+                record.blocks[b], "k", part, 1 if record.kivi else 3, record.quant, dtype, keys[:, at : at + length]
+            )
             self._decode(record.blocks[b], "v", part, 3, record.quant, dtype, values[:, at : at + length])
         cut = slice(start - first * size, stop - first * size)
         return keys[:, cut], values[:, cut]
@@ -293,8 +320,9 @@ class SessionFiles:
     def _decode(self, block, name, shape, axis, quant, dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         if quant in RAW:
             return block[name].to(dtype) if out is None else out.copy_(block[name])
-        q = Quantized(block[f"{name}.codes"], block[f"{name}.scales"], block[f"{name}.biases"],
-                      shape, BITS[quant], axis, GROUP)  # fmt: skip
+        q = Quantized(
+            block[f"{name}.codes"], block[f"{name}.scales"], block[f"{name}.biases"], shape, BITS[quant], axis, GROUP
+        )
         return dequantize(q, dtype, out)
 
     def generation(self, tenant: str | None, session_id: str) -> int:
@@ -334,20 +362,36 @@ class SessionFiles:
             layout = {}
             for name, t in record.state.items():
                 kind = record.state_kv.get(name)
-                if kind is None or record.quant in RAW:  # unquantized: KV state stored as held (memory keys are float32)
+                if (
+                    kind is None or record.quant in RAW
+                ):  # unquantized: KV state stored as held (memory keys are float32)
                     tensors[f"s.{name}"] = t.contiguous()
                     continue
                 axis = 1 if kind == "k" and record.kivi else 3
                 encoded = self._encode(kind, t, axis)
                 tensors.update({f"q.{name}.{part.split('.', 1)[1]}": x for part, x in encoded.items()})
-                layout[name] = {"kind": kind, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "axis": axis}
+                layout[name] = {
+                    "kind": kind,
+                    "shape": list(t.shape),
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "axis": axis,
+                }
             meta = {
-                "format_version": str(FORMAT_VERSION), "tenant": tenant or "", "session_id": session_id,
-                "spec": json.dumps(asdict(self.spec)), "quant": record.quant, "kivi": str(record.kivi),
-                "block_size": str(record.block_size), "tokens": str(len(record.token_ids)), "text": record.text,
-                "extra_key": json.dumps(record.extra_key), "branches": json.dumps(record.branches), "state_kv": json.dumps(layout),
-                "generation": str(generation), "chunks": json.dumps([[c.name, c.first, c.count, c.digest] for c in chunks]),
-            }  # fmt: skip
+                "format_version": str(FORMAT_VERSION),
+                "tenant": tenant or "",
+                "session_id": session_id,
+                "spec": json.dumps(asdict(self.spec)),
+                "quant": record.quant,
+                "kivi": str(record.kivi),
+                "block_size": str(record.block_size),
+                "tokens": str(len(record.token_ids)),
+                "text": record.text,
+                "extra_key": json.dumps(record.extra_key),
+                "branches": json.dumps(record.branches),
+                "state_kv": json.dumps(layout),
+                "generation": str(generation),
+                "chunks": json.dumps([[c.name, c.first, c.count, c.digest] for c in chunks]),
+            }
             meta["checksum"] = _checksum(tensors, meta)
             replaced = self._replace(path, tensors, meta, base)
         except BaseException:
@@ -360,7 +404,9 @@ class SessionFiles:
         record.generation, record.chunks, record.dirty = generation, chunks, n
         return path
 
-    def _write_chunk(self, head: Path, generation: int, blocks: list[dict[str, torch.Tensor]], first: int, stop: int) -> Chunk:
+    def _write_chunk(
+        self, head: Path, generation: int, blocks: list[dict[str, torch.Tensor]], first: int, stop: int
+    ) -> Chunk:
         """Blocks first .. stop - 1 as a chunk file of the session, named after this writer."""
         tensors = {f"b{b}.{name}": t for b in range(first, stop) for name, t in blocks[b].items()}
         meta = {"format_version": str(FORMAT_VERSION), "first": str(first), "count": str(stop - first)}
@@ -385,7 +431,9 @@ class SessionFiles:
             raise
         return tmp
 
-    def _replace(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], base: int | None) -> set[str]:
+    def _replace(
+        self, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str], base: int | None
+    ) -> set[str]:
         """Write the head and rename it over the session's if the file is still at generation
         `base`; returns the names of the chunks the replaced head named."""
         tmp = self._save(path.parent, tensors, meta)
@@ -399,8 +447,10 @@ class SessionFiles:
                 old = _head_metadata(path)  # unreadable: replaced; its chunks cannot be told from others'
                 current = _generation(old)
                 if base is not None and current > 0 and current != base:
-                    raise WriteConflict(f"{path.name}: another server stored generation {current} of the session; "
-                                        f"this write continues generation {base}")  # fmt: skip
+                    raise WriteConflict(
+                        f"{path.name}: another server stored generation {current} of the session; "
+                        f"this write continues generation {base}"
+                    )
                 os.replace(tmp, path)  # readers see the old file or the new one, never a torn one
                 os.fsync(dir_fd)
             finally:
@@ -430,7 +480,9 @@ class SessionFiles:
                 break
             except FileNotFoundError:  # a writer replaced the head and removed a chunk it named
                 if attempt == READ_ATTEMPTS - 1:
-                    raise StoreError(f"{path.name}: a chunk it names is gone (the session is being rewritten)") from None
+                    raise StoreError(
+                        f"{path.name}: a chunk it names is gone (the session is being rewritten)"
+                    ) from None
         os.utime(path)  # a read is a use: quota eviction is least recently used
         in_chunks = {b for c in chunks for b in range(c.first, c.first + c.count)}
         dirty = next((b for b in range(len(blocks)) if b not in in_chunks), len(blocks))  # a format-1 head: 0
@@ -443,21 +495,37 @@ class SessionFiles:
                 encoded.setdefault(owner, {})[part] = t
         for name, spec in json.loads(meta.get("state_kv", "{}")).items():
             parts = {f"{spec['kind']}.{part}": t for part, t in encoded[name].items()}
-            state[name] = self._decode(parts, spec["kind"], tuple(spec["shape"]), spec["axis"], meta["quant"],
-                                       getattr(torch, spec["dtype"]))  # fmt: skip
+            state[name] = self._decode(
+                parts, spec["kind"], tuple(spec["shape"]), spec["axis"], meta["quant"], getattr(torch, spec["dtype"])
+            )
         # a file written before pruned paths carried one branch per event names one [position, id]
         # (its id is not this version's: the path is matched up to that position only)
         legacy = json.loads(meta.get("branch", "null"))
-        branches = tuple(map(tuple, json.loads(meta["branches"]))) if "branches" in meta else ((tuple(legacy),) if legacy else ())
+        branches = (
+            tuple(map(tuple, json.loads(meta["branches"])))
+            if "branches" in meta
+            else ((tuple(legacy),) if legacy else ())
+        )
         live = tensors["live"].to(torch.bool) if "live" in tensors else None
-        return SessionRecord(tensors["token_ids"].tolist(), meta["text"], blocks,
-                             meta["quant"], meta["kivi"] == "True", int(meta["block_size"]),
-                             json.loads(meta["extra_key"]) if "extra_key" in meta else ANY_NAMESPACE,
-                             branches, live, state, generation=int(meta.get("generation", "0")),
-                             chunks=chunks, dirty=dirty)  # fmt: skip
+        return SessionRecord(
+            tensors["token_ids"].tolist(),
+            meta["text"],
+            blocks,
+            meta["quant"],
+            meta["kivi"] == "True",
+            int(meta["block_size"]),
+            json.loads(meta["extra_key"]) if "extra_key" in meta else ANY_NAMESPACE,
+            branches,
+            live,
+            state,
+            generation=int(meta.get("generation", "0")),
+            chunks=chunks,
+            dirty=dirty,
+        )
 
-    def _read_blocks(self, path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor],
-                     chunks: tuple[Chunk, ...]) -> list[dict[str, torch.Tensor]]:  # fmt: skip
+    def _read_blocks(
+        self, path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor], chunks: tuple[Chunk, ...]
+    ) -> list[dict[str, torch.Tensor]]:
         """The path's blocks: a format-1 head's own, then each of its chunks' in order (a later
         chunk's block stands for an earlier one's). FileNotFoundError: a chunk the head names is gone."""
         count = -(-int(meta["tokens"]) // int(meta["block_size"]))
@@ -480,14 +548,18 @@ class SessionFiles:
 
     def _check(self, path, meta, tensors, tenant, session_id) -> None:
         if meta.get("format_version") not in READABLE_VERSIONS:
-            raise StoreError(f"{path.name}: format version {meta.get('format_version')!r}, expected one of {READABLE_VERSIONS}")
+            raise StoreError(
+                f"{path.name}: format version {meta.get('format_version')!r}, expected one of {READABLE_VERSIONS}"
+            )
         if meta.get("checksum") != _checksum(tensors, {k: v for k, v in meta.items() if k != "checksum"}):
             raise StoreError(f"{path.name}: checksum mismatch (corrupted file)")
         written = json.loads(meta["spec"])
         if written != asdict(self.spec) and dict(written, dtype=self.spec.dtype) == asdict(self.spec):
             # the launcher picks the dtype from the CPU: the same store on another CPU meets this
-            raise StoreError(f"{path.name}: written by a {written['dtype']} KV pool, this server's is {self.spec.dtype} "
-                             f"(start it with --dtype {written['dtype']} to restore the session)")  # fmt: skip
+            raise StoreError(
+                f"{path.name}: written by a {written['dtype']} KV pool, this server's is {self.spec.dtype} "
+                f"(start it with --dtype {written['dtype']} to restore the session)"
+            )
         if written != asdict(self.spec):
             raise StoreError(f"{path.name}: written for another model or cache layout ({meta['spec']})")
         if meta["session_id"] != session_id or meta["tenant"] != (tenant or ""):

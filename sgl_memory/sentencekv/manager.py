@@ -33,10 +33,19 @@ DONE: Slot[dict] = Slot("sentencekv metrics")  # its prefill's metrics, from the
 OWN_WINDOW: Slot[bool] = Slot("sentencekv window")  # the request prefills its own window (its prompt is not assembled)
 
 DECODE_STEPS = prometheus.counter("sentencekv_decode_steps", "Decode steps served with SentenceKV reads")
-KV_READ = prometheus.counter("sentencekv_kv_read_tokens", "KV positions read per layer by SentenceKV decode steps, summed over steps")
-RETRIEVED = prometheus.counter("sentencekv_retrieved_sentences", "Sentences a SentenceKV retrieval reads (mean per retrieval and layer of each request), summed over requests")
-KEPT = prometheus.counter("sentencekv_kept_tokens", "Prompt tokens SentenceKV kept readable (always-read plus the semantic pool)")
-SELECT_SECONDS = prometheus.histogram("sentencekv_select_seconds", "SentenceKV's work at the end of a prefill (scores, pool, sentence tables)")
+KV_READ = prometheus.counter(
+    "sentencekv_kv_read_tokens", "KV positions read per layer by SentenceKV decode steps, summed over steps"
+)
+RETRIEVED = prometheus.counter(
+    "sentencekv_retrieved_sentences",
+    "Sentences a SentenceKV retrieval reads (mean per retrieval and layer of each request), summed over requests",
+)
+KEPT = prometheus.counter(
+    "sentencekv_kept_tokens", "Prompt tokens SentenceKV kept readable (always-read plus the semantic pool)"
+)
+SELECT_SECONDS = prometheus.histogram(
+    "sentencekv_select_seconds", "SentenceKV's work at the end of a prefill (scores, pool, sentence tables)"
+)
 
 
 @mechanism.register("sentencekv")
@@ -49,8 +58,10 @@ class SentenceKV(mechanism.Mechanism):
     tp_refusal = "each rank would choose the sentences from its own KV heads' scores"
     parse_request = staticmethod(section.parse_request)
     schema = mechanism.MetricsSchema(
-        marker="sentences", summed=("sentences", "kept_tokens", "retrieved_sentences", "kv_read_per_step", "decode_steps", "sentencekv_ms"),
-        counted=("sentencekv_skipped",))  # fmt: skip
+        marker="sentences",
+        summed=("sentences", "kept_tokens", "retrieved_sentences", "kv_read_per_step", "decode_steps", "sentencekv_ms"),
+        counted=("sentencekv_skipped",),
+    )
 
     @classmethod
     def observe(cls, m: dict, meta_info: dict) -> None:
@@ -75,11 +86,16 @@ class SentenceKV(mechanism.Mechanism):
         for flag in ("attention_backend", "decode_attention_backend"):
             backend = getattr(args, flag, None)
             if backend not in (None, CPU_BACKEND):
-                raise ValueError(f"sentencekv reads a per-layer position list at each decode step, which only the {CPU_BACKEND} "
-                                 f"attention backend takes; this server's {flag} is {backend}")  # fmt: skip
+                raise ValueError(
+                    f"sentencekv reads a per-layer position list at each decode step, which only the {CPU_BACKEND} "
+                    f"attention backend takes; this server's {flag} is {backend}"
+                )
         if getattr(args, "enable_mixed_chunk", False):
             # a mixed batch's decode rows are planned as an extend: they would read every position
-            raise ValueError("sentencekv reads its positions in decode batches only; --enable-mixed-chunk puts decode steps in mixed ones")
+            raise ValueError(
+                "sentencekv reads its positions in decode batches only; "
+                "--enable-mixed-chunk puts decode steps in mixed ones"
+            )
         return cls(config)
 
     def subscriber(self) -> SentenceKV:
@@ -98,7 +114,9 @@ class SentenceKV(mechanism.Mechanism):
         if self.ends is None:
             tokenizer = getattr(scheduler, "tokenizer", None)
             # without a tokenizer (--skip-tokenizer-init) sentences are cut at max_sentence only
-            self.ends = boundary_tokens(tokenizer, self.config.boundaries) if tokenizer is not None else np.zeros(0, dtype=bool)
+            self.ends = (
+                boundary_tokens(tokenizer, self.config.boundaries) if tokenizer is not None else np.zeros(0, dtype=bool)
+            )
             self.markers = RoleMarkers.from_tokenizer(tokenizer, self.config.roles)
         length = len(req.origin_input_ids)
         PLANS.set(req, cfg)
@@ -121,7 +139,9 @@ class SentenceKV(mechanism.Mechanism):
         return bool(self.captures)
 
     def bind(self, rows: list[ExtendRows]) -> list[tuple[QueryCapture, ExtendRows]]:
-        return [(c, r) for r in rows if (c := self.captures.get(r.rid)) is not None and r.prefix + r.count > c.window_start]
+        return [
+            (c, r) for r in rows if (c := self.captures.get(r.rid)) is not None and r.prefix + r.count > c.window_start
+        ]
 
     def first_read(self, part) -> int:
         return part[0].first_read()
@@ -185,7 +205,11 @@ class SentenceKV(mechanism.Mechanism):
                 keys = pool.get_key_buffer(layer)[slots[scored]]
                 scores = attention_probs(keys, window[layer]).sum(dim=(0, 1)).cpu()[is_candidate]
                 chosen = top_tokens(scores, cfg.pool)
-                tables.append(sentence_table(candidates[chosen], sentence_of, keys[is_candidate.to(keys.device)][chosen.to(keys.device)]))
+                tables.append(
+                    sentence_table(
+                        candidates[chosen], sentence_of, keys[is_candidate.to(keys.device)][chosen.to(keys.device)]
+                    )
+                )
         kept = int(always.sum()) + min(cfg.pool, candidates.numel())
         sentences = round(sum(t.sizes.numel() for t in tables) / len(tables))
         return SentenceReads(positions[always], tables, length, cfg.budget, cfg.interval, self.ends), kept, sentences

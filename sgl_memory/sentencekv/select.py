@@ -99,8 +99,15 @@ def retrieve(table: SentenceTable, q: torch.Tensor, budget: int) -> tuple[torch.
 class SentenceReads:
     """A request's decode-time reads (core/decode.py StepReads), from its tables."""
 
-    def __init__(self, always: torch.Tensor, tables: list[SentenceTable], prompt_len: int, budget: int,
-                 interval: int, ends: np.ndarray):  # fmt: skip
+    def __init__(
+        self,
+        always: torch.Tensor,
+        tables: list[SentenceTable],
+        prompt_len: int,
+        budget: int,
+        interval: int,
+        ends: np.ndarray,
+    ):
         self.always, self.tables, self.prompt_len = always, tables, prompt_len
         self.budget, self.interval, self.ends = budget, interval, ends
         layers = len(tables)

@@ -76,7 +76,11 @@ def plan_layout(req_to_token: torch.Tensor, rows, sentinel: int | None = None) -
 
 
 def plan_requests(
-    req_to_token: torch.Tensor, rows: list[int], prefix_lens: list[int], new_lens: list[int], sentinel: int | None = None,
+    req_to_token: torch.Tensor,
+    rows: list[int],
+    prefix_lens: list[int],
+    new_lens: list[int],
+    sentinel: int | None = None,
     q_start: int = 0,
 ) -> list[RequestPlan]:
     plans = []
@@ -98,8 +102,14 @@ def kv_slots(req_to_token: torch.Tensor, row: int, start: int, stop: int, sentin
     return slots if sentinel is None else slots[slots != sentinel]
 
 
-def with_step_reads(plans: list, step_reads: dict, layer: int, query: torch.Tensor, req_to_token: torch.Tensor,
-                    sentinel: int | None = None) -> list:  # fmt: skip
+def with_step_reads(
+    plans: list,
+    step_reads: dict,
+    layer: int,
+    query: torch.Tensor,
+    req_to_token: torch.Tensor,
+    sentinel: int | None = None,
+) -> list:
     """A decode step's plans at one layer: a request with reads attends only the positions they
     give for its query at this layer (core/decode.py), the sentinel's left out."""
     plans = list(plans)
@@ -118,7 +128,9 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
         if isinstance(p, SparsePlan):
             mask = p.key_positions[None, :] <= p.q_positions[:, None]
             end = p.q_start + p.n_new
-            output[p.q_start : end] = attend_masked(query[p.q_start : end], p.keys.read_joined(k_cache), p.keys.read_joined(v_cache), mask, scaling)
+            output[p.q_start : end] = attend_masked(
+                query[p.q_start : end], p.keys.read_joined(k_cache), p.keys.read_joined(v_cache), mask, scaling
+            )
             continue
         visible = list(zip(p.visible.read(k_cache), p.visible.read(v_cache)))
         own = None if p.own is None else (p.own.read_joined(k_cache), p.own.read_joined(v_cache))
@@ -150,7 +162,9 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
             new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
         sentinel = runtime.sentinel()
-        self.plans = plan_requests(self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens), sentinel)
+        self.plans = plan_requests(
+            self.req_to_token_pool.req_to_token, rows, list(prefix_lens), list(new_lens), sentinel
+        )
         self.planned_tokens = sum(new_lens)
         composed = runtime.composition()
         if mode == ForwardMode.DECODE and composed is not None and composed.reads_steps:
@@ -168,10 +182,24 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             and self.planned_tokens == query.shape[0]
         )
 
-    def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
-                                 seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens=None,
-                                 scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
-                                 sliding_window_size=None):  # fmt: skip
+    def _run_sdpa_forward_extend(
+        self,
+        query,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_prefix_lens,
+        extend_seq_lens,
+        encoder_lens=None,
+        scaling=None,
+        enable_gqa=False,
+        causal=False,
+        is_cross_attn=False,
+        sliding_window_size=None,
+    ):
         layout = row_layout(self.forward_batch) if self.plans is not None else None
         if layout is not None and layout.version != self.layout_version:
             rows = layout.current()
@@ -180,26 +208,63 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
         if causal and self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
             return run_plans(self.plans, query, output, k_cache, v_cache, scaling)
         return super()._run_sdpa_forward_extend(
-            query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
-            extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
-        )  # fmt: skip
+            query,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            extend_prefix_lens,
+            extend_seq_lens,
+            encoder_lens,
+            scaling,
+            enable_gqa,
+            causal,
+            is_cross_attn,
+            sliding_window_size,
+        )
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         self.layer_id = layer.layer_id  # the step reads are per layer; _run_sdpa_forward_decode is not told which
         return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
-    def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
-                                 seq_lens, encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
-                                 is_cross_attn=False, sliding_window_size=None):  # fmt: skip
+    def _run_sdpa_forward_decode(
+        self,
+        query,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        encoder_lens=None,
+        scaling=None,
+        enable_gqa=False,
+        causal=False,
+        is_cross_attn=False,
+        sliding_window_size=None,
+    ):
         if self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
             plans = self.plans
             if self.step_reads:
                 plans = with_step_reads(plans, self.step_reads, self.layer_id, query, req_to_token, runtime.sentinel())
             return run_plans(plans, query, output, k_cache, v_cache, scaling)
         return super()._run_sdpa_forward_decode(
-            query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens,
-            scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
-        )  # fmt: skip
+            query,
+            output,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            encoder_lens,
+            scaling,
+            enable_gqa,
+            causal,
+            is_cross_attn,
+            sliding_window_size,
+        )
 
 
 def create(runner) -> SglMemoryCpuAttnBackend:

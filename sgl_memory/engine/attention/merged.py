@@ -60,7 +60,9 @@ def attend(
     return out.permute(2, 0, 1, 3).reshape(n, heads, -1)
 
 
-def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+def attend_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
     """q [n, H, D] over k, v [len, KVH, D] where mask [n, len] is True: for query rows that are not
     one run (a layer that computes only some rows of a request). Returns [n, H, Dv]."""
     n, heads, dim = q.shape
