@@ -48,6 +48,7 @@ from sgl_memory.persist.store import CacheSpec
 from sgl_memory.core.request import of_request
 from sgl_memory.core.rope import Rope
 from sgl_memory.core.spans import RoleMarkers
+from sgl_memory.engine import integrity
 from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 
 POOL = 400
@@ -247,7 +248,7 @@ class Sim:
         )
         self.check_pruned_paths(self.tree.root_node, branched=False)
         # the server's own integrity check (engine/radix_cache.py) agrees with the one above
-        assert self.tree.check_integrity([r.kv for r in self.running]) == []
+        assert integrity.check(self.tree, [r.kv for r in self.running]) == []
         for req in self.running:
             row = self.row(req)[: len(req.seq)].long()
             live = (row != sentinel).nonzero().flatten()
@@ -287,7 +288,7 @@ def test_random_prune_evict_finish_cycles_conserve_slots(seed):
 
 
 def test_the_integrity_check_finds_each_kind_of_fault():
-    """check_integrity, which the tests run on every server after each module (and a debug setting
+    """integrity.check, which the tests run on every server after each module (and a debug setting
     before every batch), names each fault planted in a tree that was whole: a slot the tree holds
     also on the free list, a slot nobody owns, a running row pointing at a free slot, a tree size
     count that its nodes do not add up to."""
@@ -297,24 +298,24 @@ def test_the_integrity_check_finds_each_kind_of_fault():
     while not any(r.kv.cache_protected_len for r in sim.running):  # a request reading a path of the tree
         sim.start()
     owners = [r.kv for r in sim.running]
-    assert sim.tree.check_integrity(owners) == []
+    assert integrity.check(sim.tree, owners) == []
     tree_slot = int(next(s for s in sim.tree.all_values_flatten().tolist() if s != sim.tree.sentinel))
     sim.alloc.free_pages = torch.cat([sim.alloc.free_pages, torch.tensor([tree_slot])])
-    assert any("held by both the tree and the free list" in p for p in sim.tree.check_integrity(owners))
+    assert any("held by both the tree and the free list" in p for p in integrity.check(sim.tree, owners))
     sim.alloc.free_pages = sim.alloc.free_pages[:-1]
     lost, sim.alloc.free_pages = int(sim.alloc.free_pages[0]), sim.alloc.free_pages[1:]
-    assert any(p.startswith("1 page(s) owned by nobody") for p in sim.tree.check_integrity(owners))
+    assert any(p.startswith("1 page(s) owned by nobody") for p in integrity.check(sim.tree, owners))
     sim.alloc.free_pages = torch.cat([torch.tensor([lost]), sim.alloc.free_pages])
     req = next(r for r in sim.running if r.kv.cache_protected_len)
     at = 0  # in its prefix: the tree's, not its own
     held, sim.row(req)[at] = int(sim.row(req)[at]), lost
-    found = sim.tree.check_integrity(owners)
+    found = integrity.check(sim.tree, owners)
     assert any("position(s) point at a page nobody owns" in p for p in found), found
     sim.row(req)[at] = held
     sim.tree.evictable_size_ += 1
-    assert any(p.startswith("the tree counts") for p in sim.tree.check_integrity(owners))
+    assert any(p.startswith("the tree counts") for p in integrity.check(sim.tree, owners))
     sim.tree.evictable_size_ -= 1
-    assert sim.tree.check_integrity(owners) == []
+    assert integrity.check(sim.tree, owners) == []
 
 
 class Chars:

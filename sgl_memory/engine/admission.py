@@ -18,10 +18,10 @@ from sgl_memory.core.config import MemoryConfig
 from sgl_memory.core.kvhost import namespace
 from sgl_memory.core.request import SpecError, check_served, of_request
 from sgl_memory.core.slots import Slot
-from sgl_memory.engine.radix_cache import row_owners
+from sgl_memory.engine import integrity
 
 ADMITTED: Slot[bool] = Slot("admitted")  # a request this hook saw (a retracted one comes back through it)
-# The debug setting: the tree's integrity (radix_cache.check_integrity) checked before every batch
+# The debug setting: the tree's integrity (integrity.py) checked before every batch
 # is formed, the scheduler stopped at the first problem. It reads the whole tree each time.
 CHECK_INTEGRITY_ENV = "SGLMEMORY_CHECK_INTEGRITY"
 CHECK_EVERY_STEP = os.environ.get(CHECK_INTEGRITY_ENV) == "1"
@@ -81,8 +81,8 @@ def prefill_hook(original, scheduler, running_batch, *args, **kwargs):
     come first (tree.held_first). The queue then goes back to its order, and the tree lets go of
     the holds of the requests that left it (tree.after_prefill)."""
     tree = scheduler.tree_cache
-    if CHECK_EVERY_STEP and not getattr(tree, "disable", True) and hasattr(tree, "check_integrity"):
-        problems = tree.check_integrity(row_owners(scheduler))
+    if CHECK_EVERY_STEP and not getattr(tree, "disable", True) and hasattr(tree, "dead_counts"):
+        problems = integrity.check(tree, integrity.row_owners(scheduler))
         if problems:
             raise RuntimeError(
                 f"{CHECK_INTEGRITY_ENV}: the tree's integrity failed before a batch: {'; '.join(problems)}"

@@ -8,8 +8,7 @@ from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
 from sgl_memory.core import capture, metrics, prometheus
 from sgl_memory.core.request import FIELD
-from sgl_memory.engine import runtime
-from sgl_memory.engine.radix_cache import row_owners
+from sgl_memory.engine import integrity, runtime
 
 SESSIONS_KEY = "sgl_memory_sessions"  # the scheduler's internal state: what GET /sgl_memory/sessions pages
 INTEGRITY_KEY = "sgl_memory_integrity"  # and the tree's integrity problems (GET /sgl_memory/integrity)
@@ -82,11 +81,11 @@ def stream_finish_hook(result, accumulator, *args, req, **kwargs):
 def sessions_state_hook(result, scheduler, *args, **kwargs):
     """AFTER hook on the scheduler's get_internal_state: the sessions its tree holds, described
     (SglMemoryRadixCache.describe_sessions), for the HTTP side's inspector, and the tree's
-    integrity problems (check_integrity). SGLang's internal-state request is the one channel from
+    integrity problems (integrity.py). SGLang's internal-state request is the one channel from
     the HTTP process to the scheduler that answers."""
     tree = runtime.tree()
     state = getattr(result, "internal_state", None)
     if tree is not None and not tree.disable and isinstance(state, dict):
         state[SESSIONS_KEY] = tree.describe_sessions()
-        state[INTEGRITY_KEY] = tree.check_integrity(row_owners(scheduler))
+        state[INTEGRITY_KEY] = integrity.check(tree, integrity.row_owners(scheduler))
     return result

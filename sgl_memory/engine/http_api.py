@@ -14,7 +14,7 @@
 - OpenAI responses get the request's metrics as a top-level `sgl_memory` object (native responses
   carry them in `meta_info`);
 - `GET /sgl_memory/sessions`: the sessions the server holds, paged, no contents (`list_sessions`);
-- `GET /sgl_memory/integrity`: the tree's integrity problems (radix_cache.check_integrity), none
+- `GET /sgl_memory/integrity`: the tree's integrity problems (engine/integrity.py), none
   when it is whole: an operator's (and the tests') check that every KV slot is owned once.
 """
 

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, Ins
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy, LRUStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
-from sgl_memory.core import composition, mechanism, prometheus, tree_fill
+from sgl_memory.core import composition, mechanism, prometheus
 from sgl_memory.engine import runtime
 from sgl_memory.core.composition import Composition
 from sgl_memory.core.config import MemoryConfig, from_env, plain
@@ -356,92 +356,6 @@ class SglMemoryRadixCache(RadixCache):
                 break  # the parent is shared with another path: it keeps last-use order
             node = parent
 
-    # --- integrity: the tree and the slot accounting, checked whole -------------------------------
-
-    def check_integrity(self, owners=()) -> list[str]:
-        """Every problem with the tree and the slot accounting, one line each (none: whole). Every
-        KV page of the pool is owned once: by the tree, by a request in `owners` (the part of its
-        row past its protected prefix: SGLang's requests that hold rows, and session records), by a
-        reservation (tree_fill.reserve), by the sentinel, or free; every position of an owner's row
-        points at a page it or the tree owns (or at the sentinel); and the tree's size counters
-        (evictable, protected, their sentinel entries) equal a recount over its nodes. It reads
-        every node: a debug setting (engine/admission.py) and the tests run it, not the hot path."""
-        if self.disable:
-            return []
-        page, sentinel, problems = self.page_size, self.sentinel, []
-        empty = torch.zeros(0, dtype=torch.int64)
-
-        def cat(parts) -> torch.Tensor:
-            parts = [x.to(torch.int64).cpu().flatten() for x in parts]
-            return torch.cat(parts) if parts else empty
-
-        def real(slots: torch.Tensor) -> torch.Tensor:
-            return slots if sentinel is None else slots[slots != sentinel]
-
-        def once(name: str, slots: torch.Tensor) -> None:
-            repeated = slots.numel() - torch.unique(slots).numel()
-            if repeated:
-                problems.append(f"{repeated} slot(s) held twice by {name}")
-
-        nodes, stack = [], list(self.root_node.children.values())
-        while stack:
-            node = stack.pop()
-            nodes.append(node)
-            stack.extend(node.children.values())
-        tree = real(cat(n.value for n in nodes if n.value is not None))
-        once("the tree's nodes", tree)
-        rows = self.req_to_token_pool.req_to_token
-        own, paths = [], []
-        for kv in owners:
-            row = rows[kv.req_pool_idx, : kv.kv_allocated_len].to(torch.int64).cpu()
-            own.append(real(row[kv.cache_protected_len :]))
-            paths.append((kv, real(row)))
-        own = cat(own)
-        once("running requests' rows", own)
-        reserved = tree_fill.reserved_slots(self)
-        free_pages = self.token_to_kv_pool_allocator.get_all_free_pages()
-        free = cat([] if free_pages is None else [free_pages])
-        once("the free list", free)
-        held = {
-            "the tree": tree // page,
-            "running requests": own // page,
-            "reservations": reserved // page,
-            "the free list": free,
-        }
-        names = list(held)
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
-                both = torch.isin(torch.unique(held[a]), held[b]).sum()
-                if both:
-                    problems.append(f"{int(both)} page(s) held by both {a} and {b}")
-        owned = torch.unique(
-            torch.cat([*held.values(), empty if sentinel is None else torch.tensor([sentinel // page])])
-        )
-        pages = self.token_to_kv_pool_allocator.size // page  # pages 1..pages: page 0 is SGLang's padding
-        lost = pages - int(((owned >= 1) & (owned <= pages)).sum())
-        if lost:
-            problems.append(f"{lost} page(s) owned by nobody (not in the tree, a row, a reservation or the free list)")
-        mine = torch.cat([tree // page, own // page, reserved // page])
-        for kv, row in paths:
-            stray = int((~torch.isin(row // page, mine)).sum())
-            if stray:
-                problems.append(f"request row {kv.req_pool_idx}: {stray} position(s) point at a page nobody owns")
-        evictable = protected = dead_evictable = dead_protected = 0
-        for node in nodes:
-            n = len(node.value) if node.value is not None else 0
-            dead = self._dead(node) if node in COUNTED else 0
-            if node.lock_ref == 0:
-                evictable, dead_evictable = evictable + n, dead_evictable + dead
-            else:
-                protected, dead_protected = protected + n, dead_protected + dead
-        counted = (self.evictable_size_, self.protected_size_, self._dead_evictable, self._dead_protected)
-        if counted != (evictable, protected, dead_evictable, dead_protected):
-            problems.append(
-                f"the tree counts (evictable, protected, their sentinel entries) {counted}, its nodes hold "
-                f"{(evictable, protected, dead_evictable, dead_protected)}"
-            )
-        return problems
-
     # --- the KV host (kvhost.py): what the mechanisms may ask of the tree -------------------------
 
     @property
@@ -509,7 +423,12 @@ class SglMemoryRadixCache(RadixCache):
 
     # --- accounting of sentinel entries in node values ------------------------------------------
 
-    def _dead(self, node) -> int:
+    def dead_counts(self) -> tuple[int, int]:
+        """Sentinel entries in the values of evictable and of protected nodes, as counted."""
+        return self._dead_evictable, self._dead_protected
+
+    def dead_entries(self, node) -> int:
+        """The sentinel entries of a node's value (counted once per value)."""
         if self.sentinel is None or node.value is None or node is self.root_node:
             return 0
         cached = DEAD.get(node)
@@ -524,9 +443,9 @@ class SglMemoryRadixCache(RadixCache):
         if node is not None and node is not self.root_node and node not in COUNTED:
             COUNTED.set(node, True)
             if node.lock_ref == 0:
-                self._dead_evictable += self._dead(node)
+                self._dead_evictable += self.dead_entries(node)
             else:
-                self._dead_protected += self._dead(node)
+                self._dead_protected += self.dead_entries(node)
         return result
 
     def _split_node(self, key, child, split_len):
@@ -539,7 +458,7 @@ class SglMemoryRadixCache(RadixCache):
 
     def _delete_leaf(self, node):
         super()._delete_leaf(node)
-        self._dead_evictable -= self._dead(node)
+        self._dead_evictable -= self.dead_entries(node)
 
     def inc_lock_ref(self, node):
         self._move_dead(node, from_lock=0, sign=+1)
@@ -555,7 +474,7 @@ class SglMemoryRadixCache(RadixCache):
             return  # no sentinel, no dead entries: the plain tree pays no extra walk
         while node is not None and node is not self.root_node:
             if node.lock_ref == from_lock:
-                dead = self._dead(node)
+                dead = self.dead_entries(node)
                 self._dead_evictable -= sign * dead
                 self._dead_protected += sign * dead
             node = node.parent
@@ -610,13 +529,6 @@ def find_branches(root, key: RadixKey, ids_of: Callable[[np.ndarray], np.ndarray
             break
         node, pos = child, pos + matched
     return tuple(found)
-
-
-def row_owners(scheduler) -> list:
-    """The KV records that own a row of the slot map now (ReqKvInfo): the requests SGLang's own
-    leak check counts (running, last batch, chunked) and its sessions' records."""
-    reqs = scheduler.invariant_checker._requests_owning_rows()
-    return [r.kv for r in reqs] + [kv for kv in scheduler.tree_cache.session_records().values() if kv.holds_kv]
 
 
 class PoolTooSmall(RuntimeError):
