@@ -462,7 +462,7 @@ def test_a_request_aborted_while_queued_leaves_no_state_behind(tmp_path):
 
     sim = AllSim(0, tmp_path)
     scheduler = SimpleNamespace(tree_cache=sim.tree)
-    held = lambda: (len(sim.memory.probing), len(sim.pruner.captures))  # noqa: E731
+    held = lambda: (len(sim.memory.running_probes.probing), len(sim.pruner.captures))  # noqa: E731
     queued = []
     for i in range(6):
         tokens, base = sim.prompt()

@@ -32,14 +32,13 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_memory.core import allocator, mechanism, metrics, prometheus, tree_fill
-from sgl_memory.core.capture import ExtendRows
 from sgl_memory.memart import writes
 from sgl_memory.memart.probe import send_probe
 from sgl_memory.memart.blocks import Block, MemArtPool
 from sgl_memory.memart.entries import ALONE, EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 from sgl_memory.memart.placement import assemble, choose
-from sgl_memory.memart.queries import Probe, probe_end, scoring_positions
+from sgl_memory.memart.queries import Probe, ProbeCapture, probe_end, scoring_positions
 from sgl_memory.memart import settings as section
 from sgl_memory.memart.settings import MemArtConfig, MemArtRequest
 from sgl_memory.core.request import MemorySpec
@@ -162,7 +161,7 @@ class MemArtManager(mechanism.Mechanism):
         self.layers = max(1, round(self.layer_num * config.score_layers))  # the scoring layers
         tree.sessions.limit(self.name, MAX_SESSIONS, keep=lambda pool: pool.busy())
         self.probes: OrderedDict[str, Probe] = OrderedDict()
-        self.probing: dict[str, Probe] = {}  # rid -> probe being prefilled
+        self.running_probes = ProbeCapture(rope)  # the probes being prefilled (rid -> probe) and their capture
         self.placed: dict[str, ReusedKV] = {}  # rid -> KV placed for a repair (keep), until its release
         self.markers: RoleMarkers | None = None
         self.line_ends: frozenset[int] | None = None  # memory.cut lines: from the tokenizer, at the first request
@@ -180,8 +179,8 @@ class MemArtManager(mechanism.Mechanism):
         )
         return manager
 
-    def subscriber(self) -> MemArtManager:
-        return self  # it reads its probes' queries, keys and values
+    def subscriber(self) -> ProbeCapture:
+        return self.running_probes
 
     def placed_kv(self, req) -> ReusedKV | None:
         return self.placed.get(req.rid)
@@ -191,29 +190,10 @@ class MemArtManager(mechanism.Mechanism):
 
     # --- probe capture (a capture.py subscriber) -------------------------------------------------
 
-    def capturing(self) -> bool:
-        return bool(self.probing)
-
-    def bind(self, rows: list[ExtendRows]) -> list[tuple[Probe, ExtendRows]]:
-        return [(self.probing[r.rid], r) for r in rows if r.rid in self.probing]
-
-    def first_read(self, part) -> int:
-        return part[0].start  # the probe's scoring rows, taken by position
-
-    def take(self, bound, layer, q, k, v) -> None:
-        for probe, r in bound:
-            rows = slice(r.start, r.start + r.count)
-            probe.add(
-                layer.layer_id,
-                q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim),
-                r.row_positions(),
-                self.rope,
-            )
-
     def match_limit(self, req) -> int | None:
         # a probe takes what the tree caches of its prompt (the system message: an agent's tool docs)
         # up to its first scoring token; the scoring rows are computed, so the capture sees them
-        probe = self.probing.get(req.rid)
+        probe = self.running_probes.probing.get(req.rid)
         return probe.start if probe is not None else None
 
     def session(self, owner: tuple[str, str], create: bool) -> MemArtPool | None:
@@ -307,7 +287,7 @@ class MemArtManager(mechanism.Mechanism):
         # (match_limit) and leaves its prompt there for the session's next probe. A readonly request's
         # probe too: its prompt is not session state, and its release copies the system message.
         req.skip_radix_cache_insert = False
-        self.probing[req.rid] = probe
+        self.running_probes.probing[req.rid] = probe
         with self._lock:
             self.probes[probe_id] = probe
             while len(self.probes) > MAX_PROBES:
@@ -461,7 +441,7 @@ class MemArtManager(mechanism.Mechanism):
         by order) prunes the row: what pruning drops from the request stays recallable as KV."""
         state: MemArtTurn | None = TURNS.get(req)
         if state is not None and state.mode == "probe":
-            probe = self.probing.get(req.rid)
+            probe = self.running_probes.probing.get(req.rid)
             if probe is not None and probe.system_end and req.finished():  # its release: the row holds every position
                 slots = tree.row(req)[: probe.system_end].to(torch.int64)
                 probe.system_kv = tree_fill.copy_slots(tree, slots)
@@ -478,7 +458,7 @@ class MemArtManager(mechanism.Mechanism):
         return None
 
     def on_drop(self, req) -> None:
-        self.probing.pop(req.rid, None)
+        self.running_probes.probing.pop(req.rid, None)
         self.placed.pop(req.rid, None)
 
     def on_release(self, req) -> None:
@@ -487,7 +467,7 @@ class MemArtManager(mechanism.Mechanism):
         if state is None:
             return
         if state.mode == "probe":
-            probe = self.probing.pop(req.rid, None)
+            probe = self.running_probes.probing.pop(req.rid, None)
             if probe is not None:
                 probe.prefilled = len(req.origin_input_ids) - req.cached_tokens
             return

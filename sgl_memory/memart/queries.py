@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_memory.core import tree_fill
+from sgl_memory.core.capture import ExtendRows
 from sgl_memory.core.rope import Rope
 from sgl_memory.core.spans import RoleMarkers
 
@@ -83,3 +84,31 @@ def scoring_positions(ids: list[int], spans, mode: str, markers: RoleMarkers, to
         elif ids[i] not in special and piece.strip():
             text.append(i)
     return text or turn or list(range(len(ids)))
+
+
+class ProbeCapture:
+    """The capture subscriber (core/capture.py) of the probes being prefilled: each probe's scoring
+    rows, by position, at the layers that score."""
+
+    def __init__(self, rope: Rope):
+        self.rope = rope
+        self.probing: dict[str, Probe] = {}  # rid -> its probe, from admission to release
+
+    def capturing(self) -> bool:
+        return bool(self.probing)
+
+    def bind(self, rows: list[ExtendRows]) -> list[tuple[Probe, ExtendRows]]:
+        return [(self.probing[r.rid], r) for r in rows if r.rid in self.probing]
+
+    def first_read(self, part) -> int:
+        return part[0].start  # the probe's scoring rows, taken by position
+
+    def take(self, bound, layer, q, k, v) -> None:
+        for probe, r in bound:
+            rows = slice(r.start, r.start + r.count)
+            probe.add(
+                layer.layer_id,
+                q[rows].reshape(r.count, layer.tp_q_head_num, layer.qk_head_dim),
+                r.row_positions(),
+                self.rope,
+            )
