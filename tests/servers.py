@@ -154,9 +154,10 @@ CATALOGUE: dict[str, Spec] = {
     "all": Spec(
         "every mechanism on in one server, in the launcher's dtype: composed, memory, persistence, SentenceKV, "
         "determinism, replicas; tenants from x-tenant-id, the Responses API's store, one served model name "
-        "for the router",
+        "for the router; the tree's integrity checked before every batch (SGLMEMORY_CHECK_INTEGRITY)",
         config=ALL,
         flags=("--enable-metrics", "--enable-response-store", "--served-model-name", "m"),
+        env={"SGLMEMORY_CHECK_INTEGRITY": "1"},
     ),
     "fp32": Spec(
         "float32 references (transformers forwards, plain SGLang, the attention backend), as on an AVX2-only "
@@ -195,10 +196,12 @@ CATALOGUE: dict[str, Spec] = {
     ),
     "paged": Spec(
         "page size 16 (intent, memory and KEEP refuse pages): persistence's faults on an exact store with no "
-        "warm tier and a small pool (eviction), SentenceKV at page size 16",
+        "warm tier and a small pool (eviction), SentenceKV at page size 16; the tree's integrity checked before "
+        "every batch (SGLMEMORY_CHECK_INTEGRITY)",
         config=f"persist:\n  enabled: true\n  dir: {{dir}}/store\n  quant: {EXACT_QUANT}\n  warm_bytes: 0\n"
         "sentencekv:\n  enabled: true\n",
         flags=("--max-total-tokens", "3008", "--page-size", "16"),
+        env={"SGLMEMORY_CHECK_INTEGRITY": "1"},
     ),
     "paged_limited": Spec(
         "a server started on the store of the paged one after it was killed mid-write, under a "

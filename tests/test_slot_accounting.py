@@ -318,6 +318,27 @@ def test_the_integrity_check_finds_each_kind_of_fault():
     assert integrity.check(sim.tree, owners) == []
 
 
+def test_the_debug_setting_stops_the_scheduler_at_the_first_fault(monkeypatch):
+    """SGLMEMORY_CHECK_INTEGRITY=1: the prefill hook (engine/admission.py) checks the tree before
+    every batch, with SGLang's own list of the requests holding rows, and raises at a fault."""
+    from types import SimpleNamespace
+
+    from sgl_memory.engine import admission
+
+    sim = Sim(1)
+    for _ in range(60):
+        sim.step()
+    checker = SimpleNamespace(_requests_owning_rows=lambda: list(sim.running))
+    scheduler = SimpleNamespace(tree_cache=sim.tree, invariant_checker=checker, waiting_queue=[])
+    batch = SimpleNamespace(is_empty=lambda: not sim.running)
+    formed = SimpleNamespace(batch_to_run=None, running_batch=batch)
+    monkeypatch.setattr(admission, "CHECK_EVERY_STEP", True)
+    assert admission.prefill_hook(lambda *a, **k: formed, scheduler, batch) is formed
+    sim.alloc.free_pages = sim.alloc.free_pages[1:]  # a slot nobody owns
+    with pytest.raises(RuntimeError, match=r"SGLMEMORY_CHECK_INTEGRITY: .*owned by nobody"):
+        admission.prefill_hook(lambda *a, **k: formed, scheduler, batch)
+
+
 class Chars:
     """A tokenizer of one character per token, for persistence's text match."""
 
