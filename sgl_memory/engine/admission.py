@@ -19,6 +19,7 @@ from sgl_memory.core.kvhost import namespace
 from sgl_memory.core.request import SpecError, check_served, of_request
 from sgl_memory.core.slots import Slot
 from sgl_memory.engine import integrity
+from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 
 ADMITTED: Slot[bool] = Slot("admitted")  # a request this hook saw (a retracted one comes back through it)
 # The debug setting: the tree's integrity (integrity.py) checked before every batch
@@ -81,7 +82,7 @@ def prefill_hook(original, scheduler, running_batch, *args, **kwargs):
     come first (tree.held_first). The queue then goes back to its order, and the tree lets go of
     the holds of the requests that left it (tree.after_prefill)."""
     tree = scheduler.tree_cache
-    if CHECK_EVERY_STEP and not getattr(tree, "disable", True) and hasattr(tree, "dead_counts"):
+    if CHECK_EVERY_STEP and isinstance(tree, SglMemoryRadixCache) and not tree.disable:
         problems = integrity.check(tree, integrity.row_owners(scheduler))
         if problems:
             raise RuntimeError(
