@@ -11,7 +11,7 @@ import torch
 
 from sgl_memory.core import config, request
 from sgl_memory.keep.loading import LOADINGS, LayerLoader
-from sgl_memory.keep.select import SELECTORS, KVDeviation, LayerView, MultiHop, ratio_at
+from sgl_memory.keep.select import SELECTORS, KVDeviation, LayerView, MultiHop, SegmentStarts, ratio_at
 
 
 def view(seed: int, sizes=(5, 16, 3, 9, 16), turn=7, heads=4, kv_heads=2, dim=8, candidates=None) -> LayerView:
@@ -138,6 +138,20 @@ def test_cacheblend_selects_the_largest_kv_deviations_among_the_candidates(seed)
     assert sorted(got.nonzero().squeeze(1).tolist()) == sorted(want)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_starts_selects_the_earliest_tokens_of_every_segment_among_the_candidates(seed):
+    cand = torch.rand(49, generator=torch.Generator().manual_seed(seed)) < 0.6
+    v = view(seed, candidates=cand)
+    offsets, seen = [], {}
+    for s in v.segment.tolist():  # a token's place in its segment, counted with a loop
+        offsets.append(seen.get(s, 0))
+        seen[s] = offsets[-1] + 1
+    for n in (1, 5, 12):
+        got = SegmentStarts().select(v, n)
+        want = sorted((i for i in range(49) if cand[i]), key=lambda i: (offsets[i], i))[:n]
+        assert sorted(got.nonzero().squeeze(1).tolist()) == sorted(want)
+
+
 @pytest.mark.parametrize("name", sorted(SELECTORS))
 def test_every_selector_stays_inside_its_candidates(name):
     cand = torch.zeros(49, dtype=torch.bool)
@@ -167,7 +181,7 @@ def test_a_repair_needs_the_keep_mechanism():
         config.from_dict({"memory": {"enabled": True, "recompute": "cacheblend"}})
     assert config.from_dict({"memory": {"enabled": True, "recompute": "full"}}).memory.recompute == "full"
     served = config.from_dict({"memory": {"enabled": True}})
-    for mode in ("keep", "cacheblend"):
+    for mode in ("keep", "cacheblend", "starts"):
         spec = request.parse({"session_id": "s", "memory": {"recompute": mode}})
         with pytest.raises(request.SpecError, match="keep.enabled"):
             request.check_served(spec, served)

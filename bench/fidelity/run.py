@@ -139,6 +139,7 @@ MEMORY_METHODS = {
     "kv memory, lines after system": {"unit": "line", "placement": "after_system"},
     "kv memory, lines + keep": {"unit": "line", "recompute": "keep"},
     "kv memory, lines + full recompute": {"unit": "line", "recompute": "full"},
+    "kv memory, lines + starts": {"unit": "line", "recompute": "starts"},
     f"kv memory, lines @{P.LARGE_BUDGET}": {"unit": "line", "placed_tokens": P.LARGE_BUDGET},
     f"kv memory, lines + turn header @{P.LARGE_BUDGET}": {
         "unit": "line",

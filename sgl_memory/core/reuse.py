@@ -16,7 +16,7 @@ import torch
 
 # The repairs of placed KV a request may ask for, and the mechanism that carries out each: the
 # placer checks that it runs (memart/settings.py), the repairer registers under that name.
-REPAIRS = {"keep": "keep", "cacheblend": "keep"}
+REPAIRS = {"keep": "keep", "cacheblend": "keep", "starts": "keep"}
 
 
 @dataclass

@@ -211,7 +211,9 @@ class KeepManager(mechanism.Mechanism):
         asked: KeepRequest = spec.part(self.name) or KeepRequest()
         hops = asked.hops or self.config.hops
         selector = SELECTORS[reuse.method](hops=hops) if reuse.method == "keep" else SELECTORS[reuse.method]()
-        ratio = self.config.ratio if asked.ratio is None else asked.ratio
+        ratio = asked.ratio
+        if ratio is None:
+            ratio = self.config.starts_ratio if reuse.method == "starts" else self.config.ratio
         compact = self.config.compact if asked.compact is None else asked.compact
         self.blends[req.rid] = Blend(
             reuse,

@@ -1,5 +1,6 @@
 """Which placed rows the next layer recomputes: KEEP's segments by multi-hop importance, CacheBlend's
-tokens by KV deviation. One class per method, registered under its `recompute` name.
+tokens by KV deviation, the segments' first tokens (`starts`). One class per method, registered
+under its `recompute` name.
 
 A selector sees one layer of one request after the placed KV was written over the rows this layer
 does not recompute (`LayerView`), and names the rows the next layer recomputes, among this layer's
@@ -168,6 +169,25 @@ class KVDeviation(Selector):
         dk = (view.k_mem.float() - view.placed_k.float()).pow(2).sum((1, 2))
         dv = (view.v_mem.float() - view.placed_v.float()).pow(2).sum((1, 2))
         return top(view.reduce(dk + dv, "sum").to(dk.device), view.candidates, n)
+
+
+@register("starts")
+@dataclass
+class SegmentStarts(Selector):
+    """The first tokens of every placed segment, earliest first: a placed line's KV was computed
+    after text that is not placed before it, and the assembly's first token was computed as no
+    attention sink. Measured on LoCoMo (bench/reuse_gap.py): the reused KV deviates most there,
+    and recomputing the first tokens carries most of a full recompute's gain. A fixed order, so
+    every layer's set lies inside the one before."""
+
+    unit: ClassVar[str] = "token"
+
+    def select(self, view: LayerView, n: int) -> torch.Tensor:
+        seg = view.segment.to(view.candidates.device)
+        index = torch.arange(len(seg), device=seg.device)
+        first = torch.full((int(seg.max()) + 1 if len(seg) else 0,), len(seg), device=seg.device)
+        offset = index - first.scatter_reduce(0, seg, index, "amin")[seg]
+        return top(-offset.float(), view.candidates, n)
 
 
 def ratio_at(layer: int, layers: int, ratio: float, decay: float) -> float:

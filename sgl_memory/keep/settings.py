@@ -22,6 +22,10 @@ class KeepConfig:
     # recomputes all of them, and layer l the share ratio ** (1 + decay * (l - 1) / (layers - 2)),
     # each layer's set inside the one before (a row dropped at a layer has no hidden state after it)
     ratio: float = 0.3
+    # the same share for `starts` (the segments' first tokens, the assembly's first one first): the
+    # first placed token recomputed is what closes most of the gap to a full recompute (a token
+    # from the middle of a transcript is no attention sink), bench/reuse_gap.py
+    starts_ratio: float = 0.01
     decay: float = 0.5  # how fast the recomputed share shrinks with depth (in the ratio formula above)
     hops: int = 4  # importance propagation rounds of keep (1: the new turn's attention alone)
     # drop the rows no later layer recomputes from the hidden states (the speed-up, on backends that
@@ -36,6 +40,7 @@ class KeepConfig:
 
     def validate(self, path: str) -> None:
         require(0.0 <= self.ratio <= 1.0, f"{path}.ratio", "a number in [0, 1]")
+        require(0.0 <= self.starts_ratio <= 1.0, f"{path}.starts_ratio", "a number in [0, 1]")
         require(self.decay >= 0.0, f"{path}.decay", "a number >= 0")
         require(1 <= self.hops <= MAX_HOPS, f"{path}.hops", f"an integer in [1, {MAX_HOPS}]")
         require(

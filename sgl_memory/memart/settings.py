@@ -41,10 +41,10 @@ class MemArtConfig:
     unit: Literal["block", "line"] = "line"
     # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
     placed_tokens: int = 2048
-    # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep
-    # and cacheblend (recompute a selected share, sgl_memory/keep; needs keep.enabled), full (the
-    # blocks' tokens prefilled again in the request's context)
-    recompute: Literal["none", "keep", "cacheblend", "full"] = "none"
+    # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep,
+    # cacheblend and starts (recompute a selected share, sgl_memory/keep; needs keep.enabled), full
+    # (the blocks' tokens prefilled again in the request's context)
+    recompute: Literal["none", "keep", "cacheblend", "starts", "full"] = "none"
     # memory entries written by key (POST /sgl_memory/memory/write, memart/entries.py): grouped by
     # MiniLM sentence embeddings (an entry joins the nearest group at cosine >= group_threshold); a
     # group unchanged for static_after writes gets a joint KV and is retrieved as one unit
