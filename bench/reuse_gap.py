@@ -357,6 +357,7 @@ def main() -> None:
     )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--out", default=str(RESULTS / "reuse_gap.json"))
+    ap.add_argument("--report-only", action="store_true", help="summarize the rows file, run nothing")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -368,7 +369,7 @@ def main() -> None:
     rows_path = out.with_suffix(".rows.jsonl")  # appended per question: a re-run resumes
     rows, t0 = read_jsonl(rows_path) if rows_path.exists() else [], time.perf_counter()
     done = {r["id"] for r in rows}
-    for c in args.conversations:
+    for c in [] if args.report_only else args.conversations:
         if all(t.id in done for t in P.locomo(tokenizer, [c], args.questions)):
             continue
         turns = data.turns(samples[c])

@@ -99,8 +99,9 @@ def _zero_head(directory: Path) -> None:
     PrunerHead(HeadShape(spec["head_dim"])).save(directory / "zero_head.safetensors", spec)
 
 
-# KV memory as the block-counting tests use it: 16-token blocks cut by tokens alone, placed alone
-BLOCKS = "  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
+# KV memory as the block-counting tests use it: 16-token blocks cut by tokens alone, placed alone,
+# reused as placed (the tests that compare placed KV with its original ask for a repair by request)
+BLOCKS = "  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n  recompute: none\n"
 # Every mechanism on, in the dtype the launcher picks for this CPU. Intent's budget is above any
 # test prompt (a test that prunes asks for its budget); SentenceKV's is the section's default.
 ALL = (

@@ -176,11 +176,15 @@ def test_the_ratio_schedule():
     assert all(ratio_at(i, layers, 0.3, 0.0) == pytest.approx(0.3) for i in range(1, layers))
 
 
-def test_a_repair_needs_the_keep_mechanism():
-    with pytest.raises(config.ConfigError, match="keep.enabled"):
-        config.from_dict({"memory": {"enabled": True, "recompute": "cacheblend"}})
-    assert config.from_dict({"memory": {"enabled": True, "recompute": "full"}}).memory.recompute == "full"
-    served = config.from_dict({"memory": {"enabled": True}})
+def test_a_repair_needs_the_keep_mechanism_which_is_on_with_memory_unless_turned_off():
+    off = {"enabled": False}
+    assert config.from_dict({"memory": {"enabled": True}}).keep.enabled  # memory's default repair runs there
+    assert not config.from_dict({}).keep.enabled and not config.from_dict({"memory": {"enabled": False}}).keep.enabled
+    for repair in ("cacheblend", "starts"):
+        with pytest.raises(config.ConfigError, match="keep.enabled"):
+            config.from_dict({"memory": {"enabled": True, "recompute": repair}, "keep": off})
+    assert config.from_dict({"memory": {"enabled": True, "recompute": "full"}, "keep": off}).memory.recompute == "full"
+    served = config.from_dict({"memory": {"enabled": True, "recompute": "none"}, "keep": off})
     for mode in ("keep", "cacheblend", "starts"):
         spec = request.parse({"session_id": "s", "memory": {"recompute": mode}})
         with pytest.raises(request.SpecError, match="keep.enabled"):
@@ -220,7 +224,9 @@ def test_keep_overrides_are_parsed_by_keep():
         spec.part("memory").recompute,
     ) == (0.25, 2, False, "keep")
     with pytest.raises(request.SpecError, match=r"keep.enabled: false"):
-        request.check_served(spec, config.from_dict({"memory": {"enabled": True}}))
+        request.check_served(
+            spec, config.from_dict({"memory": {"enabled": True, "recompute": "none"}, "keep": {"enabled": False}})
+        )
 
 
 def placed(layers=6, m=40, heads=2, dim=8, seed=0):

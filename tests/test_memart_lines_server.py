@@ -113,7 +113,8 @@ def test_placed_tokens_caps_what_is_placed_with_whole_lines(server, tok, turn, c
 
 def test_every_line_placed_equals_the_whole_turn_in_the_prompt(server, tok, turn):
     q = tok.encode(QUERY.format(QUESTION), add_special_tokens=False)
-    got = generate(server, q, {"session_id": "notes", "tenant": "a", "memory": {"placed_tokens": 0, "store": False}})
+    memory = {"placed_tokens": 0, "store": False, "recompute": "none"}  # reused as recorded
+    got = generate(server, q, {"session_id": "notes", "tenant": "a", "memory": memory})
     m = got["meta_info"]["sgl_memory"]
     assert runs(m["retrieved_spans"]) == [(0, len(turn))] and m["prefill_tokens"] == len(q)
     want = generate(server, turn + q, {"session_id": "notes", "tenant": "ref"})

@@ -176,6 +176,9 @@ def from_dict(data: dict | None) -> MemoryConfig:
         if key not in TOP_LEVEL and key not in mechanism.REGISTRY:
             raise ConfigError(f"{key}: unknown key; allowed keys: {', '.join(TOP_LEVEL)}, {', '.join(names)}")
     sections = {name: _build(cls.settings, data.get(name), name) for name, cls in mechanism.REGISTRY.items()}
+    for name, cls in mechanism.REGISTRY.items():
+        if cls.enabled_with in sections and "enabled" not in (data.get(name) or {}):
+            sections[name] = dataclasses.replace(sections[name], enabled=sections[cls.enabled_with].enabled)
     config = MemoryConfig(tuple(plugins), _build(SessionSources, data.get("sessions"), "sessions"), **sections)
     for cls in mechanism.ordered():
         cls.check_config(config)

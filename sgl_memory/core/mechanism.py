@@ -86,6 +86,9 @@ class Mechanism(ABC):
     # the server's own passes for another mechanism (request.RequestPart.internal) are not admitted
     # here, unless this is set: persistence keeps what such a pass changed in the session's file
     follows_internal: ClassVar[bool] = False
+    # another mechanism whose section turns this one on when this one's section does not say
+    # (`enabled` absent): a mechanism that serves another's default (config.from_dict)
+    enabled_with: ClassVar[str | None] = None
     # export_session names whose tensors hold KV [layers, tokens, heads, dim]: "k" keys or "v" values,
     # which the session store may quantize like the session's own KV; the rest are stored exactly
     kv_state: ClassVar[dict[str, str]] = {}

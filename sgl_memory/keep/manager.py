@@ -179,6 +179,8 @@ class KeepManager(mechanism.Mechanism):
     # at TP > 1 the selectors' head aggregates are combined over the ranks (select.py): every rank
     # recomputes the same rows (tests/test_tp_scores.py, tests/test_tp_server.py)
     page_refusal = "it recomputes, and may drop, single rows of the placed blocks"
+    # on with KV memory unless its section says: memory's default repair (recompute: starts) runs here
+    enabled_with = "memory"
 
     @classmethod
     def observe(cls, metrics: dict, meta_info: dict) -> None:

@@ -17,7 +17,7 @@ class KeepConfig:
     """Recomputation of the placed memory blocks that matter (KEEP, and CacheBlend as its baseline):
     see sgl_memory/keep/README.md."""
 
-    enabled: bool = False  # allow memory.recompute keep / cacheblend (a request or the memory section asks for them)
+    enabled: bool = False  # allow memory.recompute starts / keep / cacheblend; on with memory unless this says
     # share of the placed segments (keep) or tokens (cacheblend) recomputed at layer 1; layer 0
     # recomputes all of them, and layer l the share ratio ** (1 + decay * (l - 1) / (layers - 2)),
     # each layer's set inside the one before (a row dropped at a layer has no hidden state after it)

@@ -367,6 +367,10 @@ class MemArtManager(mechanism.Mechanism):
         system = probe.system_end if after_system and probe.system_kv is not None else 0
         memory_tokens = [t for b in blocks for t in b.tokens]
         tokens = prompt[:system] + memory_tokens
+        if state.recompute == "starts" and not system and int(blocks[0].positions[0]) == 0:
+            # the first block began its turn's prompt: its first token was computed at position 0,
+            # the attention sink that `starts` restores, so the blocks are reused as placed
+            state.recompute = "none"
         digest = hashlib.blake2b(array("q", [b.id for b in blocks]).tobytes(), digest_size=12).hexdigest()
         names = [state.owner[1], digest]
         placed = tokens

@@ -41,10 +41,11 @@ class MemArtConfig:
     unit: Literal["block", "line"] = "line"
     # memory tokens placed at most per request, units and headers included (0: top_k alone bounds them)
     placed_tokens: int = 2048
-    # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), keep,
-    # cacheblend and starts (recompute a selected share, sgl_memory/keep; needs keep.enabled), full
-    # (the blocks' tokens prefilled again in the request's context)
-    recompute: Literal["none", "keep", "cacheblend", "starts", "full"] = "none"
+    # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), starts
+    # (their first tokens recomputed: the assembly's first token becomes an attention sink), keep and
+    # cacheblend (a selected share; these three run in sgl_memory/keep, on with memory unless its
+    # section says), full (the blocks' tokens prefilled again in the request's context)
+    recompute: Literal["none", "keep", "cacheblend", "starts", "full"] = "starts"
     # memory entries written by key (POST /sgl_memory/memory/write, memart/entries.py): grouped by
     # MiniLM sentence embeddings (an entry joins the nearest group at cosine >= group_threshold); a
     # group unchanged for static_after writes gets a joint KV and is retrieved as one unit
@@ -171,5 +172,5 @@ def check_request(part: MemArtRequest, config) -> None:
 
 def check_config(config) -> None:
     repair = config.memory.recompute
-    if repair in REPAIRS and not config.section(REPAIRS[repair]).enabled:
+    if config.memory.enabled and repair in REPAIRS and not config.section(REPAIRS[repair]).enabled:
         raise ConfigError(f"memory.recompute: {repair!r} needs {REPAIRS[repair]}.enabled: true")
