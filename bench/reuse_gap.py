@@ -271,6 +271,7 @@ def summarize(rows: list[dict]) -> dict:
         },
         "paired": {
             "recomputed - reused": mean(lambda r: r["plain"]["fresh"] - r["plain"]["reused"]),
+            "first token recomputed - reused": mean(lambda r: r["plain"]["first token"] - r["plain"]["reused"]),
             "reused - text retrieval": mean(lambda r: r["plain"]["reused"] - r["text"]),
             "first token recomputed - text retrieval": mean(lambda r: r["plain"]["first token"] - r["text"]),
             "dated, first token recomputed - first token recomputed": mean(
