@@ -9,6 +9,9 @@ Methods, all on our server (`--memory-config` with a `memory:` section):
   MemArt result is recorded).
 - memart: the transcript is ingested once per conversation as a session turn; each question then
   carries only itself and retrieves KV blocks (`store: false`, so questions stay independent).
+- defaults: what a user gets from `memory: enabled: true` and nothing else (lines, 2,048 placed
+  tokens, keep on with memory), its repair (`recompute: starts`, the default) against reuse alone
+  (`none`), text retrieval at the same placed tokens and the whole transcript, on one server.
   Ablations (per request, same server): the other three norm x agg combinations; MemArt's AABB
   bound instead of each block's best key (with rr-max, the paper's choice for Qwen, and with
   softmax-max); the blocks after the system message instead of first. Block size 8 with top_k
@@ -45,7 +48,18 @@ from . import data, metrics, prompts
 from .retrieval import TurnRetriever
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-METHOD_GROUPS = ("memart", "norm-agg", "aabb", "placement", "block8", "full", "text", "recompute", "repairs")
+METHOD_GROUPS = (
+    "memart",
+    "norm-agg",
+    "aabb",
+    "placement",
+    "block8",
+    "full",
+    "text",
+    "recompute",
+    "repairs",
+    "defaults",
+)
 RATIOS = (0.1, 0.3)  # keep and cacheblend recomputation ratios (the share at layer 1) of the recompute group
 MAIN_NORM, MAIN_AGG = "softmax", "max"  # the server's defaults (bench/locomo/retrieval_study.py)
 LONG_REQUEST_S = 3600  # a cold 24k-token prefill on 2 cores takes minutes
@@ -67,15 +81,20 @@ class Variant:
     cut: str = "tokens"  # of the server it runs on (memory.cut): lines: no block spans two dialogue turns
     turns: str = "transcript"  # the memory's turns: the transcript as one, or each LoCoMo session as one
     header: str = "none"  # placed with each chosen block: the first block of its turn and/or line
+    # of the server it runs on: bench (block unit, top_k blocks, the fields above) or defaults (the
+    # memory section's defaults; a memart request then names only its recompute)
+    config: str = "bench"
 
     @property
-    def server(self) -> tuple[int, bool, str]:
-        return self.block_size, self.compact, self.cut
+    def server(self) -> tuple[str, int, bool, str]:
+        return self.config, self.block_size, self.compact, self.cut
 
     @property
     def label(self) -> str:
         if self.method == "full":
             return "full"
+        if self.config == "defaults":
+            return "text-defaults" if self.method == "text" else f"memory-defaults-{self.recompute}"
         if self.method == "text":
             return f"text-k{self.top_k}"  # budget from the main MemArt variant at this top_k
         suffix = ("-aabb" if self.scoring == "aabb" else "") + (
@@ -95,8 +114,12 @@ def main_memart(top_k: int) -> Variant:
     return Variant("memart", 16, top_k)
 
 
+DEFAULTS_REUSE = Variant("memart", config="defaults", recompute="none")
+
+
 def variants(groups: list[str], top_k: int) -> list[Variant]:
-    """In run order: MemArt first, so the text baseline can match each question's KV length."""
+    """In run order: MemArt first, so the text baseline can match each question's KV length; one
+    variant per label (the whole transcript is one method whichever group names it)."""
     out = []
     for group in METHOD_GROUPS:
         if group not in groups:
@@ -138,9 +161,17 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
                 replace(sessions, cut="lines", header="turn_line"),
                 replace(sessions, cut="lines", header="turn_line", recompute="keep", ratio=RATIOS[-1]),
             ]
+        elif group == "defaults":  # reuse first: the text baseline's budget is its placed tokens
+            out += [
+                DEFAULTS_REUSE,
+                replace(DEFAULTS_REUSE, recompute="starts"),
+                Variant("text", config="defaults"),
+                Variant("full", config="defaults"),
+            ]
         else:
             out.append(Variant(group, 16, top_k))
-    return out
+    labels = [v.label for v in out]
+    return [v for i, v in enumerate(out) if v.label not in labels[:i]]
 
 
 @dataclass
@@ -266,6 +297,7 @@ def generate(
 def server_config(
     directory: Path, block_size: int, top_k: int, memory_on: bool, capacity_blocks: int, compact: bool, cut: str
 ) -> Path:
+    """The benchmark's own memory server: block units, top_k blocks placed, capacity for every transcript."""
     path = (
         directory
         / f"locomo-bs{block_size}{'' if compact else '-no-drop'}{'' if cut == 'tokens' else '-cut-' + cut}.yaml"
@@ -278,6 +310,13 @@ def server_config(
         # the recompute variants' repairs
         f"keep:\n  enabled: {str(memory_on).lower()}\n  compact: {str(compact).lower()}\n" + harness.PERSIST_OFF
     )
+    return path
+
+
+def defaults_config(directory: Path) -> Path:
+    """What a user writes to turn memory on (keep follows it); persistence off so runs stay independent."""
+    path = directory / "locomo-defaults.yaml"
+    path.write_text("memory:\n  enabled: true\n" + harness.PERSIST_OFF)
     return path
 
 
@@ -324,7 +363,8 @@ class Runner:
         return sid, [0] + ends[:-1]
 
     def text_budget(self, variant: Variant, q: data.Question) -> tuple[int, str]:
-        ref = self.results.row(main_memart(variant.top_k).label, q)
+        main = DEFAULTS_REUSE if variant.config == "defaults" else main_memart(variant.top_k)
+        ref = self.results.row(main.label, q)
         if ref and ref.get("memory_kv_tokens"):
             return ref["memory_kv_tokens"], "memart"
         return variant.top_k * 16, "top_k x block_size"
@@ -346,6 +386,9 @@ class Runner:
                 "evidence_recall": sum(e in found for e in q.evidence) / len(q.evidence) if q.evidence else None,
             }
             return prompts.with_context(self.tokenizer, excerpt, q.question), None, extra
+        if variant.config == "defaults":
+            memory = {"session_id": sid, "memory": {"mode": "retrieve", "store": False, "recompute": variant.recompute}}
+            return prompts.question_only(self.tokenizer, q.question), memory, {}
         memory = {
             "session_id": sid,
             "memory": {
@@ -475,13 +518,14 @@ def summarize(results: Results, convs: list[Conversation] | None) -> dict:
         if asked is None or (row["conversation"], row["qa_index"]) in asked:
             by_label.setdefault(row["variant"], []).append(row)
     text = next((rows for label, rows in by_label.items() if label.startswith("text-")), [])
+    refs = {"text": text, "full": by_label.get("full", []), "reuse": by_label.get(DEFAULTS_REUSE.label, [])}
     summary = {}
     for label, rows in by_label.items():
         cats = sorted({r["category"] for r in rows})
         summary[label] = {
             "n": len(rows),
             **{m: _mean(rows, m) for m in MEANS},
-            **intervals(rows, text),
+            **intervals(rows, refs),
             "by_category": {
                 str(c): {
                     "n": sum(r["category"] == c for r in rows),
@@ -493,20 +537,22 @@ def summarize(results: Results, convs: list[Conversation] | None) -> dict:
     return summary
 
 
-def intervals(rows: list[dict], text: list[dict]) -> dict:
-    """95% bootstrap intervals over questions: F1, and F1 paired against text retrieval on the
-    questions both answered."""
+def intervals(rows: list[dict], refs: dict[str, list[dict]]) -> dict:
+    """95% bootstrap intervals over questions: F1, and F1 paired against each reference method
+    (text retrieval, the whole transcript, reuse at the defaults) on the questions both answered:
+    `f1_vs_<name>`, its `_ci` and its `n_vs_<name>`."""
     _, low, high = bootstrap([[r["f1"]] for r in rows])
     out = {"f1_ci": [low, high]}
-    theirs = {(r["conversation"], r["qa_index"]): r["f1"] for r in text}
-    pairs = [
-        [r["f1"] - theirs[r["conversation"], r["qa_index"]]]
-        for r in rows
-        if (r["conversation"], r["qa_index"]) in theirs
-    ]
-    if pairs and rows is not text:
-        out["f1_vs_text"], low, high = bootstrap(pairs)
-        out["f1_vs_text_ci"], out["n_vs_text"] = [low, high], len(pairs)
+    for name, ref in refs.items():
+        theirs = {(r["conversation"], r["qa_index"]): r["f1"] for r in ref}
+        pairs = [
+            [r["f1"] - theirs[r["conversation"], r["qa_index"]]]
+            for r in rows
+            if (r["conversation"], r["qa_index"]) in theirs
+        ]
+        if pairs and rows is not ref:
+            out[f"f1_vs_{name}"], low, high = bootstrap(pairs)
+            out[f"f1_vs_{name}_ci"], out[f"n_vs_{name}"] = [low, high], len(pairs)
     return out
 
 
@@ -519,7 +565,7 @@ def ingest_cost(results: Results) -> dict[str, float]:
 
 
 def pending(results: Results, vs: list[Variant], convs: list[Conversation]) -> dict[tuple, dict[Variant, dict]]:
-    """Per server (block size, row dropping, cut): variant -> conversation -> questions without a result yet."""
+    """Per server (config, block size, row dropping, cut): variant -> conversation -> questions without a result yet."""
     out: dict[tuple, dict[Variant, dict]] = {}
     for v in vs:
         for c in convs:
@@ -588,15 +634,20 @@ def report(result: dict, vs_order: list[str], ingest: dict[str, float]) -> None:
     """The table, with seconds per question: the cost a reader compares first."""
     summary = result["summary"]
     print(
-        f"{'variant':48} {'n':>4} {'F1':>6} {'95% CI':>13} {'vs text':>21} {'BLEU1':>6} {'sim':>6} {'recall':>6} "
+        f"{'variant':48} {'n':>4} {'F1':>6} {'95% CI':>13} {'vs text':>21} {'vs full':>21} {'vs reuse':>21} "
+        f"{'BLEU1':>6} {'sim':>6} {'recall':>6} "
         f"{'prefill':>8} {'KV dec':>7} {'TTFT':>6} {'s/q':>7}"
     )
     for label in sorted(summary, key=lambda s: (vs_order.index(s) if s in vs_order else len(vs_order), s)):
         s = summary[label]
         ci = "[{:.3f}, {:.3f}]".format(*s["f1_ci"]) if "f1_ci" in s else "-"
-        vs = "{:+.3f} [{:+.3f}, {:+.3f}]".format(s["f1_vs_text"], *s["f1_vs_text_ci"]) if "f1_vs_text" in s else "-"
+        vs = [
+            "{:+.3f} [{:+.3f}, {:+.3f}]".format(s[f"f1_vs_{r}"], *s[f"f1_vs_{r}_ci"]) if f"f1_vs_{r}" in s else "-"
+            for r in ("text", "full", "reuse")
+        ]
         print(
-            f"{label:48} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {ci:>13} {vs:>21} {_fmt(s['bleu1'], '6.3f')} "
+            f"{label:48} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {ci:>13} {vs[0]:>21} {vs[1]:>21} {vs[2]:>21} "
+            f"{_fmt(s['bleu1'], '6.3f')} "
             f"{_fmt(s['sim'], '6.3f')} {_fmt(s['evidence_recall'], '6.3f')} {_fmt(s['prefill_tokens'], '8.0f')} "
             f"{_fmt(s['kv_decode_tokens'], '7.0f')} {_fmt(s['ttft_s'], '6.2f')} {_fmt(s['wall_s'], '7.2f')}"
         )
@@ -635,13 +686,17 @@ def main(argv=None) -> None:
     logs.mkdir(exist_ok=True)
     with tqdm(total=total, desc="questions", disable=None) as bar:
         runner = Runner(args, tokenizer, embedder, results, bar)
-        for block_size, compact, cut_at in sorted(work, reverse=True):
-            todo = work[(block_size, compact, cut_at)]
+        for key in sorted(work, reverse=True):
+            kind, block_size, compact, cut_at = key
+            todo = work[key]
             top_k = next((v.top_k for v in todo if v.method == "memart"), args.top_k)
             memory_on = any(v.method == "memart" for v in todo)
             # the memory section stays off when no MemArt variant runs: the other methods do not need it
             capacity = max(4096, sum(math.ceil(len(c.ingest_ids) / block_size) + 64 for c in convs))
-            config = server_config(logs, block_size, top_k, memory_on, capacity, compact, cut_at)
+            if kind == "defaults":
+                config = defaults_config(logs)
+            else:
+                config = server_config(logs, block_size, top_k, memory_on, capacity, compact, cut_at)
             command = harness.our_command(args.model, "--memory-config", str(config), *server_flags(args.model, convs))
             log = logs / config.with_suffix(".log").name
             bar.set_description(f"starting server {config.stem}")
