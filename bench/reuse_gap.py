@@ -77,7 +77,7 @@ def _projections(model):
 
 def record(model, tokenizer, turns: list[data.Turn], dated: bool) -> Memory:
     """The transcript's forward, chunk by chunk over a growing cache, keeping every layer's K (pre-RoPE) and V."""
-    lines = [t.line(dated=True) for t in sorted(turns, key=lambda t: t.index)] if dated else data.rendered(turns)
+    lines = data.rendered(turns, every_line_dated=dated)
     text = prompts.CONTEXT_HEADER + "\n".join(lines)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]

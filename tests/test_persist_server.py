@@ -244,6 +244,10 @@ def test_the_session_inspector_pages_sessions_and_keeps_a_tenant_to_its_own(rest
         head = session_file_of(store, "insp", sid)
         assert row["stored_bytes"] == sum(p.stat().st_size for p in [head, *head.parent.glob(f"{head.stem}.*.chunk")])
         assert not {"tokens", "text", "keys"} & set(row)
+    # SGLang's own internal-state readers (GET /server_info, which routers and dashboards poll) get
+    # SGLang's answer alone: the sessions and the tree's walk are paid for by their own endpoints
+    (state,) = b.get("/server_info").json()["internal_states"]
+    assert state and not {"sgl_memory_sessions", "sgl_memory_integrity"} & set(state), sorted(state)
     # a tenant's caller: its own sessions, paged
     own = requests.get(b.url + "/sgl_memory/sessions?limit=1", headers={"x-tenant-id": "insp"}).json()
     assert own["total"] == 2 and [s["session_id"] for s in own["sessions"]] == ["insp-b"]

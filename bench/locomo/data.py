@@ -81,11 +81,13 @@ def render(selected: list[Turn]) -> str:
     return "\n".join(rendered(selected))
 
 
-def rendered(selected: list[Turn]) -> list[str]:
-    """Each turn's text in `render` (chronological; a turn's text may hold line ends of its own)."""
+def rendered(selected: list[Turn], every_line_dated: bool = False) -> list[str]:
+    """Each turn's text in `render` (chronological; a turn's text may hold line ends of its own);
+    `every_line_dated`: each with its session's date, as a memory that records lines alone needs
+    (a placed line from the middle of a session has no date before it otherwise)."""
     lines, session = [], None
     for t in sorted(selected, key=lambda t: t.index):
-        lines.append(t.line(dated=t.session != session))
+        lines.append(t.line(dated=every_line_dated or t.session != session))
         session = t.session
     return lines
 

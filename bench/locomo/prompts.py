@@ -32,13 +32,14 @@ def ingest_ids(tokenizer, transcript: str) -> list[int]:
     return tokenizer(CONTEXT_HEADER + transcript, add_special_tokens=False)["input_ids"]
 
 
-def ingest_turn_of_tokens(tokenizer, turns) -> list[int | None]:
-    """For each token of the memory turn of these turns (ingest_ids of their transcript), the
-    chronological position of the turn it falls in (None for the header): where a retrieved KV
-    block sits in the dialogue. Turns, not lines: a turn's text may hold line ends."""
+def ingest_turn_of_tokens(tokenizer, turns, every_line_dated: bool = False) -> list[int | None]:
+    """For each token of the memory turn of these turns (ingest_ids of their transcript, rendered
+    with `every_line_dated` as data.rendered), the chronological position of the turn it falls in
+    (None for the header): where a retrieved KV block sits in the dialogue. Turns, not lines: a
+    turn's text may hold line ends."""
     from . import data
 
-    pieces = data.rendered(turns)
+    pieces = data.rendered(turns, every_line_dated)
     enc = tokenizer(CONTEXT_HEADER + "\n".join(pieces), add_special_tokens=False, return_offsets_mapping=True)
     starts, pos = [], len(CONTEXT_HEADER)
     for piece in pieces:

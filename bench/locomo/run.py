@@ -84,6 +84,11 @@ class Variant:
     # of the server it runs on: bench (block unit, top_k blocks, the fields above) or defaults (the
     # memory section's defaults; a memart request then names only its recompute)
     config: str = "bench"
+    dated: bool = False  # the memory's transcript carries its session's date on every line
+
+    def __post_init__(self):
+        if self.dated and self.method != "memart":
+            raise ValueError("dated is how a memory records its transcript; text and full read the transcript")
 
     @property
     def server(self) -> tuple[str, int, bool, str]:
@@ -94,7 +99,9 @@ class Variant:
         if self.method == "full":
             return "full"
         if self.config == "defaults":
-            return "text-defaults" if self.method == "text" else f"memory-defaults-{self.recompute}"
+            if self.method == "text":
+                return "text-defaults"
+            return f"memory-defaults-{self.recompute}" + ("-dated" if self.dated else "")
         if self.method == "text":
             return f"text-k{self.top_k}"  # budget from the main MemArt variant at this top_k
         suffix = ("-aabb" if self.scoring == "aabb" else "") + (
@@ -165,6 +172,7 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
             out += [
                 DEFAULTS_REUSE,
                 replace(DEFAULTS_REUSE, recompute="starts"),
+                replace(DEFAULTS_REUSE, recompute="starts", dated=True),  # a client that dates every line it records
                 Variant("text", config="defaults"),
                 Variant("full", config="defaults"),
             ]
@@ -182,22 +190,31 @@ class Conversation:
     questions: list[data.Question]
     ingest_ids: list[int] = field(default_factory=list)
     token_turn: list[int | None] = field(default_factory=list)  # ingest token -> its turn (chronological position)
+    dated_ids: list[int] = field(default_factory=list)  # the memory turn with a date on every line
+    dated_token_turn: list[int | None] = field(default_factory=list)
     retriever: TurnRetriever | None = None
 
-    def session_ends(self) -> list[int]:
-        """Where each LoCoMo session's tokens end in ingest_ids (the memory turns of `turns: sessions`)."""
-        return prompts.session_ends(self.turns, self.token_turn)
+    def memory_turn(self, dated: bool) -> tuple[list[int], list[int | None]]:
+        """What a memory variant ingests (`Variant.dated`): its token ids and each token's turn."""
+        return (self.dated_ids, self.dated_token_turn) if dated else (self.ingest_ids, self.token_turn)
 
-    def evidence_recall(self, q: data.Question, spans: list[list[int]], starts: list[int]) -> float | None:
+    def session_ends(self, dated: bool = False) -> list[int]:
+        """Where each LoCoMo session's tokens end in the ingested ids (the memory turns of `turns: sessions`)."""
+        return prompts.session_ends(self.turns, self.memory_turn(dated)[1])
+
+    def evidence_recall(
+        self, q: data.Question, spans: list[list[int]], starts: list[int], dated: bool = False
+    ) -> float | None:
         """Share of the question's evidence turns that a retrieved block overlaps (MemArt rows);
-        `starts`: where each memory turn starts in ingest_ids (a block's offset is within its turn)."""
+        `starts`: where each memory turn starts in the ingested ids (a block's offset is within its turn)."""
         if not q.evidence:
             return None
         lines = sorted(self.turns, key=lambda t: t.index)
+        token_turn = self.memory_turn(dated)[1]
         covered = {
             lines[i].dia_id
             for turn, offset, n in spans
-            for i in self.token_turn[starts[turn] + offset : starts[turn] + offset + n]
+            for i in token_turn[starts[turn] + offset : starts[turn] + offset + n]
             if i is not None
         }
         return sum(e in covered for e in q.evidence) / len(q.evidence)
@@ -231,6 +248,8 @@ def conversations(args, tokenizer) -> list[Conversation]:
                 qs,
                 prompts.ingest_ids(tokenizer, transcript),
                 prompts.ingest_turn_of_tokens(tokenizer, turns),
+                prompts.ingest_ids(tokenizer, "\n".join(data.rendered(turns, every_line_dated=True))),
+                prompts.ingest_turn_of_tokens(tokenizer, turns, every_line_dated=True),
             )
         )
     return out
@@ -324,7 +343,7 @@ def server_flags(model: str, convs: list[Conversation]) -> list[str]:
     """A KV pool that holds every ingested transcript plus one full-transcript request."""
     from sgl_memory import launch_server
 
-    need = sum(len(c.ingest_ids) for c in convs) + 2 * max(len(c.ingest_ids) for c in convs) + 4096
+    need = sum(len(c.ingest_ids) + len(c.dated_ids) for c in convs) + 2 * max(len(c.ingest_ids) for c in convs) + 4096
     default = launch_server.default_max_total_tokens(models.model_dir(model))
     return ["--max-total-tokens", str(max(default, need))]
 
@@ -342,23 +361,24 @@ class Runner:
         each prefilling only its session (the radix cache holds the rest), which memory records as
         the session's next turn (its one answer token has no KV, so each turn starts where the
         request before it ended)."""
-        sid = f"locomo-{self.nonce}-bs{variant.block_size}-{variant.turns}-c{conv.index}"
-        ends = conv.session_ends() if variant.turns == "sessions" else [len(conv.ingest_ids)]
+        dated = "-dated" if variant.dated else ""
+        sid = f"locomo-{self.nonce}-bs{variant.block_size}-{variant.turns}{dated}-c{conv.index}"
+        ids = conv.memory_turn(variant.dated)[0]
+        ends = conv.session_ends(variant.dated) if variant.turns == "sessions" else [len(ids)]
         wall, meta = 0.0, {}
         for end in ends:
-            _, meta, seconds = generate(server, conv.ingest_ids[:end], 1, {"session_id": sid})
+            _, meta, seconds = generate(server, ids[:end], 1, {"session_id": sid})
             wall += seconds
         record = {
             "session_id": sid,
-            "tokens": len(conv.ingest_ids),
+            "tokens": len(ids),
             "turns": len(ends),
             "wall_s": wall,
             "e2e_latency": meta.get("e2e_latency"),
             "sgl_memory": meta.get("sgl_memory"),
         }
-        self.results.data["ingest"].setdefault(f"bs{variant.block_size}-{variant.turns}|c{conv.index}", []).append(
-            record
-        )
+        key = f"bs{variant.block_size}-{variant.turns}{dated}|c{conv.index}"
+        self.results.data["ingest"].setdefault(key, []).append(record)
         self.results.save()
         return sid, [0] + ends[:-1]
 
@@ -415,22 +435,22 @@ class Runner:
         text, meta, wall = generate(server, ids, self.args.max_new_tokens, memory)
         if variant.method == "memart":
             spans = (meta.get("sgl_memory") or {}).get("retrieved_spans") or []
-            extra["evidence_recall"] = conv.evidence_recall(q, spans, starts)
+            extra["evidence_recall"] = conv.evidence_recall(q, spans, starts, variant.dated)
         self.results.add(variant.label, q, score(self.embedder, variant, q, ids, text, meta, wall, extra))
         self.bar.update()
 
     def serve(self, server, todo: dict[Variant, dict[int, list[data.Question]]], convs: list[Conversation]) -> None:
         for conv in convs:
-            sessions: dict[tuple[int, str], tuple[str, list[int]]] = {}
+            sessions: dict[tuple[int, str, bool], tuple[str, list[int]]] = {}
             for variant, by_conv in todo.items():
                 if not by_conv.get(conv.index):
                     continue
                 self.bar.set_description(f"c{conv.index} {variant.label}")
                 sid, starts = None, [0]
                 if variant.method == "memart":
-                    key = (variant.block_size, variant.turns)
+                    key = (variant.block_size, variant.turns, variant.dated)
                     if key not in sessions:
-                        self.bar.set_description(f"c{conv.index} ingest bs{variant.block_size} {variant.turns}")
+                        self.bar.set_description(f"c{conv.index} ingest {variant.label}")
                         sessions[key] = self.ingest(server, conv, variant)
                     sid, starts = sessions[key]
                 if variant.method == "text" and conv.retriever is None:
@@ -564,11 +584,18 @@ def ingest_cost(results: Results) -> dict[str, float]:
     return {bs: sum(v) / len(v) for bs, v in out.items()}
 
 
-def pending(results: Results, vs: list[Variant], convs: list[Conversation]) -> dict[tuple, dict[Variant, dict]]:
-    """Per server (config, block size, row dropping, cut): variant -> conversation -> questions without a result yet."""
+def pending(
+    results: Results, vs: list[Variant], convs: list[Conversation], context: int
+) -> dict[tuple, dict[Variant, dict]]:
+    """Per server (config, block size, row dropping, cut): variant -> conversation -> questions
+    without a result yet. A memory turn longer than the model's `context` is not asked (a dated
+    transcript is about 45% longer: over the default model's 32k for conversations 2-6)."""
     out: dict[tuple, dict[Variant, dict]] = {}
     for v in vs:
         for c in convs:
+            if v.method == "memart" and len(c.memory_turn(v.dated)[0]) > context:
+                print(f"{v.label}: conversation {c.index} left out, its memory turn is over {context} tokens")
+                continue
             qs = [q for q in c.questions if results.row(v.label, q) is None]
             if qs:
                 out.setdefault(v.server, {}).setdefault(v, {})[c.index] = qs
@@ -664,7 +691,7 @@ def main(argv=None) -> None:
         results.data.update(json.loads(args.out.read_text()))
         report({"summary": summarize(results, None)}, [], results.data.get("ingest_s_per_conversation", {}))
         return
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from .plot import plot, plot_recompute
 
@@ -678,7 +705,8 @@ def main(argv=None) -> None:
             "questions": len(c.questions),
         }
     vs = variants(args.methods, args.top_k)
-    work = pending(results, vs, convs)
+    context = AutoConfig.from_pretrained(models.resolve(args.model)).max_position_embeddings
+    work = pending(results, vs, convs, context)
     total = sum(len(qs) for by_v in work.values() for by_c in by_v.values() for qs in by_c.values())
     embedder = metrics.minilm()
     # kept after the run: a failed request is read in the server's log

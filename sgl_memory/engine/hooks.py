@@ -10,8 +10,10 @@ from sgl_memory.core import capture, metrics, prometheus
 from sgl_memory.core.request import FIELD
 from sgl_memory.engine import integrity, runtime
 
-SESSIONS_KEY = "sgl_memory_sessions"  # the scheduler's internal state: what GET /sgl_memory/sessions pages
-INTEGRITY_KEY = "sgl_memory_integrity"  # and the tree's integrity problems (GET /sgl_memory/integrity)
+# What GET /sgl_memory/sessions pages and GET /sgl_memory/integrity reports: each is asked of the
+# scheduler as SGLang's internal-state request whose rid is this key, and answered under it
+SESSIONS_KEY = "sgl_memory_sessions"
+INTEGRITY_KEY = "sgl_memory_integrity"
 
 
 def capture_hook(layer, q, k, v, forward_batch, *args, **kwargs):
@@ -78,14 +80,19 @@ def stream_finish_hook(result, accumulator, *args, req, **kwargs):
     return None
 
 
-def sessions_state_hook(result, scheduler, *args, **kwargs):
-    """AFTER hook on the scheduler's get_internal_state: the sessions its tree holds, described
-    (SglMemoryRadixCache.describe_sessions), for the HTTP side's inspector, and the tree's
-    integrity problems (integrity.py). SGLang's internal-state request is the one channel from
-    the HTTP process to the scheduler that answers."""
+def sessions_state_hook(result, scheduler, recv_req=None, *args, **kwargs):
+    """AFTER hook on the scheduler's get_internal_state: for a request named SESSIONS_KEY the
+    sessions its tree holds, described (SglMemoryRadixCache.describe_sessions), for the HTTP side's
+    inspector; for one named INTEGRITY_KEY the tree's integrity problems (integrity.py). SGLang's
+    internal-state request is the one channel from the HTTP process to the scheduler that answers;
+    SGLang's own askers (GET /server_info, polled by routers) name nothing and pay for neither walk."""
+    ask = getattr(recv_req, "rid", None)
     tree = runtime.tree()
     state = getattr(result, "internal_state", None)
-    if tree is not None and not tree.disable and isinstance(state, dict):
+    if ask not in (SESSIONS_KEY, INTEGRITY_KEY) or tree is None or tree.disable or not isinstance(state, dict):
+        return result
+    if ask == SESSIONS_KEY:
         state[SESSIONS_KEY] = tree.describe_sessions()
+    else:
         state[INTEGRITY_KEY] = integrity.check(tree, integrity.row_owners(scheduler))
     return result

@@ -27,6 +27,7 @@ from contextvars import ContextVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from sglang.srt.managers.io_struct import GetInternalStateReq
 
 from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype
 from sgl_memory.core import mechanism, prometheus
@@ -91,19 +92,26 @@ def mount(server_args, *args, **kwargs):
         except (SpecError, PermissionError) as exc:
             status = 403 if isinstance(exc, PermissionError) else 400
             return JSONResponse(error_body(status, str(exc)), status_code=status)
-        states = await engine.manager.get_internal_state()
-        return list_sessions(states[0].get(SESSIONS_KEY, []) if states else [], *page)
+        states = await scheduler_state(engine.manager, SESSIONS_KEY)
+        return list_sessions((states[0] or []) if states else [], *page)
 
     @app.get("/sgl_memory/integrity")
     async def sgl_memory_integrity():
-        states = await engine.manager.get_internal_state()
-        problems = [p for state in states or () for p in state.get(INTEGRITY_KEY, [])]
+        problems = [p for state in await scheduler_state(engine.manager, INTEGRITY_KEY) for p in state or ()]
         return {"whole": not problems, "problems": problems}
 
     for cls in mechanism.ordered():
         cls.mount(app, config, engine)
     app.add_middleware(MemoryFieldMiddleware, config=config)
     return None
+
+
+async def scheduler_state(manager, key: str) -> list:
+    """Each scheduler's (one per data-parallel rank) answer under `key`: SGLang's internal-state
+    request named by its rid, which tells sessions_state_hook what to compute (None where it did not)."""
+    manager.auto_create_handle_loop()
+    responses = await manager.get_internal_state_communicator(GetInternalStateReq(rid=key))
+    return [response.internal_state.get(key) for response in responses]
 
 
 def with_headers(raw, headers: list[tuple[bytes, bytes]], sources: SessionSources):
