@@ -11,7 +11,8 @@ Methods, all on our server (`--memory-config` with a `memory:` section):
   carries only itself and retrieves KV blocks (`store: false`, so questions stay independent).
 - defaults: what a user gets from `memory: enabled: true` and nothing else (lines, 2,048 placed
   tokens, keep on with memory), its repair (`recompute: starts`, the default) against reuse alone
-  (`none`), text retrieval at the same placed tokens and the whole transcript, on one server.
+  (`none`), text retrieval at the same placed tokens and the whole transcript, on one server;
+  `dated`: the same memory of a transcript with its session's date on every line.
   Ablations (per request, same server): the other three norm x agg combinations; MemArt's AABB
   bound instead of each block's best key (with rr-max, the paper's choice for Qwen, and with
   softmax-max); the blocks after the system message instead of first. Block size 8 with top_k
@@ -59,6 +60,7 @@ METHOD_GROUPS = (
     "recompute",
     "repairs",
     "defaults",
+    "dated",
 )
 RATIOS = (0.1, 0.3)  # keep and cacheblend recomputation ratios (the share at layer 1) of the recompute group
 MAIN_NORM, MAIN_AGG = "softmax", "max"  # the server's defaults (bench/locomo/retrieval_study.py)
@@ -172,10 +174,11 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
             out += [
                 DEFAULTS_REUSE,
                 replace(DEFAULTS_REUSE, recompute="starts"),
-                replace(DEFAULTS_REUSE, recompute="starts", dated=True),  # a client that dates every line it records
                 Variant("text", config="defaults"),
                 Variant("full", config="defaults"),
             ]
+        elif group == "dated":  # the defaults' memory of a client that dates every line it records
+            out.append(replace(DEFAULTS_REUSE, recompute="starts", dated=True))
         else:
             out.append(Variant(group, 16, top_k))
     labels = [v.label for v in out]
