@@ -187,9 +187,13 @@ def parts(mem: Memory, placed: list[int], answer: str) -> dict[str, torch.Tensor
     return out
 
 
-def question(model, mem: Memory, picked: list[data.Turn], pt: P.Point, answer: str, parts_of: bool) -> dict:
-    """One question's log-likelihoods and deviations for one recording of the memory."""
-    picked_turns = {t.index for t in picked}
+def question(
+    model, mem: Memory, picked: list[data.Turn], pt: P.Point, answer: str, parts_of: bool, opening: int = 0
+) -> dict:
+    """One question's log-likelihoods and deviations for one recording of the memory; `opening`:
+    the transcript's first lines, up to that many tokens, placed first as well (the server's own
+    selection places them: its first key, at position 0, is the attention sink every query favours)."""
+    picked_turns = {t.index for t in picked} | {mem.turn_of[j] for j in range(min(opening, len(mem.ids)))}
     placed = [j for j, t in enumerate(mem.turn_of) if t in picked_turns]
     m = len(placed)
     asked = pt.alternates["question"]
@@ -264,31 +268,35 @@ def summarize(rows: list[dict]) -> dict:
             "text retrieval": mean(lambda r: r["text"]),
             "reused": mean(lambda r: r["plain"]["reused"]),
             "reused, first token recomputed": mean(lambda r: r["plain"]["first token"]),
-            "dated, reused, first token recomputed": mean(lambda r: r["dated"]["first token"]),
             "recomputed": mean(lambda r: r["plain"]["fresh"]),
-            "dated, reused": mean(lambda r: r["dated"]["reused"]),
-            "dated, recomputed": mean(lambda r: r["dated"]["fresh"]),
         },
         "paired": {
             "recomputed - reused": mean(lambda r: r["plain"]["fresh"] - r["plain"]["reused"]),
             "first token recomputed - reused": mean(lambda r: r["plain"]["first token"] - r["plain"]["reused"]),
+            "recomputed - first token recomputed": mean(lambda r: r["plain"]["fresh"] - r["plain"]["first token"]),
             "reused - text retrieval": mean(lambda r: r["plain"]["reused"] - r["text"]),
             "first token recomputed - text retrieval": mean(lambda r: r["plain"]["first token"] - r["text"]),
+            "recomputed - text retrieval": mean(lambda r: r["plain"]["fresh"] - r["text"]),
+        },
+        "placed tokens": {"plain": sum(r["plain"]["placed"] for r in rows) / len(rows)},
+        "parts": {},
+    }
+    if "dated" in rows[0]:  # the dated recording (not run with --opening)
+        out["loglik"] |= {
+            "dated, reused, first token recomputed": mean(lambda r: r["dated"]["first token"]),
+            "dated, reused": mean(lambda r: r["dated"]["reused"]),
+            "dated, recomputed": mean(lambda r: r["dated"]["fresh"]),
+        }
+        out["paired"] |= {
             "dated, first token recomputed - first token recomputed": mean(
                 lambda r: r["dated"]["first token"] - r["plain"]["first token"]
             ),
             "dated, first token recomputed - text retrieval": mean(lambda r: r["dated"]["first token"] - r["text"]),
-            "recomputed - text retrieval": mean(lambda r: r["plain"]["fresh"] - r["text"]),
             "dated reused - reused": mean(lambda r: r["dated"]["reused"] - r["plain"]["reused"]),
             "dated reused - text retrieval": mean(lambda r: r["dated"]["reused"] - r["text"]),
             "dated recomputed - dated reused": mean(lambda r: r["dated"]["fresh"] - r["dated"]["reused"]),
-        },
-        "placed tokens": {
-            "plain": sum(r["plain"]["placed"] for r in rows) / len(rows),
-            "dated": sum(r["dated"]["placed"] for r in rows) / len(rows),
-        },
-        "parts": {},
-    }
+        }
+        out["placed tokens"]["dated"] = sum(r["dated"]["placed"] for r in rows) / len(rows)
     total = sum(r["plain"]["placed"] for r in rows)
     for part in rows[0]["plain"]["parts"]:
         s, lo, hi = share_interval(rows, part)
@@ -305,7 +313,7 @@ def summarize(rows: list[dict]) -> dict:
             ],
         }
     temporal = [r for r in rows if r["category"] == 2]
-    if temporal:  # LoCoMo's category 2: when something happened
+    if temporal and "dated" in rows[0]:  # LoCoMo's category 2: when something happened
 
         def paired(f):
             return dict(zip(("mean", "lo", "hi"), bootstrap([[f(r)] for r in temporal])))
@@ -357,7 +365,14 @@ def main() -> None:
         "--placed", type=int, default=P.TEXT_BUDGET, help="tokens of lines placed (text retrieval's budget)"
     )
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--out", default=str(RESULTS / "reuse_gap.json"))
+    ap.add_argument(
+        "--opening",
+        type=int,
+        default=0,
+        help="also place the transcript's first lines up to this many tokens first, as the server's "
+        "selection does (bench/locomo: 81-205 tokens); undated recording only; default --out reuse_gap_opening.json",
+    )
+    ap.add_argument("--out", default=None, help="default bench/results/reuse_gap.json")
     ap.add_argument("--report-only", action="store_true", help="summarize the rows file, run nothing")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -366,7 +381,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     samples, embedder = data.load(), metrics.minilm()
-    out = Path(args.out)
+    out = Path(args.out or RESULTS / ("reuse_gap_opening.json" if args.opening else "reuse_gap.json"))
     rows_path = out.with_suffix(".rows.jsonl")  # appended per question: a re-run resumes
     rows, t0 = read_jsonl(rows_path) if rows_path.exists() else [], time.perf_counter()
     done = {r["id"] for r in rows}
@@ -374,7 +389,8 @@ def main() -> None:
         if all(t.id in done for t in P.locomo(tokenizer, [c], args.questions)):
             continue
         turns = data.turns(samples[c])
-        memories = {dated: record(model, tokenizer, turns, dated) for dated in (False, True)}
+        recordings = (False,) if args.opening else (False, True)
+        memories = {dated: record(model, tokenizer, turns, dated) for dated in recordings}
         retriever = TurnRetriever(embedder, tokenizer, turns)
         trajectories = P.locomo(tokenizer, [c], args.questions)
         by_index = {q.qa_index: q for q in data.questions(samples[c], c)}
@@ -388,9 +404,9 @@ def main() -> None:
                     "id": traj.id,
                     "category": q.category,
                     "text": text_ll,
-                    "plain": question(model, memories[False], picked, pt, q.answer, True),
-                    "dated": question(model, memories[True], picked, pt, q.answer, False),
+                    "plain": question(model, memories[False], picked, pt, q.answer, True, args.opening),
                 }
+                | ({} if args.opening else {"dated": question(model, memories[True], picked, pt, q.answer, False)})
             )
             with rows_path.open("a") as f:
                 f.write(json.dumps(rows[-1]) + "\n")
@@ -399,6 +415,7 @@ def main() -> None:
         "model": args.model,
         "dtype": args.dtype,
         "placed": args.placed,
+        "opening": args.opening,
         "seconds": time.perf_counter() - t0,
         "summary": summary,
         "rows": rows,
