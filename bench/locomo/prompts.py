@@ -32,6 +32,18 @@ def ingest_ids(tokenizer, transcript: str) -> list[int]:
     return tokenizer(CONTEXT_HEADER + transcript, add_special_tokens=False)["input_ids"]
 
 
+def chat_turn(tokenizer, transcript: str, ids: list[int], turn_of: list[int | None]) -> tuple[list[int], list]:
+    """The transcript as a chat turn (system message, then the transcript as the user's message)
+    and each token's turn in what a memory-mode request records of it, from the user message's
+    opener on; `ids`, `turn_of`: ingest_ids of the transcript and its ingest_turn_of_tokens."""
+    chat = chat_ids(tokenizer, CONTEXT_HEADER + transcript)
+    at = next((i for i in range(len(chat) - len(ids) + 1) if chat[i : i + len(ids)] == ids), None)
+    if at is None:
+        raise ValueError("the chat template tokenizes the transcript differently from ingest_ids")
+    opener = max(i for i in range(at) if chat[i] == chat[0])  # chatml: each message opens with <|im_start|>
+    return chat, [None] * (at - opener) + list(turn_of) + [None] * (len(chat) - at - len(ids))
+
+
 def ingest_turn_of_tokens(tokenizer, turns, every_line_dated: bool = False) -> list[int | None]:
     """For each token of the memory turn of these turns (ingest_ids of their transcript, rendered
     with `every_line_dated` as data.rendered), the chronological position of the turn it falls in

@@ -12,7 +12,10 @@ Methods, all on our server (`--memory-config` with a `memory:` section):
 - defaults: what a user gets from `memory: enabled: true` and nothing else (lines, 2,048 placed
   tokens, keep on with memory), its repair (`recompute: starts`, the default) against reuse alone
   (`none`), text retrieval at the same placed tokens and the whole transcript, on one server;
-  `dated`: the same memory of a transcript with its session's date on every line.
+  `dated`: the same memory of a transcript with its session's date on every line; `chat`: the
+  transcript sent as agents send a turn, a memory-mode chat message after the system message, so
+  the memory holds no token computed at position 0 (the attention sink `starts` restores), with
+  reuse alone and with the default repair.
   Ablations (per request, same server): the other three norm x agg combinations; MemArt's AABB
   bound instead of each block's best key (with rr-max, the paper's choice for Qwen, and with
   softmax-max); the blocks after the system message instead of first. Block size 8 with top_k
@@ -61,6 +64,7 @@ METHOD_GROUPS = (
     "repairs",
     "defaults",
     "dated",
+    "chat",
 )
 RATIOS = (0.1, 0.3)  # keep and cacheblend recomputation ratios (the share at layer 1) of the recompute group
 MAIN_NORM, MAIN_AGG = "softmax", "max"  # the server's defaults (bench/locomo/retrieval_study.py)
@@ -86,11 +90,15 @@ class Variant:
     # of the server it runs on: bench (block unit, top_k blocks, the fields above) or defaults (the
     # memory section's defaults; a memart request then names only its recompute)
     config: str = "bench"
-    dated: bool = False  # the memory's transcript carries its session's date on every line
+    # how the memory records the transcript (RECORDINGS): plain (from position 0, one record turn),
+    # dated (the same with a date on every line) or chat (a memory-mode chat turn)
+    recording: str = "plain"
 
     def __post_init__(self):
-        if self.dated and self.method != "memart":
-            raise ValueError("dated is how a memory records its transcript; text and full read the transcript")
+        if self.recording != "plain" and self.method != "memart":
+            raise ValueError("recording is how a memory records its transcript; text and full read the transcript")
+        if self.recording not in RECORDINGS or (self.recording == "chat" and self.turns != "transcript"):
+            raise ValueError(f"recording {self.recording!r} with turns {self.turns!r}")
 
     @property
     def server(self) -> tuple[str, int, bool, str]:
@@ -103,7 +111,7 @@ class Variant:
         if self.config == "defaults":
             if self.method == "text":
                 return "text-defaults"
-            return f"memory-defaults-{self.recompute}" + ("-dated" if self.dated else "")
+            return f"memory-defaults-{self.recompute}" + ("" if self.recording == "plain" else f"-{self.recording}")
         if self.method == "text":
             return f"text-k{self.top_k}"  # budget from the main MemArt variant at this top_k
         suffix = ("-aabb" if self.scoring == "aabb" else "") + (
@@ -123,6 +131,7 @@ def main_memart(top_k: int) -> Variant:
     return Variant("memart", 16, top_k)
 
 
+RECORDINGS = ("plain", "dated", "chat")
 DEFAULTS_REUSE = Variant("memart", config="defaults", recompute="none")
 
 
@@ -178,7 +187,10 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
                 Variant("full", config="defaults"),
             ]
         elif group == "dated":  # the defaults' memory of a client that dates every line it records
-            out.append(replace(DEFAULTS_REUSE, recompute="starts", dated=True))
+            out.append(replace(DEFAULTS_REUSE, recompute="starts", recording="dated"))
+        elif group == "chat":  # a memory with no sink recorded: reuse alone against the default repair
+            chat = replace(DEFAULTS_REUSE, recording="chat")
+            out += [chat, replace(chat, recompute="starts")]
         else:
             out.append(Variant(group, 16, top_k))
     labels = [v.label for v in out]
@@ -193,27 +205,28 @@ class Conversation:
     questions: list[data.Question]
     ingest_ids: list[int] = field(default_factory=list)
     token_turn: list[int | None] = field(default_factory=list)  # ingest token -> its turn (chronological position)
-    dated_ids: list[int] = field(default_factory=list)  # the memory turn with a date on every line
-    dated_token_turn: list[int | None] = field(default_factory=list)
+    # the other recordings (Variant.recording): the ids sent, and each token's turn in the turn the
+    # memory records (for chat, from the user message's opener: the system message is not recorded)
+    recordings: dict[str, tuple[list[int], list[int | None]]] = field(default_factory=dict)
     retriever: TurnRetriever | None = None
 
-    def memory_turn(self, dated: bool) -> tuple[list[int], list[int | None]]:
-        """What a memory variant ingests (`Variant.dated`): its token ids and each token's turn."""
-        return (self.dated_ids, self.dated_token_turn) if dated else (self.ingest_ids, self.token_turn)
+    def memory_turn(self, recording: str) -> tuple[list[int], list[int | None]]:
+        """What a memory variant ingests: its token ids, and each recorded token's turn."""
+        return (self.ingest_ids, self.token_turn) if recording == "plain" else self.recordings[recording]
 
-    def session_ends(self, dated: bool = False) -> list[int]:
+    def session_ends(self, recording: str = "plain") -> list[int]:
         """Where each LoCoMo session's tokens end in the ingested ids (the memory turns of `turns: sessions`)."""
-        return prompts.session_ends(self.turns, self.memory_turn(dated)[1])
+        return prompts.session_ends(self.turns, self.memory_turn(recording)[1])
 
     def evidence_recall(
-        self, q: data.Question, spans: list[list[int]], starts: list[int], dated: bool = False
+        self, q: data.Question, spans: list[list[int]], starts: list[int], recording: str = "plain"
     ) -> float | None:
         """Share of the question's evidence turns that a retrieved block overlaps (MemArt rows);
         `starts`: where each memory turn starts in the ingested ids (a block's offset is within its turn)."""
         if not q.evidence:
             return None
         lines = sorted(self.turns, key=lambda t: t.index)
-        token_turn = self.memory_turn(dated)[1]
+        token_turn = self.memory_turn(recording)[1]
         covered = {
             lines[i].dia_id
             for turn, offset, n in spans
@@ -243,18 +256,13 @@ def conversations(args, tokenizer) -> list[Conversation]:
         turns = cut(data.turns(samples[i]), tokenizer, args.max_transcript_tokens)
         transcript = data.render(turns)
         qs = data.stratified(data.questions(samples[i], i), args.questions_per_conversation, args.seed)
-        out.append(
-            Conversation(
-                i,
-                turns,
-                transcript,
-                qs,
-                prompts.ingest_ids(tokenizer, transcript),
-                prompts.ingest_turn_of_tokens(tokenizer, turns),
-                prompts.ingest_ids(tokenizer, "\n".join(data.rendered(turns, every_line_dated=True))),
-                prompts.ingest_turn_of_tokens(tokenizer, turns, every_line_dated=True),
-            )
+        plain = prompts.ingest_ids(tokenizer, transcript), prompts.ingest_turn_of_tokens(tokenizer, turns)
+        dated = (
+            prompts.ingest_ids(tokenizer, "\n".join(data.rendered(turns, every_line_dated=True))),
+            prompts.ingest_turn_of_tokens(tokenizer, turns, every_line_dated=True),
         )
+        recordings = {"dated": dated, "chat": prompts.chat_turn(tokenizer, transcript, *plain)}
+        out.append(Conversation(i, turns, transcript, qs, *plain, recordings))
     return out
 
 
@@ -346,7 +354,8 @@ def server_flags(model: str, convs: list[Conversation]) -> list[str]:
     """A KV pool that holds every ingested transcript plus one full-transcript request."""
     from sgl_memory import launch_server
 
-    need = sum(len(c.ingest_ids) + len(c.dated_ids) for c in convs) + 2 * max(len(c.ingest_ids) for c in convs) + 4096
+    need = sum(len(ids) for c in convs for ids, _ in [(c.ingest_ids, None), *c.recordings.values()])
+    need += 2 * max(len(c.ingest_ids) for c in convs) + 4096
     default = launch_server.default_max_total_tokens(models.model_dir(model))
     return ["--max-total-tokens", str(max(default, need))]
 
@@ -364,13 +373,16 @@ class Runner:
         each prefilling only its session (the radix cache holds the rest), which memory records as
         the session's next turn (its one answer token has no KV, so each turn starts where the
         request before it ended)."""
-        dated = "-dated" if variant.dated else ""
-        sid = f"locomo-{self.nonce}-bs{variant.block_size}-{variant.turns}{dated}-c{conv.index}"
-        ids = conv.memory_turn(variant.dated)[0]
-        ends = conv.session_ends(variant.dated) if variant.turns == "sessions" else [len(ids)]
+        recording = "" if variant.recording == "plain" else f"-{variant.recording}"
+        sid = f"locomo-{self.nonce}-bs{variant.block_size}-{variant.turns}{recording}-c{conv.index}"
+        ids = conv.memory_turn(variant.recording)[0]
+        ends = conv.session_ends(variant.recording) if variant.turns == "sessions" else [len(ids)]
+        # plain and dated: a record turn (the whole prompt, from position 0); chat: a memory-mode
+        # turn, which records what follows the system message
+        field = {"session_id": sid} | ({"memory": {"mode": "retrieve"}} if variant.recording == "chat" else {})
         wall, meta = 0.0, {}
         for end in ends:
-            _, meta, seconds = generate(server, ids[:end], 1, {"session_id": sid})
+            _, meta, seconds = generate(server, ids[:end], 1, field)
             wall += seconds
         record = {
             "session_id": sid,
@@ -380,7 +392,7 @@ class Runner:
             "e2e_latency": meta.get("e2e_latency"),
             "sgl_memory": meta.get("sgl_memory"),
         }
-        key = f"bs{variant.block_size}-{variant.turns}{dated}|c{conv.index}"
+        key = f"bs{variant.block_size}-{variant.turns}{recording}|c{conv.index}"
         self.results.data["ingest"].setdefault(key, []).append(record)
         self.results.save()
         return sid, [0] + ends[:-1]
@@ -438,20 +450,20 @@ class Runner:
         text, meta, wall = generate(server, ids, self.args.max_new_tokens, memory)
         if variant.method == "memart":
             spans = (meta.get("sgl_memory") or {}).get("retrieved_spans") or []
-            extra["evidence_recall"] = conv.evidence_recall(q, spans, starts, variant.dated)
+            extra["evidence_recall"] = conv.evidence_recall(q, spans, starts, variant.recording)
         self.results.add(variant.label, q, score(self.embedder, variant, q, ids, text, meta, wall, extra))
         self.bar.update()
 
     def serve(self, server, todo: dict[Variant, dict[int, list[data.Question]]], convs: list[Conversation]) -> None:
         for conv in convs:
-            sessions: dict[tuple[int, str, bool], tuple[str, list[int]]] = {}
+            sessions: dict[tuple[int, str, str], tuple[str, list[int]]] = {}
             for variant, by_conv in todo.items():
                 if not by_conv.get(conv.index):
                     continue
                 self.bar.set_description(f"c{conv.index} {variant.label}")
                 sid, starts = None, [0]
                 if variant.method == "memart":
-                    key = (variant.block_size, variant.turns, variant.dated)
+                    key = (variant.block_size, variant.turns, variant.recording)
                     if key not in sessions:
                         self.bar.set_description(f"c{conv.index} ingest {variant.label}")
                         sessions[key] = self.ingest(server, conv, variant)
@@ -596,7 +608,7 @@ def pending(
     out: dict[tuple, dict[Variant, dict]] = {}
     for v in vs:
         for c in convs:
-            if v.method == "memart" and len(c.memory_turn(v.dated)[0]) > context:
+            if v.method == "memart" and len(c.memory_turn(v.recording)[0]) > context:
                 print(f"{v.label}: conversation {c.index} left out, its memory turn is over {context} tokens")
                 continue
             qs = [q for q in c.questions if results.row(v.label, q) is None]
