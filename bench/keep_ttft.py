@@ -1,9 +1,8 @@
 """Time to first token of the repairs of placed memory (sgl_memory/keep), side by side in one run:
 
 1. **Segments** (KEEP's Figure 9): TTFT against the number of retrieved memory blocks, for full reuse
-   (`recompute: none`, MemArt as placed), the default repair (`starts`: the placed segments' first
-   tokens, skipped where the first placed block began its turn), full recompute (`full`: the blocks'
-   tokens prefilled again), CacheBlend and KEEP at one ratio; one server.
+   (`recompute: none`, MemArt as placed), full recompute (`full`: the blocks' tokens prefilled
+   again), CacheBlend and KEEP at one ratio; one server.
 2. **Loading** (KEEP section 4.3): the placed KV behind a simulated slower tier (`keep.tier_bandwidth`),
    loaded when each layer starts (`sync`), while the layer before computes (`next_layer`), or that
    plus preloading the rows no later layer recomputes (`balanced`); one server each, KEEP at 64
@@ -16,7 +15,6 @@ in a radix namespace of its own (cold: nothing reused from the requests before i
 warm-up question per server first (the pool's index is built on the first retrieval).
 
     .venv/bin/python -m bench.keep_ttft [--segments 8 16 32 64 128] [--questions 8] [--bandwidth 2e7]
-        [--loadings sync next_layer balanced]   (none: the segments part alone)
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from .common import RESULTS, write_json
 from .locomo import data, prompts
 from .locomo.run import cut, generate
 
-METHODS = ("none", "starts", "full", "cacheblend", "keep")
+METHODS = ("none", "full", "cacheblend", "keep")
 LOADINGS = ("sync", "next_layer", "balanced")
 
 
@@ -49,7 +47,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ratio", type=float, default=0.3, help="keep and cacheblend: the share recomputed at layer 1")
     ap.add_argument("--bandwidth", type=float, default=2e7, help="bytes/s of the simulated tier in the loading part")
     ap.add_argument("--loading-segments", type=int, default=64)
-    ap.add_argument("--loadings", nargs="*", default=list(LOADINGS), choices=LOADINGS)
     ap.add_argument("--out", type=Path, default=RESULTS / "keep_ttft.json")
     return ap.parse_args(argv)
 
@@ -182,11 +179,11 @@ def main(argv=None) -> None:
     logs = Path(tempfile.gettempdir()) / "sgl-memory-keep-ttft"
     logs.mkdir(exist_ok=True)
     plan = [(m, k) for k in args.segments for m in METHODS]
-    total = len(questions) * (len(plan) + len(args.loadings))
+    total = len(questions) * (len(plan) + len(LOADINGS))
     with tqdm(total=total, desc="requests", disable=None) as bar:
         seg_rows = serve(args, config(logs, "segments", {"ratio": args.ratio}), ingest, questions, plan, bar)
         load_rows = []
-        for loading in args.loadings:
+        for loading in LOADINGS:
             path = config(logs, loading, {"ratio": args.ratio, "loading": loading, "tier_bandwidth": args.bandwidth})
             rows = serve(args, path, ingest, questions, [("keep", args.loading_segments)], bar)
             load_rows += [{**r, "loading": loading} for r in rows]
