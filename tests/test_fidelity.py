@@ -110,6 +110,26 @@ def test_bfcl_points_are_gold_tool_calls_of_replays_that_pass_the_checker(tokeni
         assert got == [[(n, a) for n, a in calls] for calls in want]
 
 
+def test_a_locomo_chat_recording_maps_each_recorded_token_to_its_line(tokenizer):
+    """bench/locomo's chat recording: the transcript as the user's message after the system
+    message. What a memory-mode request records starts at the user message's opener (the system
+    message is not the turn), and each recorded token maps to the dialogue line it decodes into."""
+    from bench.locomo import data, prompts
+
+    turns = data.turns(data.load()[1])
+    transcript = data.render(turns)
+    ids, turn_of = prompts.ingest_ids(tokenizer, transcript), prompts.ingest_turn_of_tokens(tokenizer, turns)
+    chat, recorded = prompts.chat_turn(tokenizer, transcript, ids, turn_of)
+    assert chat == prompts.chat_ids(tokenizer, prompts.CONTEXT_HEADER + transcript)
+    turn = chat[len(chat) - len(recorded) :]
+    assert tokenizer.decode(turn[:3]).startswith("<|im_start|>user\n")
+    assert "system" not in tokenizer.decode(turn)[:40]
+    lines = data.rendered(turns)
+    for k in random.Random(0).sample(range(len(lines)), 8):
+        text = tokenizer.decode([t for t, owner in zip(turn, recorded) if owner == k])
+        assert text.strip() == lines[k].strip(), k
+
+
 def test_bcp_points_search_read_the_evidence_sessions_and_answer_with_the_gold(tokenizer):
     """A BCP-shaped trajectory is one LoCoMo question along an oracle's path: its gold calls are
     search(the question), get_document of the sessions the dataset's evidence names (read from the
