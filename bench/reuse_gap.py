@@ -301,16 +301,14 @@ def summarize(rows: list[dict]) -> dict:
     for part in rows[0]["plain"]["parts"]:
         s, lo, hi = share_interval(rows, part)
         layers = len(rows[0]["plain"]["deviation"]["rest"]["k"])
-        have = [r for r in rows if part in r["plain"]["deviation"]]
+        have = [r for r in rows if part in r["plain"]["deviation"]] or None  # a part no question had
         out["parts"][part] = {
             "share": {"mean": s, "lo": lo, "hi": hi},
             "tokens": sum(r["plain"]["parts"][part]["tokens"] for r in rows) / total,
-            "deviation_k": [
-                sum(r["plain"]["deviation"][part]["k"][i] for r in have) / len(have) for i in range(layers)
-            ],
-            "deviation_v": [
-                sum(r["plain"]["deviation"][part]["v"][i] for r in have) / len(have) for i in range(layers)
-            ],
+            "deviation_k": have
+            and [sum(r["plain"]["deviation"][part]["k"][i] for r in have) / len(have) for i in range(layers)],
+            "deviation_v": have
+            and [sum(r["plain"]["deviation"][part]["v"][i] for r in have) / len(have) for i in range(layers)],
         }
     temporal = [r for r in rows if r["category"] == 2]
     if temporal and "dated" in rows[0]:  # LoCoMo's category 2: when something happened
@@ -337,7 +335,8 @@ def plot(summary: dict, path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
     for name, p in summary["parts"].items():
-        a.plot(p["deviation_k"], label=name)
+        if p["deviation_k"]:
+            a.plot(p["deviation_k"], label=name)
     a.set(xlabel="layer", ylabel="key deviation ||reused - recomputed||² / ||recomputed||²", yscale="log")
     a.legend(fontsize=7)
     names = list(summary["parts"])
