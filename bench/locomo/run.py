@@ -350,11 +350,12 @@ def defaults_config(directory: Path) -> Path:
     return path
 
 
-def server_flags(model: str, convs: list[Conversation]) -> list[str]:
-    """A KV pool that holds every ingested transcript plus one full-transcript request."""
+def server_flags(model: str, convs: list[Conversation], recordings: set[str]) -> list[str]:
+    """A KV pool that holds every transcript ingested in the recordings this server runs plus one
+    full-transcript request."""
     from sgl_memory import launch_server
 
-    need = sum(len(ids) for c in convs for ids, _ in [(c.ingest_ids, None), *c.recordings.values()])
+    need = sum(len(c.memory_turn(r)[0]) for c in convs for r in recordings | {"plain"})
     need += 2 * max(len(c.ingest_ids) for c in convs) + 4096
     default = launch_server.default_max_total_tokens(models.model_dir(model))
     return ["--max-total-tokens", str(max(default, need))]
@@ -740,7 +741,8 @@ def main(argv=None) -> None:
                 config = defaults_config(logs)
             else:
                 config = server_config(logs, block_size, top_k, memory_on, capacity, compact, cut_at)
-            command = harness.our_command(args.model, "--memory-config", str(config), *server_flags(args.model, convs))
+            flags = server_flags(args.model, convs, {v.recording for v in todo})
+            command = harness.our_command(args.model, "--memory-config", str(config), *flags)
             log = logs / config.with_suffix(".log").name
             bar.set_description(f"starting server {config.stem}")
             server = harness.start(command, log)
