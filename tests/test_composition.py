@@ -9,11 +9,12 @@ import pytest
 from sgl_memory.core import composition, config, mechanism
 from sgl_memory.core.composition import Composition
 from sgl_memory.core.mechanism import Mechanism
+from sgl_memory.core.requests import Lifetime, RequestStore
 
 
-def fake(name: str, order: int = 0, log: list | None = None, **answers) -> Mechanism:
-    """A mechanism named `name` whose hooks in `answers` return the value given (and note their
-    call in `log`); the others are the contract's defaults."""
+def fake(name: str, after: tuple[str, ...] = (), log: list | None = None, **answers) -> Mechanism:
+    """A mechanism named `name`, run after the mechanisms named in `after`, whose hooks in `answers`
+    return the value given (and note their call in `log`); the others are the contract's defaults."""
 
     def answer(hook, value):
         def method(self, *args, **kwargs):
@@ -27,15 +28,15 @@ def fake(name: str, order: int = 0, log: list | None = None, **answers) -> Mecha
     cls = type(
         f"Fake_{name}",
         (Mechanism,),
-        {"order": order, "settings": object, "build": classmethod(lambda c, *a: c()), **attrs},
+        {"after": after, "settings": object, "build": classmethod(lambda c, *a: c()), **attrs},
     )
     cls.name = name
     return cls()
 
 
 class Req:
-    def __init__(self):
-        self.aborted = False
+    def __init__(self, rid: str = "r"):
+        self.rid, self.aborted = rid, False
 
     def finished(self) -> bool:
         return self.aborted
@@ -45,8 +46,8 @@ def test_hooks_run_in_order_and_every_open_before_the_first_admit():
     log = []
     spec = type("Spec", (), {"admits": lambda self, m: m.name != "skipped"})()
     mechanisms = [
-        fake(n, order, log, open=None, admit=None, on_release=None)
-        for n, order in (("c", 30), ("a", 10), ("b", 20), ("skipped", 0))
+        fake(n, after, log, open=None, admit=None, on_release=None)
+        for n, after in (("c", ("b",)), ("a", ("skipped",)), ("b", ("a", "skipped")), ("skipped", ()))
     ]
     composed = Composition(mechanisms)
     assert [m.name for m in composed.mechanisms] == ["skipped", "a", "b", "c"]
@@ -61,7 +62,7 @@ def test_an_admission_that_aborts_the_request_stops_the_later_ones():
     log, req = [], Req()
 
     class Refusing(Mechanism):
-        order, settings = 10, object
+        settings = object
         name = "refusing"
 
         @classmethod
@@ -73,8 +74,70 @@ def test_an_admission_that_aborts_the_request_stops_the_later_ones():
             r.aborted = True
 
     spec = type("Spec", (), {"admits": lambda self, m: True})()
-    Composition([Refusing(), fake("later", 20, log, admit=None)]).admit(None, req, spec)
+    Composition([Refusing(), fake("later", ("refusing",), log, admit=None)]).admit(None, req, spec)
     assert log == [("refusing", "admit")]
+
+
+def test_the_order_follows_the_declarations_through_mechanisms_not_built():
+    """A composition of some mechanisms keeps the order the registry's declarations give, also
+    where the mechanism that links two is not among them; ties go by name."""
+    mechanism.discover()
+    assert [cls.name for cls in mechanism.ordered()] == ["memory", "keep", "persist", "intent", "sentencekv"]
+    built = [fake("sentencekv", ("intent",)), fake("zeta"), fake("memory"), fake("x", ("sentencekv",))]
+    assert [m.name for m in Composition(built).mechanisms] == ["memory", "sentencekv", "x", "zeta"]
+    # through intent (registered, not built): sentencekv after intent after persist after memory
+    linked = [fake("sentencekv", ("intent",)), fake("memory", ()), fake("a")]
+    assert [m.name for m in Composition(linked).mechanisms] == ["a", "memory", "sentencekv"]
+    assert [m.name for m in Composition([fake("late", ("memory",)), fake("memory")]).mechanisms] == ["memory", "late"]
+
+
+def test_a_cycle_of_declarations_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"cycle among a \(after b\), b \(after a\)"):
+        Composition([fake("a", ("b",)), fake("b", ("a",)), fake("c")])
+
+
+def test_a_request_state_ends_with_its_row_or_the_request():
+    """A row's state ends at every release (a retracted request is released unfinished) and at a
+    drop; a request's at a finished release or a drop, and at an admission that refused it."""
+    store = RequestStore()
+    row, request = store.table("m row", Lifetime.ROW), store.table("m request", Lifetime.REQUEST)
+    composed = Composition([fake("m")], store)
+
+    def fill(req):
+        row.set(req.rid, 1)
+        request.set(req.rid, 2)
+
+    retracted, done, dropped = Req("retracted"), Req("done"), Req("dropped")
+    for req in (retracted, done, dropped):
+        fill(req)
+    composed.release(retracted)  # not finished: SGLang retracted it
+    assert "retracted" not in row and request.get("retracted") == 2
+    done.aborted = True  # finished
+    composed.release(done)
+    composed.drop(dropped)
+    assert store.held() == {"m request": ["retracted"]}
+    retracted.aborted = True
+    composed.release(retracted)
+    assert store.held() == {}
+
+    refused = Req("refused")
+
+    class Refuser(Mechanism):
+        settings, name = object, "refuser"
+
+        @classmethod
+        def build(cls, *a):
+            return cls()
+
+        def admit(self, scheduler, r, spec):
+            fill(r)
+            r.aborted = True
+
+    spec = type("Spec", (), {"admits": lambda self, m: True})()
+    Composition([Refuser()], store).admit(None, refused, spec)
+    assert store.held() == {}
+    with pytest.raises(ValueError, match="exists already"):
+        store.table("m row", Lifetime.ROW)
 
 
 def test_the_least_match_limit_and_the_union_of_held_requests():
@@ -120,7 +183,7 @@ def test_session_state_goes_to_each_mechanism_under_its_own_name():
     got = {}
 
     class Keeper(Mechanism):
-        order, settings, kv_state = 0, object, {"keys": "k"}
+        settings, kv_state = object, {"keys": "k"}
 
         @classmethod
         def build(cls, *a):

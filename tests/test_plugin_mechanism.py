@@ -23,12 +23,11 @@ def toy_registered():
     """The toy registered in this process for one test, then taken out again (other tests see
     the built-in mechanisms only)."""
     mechanism.discover()  # the built-in ones first: they stay
-    registry = dict(mechanism.REGISTRY)
+    registry = mechanism.REGISTRY.snapshot()
     declared = dict(prometheus.DECLARED)
     cfg = config.from_dict({"plugins": ["toy_mechanism"], "toy": {"enabled": True, "max_note": 3}})
     yield cfg
-    mechanism.REGISTRY.clear()
-    mechanism.REGISTRY.update(registry)
+    mechanism.REGISTRY.restore(registry)
     prometheus.DECLARED.clear()
     prometheus.DECLARED.update(declared)
     sys.modules.pop("toy_mechanism", None)
@@ -42,7 +41,7 @@ def test_a_plugin_brings_its_section_request_key_and_checks(toy_registered):
     cfg = toy_registered
     assert cfg.toy.enabled and cfg.toy.max_note == 3 and cfg.plugins == ("toy_mechanism",)
     assert cfg.as_dict()["toy"] == {"enabled": True, "max_note": 3}
-    assert [cls.name for cls in mechanism.ordered()][-1] == "toy"  # order 50: after every built-in
+    assert [cls.name for cls in mechanism.ordered()][-1] == "toy"  # declared after every built-in
     spec = request.parse({"session_id": "s", "toy": {"note": "ab"}})
     assert spec.part("toy").note == "ab" and spec.asked == {"toy": ("toy",)}
     request.check_served(spec, cfg)
@@ -61,7 +60,7 @@ def test_a_second_mechanism_cannot_take_a_key_another_owns(toy_registered):
 
         @mechanism.register("toy2")
         class Clash(mechanism.Mechanism):
-            order, settings, fields = 60, type(toy_registered.toy), ("budget",)
+            settings, fields = type(toy_registered.toy), ("budget",)
 
             @classmethod
             def build(cls, config, tree, ctx):

@@ -35,7 +35,6 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sgl_memory.core.composition import Composition
 from sgl_memory.engine.admission import ADMITTED
 from sgl_memory.core.config import plain
-from sgl_memory.intent.pruner import REQUESTS as INTENT
 from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.memart.manager import TURNS as MEMORY
 from sgl_memory.memart.manager import MemArtManager
@@ -174,12 +173,12 @@ class Sim:
         self.write(req, len(prefix), new)
         req.kv.cache_protected_len = len(prefix)
         req.kv.kv_allocated_len = len(tokens)
-        self.reused += int(bool(INTENT.get(req).branches))
+        self.reused += int(bool(self.pruner.plans.get(req.rid).branches))
         req.output_ids.append(self.rng.randint(0, 6))  # the prefill's sampled token
         req.prefilled_row = self.row(req)[: len(tokens)].clone()  # as the mechanisms' checkpoint sees it
         self.tree.checkpoint(req, up_to=len(tokens))
-        self.pruned += INTENT.get(req).events
-        self.copied += INTENT.get(req).copied
+        self.pruned += self.pruner.plans.get(req.rid).events
+        self.copied += self.pruner.plans.get(req.rid).copied
         self.running.append(req)
         return True
 
@@ -363,7 +362,7 @@ class AllSim(Sim):
             MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree, Rope(head_dim=2, theta=10000.0)
         )
         memory.markers = RoleMarkers(None, {})
-        self.tree.composition = Composition([*self.tree.mechanisms, persist, memory])
+        self.tree.composition = Composition([*self.tree.mechanisms, persist, memory], self.tree.requests)
         self.persist, self.memory = persist, memory
         self.placed = self.restored = self.recorded_dead = 0
         self.waiting: list[FakeReq] = []

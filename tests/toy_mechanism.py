@@ -27,7 +27,7 @@ import torch
 from sgl_memory.core import mechanism, metrics, prometheus
 from sgl_memory.core.config import require
 from sgl_memory.core.request import FIELD, RequestPart, SpecError, object_at
-from sgl_memory.core.slots import Slot
+from sgl_memory.core.requests import Lifetime, RequestTable
 
 
 @dataclass(frozen=True)
@@ -56,26 +56,28 @@ class LastPositions:
         return torch.arange(max(0, length - self.count), length)
 
 
-SEEN: Slot[dict] = Slot("toy")
 REQUESTS = prometheus.counter("toy_requests", "Requests the toy mechanism counted")
 
 
 @mechanism.register("toy")
 class ToyMechanism(mechanism.Mechanism):
-    order = 50  # after every built-in: it sees the prompt they made
+    after = ("memory", "keep", "persist", "intent", "sentencekv")  # every built-in: it sees the prompt they made
     needs_sentinel = True  # `hide` points positions at the tree's sentinel slot
     settings = ToyConfig
     fields = ("toy",)
     schema = mechanism.MetricsSchema(marker="toy_prompt_tokens", summed=("toy_prompt_tokens",), counted=("toy_note",))
 
-    def __init__(self, config: ToyConfig):
+    def __init__(self, config: ToyConfig, tree):
         self.config = config
-        self.rows: dict[str, list[int]] = {}  # rid -> [first position, rows] layer 0 computed
-        self.reads: dict[str, LastPositions] = {}
+        # per request, from admission to its row's release: what it saw, [first position, rows]
+        # layer 0 computed, its decode reads
+        self.seen: RequestTable[dict] = tree.requests.table("toy seen", Lifetime.ROW)
+        self.rows: RequestTable[list[int]] = tree.requests.table("toy rows", Lifetime.ROW)
+        self.reads: RequestTable[LastPositions] = tree.requests.table("toy reads", Lifetime.ROW)
 
     @classmethod
     def build(cls, config, tree, ctx) -> ToyMechanism:
-        return cls(config)
+        return cls(config, tree)
 
     def subscriber(self) -> ToyMechanism:
         return self
@@ -138,10 +140,10 @@ class ToyMechanism(mechanism.Mechanism):
                     f"{FIELD}.toy.hide: the prompt has {len(ids)} tokens; its last is never hidden"
                 )
                 return
-            SEEN.set(
-                req, {"toy_prompt_tokens": len(ids), "toy_first_token": ids[0], "toy_note": part.note, "part": part}
+            self.seen.set(
+                req.rid, {"toy_prompt_tokens": len(ids), "toy_first_token": ids[0], "toy_note": part.note, "part": part}
             )
-            self.rows[req.rid] = [-1, 0]
+            self.rows.set(req.rid, [-1, 0])
 
     # --- the capture subscriber (core/capture.Subscriber) ----------------------------------------
 
@@ -149,7 +151,7 @@ class ToyMechanism(mechanism.Mechanism):
         return bool(self.rows)
 
     def bind(self, rows) -> list:
-        return [(self.rows[r.rid], r) for r in rows if r.rid in self.rows]
+        return [(counts, r) for r in rows if (counts := self.rows.get(r.rid)) is not None]
 
     def first_read(self, part) -> int | None:
         return None  # it counts every row
@@ -163,12 +165,12 @@ class ToyMechanism(mechanism.Mechanism):
     # --- the row edit, the decode reads --------------------------------------------------------
 
     def on_checkpoint(self, req, tree) -> mechanism.RowEdit | None:
-        seen = SEEN.get(req)
+        seen = self.seen.get(req.rid)
         if seen is None or req.finished():
             return None
         part: ToyRequest = seen["part"]
         if part.last is not None:
-            self.reads[req.rid] = LastPositions(part.last)
+            self.reads.set(req.rid, LastPositions(part.last))
         if part.hide is None:
             return None
         row = tree.row(req)
@@ -178,14 +180,9 @@ class ToyMechanism(mechanism.Mechanism):
         row[dropped] = tree.sentinel
         return mechanism.RowEdit(dropped, own.numel(), private=True)
 
-    def on_drop(self, req) -> None:
-        SEEN.pop(req)
-        self.rows.pop(req.rid, None)
-        self.reads.pop(req.rid, None)
-
     def on_release(self, req) -> None:
-        seen, rows = SEEN.pop(req), self.rows.pop(req.rid, None)
-        self.reads.pop(req.rid, None)
+        seen, rows = self.seen.get(req.rid), self.rows.get(req.rid)
         if seen is not None:
-            seen.pop("part")
-            metrics.attach(req, seen | {"toy_rows_from": rows[0], "toy_rows": rows[1]})
+            metrics.attach(
+                req, {k: v for k, v in seen.items() if k != "part"} | {"toy_rows_from": rows[0], "toy_rows": rows[1]}
+            )

@@ -15,15 +15,27 @@ compose, which is an error in the mechanisms, not in the request.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from sgl_memory.core.config import ConfigError
-from sgl_memory.core.mechanism import REGISTRY, Mechanism, enabled
+from sgl_memory.core.config import ConfigError, MemoryConfig
+from sgl_memory.core.mechanism import REGISTRY, BranchIds, Mechanism, enabled, in_order
+from sgl_memory.core.requests import RequestStore
+
+if TYPE_CHECKING:
+    from sgl_memory.core.decode import StepReads
+    from sgl_memory.core.kvhost import Branches, KVHost
+    from sgl_memory.core.mechanism import RowEdit
+    from sgl_memory.core.request import MemorySpec
+    from sgl_memory.core.reuse import ReusedKV
+    from sgl_memory.core.sessions import SessionKey
+    from sgl_memory.core.views import RequestView, SchedulerView
+
+A = TypeVar("A")
 
 
-def only_one(answers: Iterable[tuple[str, Any]], what: str):
+def only_one(answers: Iterable[tuple[str, A]], what: str) -> A | None:
     """The one non-empty answer of (mechanism name, answer) pairs, or None; two raise naming both."""
     given = [(name, answer) for name, answer in answers if answer]
     if len(given) > 1:
@@ -39,7 +51,7 @@ def scale_refusals(cls: type[Mechanism]) -> tuple[str | None, str | None]:
     return page, cls.tp_refusal
 
 
-def problems(config, tp_size: int = 1, page_size: int = 1) -> list[str]:
+def problems(config: MemoryConfig, tp_size: int = 1, page_size: int = 1) -> list[str]:
     """Why the enabled mechanisms cannot run together, or not at this tensor-parallel size and page
     size, one line each (empty: they can)."""
     names = enabled(config)
@@ -58,7 +70,7 @@ def problems(config, tp_size: int = 1, page_size: int = 1) -> list[str]:
     return found
 
 
-def check(config, tp_size: int = 1, page_size: int = 1) -> None:
+def check(config: MemoryConfig, tp_size: int = 1, page_size: int = 1) -> None:
     """The start-up guard: a ConfigError naming every problem (`problems`). The tree calls it with
     the sizes SGLang resolved; our launcher calls it before anything starts, and again once it has
     resolved them."""
@@ -72,10 +84,14 @@ def _defines(m: Mechanism, hook: str) -> bool:
 
 
 class Composition:
-    """The built mechanisms of one tree, by order, and the rules of the module docstring."""
+    """The built mechanisms of one tree, in the order their declarations give
+    (mechanism.in_order), the rules of the module docstring, and the end of each request's state
+    (the tree's request store: requests.py) when the request ends."""
 
-    def __init__(self, mechanisms: list[Mechanism]):
-        self.mechanisms = sorted(mechanisms, key=lambda m: (m.order, m.name))
+    def __init__(self, mechanisms: list[Mechanism], requests: RequestStore | None = None):
+        rank = {cls.name: i for i, cls in enumerate(in_order(type(m) for m in mechanisms))}
+        self.mechanisms = sorted(mechanisms, key=lambda m: rank[m.name])
+        self.requests = requests if requests is not None else RequestStore()
         # asked once: every subscriber is fed each prefill forward; a row is dropped when a dropper
         # drops it and no other subscriber reads it (engine/layers.py)
         self.subscribers = [s for m in self.mechanisms if (s := m.subscriber()) is not None]
@@ -93,50 +109,56 @@ class Composition:
 
     # --- a request's life ---------------------------------------------------------------------------
 
-    def admit(self, scheduler, req, spec) -> None:
+    def admit(self, scheduler: SchedulerView, req: RequestView, spec: MemorySpec) -> None:
         """The mechanisms the request admits, by order, every `open` before the first `admit`; an
-        abort stops the rest."""
+        abort stops the rest, and the refused request's state ends here: it never runs."""
         admitting = [m for m in self.mechanisms if spec.admits(m)]
         for m in admitting:
             m.open(scheduler, req, spec)
         for m in admitting:
             if req.finished():
-                return  # an earlier mechanism refused it
+                break  # an earlier mechanism refused it
             m.admit(scheduler, req, spec)
+        if req.finished():
+            self.requests.end(req.rid)
 
-    def before_prefill(self, scheduler, waiting: list, running: bool) -> list:
+    def before_prefill(self, scheduler: SchedulerView, waiting: list[RequestView], running: bool) -> list[RequestView]:
         """Every mechanism, by order: the union of the requests they hold back."""
         return [req for m in self.mechanisms for req in m.before_prefill(scheduler, waiting, running)]
 
-    def match_limit(self, req) -> int | None:
+    def match_limit(self, req: RequestView) -> int | None:
         """The least of the mechanisms' limits (None: none sets one)."""
         limits = [n for m in self.mechanisms if (n := m.match_limit(req)) is not None]
         return min(limits) if limits else None
 
-    def branch_ids(self, req) -> tuple[Mechanism, Any] | None:
+    def branch_ids(self, req: RequestView) -> tuple[Mechanism, BranchIds] | None:
         """The mechanism that branches the request's path and its branch-id function, or None."""
         return only_one(
             [(m.name, (m, ids)) for m in self.mechanisms if (ids := m.branch_ids(req)) is not None],
             "branches the request's path",
         )
 
-    def branches(self, req):
+    def branches(self, req: RequestView) -> Branches:
         """The one mechanism's branches of the request's path, () for a plain path."""
         return only_one(((m.name, m.branches(req)) for m in self.mechanisms), "branches the request's path") or ()
 
-    def checkpoint(self, req, tree):
+    def checkpoint(self, req: RequestView, tree: KVHost) -> RowEdit | None:
         """Every mechanism, by order (KV memory copies the prompt off before intent prunes it): the
         one row edit made, or None."""
         return only_one([(m.name, m.on_checkpoint(req, tree)) for m in self.mechanisms], "edits the request's row")
 
-    def release(self, req) -> None:
-        """Every mechanism, by order; so `drop` and `drain`."""
+    def release(self, req: RequestView) -> None:
+        """Every mechanism, by order; so `drop` and `drain`. Then the request's state ends: what
+        lives as long as its row, and all of it when the request is finished (a retracted request
+        is released and prefills again later)."""
         for m in self.mechanisms:
             m.on_release(req)
+        self.requests.released(req.rid, finished=req.finished())
 
-    def drop(self, req) -> None:
+    def drop(self, req: RequestView) -> None:
         for m in self.mechanisms:
             m.on_drop(req)
+        self.requests.end(req.rid)
 
     def drain(self) -> None:
         for m in self.mechanisms:
@@ -151,10 +173,10 @@ class Composition:
             only_one(((m.name, m.position_shift(rid)) for m in self._shifting), "shifts the request's positions") or 0
         )
 
-    def step_reads(self, rid: str):
+    def step_reads(self, rid: str) -> StepReads | None:
         return only_one(((m.name, m.step_reads(rid)) for m in self._reading), "chooses the request's decode reads")
 
-    def placed_kv(self, req):
+    def placed_kv(self, req: RequestView) -> ReusedKV | None:
         return only_one(((m.name, m.placed_kv(req)) for m in self._placing), "places KV for the request's repair")
 
     @property
@@ -169,25 +191,29 @@ class Composition:
 
     # each mechanism's state under its own name
 
-    def export_session(self, key, skip: Mechanism | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def export_session(
+        self, key: SessionKey, skip: Mechanism | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Every mechanism's state of the session (but `skip`'s), its tensors named
         `<mechanism>.<name>`, and which of them hold KV (Mechanism.kv_state)."""
-        out, kv = {}, {}
+        out: dict[str, torch.Tensor] = {}
+        kv: dict[str, str] = {}
         for m in self.mechanisms:
             if m is not skip:
                 out.update({f"{m.name}.{name}": t for name, t in m.export_session(key).items()})
                 kv.update({f"{m.name}.{name}": kind for name, kind in m.kv_state.items() if f"{m.name}.{name}" in out})
         return out, kv
 
-    def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
+    def import_session(self, key: SessionKey, tensors: dict[str, torch.Tensor]) -> None:
         """Hand each mechanism its part of an exported state (a disabled one's is ignored)."""
         for m in self.mechanisms:
             own = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == m.name}
             if own:
                 m.import_session(key, own)
 
-    def describe_session(self, slots: dict) -> dict:
-        row = {}
+    def describe_session(self, slots: dict[str, Any]) -> dict[str, Any]:
+        """What each mechanism says of its slot of one session (Mechanism.describe_session)."""
+        row: dict[str, Any] = {}
         for m in self.mechanisms:
             if m.name in slots:
                 row.update(m.describe_session(slots[m.name]))

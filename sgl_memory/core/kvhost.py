@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from sgl_memory.core.requests import RequestStore
 from sgl_memory.core.sessions import SessionRegistry
 
 Branches = tuple[tuple[int, int], ...]  # (position, key id), ascending positions; () for a plain path
@@ -49,6 +50,7 @@ class KVPool(Protocol):
 
 class KVHost(Protocol):
     sessions: SessionRegistry  # every mechanism's per-session state, one slot each
+    requests: RequestStore  # every mechanism's per-request state (requests.py), ended by the composition
     disable: bool  # the server runs without a radix cache: nothing is ever held
     page_size: int
     tp_size: int  # the tensor-parallel group's size (1: none); a rank's pool holds its share of the KV heads

@@ -3,7 +3,9 @@
 A mechanism (intent pruning, session persistence, KV memory, KEEP, and the ones to come) is one
 package with one class that subclasses `Mechanism` and registers under its name. The class
 declares everything the server layers need from it, so that adding a mechanism edits no shared
-file: its config section (`settings`), where it runs among the others (`order`), the keys of the
+file: its config section (`settings`), which mechanisms it runs after (`after`: the composition
+derives the order from these and refuses a cycle), the repairs of placed KV it carries out
+(`repairs`), the keys of the
 `sgl_memory` request field it owns (`fields`, `parse_request`, `check_request`), its per-request
 metrics (`schema`, `observe`), its HTTP routes (`mount`) and what it does to requests on their
 way in (`before_generate`, with the engine API of front.py), and what it does inside the forward
@@ -11,8 +13,9 @@ way in (`before_generate`, with the engine API of front.py), and what it does in
 builds the enabled ones into a `composition.Composition`, which calls them at the points of a
 request's life below and combines their answers by the rules written there. What a mechanism
 sees of SGLang's request and scheduler is views.RequestView and views.SchedulerView. Per-request
-state lives in the mechanism or in a `slots.Slot` beside SGLang's request, never on it; no mechanism
-imports another, and a mechanism reaches another's answer only through the tree (kvhost.KVHost).
+state lives in tables of the tree's request store (requests.py), which the composition clears when
+a request ends, never on SGLang's request; no mechanism imports another, and a mechanism reaches
+another's answer only through the tree (kvhost.KVHost).
 
 Mechanisms are found by importing their modules: each package of sgl-memory that holds one names
 its module in its `__init__` (`MECHANISM`), so a new mechanism is a new package and no list
@@ -25,20 +28,41 @@ import functools
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+import numpy as np
 import torch
+
+from sgl_memory.core.registry import Registry
 
 if TYPE_CHECKING:
     from sgl_memory.core.capture import Subscriber
+    from sgl_memory.core.config import MemoryConfig
     from sgl_memory.core.decode import StepReads
+    from sgl_memory.core.front import Engine, Incoming
+    from sgl_memory.core.kvhost import Branches, KVHost
+    from sgl_memory.core.request import MemorySpec, RequestPart
     from sgl_memory.core.reuse import ReusedKV
     from sgl_memory.core.rows import RowDropper
+    from sgl_memory.core.sessions import SessionKey
     from sgl_memory.core.views import RequestView, SchedulerView
 
-REGISTRY: dict[str, type[Mechanism]] = {}
+REGISTRY: Registry[type[Mechanism]] = Registry("mechanism")
+
+# Mechanism.branch_ids: the request's token ids (int64) -> the key id each takes at a branch of its own
+BranchIds = Callable[[np.ndarray], np.ndarray]
+
+
+class BuildContext(Protocol):
+    """What `Mechanism.build` reads of SGLang's TreeCacheBuildContext."""
+
+    model_config: Any  # the served model's (its hf_config: RoPE, heads, layers)
+    server_args: Any  # the server's arguments (model path, served name)
+    tp_rank: int
+    tp_size: int
 
 
 @dataclass(frozen=True)
@@ -69,10 +93,13 @@ class RowEdit:
 
 class Mechanism(ABC):
     name: ClassVar[str]
-    # Where the mechanism's admission runs among the others (lower first): the order in which they
-    # rewrite a request's tokens. Checkpoint and release run in the same order. Each mechanism's
-    # value says why it sits there (every `open` runs before the first `admit`).
-    order: ClassVar[int]
+    # The mechanisms whose hooks run before this one's, where both are registered: the order in which
+    # admissions rewrite a request's tokens, and in which checkpoint and release run. Each
+    # mechanism's comment says why it runs after those; `ordered` derives one order from every
+    # declaration (ties by name) and refuses a cycle. Every `open` runs before the first `admit`.
+    after: ClassVar[tuple[str, ...]] = ()
+    # the repairs of placed KV (`memory.recompute` values, reuse.ReusedKV.method) it carries out
+    repairs: ClassVar[tuple[str, ...]] = ()
     settings: ClassVar[type]  # its config section: a frozen dataclass with an `enabled` field and defaults
     fields: ClassVar[tuple[str, ...]] = ()  # the keys of the `sgl_memory` request field it owns
     schema: ClassVar[MetricsSchema] = MetricsSchema()
@@ -96,7 +123,7 @@ class Mechanism(ABC):
     # --- declarations: read by the config, the request parser, the HTTP layer (any process) ------
 
     @classmethod
-    def parse_request(cls, raw: dict, internal: bool) -> Any:
+    def parse_request(cls, raw: dict[str, Any], internal: bool) -> RequestPart | None:
         """Its part of a request's `sgl_memory` field (`raw`, a dict already checked to hold only
         known keys), a request.RequestPart, or None when the request sets none of `fields`.
         `internal`: the field as the scheduler receives it (it may carry the server's own keys).
@@ -104,26 +131,32 @@ class Mechanism(ABC):
         return None
 
     @classmethod
-    def check_request(cls, part, config) -> None:
+    def check_request(cls, part: RequestPart, config: MemoryConfig) -> None:
         """Refuse (request.SpecError) a part this server's config cannot serve, beyond the
         mechanism being off (the parser says that). Called with a part that is not None."""
 
     @classmethod
-    def check_config(cls, config) -> None:
+    def check_config(cls, config: MemoryConfig) -> None:
         """Refuse (config.ConfigError) a config whose other sections this mechanism's section
         needs and lacks (e.g. a repair mode whose mechanism is off)."""
 
     @classmethod
-    def observe(cls, metrics: dict, meta_info: dict) -> None:
+    def observe(cls, metrics: dict[str, Any], meta_info: dict[str, Any]) -> None:
         """One finished request's metrics (HTTP process): record this mechanism's Prometheus series."""
 
     @classmethod
-    def mount(cls, app, config, engine) -> None:
+    def mount(cls, app: Any, config: MemoryConfig, engine: Engine) -> None:
         """Add this mechanism's HTTP routes to SGLang's FastAPI app (HTTP process); `engine`
         (front.Engine) sends the mechanism's own passes."""
 
     @classmethod
-    async def before_generate(cls, request, engine) -> None:
+    def banner(cls, section: Any) -> str | None:
+        """What the server's ready line says of this mechanism, given its section (enabled or not);
+        None: nothing."""
+        return None
+
+    @classmethod
+    async def before_generate(cls, request: Incoming, engine: Engine) -> None:
         """A generate request (front.Incoming) on its way in, before tokenization (HTTP process):
         may send passes of its own first (front.Engine) and rewrite the request's field. Raises
         request.SpecError for a field this server cannot serve (a 400). Called for every registered
@@ -133,25 +166,25 @@ class Mechanism(ABC):
 
     @classmethod
     @abstractmethod
-    def build(cls, config, tree, ctx) -> Mechanism:
-        """The mechanism for this tree, from its config section and SGLang's TreeCacheBuildContext
+    def build(cls, config: Any, tree: KVHost, ctx: BuildContext | None) -> Mechanism:
+        """The mechanism for this tree, from its config section (`settings`) and SGLang's TreeCacheBuildContext
         (model config, server args, TP rank; None in unit tests that build a bare tree). Raises
         ValueError for a server it cannot serve (its model, its attention backend); the TP and page
         sizes it cannot serve it declares instead (tp_refusal, page_refusal)."""
 
-    def open(self, scheduler: SchedulerView, req: RequestView, spec) -> None:
+    def open(self, scheduler: SchedulerView, req: RequestView, spec: MemorySpec) -> None:
         """Before any mechanism admits the request (scheduler thread): bring its session into this
         server's memory. Persistence loads a session seen by an earlier server from its file and
         hands the other mechanisms their part (the tree's import_session), so that every admission,
         whatever its order, sees the session's state."""
 
-    def admit(self, scheduler: SchedulerView, req: RequestView, spec) -> None:
-        """Before the request is queued (scheduler thread), after the mechanisms of lower order.
+    def admit(self, scheduler: SchedulerView, req: RequestView, spec: MemorySpec) -> None:
+        """Before the request is queued (scheduler thread), after the mechanisms it runs after.
         May rewrite `req.origin_input_ids` and `req.extra_key` (through `namespace`), keep its
-        per-request state, put KV into the tree (tree_fill.place), or abort the request with a
-        client error."""
+        per-request state (in the tree's request store, requests.py), put KV into the tree
+        (tree_fill.place), or abort the request with a client error."""
 
-    def before_prefill(self, scheduler: SchedulerView, waiting: list[RequestView], running: bool) -> list:
+    def before_prefill(self, scheduler: SchedulerView, waiting: list[RequestView], running: bool) -> list[RequestView]:
         """Before the scheduler forms a prefill batch (scheduler thread), with its waiting queue in
         order and whether requests are running (they will give their KV slots back when they end):
         a mechanism may bring KV back for requests it deferred at admission. Returns the
@@ -166,24 +199,24 @@ class Mechanism(ABC):
         scorer's query rows, a probe's) needs them prefilled by the request itself."""
         return None
 
-    def branch_ids(self, req: RequestView) -> Any:
+    def branch_ids(self, req: RequestView) -> BranchIds | None:
         """Where this request's path may leave the shared tree (tree_fill.py, branches): a function
         from the request's token ids (an int64 array) to the key id each would take at a branch of
         its own, or None for a plain path. The tree finds the branches on the path and reports them
         with `on_match`."""
         return None
 
-    def on_match(self, req: RequestView, branches) -> None:
+    def on_match(self, req: RequestView, branches: Branches) -> None:
         """The branches (kvhost.Branches) the tree matched on the request's path, for a request
         whose `branch_ids` is not None."""
 
-    def branches(self, req: RequestView):
+    def branches(self, req: RequestView) -> Branches:
         """Where the request's key in the tree takes branch ids instead of its tokens
         (kvhost.Branches; () for a plain path): the tree inserts its row under that key. At most one
         mechanism branches a given request's path (the tree raises if two do)."""
         return ()
 
-    def on_checkpoint(self, req: RequestView, tree) -> RowEdit | None:
+    def on_checkpoint(self, req: RequestView, tree: KVHost) -> RowEdit | None:
         """At the end of the request's prefill, before its row is inserted into the tree. Returns the
         RowEdit it made (edits are made in place, through the tree's `row(req)`) or None when it left
         the row as it is. Every mechanism is
@@ -197,8 +230,9 @@ class Mechanism(ABC):
 
     def on_drop(self, req: RequestView) -> None:
         """The request was aborted before it held a KV row (in the waiting queue, or refused by
-        SGLang after admission): the tree never releases it, so `on_release` does not run. Drop
-        the per-request state `admit` kept outside the req."""
+        SGLang after admission): the tree never releases it, so `on_release` does not run. Undo
+        what `admit` started beyond its request state (the composition ends that): a restore
+        being unpacked, a hold."""
 
     # --- inside the model's forward (scheduler process): asked by the engine through the composition --
 
@@ -227,18 +261,18 @@ class Mechanism(ABC):
         the repairing mechanism asks the tree for (KVHost.placed_kv); None: none."""
         return None
 
-    def export_session(self, key) -> dict[str, torch.Tensor]:
+    def export_session(self, key: SessionKey) -> dict[str, torch.Tensor]:
         """What this mechanism holds for the session (tenant, id) that a later server needs to
         continue it, as named host tensors (session persistence stores them next to the session's
         path); {} when it holds nothing. Called off the scheduler thread."""
         return {}
 
-    def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None:
+    def import_session(self, key: SessionKey, tensors: dict[str, torch.Tensor]) -> None:
         """Take back what `export_session` gave, on a server that loads the session from its file;
         state this server already holds for the session is newer and is kept (when the file is
         newer, another server sharing the store wrote it, the session is dropped first)."""
 
-    def describe_session(self, slot) -> dict[str, int | float | bool]:
+    def describe_session(self, slot: Any) -> dict[str, int | float | bool | None]:
         """A few numbers about this mechanism's slot of a session for an operator's inspector
         (GET /sgl_memory/sessions): sizes and counts, never contents. Called on the scheduler's
         thread with the slot the registry holds; {} says nothing."""
@@ -254,26 +288,26 @@ class Mechanism(ABC):
 RESERVED_NAMES = ("plugins", "sessions")
 
 
-def register(name: str):
+def _check(name: str, cls: type[Mechanism]) -> None:
+    if name in RESERVED_NAMES:
+        raise ValueError(f"mechanism {name!r}: the name is a config key of its own ({', '.join(RESERVED_NAMES)})")
+    if not hasattr(cls, "settings"):
+        raise TypeError(f"mechanism {name!r} declares no settings")
+    taken = {f: m.name for m in REGISTRY.values() if m.name != name for f in m.fields}
+    clash = sorted(set(cls.fields) & set(taken))
+    if clash:
+        raise ValueError(
+            f"mechanism {name!r}: request field key(s) {clash} belong to {sorted({taken[f] for f in clash})}"
+        )
+    offered = {r: m.name for m in REGISTRY.values() if m.name != name for r in m.repairs}
+    twice = sorted(set(cls.repairs) & set(offered))
+    if twice:
+        raise ValueError(f"mechanism {name!r}: repair(s) {twice} are {sorted({offered[r] for r in twice})}'s")
+
+
+def register(name: str) -> Callable[[type[Mechanism]], type[Mechanism]]:
     """Class decorator: the mechanism configured by section `name` of the config."""
-
-    def wrap(cls: type[Mechanism]) -> type[Mechanism]:
-        if name in RESERVED_NAMES:
-            raise ValueError(f"mechanism {name!r}: the name is a config key of its own ({', '.join(RESERVED_NAMES)})")
-        for attr in ("order", "settings"):
-            if not hasattr(cls, attr):
-                raise TypeError(f"mechanism {name!r} declares no {attr}")
-        taken = {f: m.name for m in REGISTRY.values() if m.name != name for f in m.fields}
-        clash = sorted(set(cls.fields) & set(taken))
-        if clash:
-            raise ValueError(
-                f"mechanism {name!r}: request field key(s) {clash} belong to {sorted({taken[f] for f in clash})}"
-            )
-        cls.name = name
-        REGISTRY[name] = cls
-        return cls
-
-    return wrap
+    return REGISTRY.register(name, _check)
 
 
 @functools.cache
@@ -296,11 +330,51 @@ def discover(plugins: tuple[str, ...] = ()) -> None:
         importlib.import_module(module)
 
 
+def in_order(classes: Iterable[type[Mechanism]]) -> list[type[Mechanism]]:
+    """`classes`, each after the ones it runs `after`, directly or through a registered mechanism
+    that is not among them (so a subset keeps the whole order); the name breaks ties: among those
+    whose predecessors are placed, the first by name goes next. A name that is neither among them
+    nor registered is no constraint. Raises ValueError naming the mechanisms of a cycle."""
+    given = {cls.name: cls for cls in classes}
+
+    def predecessors(cls: type[Mechanism]) -> set[str]:
+        found: set[str] = set()
+        stack = list(cls.after)
+        while stack:
+            name = stack.pop()
+            other = given.get(name) or (REGISTRY.get(name) if name in REGISTRY else None)
+            if name not in found and other is not None:
+                found.add(name)
+                stack.extend(other.after)
+        return found
+
+    pending = {name: predecessors(cls) & set(given) for name, cls in given.items()}
+    placed: list[type[Mechanism]] = []
+    while pending:
+        ready = sorted(name for name, before in pending.items() if not before - {name})
+        if not ready:
+            raise ValueError(
+                "the mechanisms' `after` declarations form a cycle among "
+                + ", ".join(f"{name} (after {', '.join(given[name].after)})" for name in sorted(pending))
+            )
+        placed.append(given[ready[0]])
+        del pending[ready[0]]
+        for before in pending.values():
+            before.discard(ready[0])
+    return placed
+
+
 def ordered() -> list[type[Mechanism]]:
-    """Every registered mechanism, by order (the name breaks ties)."""
-    return sorted(REGISTRY.values(), key=lambda cls: (cls.order, cls.name))
+    """Every registered mechanism, in the order their `after` declarations give (in_order)."""
+    return in_order(REGISTRY.values())
 
 
-def enabled(config) -> list[str]:
+def repairer(method: str) -> str | None:
+    """The registered mechanism that carries out the repair `method` of placed KV (Mechanism.repairs),
+    or None: no mechanism repairs it (`none`, `full`: the placer itself handles those)."""
+    return next((cls.name for cls in REGISTRY.values() if method in cls.repairs), None)
+
+
+def enabled(config: MemoryConfig) -> list[str]:
     """The mechanisms a config switches on, by order."""
     return [cls.name for cls in ordered() if config.section(cls.name).enabled]

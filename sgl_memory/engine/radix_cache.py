@@ -41,6 +41,7 @@ from sgl_memory.engine import runtime
 from sgl_memory.core.composition import Composition
 from sgl_memory.core.config import MemoryConfig, from_env, plain
 from sgl_memory.core.mechanism import Mechanism
+from sgl_memory.core.requests import RequestStore
 from sgl_memory.core.sessions import SessionRegistry
 from sgl_memory.core.slots import Slot
 from sgl_memory.core.kvhost import Branches
@@ -142,6 +143,7 @@ class SglMemoryRadixCache(RadixCache):
         self._holds: dict[object, tuple[object, int]] = {}  # waiting request -> (node held for it, tokens)
         self.composition = Composition([])
         self.sessions = SessionRegistry()  # every mechanism's per-session state, one slot each
+        self.requests = RequestStore()  # every mechanism's per-request state, ended by the composition
         self.tp_size = ctx.tp_size if ctx is not None else 1
         super().__init__(params)
         self.memory_config = config or plain()  # no config: no mechanism (the server passes its own)
@@ -153,7 +155,8 @@ class SglMemoryRadixCache(RadixCache):
             self._allocator = self.token_to_kv_pool_allocator
             self.token_to_kv_pool_allocator = SentinelSafeAllocator(self._allocator, self)
             self._take_sentinel()
-        self.composition = Composition([cls.build(self.memory_config.section(cls.name), self, ctx) for cls in classes])
+        built = [cls.build(self.memory_config.section(cls.name), self, ctx) for cls in classes]
+        self.composition = Composition(built, self.requests)
         runtime.bind(self)
 
     @property

@@ -26,7 +26,7 @@ from sgl_memory.core.kvhost import Branches
 from sgl_memory.intent import settings as section
 from sgl_memory.intent.settings import IntentConfig, IntentRequest
 from sgl_memory.core.request import FIELD, MemorySpec, SpecError
-from sgl_memory.core.slots import Slot
+from sgl_memory.core.requests import Lifetime, RequestTable
 from sgl_memory.intent.sessions import AdaptiveBudget, QueryMemory, resolve_key
 from sgl_memory.core.spans import RoleMarkers, Spans, find_spans
 
@@ -41,7 +41,7 @@ ADAPTIVE_SCORERS = (
 
 @dataclass
 class RequestIntent:
-    """What the pruner knows about one request, kept in its `REQUESTS` slot."""
+    """What the pruner knows about one request, kept in its `plans` table (IntentPruner)."""
 
     enabled: bool
     budget: int
@@ -68,9 +68,6 @@ class RequestIntent:
     adaptive_metrics: dict | None = None  # what the event did to the session's budget
 
 
-REQUESTS: Slot[RequestIntent] = Slot("intent request")
-
-
 COMPRESSION_EVENTS = prometheus.counter("compression_events", "IntentKV compression events")
 LIVE_KV = prometheus.counter("live_kv_tokens", "KV tokens live after pruning, summed over requests")
 PEAK_TOKENS = prometheus.counter("peak_request_tokens", "Peak request tokens, summed over requests")
@@ -81,7 +78,10 @@ SCORING_SECONDS = prometheus.histogram("scoring_seconds", "IntentKV scoring time
 
 @mechanism.register("intent")
 class IntentPruner(mechanism.Mechanism):
-    order = 40  # after the mechanisms that rewrite the tokens: it finds its forced spans and session in the final ones
+    # after the mechanisms that rewrite the tokens (memory, persist): it finds its forced spans and
+    # session in the final ones; and after keep, whose capture writes the placed rows' KV before
+    # intent's capture reads the layer
+    after = ("memory", "keep", "persist")
     settings = IntentConfig
     fields = section.FIELDS
     parse_request = staticmethod(section.parse_request)
@@ -123,8 +123,11 @@ class IntentPruner(mechanism.Mechanism):
         tree.sessions.limit(self.name, config.session_capacity)
         self.markers: RoleMarkers | None = None
         self.rope = None
-        self.captures: dict[str, QueryCapture] = {}
-        self.shifts: dict[str, int] = {}  # rid -> its positions' shift, for a request whose row was compacted
+        # what it knows of a request: as long as the request (a retracted one keeps its decision)
+        self.plans: RequestTable[RequestIntent] = tree.requests.table("intent plans", Lifetime.REQUEST)
+        # the query rows its prefill captures, and its positions' shift once its row was compacted
+        self.captures: RequestTable[QueryCapture] = tree.requests.table("intent captures", Lifetime.ROW)
+        self.shifts: RequestTable[int] = tree.requests.table("intent shifts", Lifetime.ROW)
 
     @classmethod
     def build(cls, config: IntentConfig, tree, ctx) -> IntentPruner:
@@ -141,7 +144,7 @@ class IntentPruner(mechanism.Mechanism):
         return self  # it reads its requests' query rows
 
     def position_shift(self, rid: str) -> int:
-        return self.shifts.get(rid, 0)
+        return self.shifts.get(rid) or 0
 
     # --- the session's QueryMemory, kept with the session by persistence -------------------------
 
@@ -174,23 +177,23 @@ class IntentPruner(mechanism.Mechanism):
     # --- admission (scheduler hook, before the request is queued) --------------------------------
 
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
-        if REQUESTS.get(req) is not None or req.finished():
+        if req.rid in self.plans or req.finished():
             return
         if self.markers is None:
             self.markers = RoleMarkers.from_tokenizer(getattr(scheduler, "tokenizer", None), self.config.roles)
         try:
-            REQUESTS.set(req, self._plan(req, spec))
+            self.plans.set(req.rid, self._plan(req, spec))
         except SpecError as exc:
             prometheus.BAD_REQUESTS.labels("field").inc()
             req.set_finish_with_abort(str(exc))
             return
-        state = REQUESTS.get(req)
+        state = self.plans.get(req.rid)
         if spec.readonly:
             # no event: no query rows to compute, so it takes all the session's path holds of its prompt
             state.capture_start = state.prompt_len
         elif state.enabled:
             window = self.config.window if scorers.SCORERS[state.scorer].needs_window else 0
-            query_capture = self.captures[req.rid] = QueryCapture(state.spans.query_start, state.prompt_len, window)
+            query_capture = self.captures.set(req.rid, QueryCapture(state.spans.query_start, state.prompt_len, window))
             state.capture_start = min(query_capture.span_start, query_capture.window_start)
             if state.layout == "compact" and self.rope is None:
                 from sgl_memory.core.rope import Rope
@@ -199,24 +202,24 @@ class IntentPruner(mechanism.Mechanism):
                     self.rope = Rope.from_hf_config(scheduler.model_config.hf_config)
                 except ValueError as exc:
                     req.set_finish_with_abort(f"{FIELD}.layout compact: {exc}")
-                    self.captures.pop(req.rid, None)
+                    self.captures.pop(req.rid)
 
     def branch_ids(self, req):
         # a pruning request matches its session's pruned path, every branch of it (intent/paths.py)
-        state = REQUESTS.get(req)
+        state = self.plans.get(req.rid)
         return functools.partial(branch_ids, state.namespace) if state is not None and state.enabled else None
 
     def on_match(self, req, branches) -> None:
-        REQUESTS.get(req).branches = branches
+        self.plans.get(req.rid).branches = branches
 
     def branches(self, req):
-        state = REQUESTS.get(req)
+        state = self.plans.get(req.rid)
         return state.branches if state is not None else ()
 
     def match_limit(self, req) -> int | None:
         # the rows the scorer reads are computed by the request's own prefill, never taken from the
         # cache, so the kept set does not depend on what the tree held
-        state = REQUESTS.get(req)
+        state = self.plans.get(req.rid)
         return state.capture_start if state is not None and state.enabled else None
 
     def _plan(self, req, spec: MemorySpec) -> RequestIntent:
@@ -323,11 +326,11 @@ class IntentPruner(mechanism.Mechanism):
 
     def on_checkpoint(self, req, tree) -> RowEdit | None:
         """The compression event: once per request, at the end of its prefill."""
-        state: RequestIntent | None = REQUESTS.get(req)
+        state: RequestIntent | None = self.plans.get(req.rid)
         if state is None or state.decided or req.finished() or not req.output_ids:
             return None
         state.decided = True
-        query_capture = self.captures.pop(req.rid, None)
+        query_capture = self.captures.pop(req.rid)
         if not state.enabled:
             return None
         t0 = time.perf_counter()
@@ -441,7 +444,7 @@ class IntentPruner(mechanism.Mechanism):
         """live: [length] bool, the row's positions that held KV before the event."""
         length = live.numel()
         protected = req.kv.cache_protected_len
-        state: RequestIntent = REQUESTS.get(req)
+        state: RequestIntent = self.plans.get(req.rid)
         if state.layout == "dead_slot":
             return self._apply_dead_slot(req, tree, row, kept, live, protected)
         edit = apply_compact(
@@ -460,7 +463,7 @@ class IntentPruner(mechanism.Mechanism):
             logger.warning("intent pruning: no free KV slots to compact request %s; left unpruned", req.rid)
             return None
         req.kv.cache_protected_len = 0  # every slot of the re-packed row is the request's own now
-        self.shifts[req.rid] = edit.position_shift  # the engine runs its positions shifted
+        self.shifts.set(req.rid, edit.position_shift)  # the engine runs its positions shifted
         return edit
 
     def _apply_dead_slot(self, req, tree, row, kept, live, protected) -> RowEdit | None:
@@ -469,7 +472,7 @@ class IntentPruner(mechanism.Mechanism):
         hold slots of the shared path, which other paths still own: their KV is copied into fresh
         slots, so the branch owns every slot it holds and the shared path's stay evictable on
         their own. The next turn's prefill then attends to exactly what this event kept."""
-        state: RequestIntent = REQUESTS.get(req)
+        state: RequestIntent = self.plans.get(req.rid)
         length = live.numel()
         newly = live.clone()
         newly[kept] = False
@@ -502,13 +505,8 @@ class IntentPruner(mechanism.Mechanism):
 
     # --- release: metrics into meta_info -------------------------------------------------------
 
-    def on_drop(self, req) -> None:
-        self.captures.pop(req.rid, None)
-        self.shifts.pop(req.rid, None)
-
     def on_release(self, req) -> None:
-        self.on_drop(req)
-        state: RequestIntent | None = REQUESTS.get(req)
+        state: RequestIntent | None = self.plans.get(req.rid)
         if state is None:
             return
         metrics.attach(req, request_metrics(state, len(req.output_ids)))

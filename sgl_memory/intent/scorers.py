@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from sgl_memory.core.attention import attention_probs
 from sgl_memory.core.kvhost import Reduce, one_rank
+from sgl_memory.core.registry import Registry
 from sgl_memory.intent.head import PrunerHead, layer_head_mean
 from sgl_memory.intent.sessions import unit_rows
 
@@ -45,7 +46,9 @@ class ScoringInputs:
 
 
 class Scorer:
-    name: str = ""
+    """How an intent scorer ranks a request's history positions (registered in SCORERS by name)."""
+
+    name: str = ""  # set by SCORERS.register
     needs_queries = False  # reads the span's mean query (and the session memory built from it)
     needs_window = False  # reads the prompt's last W query rows
 
@@ -53,17 +56,11 @@ class Scorer:
         raise NotImplementedError
 
 
-SCORERS: dict[str, type[Scorer]] = {}
-
-
-def register(cls: type[Scorer]) -> type[Scorer]:
-    SCORERS[cls.name] = cls
-    return cls
+SCORERS: Registry[type[Scorer]] = Registry("scorer")  # the names `intent.scorer` takes
 
 
 def get(name: str) -> Scorer:
-    if name not in SCORERS:
-        raise KeyError(f"unknown scorer {name!r}; allowed: {', '.join(sorted(SCORERS))}")
+    """A scorer of the kind named (a KeyError naming the allowed ones otherwise)."""
     return SCORERS[name]()
 
 
@@ -84,22 +81,20 @@ def rule_score(
     return x.reduce(total / max(layers, 1), "mean")
 
 
-@register
+@SCORERS.register("query")
 class QueryScorer(Scorer):
     """The current request's query span only (IntentKV `query` mode)."""
 
-    name = "query"
     needs_queries = True
 
     def score(self, x):
         return rule_score(x, unit_rows(x.q_mean))
 
 
-@register
+@SCORERS.register("memory")
 class MemoryScorer(Scorer):
     """The session's QueryMemory, which has absorbed every earlier turn's query (IntentKV `memory`)."""
 
-    name = "memory"
     needs_queries = True
 
     def score(self, x):
@@ -113,24 +108,22 @@ def pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     return F.max_pool1d(scores.view(1, 1, -1), kernel, stride=1, padding=kernel // 2).view(-1)
 
 
-@register
+@SCORERS.register("memory_pool")
 class MemoryPoolScorer(Scorer):
     """The QueryMemory rule's scores max-pooled along positions (`kernel`); the server's default
     (bench/fidelity, docs/intent.md: ahead of the rule as published on BFCL, TextWorld and the BCP-shaped
     workload, not separated from it on LoCoMo)."""
 
-    name = "memory_pool"
     needs_queries = True
 
     def score(self, x):
         return pooled(rule_score(x, x.memory), x.kernel)
 
 
-@register
+@SCORERS.register("learned")
 class LearnedScorer(Scorer):
     """IntentKV Phase 2: the memory rule score plus the learned residual head (head.py)."""
 
-    name = "learned"
     needs_queries = True
 
     def score(self, x):
@@ -151,11 +144,9 @@ class LearnedScorer(Scorer):
             return x.head.score(rule, keys, memory_mean, context, x.ablation)
 
 
-@register
+@SCORERS.register("streaming_llm")
 class StreamingLLMScorer(Scorer):
     """Attention sinks plus the most recent window (Xiao et al.)."""
-
-    name = "streaming_llm"
 
     def score(self, x):
         s = x.positions.double()
@@ -163,11 +154,10 @@ class StreamingLLMScorer(Scorer):
         return s
 
 
-@register
+@SCORERS.register("snapkv")
 class SnapKVScorer(Scorer):
     """Attention of the prompt's last W query rows, max-pooled along positions (Li et al.)."""
 
-    name = "snapkv"
     needs_window = True
 
     def score(self, x):
@@ -181,13 +171,12 @@ class SnapKVScorer(Scorer):
         return sum(pooled(layer, x.kernel) for layer in per_layer) / len(per_layer)
 
 
-@register
+@SCORERS.register("h2o")
 class H2OScorer(Scorer):
     """Heavy hitters: attention accumulated over the observed query rows, with a recent-window floor
     holding half the budget (Zhang et al., ratio mode). The rows accumulated are the prompt's last W
     query rows: summing over every prefill row would cost a full n x n attention per layer."""
 
-    name = "h2o"
     needs_window = True
 
     def score(self, x):
@@ -201,9 +190,9 @@ class H2OScorer(Scorer):
         return total
 
 
-@register
+@SCORERS.register("random")
 class RandomScorer(Scorer):
-    name = "random"
+    """Random positions, seeded from the session and the prompt (a baseline)."""
 
     def score(self, x):
         gen = torch.Generator().manual_seed(x.seed)

@@ -27,6 +27,7 @@ from sgl_memory.keep import settings as section
 from sgl_memory.keep.settings import KeepConfig, KeepRequest
 from sgl_memory.keep.loading import LayerLoader
 from sgl_memory.keep.select import SELECTORS, LayerView, Selector, ratio_at
+from sgl_memory.core.requests import Lifetime, RequestTable
 from sgl_memory.core.reuse import ReusedKV
 
 logger = logging.getLogger(__name__)
@@ -170,8 +171,10 @@ SELECT_SECONDS = prometheus.histogram("keep_select_seconds", "KEEP's selection t
 @mechanism.register("keep")
 class KeepManager(mechanism.Mechanism):
     # after memory: it repairs the blocks memory placed among the request's prefill tokens
-    # (reuse.py), and its capture subscriber writes their KV before intent's reads the layer
-    order = 20
+    # (reuse.py); intent runs after it, so its capture subscriber writes their KV before intent's
+    # reads the layer
+    after = ("memory",)
+    repairs = SELECTORS.names()  # memory.recompute: keep, cacheblend, starts
     settings = KeepConfig
     fields = ("keep",)
     parse_request = staticmethod(section.parse_request)
@@ -194,7 +197,8 @@ class KeepManager(mechanism.Mechanism):
     def __init__(self, config: KeepConfig, tree):
         self.config, self.tree = config, tree
         self.layers = tree.pool.layer_num
-        self.blends: dict[str, Blend] = {}  # rid -> the repair of a request admitted and not released
+        # the repair of a request, from its admission to its row's release
+        self.blends: RequestTable[Blend] = tree.requests.table("keep blends", Lifetime.ROW)
 
     @classmethod
     def build(cls, config: KeepConfig, tree, ctx) -> KeepManager:
@@ -217,16 +221,19 @@ class KeepManager(mechanism.Mechanism):
         if ratio is None:
             ratio = self.config.starts_ratio if reuse.method == "starts" else self.config.ratio
         compact = self.config.compact if asked.compact is None else asked.compact
-        self.blends[req.rid] = Blend(
-            reuse,
-            selector,
-            ratio,
-            self.config.decay,
-            self.layers,
-            len(req.origin_input_ids),
-            loading=self.config.loading,
-            bandwidth=self.config.tier_bandwidth,
-            compact=compact,
+        self.blends.set(
+            req.rid,
+            Blend(
+                reuse,
+                selector,
+                ratio,
+                self.config.decay,
+                self.layers,
+                len(req.origin_input_ids),
+                loading=self.config.loading,
+                bandwidth=self.config.tier_bandwidth,
+                compact=compact,
+            ),
         )
 
     # --- the layers of the prefill (a capture.py subscriber) -------------------------------------
@@ -235,7 +242,7 @@ class KeepManager(mechanism.Mechanism):
         return bool(self.blends)
 
     def bind(self, rows: list[ExtendRows]) -> list[tuple[Blend, ExtendRows]]:
-        return [(self.blends[r.rid], r) for r in rows if r.rid in self.blends]
+        return [(blend, r) for r in rows if (blend := self.blends.get(r.rid)) is not None]
 
     def take(self, bound, layer, q, k, v) -> None:
         for blend, rows in bound:
@@ -250,12 +257,12 @@ class KeepManager(mechanism.Mechanism):
     # --- release ---------------------------------------------------------------------------------
 
     def on_drop(self, req) -> None:
-        blend = self.blends.pop(req.rid, None)
+        blend = self.blends.get(req.rid)
         if blend is not None:
             blend.close()
 
     def on_release(self, req) -> None:
-        blend = self.blends.pop(req.rid, None)
+        blend = self.blends.get(req.rid)
         if blend is None:
             return
         blend.close()

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from sgl_memory.core.kvhost import Reduce, one_rank
+from sgl_memory.core.registry import Registry
 
 
 @dataclass
@@ -37,16 +38,7 @@ class LayerView:
     reduce: Reduce = one_rank  # the tree's reduce_heads
 
 
-SELECTORS: dict[str, type[Selector]] = {}
-
-
-def register(name: str):
-    def wrap(cls):
-        cls.name = name
-        SELECTORS[name] = cls
-        return cls
-
-    return wrap
+SELECTORS: Registry[type[Selector]] = Registry("selector")  # the repairs KEEP carries out, by name
 
 
 class Selector(ABC):
@@ -121,7 +113,7 @@ def segment_attention(view: LayerView, segments: int, which: torch.Tensor) -> to
     return cross.fill_diagonal_(0.0)
 
 
-@register("keep")
+@SELECTORS.register("keep")
 @dataclass
 class MultiHop(Selector):
     """KEEP (section 4.2): importance starts as the new turn's attention to each segment; the top n
@@ -156,7 +148,7 @@ class MultiHop(Selector):
         return chosen[seg]
 
 
-@register("cacheblend")
+@SELECTORS.register("cacheblend")
 @dataclass
 class KVDeviation(Selector):
     """CacheBlend: the tokens whose recomputed KV deviates most from the placed KV (squared L2
@@ -171,7 +163,7 @@ class KVDeviation(Selector):
         return top(view.reduce(dk + dv, "sum").to(dk.device), view.candidates, n)
 
 
-@register("starts")
+@SELECTORS.register("starts")
 @dataclass
 class SegmentStarts(Selector):
     """The first tokens of every placed segment, earliest first (ties to the earlier row, so the

@@ -20,7 +20,7 @@ from sgl_memory.core import mechanism, metrics, prometheus
 from sgl_memory.core.attention import attention_probs
 from sgl_memory.core.capture import ExtendRows, QueryCapture
 from sgl_memory.core.request import MemorySpec
-from sgl_memory.core.slots import Slot
+from sgl_memory.core.requests import Lifetime, RequestStore, RequestTable
 from sgl_memory.core.spans import RoleMarkers, find_spans
 from sgl_memory.sentencekv import settings as section
 from sgl_memory.sentencekv.segment import boundary_tokens, sentence_ids
@@ -28,9 +28,6 @@ from sgl_memory.sentencekv.select import SentenceReads, page_table, sentence_tab
 from sgl_memory.sentencekv.settings import SentenceKVConfig
 
 CPU_BACKEND = "sgl_memory_cpu"
-PLANS: Slot[SentenceKVConfig] = Slot("sentencekv config")  # the request's settings, from admission to its prefill's end
-DONE: Slot[dict] = Slot("sentencekv metrics")  # its prefill's metrics, from then to release
-OWN_WINDOW: Slot[bool] = Slot("sentencekv window")  # the request prefills its own window (its prompt is not assembled)
 
 DECODE_STEPS = prometheus.counter("sentencekv_decode_steps", "Decode steps served with SentenceKV reads")
 KV_READ = prometheus.counter(
@@ -52,7 +49,7 @@ SELECT_SECONDS = prometheus.histogram(
 class SentenceKV(mechanism.Mechanism):
     # after intent pruning: a row it pruned is read through the sentinel-free slots, and its
     # compact layout (positions moved) is served with the full cache instead
-    order = 45
+    after = ("intent",)
     settings = SentenceKVConfig
     fields = ("sentencekv",)
     tp_refusal = "each rank would choose the sentences from its own KV heads' scores"
@@ -73,12 +70,18 @@ class SentenceKV(mechanism.Mechanism):
         RETRIEVED.inc(m["retrieved_sentences"])
         SELECT_SECONDS.observe(m["sentencekv_ms"] / 1000)
 
-    def __init__(self, config: SentenceKVConfig):
+    def __init__(self, config: SentenceKVConfig, requests: RequestStore):
         self.config = config
         self.ends: np.ndarray | None = None  # per token id: ends a sentence (from the tokenizer, at first use)
         self.markers = RoleMarkers(None, {})  # the chat template's role markers (from the tokenizer, at first use)
-        self.captures: dict[str, QueryCapture] = {}
-        self.reads: dict[str, SentenceReads] = {}  # rid -> its decode reads, from its prefill's end to its release
+        # from admission to the prefill's end: the request's settings, its observation window's
+        # capture, and whether it prefills its own window (its prompt is not assembled)
+        self.plans: RequestTable[SentenceKVConfig] = requests.table("sentencekv plans", Lifetime.ROW)
+        self.captures: RequestTable[QueryCapture] = requests.table("sentencekv captures", Lifetime.ROW)
+        self.own_window: RequestTable[bool] = requests.table("sentencekv own window", Lifetime.ROW)
+        # from the prefill's end to the release: its decode reads and its prefill's metrics
+        self.reads: RequestTable[SentenceReads] = requests.table("sentencekv reads", Lifetime.ROW)
+        self.done: RequestTable[dict] = requests.table("sentencekv metrics", Lifetime.ROW)
 
     @classmethod
     def build(cls, config: SentenceKVConfig, tree, ctx) -> SentenceKV:
@@ -96,7 +99,7 @@ class SentenceKV(mechanism.Mechanism):
                 "sentencekv reads its positions in decode batches only; "
                 "--enable-mixed-chunk puts decode steps in mixed ones"
             )
-        return cls(config)
+        return cls(config, tree.requests)
 
     def subscriber(self) -> SentenceKV:
         return self  # it reads its requests' observation windows
@@ -109,7 +112,7 @@ class SentenceKV(mechanism.Mechanism):
     def admit(self, scheduler, req, spec: MemorySpec) -> None:
         asked = spec.part(self.name)
         cfg = asked.over(self.config) if asked is not None else self.config
-        if not cfg.enabled or req.finished() or PLANS.get(req) is not None:
+        if not cfg.enabled or req.finished() or req.rid in self.plans:
             return
         if self.ends is None:
             tokenizer = getattr(scheduler, "tokenizer", None)
@@ -119,10 +122,10 @@ class SentenceKV(mechanism.Mechanism):
             )
             self.markers = RoleMarkers.from_tokenizer(tokenizer, self.config.roles)
         length = len(req.origin_input_ids)
-        PLANS.set(req, cfg)
-        self.captures[req.rid] = QueryCapture(length, length, cfg.window)
+        self.plans.set(req.rid, cfg)
+        self.captures.set(req.rid, QueryCapture(length, length, cfg.window))
         if not spec.assembled:
-            OWN_WINDOW.set(req, True)
+            self.own_window.set(req.rid, True)
 
     def match_limit(self, req) -> int | None:
         # the window's query rows are computed by the request's own prefill, never taken from the
@@ -131,7 +134,7 @@ class SentenceKV(mechanism.Mechanism):
         # computes (the new turn), the cached rows of it left at zero, which add the same share of
         # attention to every token and so leave the scores' order as it is
         query_capture = self.captures.get(req.rid)
-        return query_capture.window_start if query_capture is not None and OWN_WINDOW.get(req) else None
+        return query_capture.window_start if query_capture is not None and req.rid in self.own_window else None
 
     # --- the observation window's queries (a capture.py subscriber) --------------------------------
 
@@ -153,25 +156,29 @@ class SentenceKV(mechanism.Mechanism):
     # --- the end of the prefill: the pool, the sentences, the reads ----------------------------------
 
     def on_checkpoint(self, req, tree):
-        cfg = PLANS.get(req)
+        cfg = self.plans.get(req.rid)
         if cfg is None or req.finished() or not req.output_ids:
             return None
-        PLANS.pop(req)
-        query_capture = self.captures.pop(req.rid, None)
+        self.plans.pop(req.rid)
+        query_capture = self.captures.pop(req.rid)
         if tree.position_shift(req.rid):
-            DONE.set(req, {"sentencekv_skipped": "compact layout"})  # its row no longer holds the prompt by position
+            self.done.set(
+                req.rid, {"sentencekv_skipped": "compact layout"}
+            )  # its row no longer holds the prompt by position
             return None
         window = query_capture.q_window() if query_capture is not None else torch.zeros(0)
         if not window.numel() or window.shape[0] != tree.pool.layer_num:
-            DONE.set(req, {"sentencekv_skipped": "no window"})  # its prompt's last rows were not computed here
+            self.done.set(req.rid, {"sentencekv_skipped": "no window"})  # its prompt's last rows were not computed here
             return None
         t0 = time.perf_counter()
         reads, kept, sentences = self._reads(req, tree, cfg, window)
         if reads is None:
-            DONE.set(req, {"sentencekv_skipped": "short prompt"})  # every live token is read anyway
+            self.done.set(req.rid, {"sentencekv_skipped": "short prompt"})  # every live token is read anyway
             return None
-        DONE.set(req, {"sentences": sentences, "kept_tokens": kept, "sentencekv_ms": (time.perf_counter() - t0) * 1000})
-        self.reads[req.rid] = reads
+        self.done.set(
+            req.rid, {"sentences": sentences, "kept_tokens": kept, "sentencekv_ms": (time.perf_counter() - t0) * 1000}
+        )
+        self.reads.set(req.rid, reads)
         return None
 
     def _reads(self, req, tree, cfg: SentenceKVConfig, window: torch.Tensor) -> tuple[SentenceReads | None, int, int]:
@@ -216,16 +223,8 @@ class SentenceKV(mechanism.Mechanism):
 
     # --- release --------------------------------------------------------------------------------------
 
-    def on_drop(self, req) -> None:
-        PLANS.pop(req)
-        OWN_WINDOW.pop(req)
-        self.captures.pop(req.rid, None)
-        self.reads.pop(req.rid, None)
-
     def on_release(self, req) -> None:
-        reads = self.reads.pop(req.rid, None)
-        self.on_drop(req)
-        done = DONE.pop(req)
+        reads, done = self.reads.get(req.rid), self.done.get(req.rid)
         if done is None:
             return
         if reads is not None:
