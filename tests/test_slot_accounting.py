@@ -281,6 +281,7 @@ def test_random_prune_evict_finish_cycles_conserve_slots(seed):
     assert sim.pruned > 10, "the run must actually prune"
     assert sim.reused > 0, "some request must match into its session's pruned path"
     assert sim.copied > 0, "some event must prune positions of the path it matched"
+    assert integrity.request_state(sim.tree, set()) == []  # every request ended: so did its state
     sim.tree.evict(EvictParams(num_tokens=POOL))
     sim.check()
     assert sim.alloc.available_size() == POOL - 1  # everything back but the sentinel
@@ -466,6 +467,7 @@ def test_all_mechanisms_together_conserve_slots_and_read_their_own_kv(seed, tmp_
     assert sim.recorded_dead > 0, "memory must have recorded positions that pruning dropped"
     for m in sim.tree.mechanisms:
         assert m.drain(30)
+    assert integrity.request_state(sim.tree, set()) == []  # every request ended: so did its state
     sim.tree.evict(EvictParams(num_tokens=POOL))
     sim.check()
     assert sim.alloc.available_size() == POOL - 1
@@ -501,3 +503,6 @@ def test_a_request_aborted_while_queued_leaves_no_state_behind(tmp_path):
     assert held() == (1, 0)
     admission.dropped_hook(None, scheduler, running)
     assert held() == (1, 0)
+    # the request that holds a row is the only one whose state is left, and the leak check says so
+    assert integrity.request_state(sim.tree, {running.rid}) == []
+    assert any(repr(running.rid) in p for p in integrity.request_state(sim.tree, set()))

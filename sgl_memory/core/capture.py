@@ -28,7 +28,7 @@ class ExtendRows(NamedTuple):
     rid: str
     start: int  # first row of the request in the batch's q / k / v
     prefix: int  # position of that row (the request's first new token)
-    count: int
+    count: int  # type: ignore[assignment]  # a field named as tuple's method: rows of the request here
     pool_row: int = -1  # the request's row of the slot map (req_to_token)
     # the rows' positions when a layer computes only some of them (rows.py); None: prefix..prefix+count-1
     positions: torch.Tensor | None = None

@@ -28,7 +28,7 @@ class Registry(Generic[T]):
         def wrap(cls: T) -> T:
             if check is not None:
                 check(name, cls)
-            cls.name = name
+            setattr(cls, "name", name)  # the class knows the name it is chosen by
             self._classes[name] = cls
             return cls
 

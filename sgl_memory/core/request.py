@@ -188,7 +188,7 @@ def parse(raw, internal: bool = False) -> MemorySpec:
         raise SpecError(f"{FIELD} must be an object, got {type(raw).__name__}")
     mechanism.discover()
     only(raw, keys(), FIELD)
-    readonly = flag(raw.get("readonly", False), f"{FIELD}.readonly")
+    readonly = bool(flag(raw.get("readonly", False), f"{FIELD}.readonly"))
     session_id = check_id(raw.get("session_id"), "session_id")
     if readonly and session_id is None:
         raise SpecError(f"{FIELD}.readonly needs {FIELD}.session_id: it reads a session")

@@ -114,9 +114,9 @@ class SessionRegistry:
         return value
 
     def _bound(self, name: str, spare: SessionKey) -> None:
-        capacity, keep = self._limits.get(name, (None, None))
-        if capacity is None or self._counts[name] <= capacity:
+        if name not in self._limits or self._counts[name] <= self._limits[name][0]:
             return
+        capacity, keep = self._limits[name]
         for key in list(self._sessions):
             if self._counts[name] <= capacity:
                 break

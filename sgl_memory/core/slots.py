@@ -11,7 +11,7 @@ when its object is collected, before the object's id can be reused.
 from __future__ import annotations
 
 import weakref
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -21,20 +21,30 @@ class Slot(Generic[T]):
         self.name = name
         self._values: dict[int, tuple[weakref.ref, T]] = {}
 
-    def get(self, obj, default: T | None = None) -> T | None:
+    @overload
+    def get(self, obj: object) -> T | None: ...
+
+    @overload
+    def get(self, obj: object, default: T) -> T: ...
+
+    def get(self, obj: object, default: T | None = None) -> T | None:
         entry = self._values.get(id(obj))
         return entry[1] if entry is not None and entry[0]() is obj else default
 
-    def set(self, obj, value: T) -> T:
-        key = id(obj)
-        self._values[key] = (weakref.ref(obj, lambda _, key=key, values=self._values: values.pop(key, None)), value)
+    def set(self, obj: object, value: T) -> T:
+        key, values = id(obj), self._values
+
+        def gone(_: Any) -> None:  # before the object's id can be reused
+            values.pop(key, None)
+
+        self._values[key] = (weakref.ref(obj, gone), value)
         return value
 
-    def pop(self, obj) -> T | None:
+    def pop(self, obj: object) -> T | None:
         entry = self._values.pop(id(obj), None)
         return entry[1] if entry is not None else None
 
-    def __contains__(self, obj) -> bool:
+    def __contains__(self, obj: object) -> bool:
         return self.get(obj) is not None
 
     def __len__(self) -> int:

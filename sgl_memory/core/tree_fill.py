@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_memory.core.kvhost import Branches, KVHost
+from typing import Any
+
+from sgl_memory.core.kvhost import Branches, KVHost, Match
 from sgl_memory.core.slots import Slot
 
 
@@ -64,8 +66,8 @@ class Reserved:
     the key goes into the tree (`insert`) or the slots go back (`release`). The matched part stays
     locked in between."""
 
-    key: object
-    match: object
+    key: Any  # the tree's key (KVHost.key)
+    match: Match
     slots: torch.Tensor  # one per live position
     live: torch.Tensor  # [len(key) - have] bool
 
@@ -81,7 +83,7 @@ def reserved_slots(tree: KVHost) -> torch.Tensor:
     return torch.cat(held).to(torch.int64).cpu() if held else torch.zeros(0, dtype=torch.int64)
 
 
-def reserve(tree: KVHost, key, match, live: torch.Tensor | None = None) -> Reserved | None:
+def reserve(tree: KVHost, key: Any, match: Match, live: torch.Tensor | None = None) -> Reserved | None:
     """Slots for key[have:] (have = what `match` found), evicting if needed; None when no slots
     can be freed for them (nothing is kept). `live` [n] (None: all live) marks the positions that
     hold KV; the others will point at the tree's sentinel slot, which the tree must have."""
@@ -99,7 +101,7 @@ def reserve(tree: KVHost, key, match, live: torch.Tensor | None = None) -> Reser
     return reserved
 
 
-def write(tree: KVHost, reserved: Reserved, keys, values) -> None:
+def write(tree: KVHost, reserved: Reserved, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Write keys/values [layers, n, heads, dim] of key[have:] into the reserved slots. Touches no
     tree state: a restore runs it off the scheduler's thread (nothing else owns those slots)."""
     slots, live = reserved.slots, reserved.live
@@ -135,7 +137,9 @@ def release(tree: KVHost, reserved: Reserved) -> None:
     tree.dec_lock_ref(reserved.match.last_device_node)
 
 
-def place(tree: KVHost, key, match, keys, values, live: torch.Tensor | None = None) -> bool:
+def place(
+    tree: KVHost, key: Any, match: Match, keys: torch.Tensor, values: torch.Tensor, live: torch.Tensor | None = None
+) -> bool:
     """Write keys/values [layers, n, heads, dim] for key[have:] (have = what `match` found) and insert
     the whole key, all at once; False when no slots can be freed for them (the caller prefills
     instead)."""

@@ -83,7 +83,8 @@ def stream_finish_hook(result, accumulator, *args, req, **kwargs):
 def sessions_state_hook(result, scheduler, recv_req=None, *args, **kwargs):
     """AFTER hook on the scheduler's get_internal_state: for a request named SESSIONS_KEY the
     sessions its tree holds, described (SglMemoryRadixCache.describe_sessions), for the HTTP side's
-    inspector; for one named INTEGRITY_KEY the tree's integrity problems (integrity.py). SGLang's
+    inspector; for one named INTEGRITY_KEY the tree's integrity problems and the per-request state
+    left by requests that ended (integrity.py). SGLang's
     internal-state request is the one channel from the HTTP process to the scheduler that answers;
     SGLang's own askers (GET /server_info, polled by routers) name nothing and pay for neither walk."""
     ask = getattr(recv_req, "rid", None)
@@ -94,5 +95,7 @@ def sessions_state_hook(result, scheduler, recv_req=None, *args, **kwargs):
     if ask == SESSIONS_KEY:
         state[SESSIONS_KEY] = tree.describe_sessions()
     else:
-        state[INTEGRITY_KEY] = integrity.check(tree, integrity.row_owners(scheduler))
+        state[INTEGRITY_KEY] = integrity.check(tree, integrity.row_owners(scheduler)) + integrity.request_state(
+            tree, integrity.in_flight(scheduler)
+        )
     return result

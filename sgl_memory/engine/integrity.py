@@ -24,6 +24,24 @@ def row_owners(scheduler) -> list:
     return [r.kv for r in reqs] + [kv for kv in scheduler.tree_cache.session_records().values() if kv.holds_kv]
 
 
+def in_flight(scheduler) -> set[str]:
+    """The ids of the requests the scheduler holds now: waiting, or owning a row (running, the last
+    batch, chunked)."""
+    return {r.rid for r in scheduler.waiting_queue} | {
+        r.rid for r in scheduler.invariant_checker._requests_owning_rows()
+    }
+
+
+def request_state(tree, live: set[str]) -> list[str]:
+    """Per-request state the mechanisms hold for requests that are not in flight (`live`): the
+    composition ends a request's entries when it ends (core/requests.py), so any left is a leak."""
+    return [
+        f"{len(left)} request(s) not in flight hold {name} state (e.g. {left[0]!r})"
+        for name, rids in tree.requests.held().items()
+        if (left := sorted(set(rids) - live))
+    ]
+
+
 def check(tree, owners=()) -> list[str]:
     """Every problem with the tree and the slot accounting, one line each (none: whole). Every
     KV page of the pool is owned once: by the tree, by a request in `owners` (the part of its
