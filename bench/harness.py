@@ -22,9 +22,12 @@ from pathlib import Path
 import psutil
 import requests
 
+from sgl_memory.persist.settings import PersistConfig
+
 START_TIMEOUT_S = 300
-# persistence is on by default: a bench of another mechanism adds this to its config to run it alone
-PERSIST_OFF = "persist:\n  enabled: false\n"
+# persistence is on by default: a bench of another mechanism adds this section to its config
+# (config.to_yaml) to run it alone
+PERSIST_OFF = PersistConfig(enabled=False)
 
 
 @dataclass

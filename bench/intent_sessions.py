@@ -29,6 +29,8 @@ from tqdm import tqdm
 
 from common import RESULTS, kl, kv_costs, ok, pruning_methods, write_json
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.intent.settings import IntentConfig
 from bench import harness
 
 GEN_TOKENS = 16
@@ -207,7 +209,7 @@ def main() -> None:
             finally:
                 harness.stop(server)
         config = Path(tmp) / "memory.yaml"
-        config.write_text("intent:\n  enabled: true\n" + harness.PERSIST_OFF)
+        config.write_text(to_yaml(IntentConfig(enabled=True), harness.PERSIST_OFF))
         server = harness.start(harness.our_command(args.model, "--memory-config", str(config)), Path(tmp) / "ours.log")
         try:
             for name, memory in tqdm(pruning_methods(args.budgets), desc="configurations"):

@@ -36,6 +36,9 @@ import requests
 from tqdm import tqdm
 
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.keep.settings import KeepConfig
+from sgl_memory.memart.settings import MemArtConfig
 from bench import harness
 
 from .common import RESULTS, ok, write_json
@@ -205,11 +208,10 @@ def ask(server, ids: list[int], session: str, method: tuple[dict, dict] | None, 
 
 def server_config(directory: Path, groups: bool) -> Path:
     path = directory / f"keep-textworld{'' if groups else '-no-groups'}.yaml"
-    path.write_text(
-        f"memory:\n  enabled: true\n  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
-        f"  groups: {str(groups).lower()}\n  static_after: 3\n"
-        "keep:\n  enabled: true\n" + harness.PERSIST_OFF
+    memory = MemArtConfig(
+        enabled=True, block_size=16, cut="tokens", unit="block", placed_tokens=0, groups=groups, static_after=3
     )
+    path.write_text(to_yaml(memory, KeepConfig(enabled=True), harness.PERSIST_OFF))
     return path
 
 

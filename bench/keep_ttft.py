@@ -28,6 +28,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.keep.settings import KeepConfig
+from sgl_memory.memart.settings import MemArtConfig
 from bench import harness
 
 from .common import RESULTS, write_json
@@ -53,13 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def config(directory: Path, name: str, keep: dict) -> Path:
     path = directory / f"keep-ttft-{name}.yaml"
-    lines = "".join(f"  {k}: {v}\n" for k, v in keep.items())
     # top_k blocks of 16 tokens placed alone: TTFT is measured against the number of blocks
-    path.write_text(
-        f"memory:\n  enabled: true\n  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
-        f"  capacity_blocks: 4096\n"
-        f"keep:\n  enabled: true\n{lines}" + harness.PERSIST_OFF
+    memory = MemArtConfig(
+        enabled=True, block_size=16, cut="tokens", unit="block", placed_tokens=0, capacity_blocks=4096
     )
+    path.write_text(to_yaml(memory, KeepConfig(enabled=True, **keep), harness.PERSIST_OFF))
     return path
 
 

@@ -39,6 +39,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -47,6 +48,10 @@ from common import RESULTS, stream, write_json
 from locomo import data
 from locomo.metrics import token_f1
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.intent.settings import IntentConfig
+from sgl_memory.memart.settings import MemArtConfig
+from sgl_memory.persist.settings import PersistConfig
 from bench import harness
 
 SYSTEM = (
@@ -91,19 +96,17 @@ def session(turn_count: int, every: int, min_age: int) -> list[dict]:
 
 
 def config(method: str, budget: int, store: Path, capacity: int) -> str:
-    memory = (
-        "memory:\n  enabled: true\n  block_size: 16\n  top_k: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n"
-    )
+    memory = MemArtConfig(enabled=True, block_size=16, top_k=16, cut="tokens", unit="block", placed_tokens=0)
     if method.startswith("all-cap-"):
-        memory += f"  capacity_blocks: {capacity}\n  eviction: {method.removeprefix('all-cap-')}\n"
+        memory = replace(memory, capacity_blocks=capacity, eviction=method.removeprefix("all-cap-"))
     sections = {
-        "intent": f"intent:\n  enabled: true\n  budget: {budget}\n",
+        "intent": IntentConfig(enabled=True, budget=budget),
         "memory": memory,
-        "persist": f"persist:\n  enabled: true\n  dir: {store}\n",
+        "persist": PersistConfig(enabled=True, dir=str(store)),
     }
     names = ["intent", "persist", "memory"] if method.startswith("all") else [method]
     # persistence is on by default: intent and memory alone run without it
-    return "".join(sections[n] for n in names) + ("" if "persist" in names else harness.PERSIST_OFF)
+    return to_yaml(*(sections[n] for n in names), *(() if "persist" in names else (harness.PERSIST_OFF,)))
 
 
 def start(method: str, model: str, work: Path, budget: int, capacity: int):

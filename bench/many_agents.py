@@ -61,6 +61,8 @@ from bench import harness
 from bench.common import RESULTS, bootstrap, ok, provenance, stream, write_json
 from bench.fidelity.points import _render, _templated
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.persist.settings import PersistConfig
 
 # Tool pauses: (median seconds, log-normal sigma) per tool kind; a tool not listed pauses as "api".
 PAUSES = {
@@ -355,8 +357,8 @@ def command(method: str, model: str, pool: int, directory: Path) -> tuple[list[s
             path, *harness.cpu_flags(path, "torch_native", pool), "--enable-cache-report", *extra
         )
     config = directory / "memory.yaml"
-    eviction = f"  eviction: {variant}\n" if variant in ("last_use", "learned") else ""
-    config.write_text(f"persist:\n  enabled: true\n  dir: {directory / 'store'}\n{eviction}")
+    eviction = variant if variant in ("last_use", "learned") else PersistConfig.eviction
+    config.write_text(to_yaml(PersistConfig(enabled=True, dir=str(directory / "store"), eviction=eviction)))
     return harness.our_command(
         model, "--max-total-tokens", str(pool), "--enable-cache-report", "--memory-config", str(config)
     ), None

@@ -46,6 +46,8 @@ from tqdm import tqdm
 from common import RESULTS, bootstrap, ok, write_json
 from locomo import data
 from sgl_memory import cpu_dtype, models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.persist.settings import PersistConfig
 from bench import harness
 
 SYSTEM = "You are a helpful assistant that remembers the whole conversation."
@@ -115,7 +117,7 @@ def chat(server, messages, max_tokens, memory=None):
 
 def store_config(directory: Path, quant: str) -> Path:
     path = directory / f"persist-{quant}.yaml"
-    path.write_text(f"persist:\n  enabled: true\n  dir: {directory / 'store'}\n  quant: {quant}\n")
+    path.write_text(to_yaml(PersistConfig(enabled=True, dir=str(directory / "store"), quant=quant)))
     return path
 
 

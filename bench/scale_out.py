@@ -51,7 +51,9 @@ from pathlib import Path
 from bench import harness
 from bench.common import RESULTS, bootstrap, provenance, stream, write_json
 from sgl_memory import cpu_dtype, models
+from sgl_memory.core.config import to_yaml
 from sgl_memory.core.sessions import ROUTING_HEADER, routing_key
+from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import read_metadata
 
 SESSIONS, TURNS, FAILOVER = 6, 5, 3
@@ -268,7 +270,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="scale-out-"))
     store = work / "store"
     config = work / "memory.yaml"
-    config.write_text(f"persist:\n  enabled: true\n  dir: {store}\n")
+    config.write_text(to_yaml(PersistConfig(enabled=True, dir=str(store))))
     flags = ("--memory-config", str(config), "--max-total-tokens", POOL_TOKENS)
     a, b = harness.start_all(
         [

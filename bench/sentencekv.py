@@ -41,6 +41,9 @@ from bench.common import RESULTS, bootstrap, generate, ok, write_json
 
 from bench import harness
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.intent.settings import IntentConfig
+from sgl_memory.sentencekv.settings import SentenceKVConfig
 
 FILLER_NAMES = "Ava Ben Chloe Dev Elena Farid Greta Hugo Iris Jonas Kiri Liam Mona Nils Omar Pia".split()
 FILLER_THINGS = "lamp ledger kettle map violin crate rope lantern compass basket mirror anchor".split()
@@ -302,7 +305,7 @@ def main() -> None:
     print(f"server logs: {log_dir}", flush=True)
     config = log_dir / "sentencekv.memory.yaml"
     config.write_text(
-        "sentencekv:\n  enabled: true\nintent:\n  enabled: true\n  budget: 1073741824\n" + harness.PERSIST_OFF
+        to_yaml(SentenceKVConfig(enabled=True), IntentConfig(enabled=True, budget=1073741824), harness.PERSIST_OFF)
     )
     named = methods(args.budget, args.keep_factor)
     server = harness.start(

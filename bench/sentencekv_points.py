@@ -50,6 +50,8 @@ from bench.common import RESULTS, bootstrap, commit, generate, kl, ok, write_jso
 from bench.fidelity import points as P
 from bench.sentencekv import methods, reads_and_live
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.sentencekv.settings import SentenceKVConfig
 
 TOP = 20
 FULL = "full"
@@ -116,7 +118,7 @@ def run(args) -> list[dict]:
     total = str(2 * (longest + args.max_new_tokens) + 64)  # room for the longest prompt and what the tree still holds
     log_dir = Path(tempfile.mkdtemp(prefix="sentencekv-points-"))  # the server's log and config, not results
     config = log_dir / "sentencekv.memory.yaml"
-    config.write_text("sentencekv:\n  enabled: true\n" + harness.PERSIST_OFF)
+    config.write_text(to_yaml(SentenceKVConfig(enabled=True), harness.PERSIST_OFF))
     print(
         f"{scored} points of {len(trajectories)} trajectories, longest {longest} tokens; server log: {log_dir}",
         flush=True,

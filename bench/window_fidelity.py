@@ -36,7 +36,9 @@ from locomo import data
 from persist_restart import FOLLOW_UPS, dialogue, session_of_length
 from bench.agent.loop import windowed
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
 from sgl_memory.core.spans import RoleMarkers
+from sgl_memory.memart.settings import MemArtConfig
 from sgl_memory.memart.window import cut
 from bench import harness
 
@@ -79,10 +81,8 @@ def run(args) -> dict:
     )  # noqa: E731
     work = Path(tempfile.mkdtemp(prefix="window-fidelity-"))
     config = work / "memory.yaml"
-    config.write_text(
-        f"memory:\n  enabled: true\n  placement: after_system\n  window: {args.window}\n"
-        f"  placed_tokens: {args.placed_tokens}\n" + harness.PERSIST_OFF
-    )
+    memory = MemArtConfig(enabled=True, placement="after_system", window=args.window, placed_tokens=args.placed_tokens)
+    config.write_text(to_yaml(memory, harness.PERSIST_OFF))
     server = harness.start(
         harness.our_command(args.model, "--memory-config", str(config), "--max-total-tokens", "32768"),
         work / "server.log",

@@ -32,6 +32,12 @@ from pathlib import Path
 
 from bench import harness
 from sgl_memory import cpu_dtype, models
+from sgl_memory.core.config import SessionSources, to_yaml
+from sgl_memory.intent.settings import IntentConfig
+from sgl_memory.keep.settings import KeepConfig
+from sgl_memory.memart.settings import MemArtConfig
+from sgl_memory.persist.settings import PersistConfig
+from sgl_memory.sentencekv.settings import SentenceKVConfig
 
 TEST_MODEL = "smollm2-135m-instruct"
 # The dtype a server started without --dtype computes in: the launcher's choice for this CPU, or
@@ -101,40 +107,53 @@ def _zero_head(directory: Path) -> None:
 
 # KV memory as the block-counting tests use it: 16-token blocks cut by tokens alone, placed alone,
 # reused as placed (the tests that compare placed KV with its original ask for a repair by request)
-BLOCKS = "  block_size: 16\n  cut: tokens\n  unit: block\n  placed_tokens: 0\n  recompute: none\n"
+BLOCKS = MemArtConfig(enabled=True, block_size=16, cut="tokens", unit="block", placed_tokens=0, recompute="none")
 # Every mechanism on, in the dtype the launcher picks for this CPU. Intent's budget is above any
 # test prompt (a test that prunes asks for its budget); SentenceKV's is the section's default.
-ALL = (
-    f"intent:\n  enabled: true\n  budget: 100000\n  query_tail: 16\n"
-    f"memory:\n  enabled: true\n{BLOCKS}  top_k: 4\n"
-    f"persist:\n  enabled: true\n  dir: {{dir}}/store\n  quant: {EXACT_QUANT}\n"
-    "sentencekv:\n  enabled: true\n"
-    "sessions:\n  tenant_header: true\n"
+ALL = to_yaml(
+    IntentConfig(enabled=True, budget=100000, query_tail=16),
+    replace(BLOCKS, top_k=4),
+    PersistConfig(enabled=True, dir="{dir}/store", quant=EXACT_QUANT),
+    SentenceKVConfig(enabled=True),
+    sessions=SessionSources(tenant_header=True),
 )
 
 
 # The float32 references' server: intent with the rule scorer, its zero-init learned head and
 # training traces; memory placed after the system message (KEEP's questions); KEEP with its
 # traces; persistence (the memory entries survive a restart); the entries' grouping thresholds.
-def fp32_config(intent: str = "  budget: 4096\n  scorer: memory\n", memory: str = "") -> str:
-    """The float32 servers' config, with a server's own intent budget and scorer, and memory settings."""
-    return (
-        f"intent:\n  enabled: true\n{intent}  query_tail: 16\n  sinks: 4\n  budget_floor: 32\n  budget_ceiling: 512\n"
-        "  head: {dir}/zero_head.safetensors\n  trace_dir: {dir}/intent-traces\n"
-        f"memory:\n  enabled: true\n{BLOCKS}  top_k: 8\n  placement: after_system\n  static_after: 2\n"
-        f"  group_threshold: 0.3\n{memory}"
-        "keep:\n  enabled: true\n  trace_dir: {dir}/keep-traces\n"
-        "persist:\n  enabled: true\n  dir: {dir}/store\n  quant: fp32\n"
+def fp32_config(
+    budget: int = 4096, scorer: str = "memory", window: int = 0, plugins: tuple[str, ...] = (), raw: dict | None = None
+) -> str:
+    """The float32 servers' config, with a server's own intent budget and scorer, memory window, and
+    plugin sections."""
+    return to_yaml(
+        IntentConfig(
+            enabled=True,
+            budget=budget,
+            scorer=scorer,
+            query_tail=16,
+            sinks=4,
+            budget_floor=32,
+            budget_ceiling=512,
+            head="{dir}/zero_head.safetensors",
+            trace_dir="{dir}/intent-traces",
+        ),
+        replace(BLOCKS, top_k=8, placement="after_system", static_after=2, group_threshold=0.3, window=window),
+        KeepConfig(enabled=True, trace_dir="{dir}/keep-traces"),
+        PersistConfig(enabled=True, dir="{dir}/store", quant="fp32"),
+        plugins=plugins,
+        raw=raw,
     )
 
 
-def tp_config(persist: str) -> str:
+def tp_config(**persist: object) -> str:
     """The TP test's session at TP 1 and 2 (float32), with a server's own persistence settings."""
-    return (
-        "intent:\n  enabled: true\n  budget: 128\n  query_tail: 16\n"
-        f"persist:\n  enabled: true\n  dir: {{dir}}/store\n{persist}"
-        f"memory:\n  enabled: true\n{BLOCKS}  top_k: 4\n  placement: after_system\n"
-        "keep:\n  enabled: true\n"
+    return to_yaml(
+        IntentConfig(enabled=True, budget=128, query_tail=16),
+        PersistConfig(enabled=True, dir="{dir}/store", **persist),
+        replace(BLOCKS, top_k=4, placement="after_system"),
+        KeepConfig(enabled=True),
     )
 
 
@@ -178,20 +197,20 @@ CATALOGUE: dict[str, Spec] = {
     "qwen": Spec(
         "the default model: the agent harness, its smoke tests, KV memory's default unit (lines)",
         model=models.DEFAULT_MODEL,
-        config="intent:\n  enabled: true\n  budget_floor: 16\nmemory:\n  enabled: true\n" + harness.PERSIST_OFF,
+        config=to_yaml(IntentConfig(enabled=True, budget_floor=16), MemArtConfig(enabled=True), harness.PERSIST_OFF),
     ),
     "qwen_tp1": Spec(
         "the default model in float32 at TP 1: the TP test's reference (every head on one rank), and a "
         "session restored from disk in the default format (Q8; no warm tier: a restore reads the file)",
         model=models.DEFAULT_MODEL,
-        config=tp_config("  warm_bytes: 0\n"),
+        config=tp_config(warm_bytes=0),
         flags=(*TP_FLAGS, "--tp-size", "1"),
         unset=TP_UNSET,
     ),
     "qwen_tp2": Spec(
         "tensor parallelism 2 (SmolLM2's 9 heads do not split in two); an exact store, which restores bit for bit",
         model=models.DEFAULT_MODEL,
-        config=tp_config("  quant: fp32\n"),
+        config=tp_config(quant="fp32"),
         flags=(*TP_FLAGS, "--max-total-tokens", "4096", "--tp-size", "2"),
         unset=TP_UNSET,
     ),
@@ -199,15 +218,17 @@ CATALOGUE: dict[str, Spec] = {
         "page size 16 (intent, memory and KEEP refuse pages): persistence's faults on an exact store with no "
         "warm tier and a small pool (eviction), SentenceKV at page size 16; the tree's integrity checked before "
         "every batch (SGLMEMORY_CHECK_INTEGRITY)",
-        config=f"persist:\n  enabled: true\n  dir: {{dir}}/store\n  quant: {EXACT_QUANT}\n  warm_bytes: 0\n"
-        "sentencekv:\n  enabled: true\n",
+        config=to_yaml(
+            PersistConfig(enabled=True, dir="{dir}/store", quant=EXACT_QUANT, warm_bytes=0),
+            SentenceKVConfig(enabled=True),
+        ),
         flags=("--max-total-tokens", "3008", "--page-size", "16"),
         env={"SGLMEMORY_CHECK_INTEGRITY": "1"},
     ),
     "paged_limited": Spec(
         "a server started on the store of the paged one after it was killed mid-write, under a "
         "6 MB file-size limit (a full disk)",
-        config="persist:\n  enabled: true\n  dir: {dir}/store\n  quant: bf16\n",
+        config=to_yaml(PersistConfig(enabled=True, dir="{dir}/store", quant="bf16")),
         prefix=("prlimit", "--fsize=6000000", "--"),
         dir_of="paged",
         prefetch=False,
@@ -221,8 +242,10 @@ CATALOGUE["fp32_b"] = replace(
     CATALOGUE["fp32"],
     why="a second float32 server: the memory entries' restart, and what needs a setting of its own: "
     "memory.window (clients that resend the whole history), the toy plugin mechanism, the fuzzed request surface",
-    config=fp32_config("  budget: 96\n", "  window: 128\n")
-    + "plugins: [toy_mechanism]\ntoy:\n  enabled: true\n  max_note: 8\n",
+    # the toy's section as text: importing its class would register it in every test process
+    config=fp32_config(
+        96, "memory_pool", window=128, plugins=("toy_mechanism",), raw={"toy": {"enabled": True, "max_note": 8}}
+    ),
     env=AVX2_ONLY
     | {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))},
 )

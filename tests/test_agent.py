@@ -38,7 +38,9 @@ def server(qwen_server):
 
     from sgl_memory.core import config
 
-    want = config.from_dict(yaml.safe_load(run.INTENT_CONFIG + run.MEMORY_CONFIG + harness.PERSIST_OFF)).as_dict()
+    want = config.from_dict(
+        yaml.safe_load(config.to_yaml(run.INTENT_CONFIG, run.MEMORY_CONFIG, harness.PERSIST_OFF))
+    ).as_dict()
     served = qwen_server.get("/sgl_memory/info").json()["config"]
     assert all(served[name] == want[name] for name in ("intent", "memory", "persist"))
     return qwen_server

@@ -202,6 +202,8 @@ def test_every_methods_server_config_loads_and_a_persisted_method_restores_in_it
 
     from bench.fidelity.run import PERSISTED, SERVERS, methods
     from sgl_memory.core import config
+    from sgl_memory.memart.settings import MemArtConfig
+    from sgl_memory.persist.settings import PersistConfig
 
     loaded = {name: config.from_dict(yaml.safe_load(text)) for name, text in SERVERS.items()}
     ms = methods([32])
@@ -210,6 +212,6 @@ def test_every_methods_server_config_loads_and_a_persisted_method_restores_in_it
     assert sorted(m.name for m in persisted) == sorted(f"persisted {q}" for q in PERSISTED)
     for m in persisted:
         cfg = loaded[m.server]
-        assert cfg.persist.enabled and m.name == f"persisted {cfg.persist.quant}"
-        assert not cfg.memory.enabled and m.fields == ms[0].fields  # the full cache, restored
-    assert not any(cfg.persist.enabled for name, cfg in loaded.items() if name in ("intent", "memory"))
+        assert cfg.of(PersistConfig).enabled and m.name == f"persisted {cfg.of(PersistConfig).quant}"
+        assert not cfg.of(MemArtConfig).enabled and m.fields == ms[0].fields  # the full cache, restored
+    assert not any(cfg.of(PersistConfig).enabled for name, cfg in loaded.items() if name in ("intent", "memory"))

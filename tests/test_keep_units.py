@@ -12,6 +12,8 @@ import torch
 from sgl_memory.core import config, request
 from sgl_memory.keep.loading import LOADINGS, LayerLoader
 from sgl_memory.keep.select import SELECTORS, KVDeviation, LayerView, MultiHop, SegmentStarts, ratio_at
+from sgl_memory.keep.settings import KeepConfig
+from sgl_memory.memart.settings import MemArtConfig
 
 
 def view(seed: int, sizes=(5, 16, 3, 9, 16), turn=7, heads=4, kv_heads=2, dim=8, candidates=None) -> LayerView:
@@ -178,12 +180,16 @@ def test_the_ratio_schedule():
 
 def test_a_repair_needs_the_keep_mechanism_which_is_on_with_memory_unless_turned_off():
     off = {"enabled": False}
-    assert config.from_dict({"memory": {"enabled": True}}).keep.enabled  # memory's default repair runs there
-    assert not config.from_dict({}).keep.enabled and not config.from_dict({"memory": {"enabled": False}}).keep.enabled
+    assert config.from_dict({"memory": {"enabled": True}}).of(KeepConfig).enabled  # memory's default repair runs there
+    assert not config.from_dict({}).of(KeepConfig).enabled
+    assert not config.from_dict({"memory": {"enabled": False}}).of(KeepConfig).enabled
     for repair in ("cacheblend", "starts"):
         with pytest.raises(config.ConfigError, match="keep.enabled"):
             config.from_dict({"memory": {"enabled": True, "recompute": repair}, "keep": off})
-    assert config.from_dict({"memory": {"enabled": True, "recompute": "full"}, "keep": off}).memory.recompute == "full"
+    assert (
+        config.from_dict({"memory": {"enabled": True, "recompute": "full"}, "keep": off}).of(MemArtConfig).recompute
+        == "full"
+    )
     served = config.from_dict({"memory": {"enabled": True, "recompute": "none"}, "keep": off})
     for mode in ("keep", "cacheblend", "starts"):
         spec = request.parse({"session_id": "s", "memory": {"recompute": mode}})

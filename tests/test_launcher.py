@@ -8,6 +8,8 @@ import pytest
 from servers import TEST_MODEL
 from sgl_memory import cpu_dtype, launch_server, models
 from sgl_memory.core import config
+from sgl_memory.intent.settings import IntentConfig
+from sgl_memory.memart.settings import MemArtConfig
 from sgl_memory.persist.settings import PersistConfig
 
 # /proc/cpuinfo flags lines of the three kinds of CPU the project's machines have been
@@ -76,9 +78,9 @@ def test_model_path_flag_is_ours_too(fake_model):
 
 def test_memory_config_is_exported_for_child_processes(fake_model, tmp_path, monkeypatch):
     p = tmp_path / "c.yaml"
-    p.write_text("intent:\n  budget: 99\n")
+    p.write_text(config.to_yaml(IntentConfig(budget=99)))
     _, cfg = launch_server.build_argv(["--memory-config", str(p)])
-    assert cfg.intent.budget == 99
+    assert cfg.of(IntentConfig).budget == 99
     import os
 
     assert config.from_env() == cfg and os.environ[config.CONFIG_ENV] == str(p.resolve())
@@ -90,19 +92,19 @@ def test_the_default_is_agent_ready_and_plain_turns_every_mechanism_off(fake_mod
     rest off. `--plain`: every section off, in the launcher and in SGLang's processes alike."""
     _, cfg = launch_server.build_argv([])
     assert [name for name, s in cfg.sections.items() if s.enabled] == ["persist"]
-    assert cfg.persist.eviction == "hints" and config.from_env() == cfg
+    assert cfg.of(PersistConfig).eviction == "hints" and config.from_env() == cfg
     _, plain = launch_server.build_argv(["--plain"])
     assert not any(s.enabled for s in plain.sections.values())
     assert config.from_env() == plain
     # the rest of each section is its default: only the switch differs
-    assert plain.persist == dataclasses.replace(cfg.persist, enabled=False)
+    assert plain.of(PersistConfig) == dataclasses.replace(cfg.of(PersistConfig), enabled=False)
     _, again = launch_server.build_argv([])  # a later launch in this process inherits no --plain
     assert config.from_env() == again == cfg
 
 
 def test_plain_takes_no_memory_config(fake_model, tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text("intent:\n  enabled: true\n")
+    p.write_text(config.to_yaml(IntentConfig(enabled=True)))
     with pytest.raises(launch_server.LaunchError, match="--plain"):
         launch_server.build_argv(["--plain", "--memory-config", str(p)])
 
@@ -120,11 +122,11 @@ def test_a_process_keeps_the_config_it_started_with_when_the_file_changes(tmp_pa
     """Every process reads the file once: rewritten while the server runs (another run's config in
     the same place), it changes nothing until a restart."""
     p = tmp_path / "c.yaml"
-    p.write_text("memory:\n  enabled: true\n")
+    p.write_text(config.to_yaml(MemArtConfig(enabled=True)))
     monkeypatch.setenv(config.CONFIG_ENV, str(p))
-    assert config.from_env().memory.enabled
-    p.write_text("memory:\n  enabled: false\n")
-    assert config.from_env().memory.enabled and not config.load(p).memory.enabled
+    assert config.from_env().of(MemArtConfig).enabled
+    p.write_text(config.to_yaml(MemArtConfig(enabled=False)))
+    assert config.from_env().of(MemArtConfig).enabled and not config.load(p).of(MemArtConfig).enabled
 
 
 def test_unknown_config_key_is_refused(fake_model, tmp_path):
@@ -227,7 +229,7 @@ def test_a_page_size_an_enabled_mechanism_cannot_serve_stops_the_launcher_before
     import subprocess
     import sys
 
-    (tmp_path / "intent.yaml").write_text("intent:\n  enabled: true\n")
+    (tmp_path / "intent.yaml").write_text(config.to_yaml(IntentConfig(enabled=True)))
     cmd = [
         sys.executable,
         "-m",

@@ -39,7 +39,7 @@ def test_the_package_never_names_the_toy():
 
 def test_a_plugin_brings_its_section_request_key_and_checks(toy_registered):
     cfg = toy_registered
-    assert cfg.toy.enabled and cfg.toy.max_note == 3 and cfg.plugins == ("toy_mechanism",)
+    assert cfg.section("toy").enabled and cfg.section("toy").max_note == 3 and cfg.plugins == ("toy_mechanism",)
     assert cfg.as_dict()["toy"] == {"enabled": True, "max_note": 3}
     assert [cls.name for cls in mechanism.ordered()][-1] == "toy"  # declared after every built-in
     spec = request.parse({"session_id": "s", "toy": {"note": "ab"}})
@@ -60,7 +60,7 @@ def test_a_second_mechanism_cannot_take_a_key_another_owns(toy_registered):
 
         @mechanism.register("toy2")
         class Clash(mechanism.Mechanism):
-            settings, fields = type(toy_registered.toy), ("budget",)
+            settings, fields = type(toy_registered.section("toy")), ("budget",)
 
             @classmethod
             def build(cls, config, tree, ctx):

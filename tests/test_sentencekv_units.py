@@ -14,6 +14,7 @@ from sgl_memory.core import config, request
 from sgl_memory.core.request import SpecError
 from sgl_memory.engine.attention.cpu_backend import plan_requests, run_plans, with_step_reads
 from sgl_memory.sentencekv.segment import sentence_ids
+from sgl_memory.sentencekv.settings import SentenceKVConfig
 from sgl_memory.sentencekv.select import SentenceReads, page_table, retrieve, sentence_table, top_tokens
 
 
@@ -255,7 +256,7 @@ def test_bad_request_values_name_the_field(field, needle):
 def test_the_request_overrides_the_section():
     cfg = config.from_dict({"sentencekv": {"enabled": True, "budget": 100}})
     part = request.parse({"sentencekv": {"budget": 7, "keep_factor": 3}}).part("sentencekv")
-    applied = part.over(cfg.sentencekv)
+    applied = part.over(cfg.of(SentenceKVConfig))
     assert (applied.budget, applied.keep_factor, applied.window, applied.pool) == (7, 3.0, 32, 21)
     with pytest.raises(config.ConfigError, match=r"sentencekv\.keep_factor"):
         config.from_dict({"sentencekv": {"keep_factor": 0.5}})

@@ -106,8 +106,9 @@ class ToyMechanism(mechanism.Mechanism):
 
     @classmethod
     def check_request(cls, part: ToyRequest, config) -> None:
-        if len(part.note) > config.toy.max_note:
-            raise SpecError(f"{FIELD}.toy.note is longer than toy.max_note ({config.toy.max_note})")
+        max_note = config.of(ToyConfig).max_note
+        if len(part.note) > max_note:
+            raise SpecError(f"{FIELD}.toy.note is longer than toy.max_note ({max_note})")
 
     @classmethod
     def observe(cls, metrics: dict, meta_info: dict) -> None:
@@ -120,7 +121,11 @@ class ToyMechanism(mechanism.Mechanism):
     def mount(cls, app, config, engine) -> None:
         @app.get("/sgl_memory/toy")
         async def toy():
-            return {"max_note": config.toy.max_note, "incoming": cls.incoming, "context_len": engine.context_len()}
+            return {
+                "max_note": config.of(ToyConfig).max_note,
+                "incoming": cls.incoming,
+                "context_len": engine.context_len(),
+            }
 
     @classmethod
     async def before_generate(cls, request, engine) -> None:

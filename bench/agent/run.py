@@ -37,6 +37,9 @@ from tqdm import tqdm
 
 from bench.common import RESULTS, commit, pruning_methods, read_rows, write_json
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.intent.settings import IntentConfig
+from sgl_memory.memart.settings import MemArtConfig
 from bench import harness
 
 from . import bcp, bfcl
@@ -44,8 +47,8 @@ from .loop import Endpoint, Refused, message_tokens
 
 WORKLOADS = ("bfcl", "bcp")
 # the adaptive methods' floor sits below the smallest fixed budget so their budget can move both ways
-INTENT_CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
-MEMORY_CONFIG = "memory:\n  enabled: true\n"
+INTENT_CONFIG = IntentConfig(enabled=True, budget_floor=16)
+MEMORY_CONFIG = MemArtConfig(enabled=True)
 REFERENCE = "full cache"  # our server without pruning: what next-action agreement compares with
 # KV memory: each request carries the system prompt (the tool docs), the last user message and the
 # last --memory-window exchanges; the session's memory places its most relevant earlier blocks after
@@ -303,7 +306,9 @@ def start(kind: str, model: str, work: Path):
             model_path, *harness.cpu_flags(model_path, "torch_native"), "--enable-cache-report", *parser
         )
         return harness.start(cmd, work / "plain.log", env=env)
-    (work / "memory.yaml").write_text((INTENT_CONFIG if kind == "intent" else MEMORY_CONFIG) + harness.PERSIST_OFF)
+    (work / "memory.yaml").write_text(
+        to_yaml(INTENT_CONFIG if kind == "intent" else MEMORY_CONFIG, harness.PERSIST_OFF)
+    )
     return harness.start(harness.our_command(model, "--memory-config", str(work / "memory.yaml")), work / f"{kind}.log")
 
 

@@ -50,33 +50,55 @@ import json
 import math
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, ok, read_rows, write_json
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.intent.settings import IntentConfig
+from sgl_memory.keep.settings import KeepConfig
+from sgl_memory.memart.settings import MemArtConfig
+from sgl_memory.persist.settings import PersistConfig
 from bench import harness
 
 from . import points as P
 
 TOP_K = 20  # reference log-probabilities per gold position: the KL's support
-CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n"
+CONFIG = IntentConfig(enabled=True, budget_floor=16)
 # KV memory's methods run on a server of their own (after the others): with memory on, every
 # full-history request of a session is recorded into its pool, a worker pass over the whole
 # transcript per pruned session that the pruning methods do not need
 # transcript; blocks are cut at lines, so that a placed block never holds the end of one line and
 # the start of the next, and a method may place whole lines (memory.unit)
-MEMORY_CONFIG = CONFIG + "memory:\n  enabled: true\n  cut: lines\nkeep:\n  enabled: true\n"
+MEMORY_CONFIG = (CONFIG, MemArtConfig(enabled=True, cut="lines"), KeepConfig(enabled=True))
 # a restored session's methods: the store's format is the server's, one server per format (its
 # directory is added per run: a fresh store, so every restore is of this run's writes)
 PERSISTED = ("q4", "q8", "bf16")
-SERVERS = {
-    "intent": CONFIG + harness.PERSIST_OFF,
-    "memory": MEMORY_CONFIG + harness.PERSIST_OFF,
-    **{f"persist {q}": CONFIG + f"persist:\n  enabled: true\n  quant: {q}\n" for q in PERSISTED},
+SECTIONS: dict[str, tuple[object, ...]] = {
+    "intent": (CONFIG, harness.PERSIST_OFF),
+    "memory": (*MEMORY_CONFIG, harness.PERSIST_OFF),
+    **{f"persist {q}": (CONFIG, PersistConfig(enabled=True, quant=q)) for q in PERSISTED},
 }
+SERVERS = {name: to_yaml(*sections) for name, sections in SECTIONS.items()}
+
+
+def server_config(name: str, head: Path | None, store: Path) -> str:
+    """A server's config for a run: its SECTIONS, intent with the run's learned head (if one is
+    given), a persisting server with its store in the run's `store` folder."""
+
+    def run_section(section: object) -> object:
+        if head is not None and isinstance(section, IntentConfig):
+            return replace(section, head=str(head.resolve()))
+        if name.startswith("persist") and isinstance(section, PersistConfig):
+            return replace(section, dir=str(store / name.split()[1]))
+        return section
+
+    return to_yaml(*map(run_section, SECTIONS[name]))
+
+
 BASELINES = ("streaming_llm", "snapkv", "h2o", "random")
 INTENT = ("memory", "memory_pool", "query", "learned")
 REFERENCE = "full cache"
@@ -457,14 +479,10 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     logs = Path(tempfile.mkdtemp(prefix="sgl-memory-fidelity-"))
     refs: dict[str, list[dict]] = {}  # the reference per trajectory, computed once per run
     with tqdm(total=sum(len(t.points) for t, _ in todo), desc="points x methods", disable=None) as bar:
-        for name, config in SERVERS.items():
+        for name in SERVERS:
             phase = [(t, m) for t, m in todo if m.server == name]
             if phase:
-                if args.head is not None:
-                    config = config.replace("intent:\n", f"intent:\n  head: {args.head.resolve()}\n", 1)
-                if name.startswith("persist"):
-                    config += f"  dir: {logs / 'sessions' / name.split()[1]}\n"
-                (logs / "config.yaml").write_text(config)
+                (logs / "config.yaml").write_text(server_config(name, args.head, logs / "sessions"))
                 cmd = harness.our_command(
                     args.model,
                     "--memory-config",

@@ -46,6 +46,9 @@ from tqdm import tqdm
 
 from bench.common import bootstrap, commit, ok, write_json
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.keep.settings import KeepConfig
+from sgl_memory.memart.settings import MemArtConfig
 from bench import harness
 
 from . import data, metrics, prompts
@@ -332,21 +335,26 @@ def server_config(
         directory
         / f"locomo-bs{block_size}{'' if compact else '-no-drop'}{'' if cut == 'tokens' else '-cut-' + cut}.yaml"
     )
-    path.write_text(
-        "memory:\n"
-        f"  enabled: {str(memory_on).lower()}\n  block_size: {block_size}\n  top_k: {top_k}\n"
-        f"  norm: {MAIN_NORM}\n  agg: {MAIN_AGG}\n  capacity_blocks: {capacity_blocks}\n  cut: {cut}\n"
-        "  unit: block\n  placed_tokens: 0\n"  # top_k blocks of block_size, as every variant here counts them
-        # the recompute variants' repairs
-        f"keep:\n  enabled: {str(memory_on).lower()}\n  compact: {str(compact).lower()}\n" + harness.PERSIST_OFF
+    memory = MemArtConfig(
+        enabled=memory_on,
+        block_size=block_size,
+        top_k=top_k,
+        norm=MAIN_NORM,
+        agg=MAIN_AGG,
+        capacity_blocks=capacity_blocks,
+        cut=cut,
+        unit="block",  # top_k blocks of block_size, as every variant here counts them
+        placed_tokens=0,
     )
+    # the recompute variants' repairs
+    path.write_text(to_yaml(memory, KeepConfig(enabled=memory_on, compact=compact), harness.PERSIST_OFF))
     return path
 
 
 def defaults_config(directory: Path) -> Path:
     """What a user writes to turn memory on (keep follows it); persistence off so runs stay independent."""
     path = directory / "locomo-defaults.yaml"
-    path.write_text("memory:\n  enabled: true\n" + harness.PERSIST_OFF)
+    path.write_text(to_yaml(MemArtConfig(enabled=True), harness.PERSIST_OFF))
     return path
 
 

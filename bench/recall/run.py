@@ -30,11 +30,13 @@ from tqdm import tqdm
 
 from bench.common import FULL_BUDGET, RESULTS, bootstrap, commit, ok, read_rows, write_json
 from sgl_memory import models
+from sgl_memory.core.config import to_yaml
+from sgl_memory.intent.settings import IntentConfig
 from bench import harness
 
 from . import sessions as S
 
-CONFIG = "intent:\n  enabled: true\n  budget_floor: 16\n" + harness.PERSIST_OFF
+CONFIG = to_yaml(IntentConfig(enabled=True, budget_floor=16), harness.PERSIST_OFF)
 SCORERS = ("memory", "memory_pool", "query", "learned", "snapkv", "h2o", "streaming_llm", "random")
 DEFAULT = "memory"  # IntentKV's rule as published: every scorer is paired against it
 HOPS = (1, 2, 1, 3)  # half one hop

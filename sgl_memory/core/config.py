@@ -5,6 +5,8 @@ and this module builds the config from the registry. Loading is strict: an unkno
 of the wrong type or outside its allowed set stops start-up with a message naming the key path and
 what is allowed. `plugins:` names modules that register more mechanisms (mechanism.discover);
 `sessions:` says where a request's session id and tenant may come from (SessionSources).
+`to_yaml` writes the YAML of a config from its sections' dataclasses (tests and benchmarks build
+their servers' configs with it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import functools
 import os
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -23,6 +25,8 @@ from sgl_memory.core import mechanism
 CONFIG_ENV = "SGLMEMORY_CONFIG"  # how the launcher hands the file to SGLang's child processes
 PLAIN_ENV = "SGLMEMORY_PLAIN"  # and `--plain`: every mechanism off
 MAX_BUDGET = (1 << 31) - 1  # beyond any context length; keeps every metric inside 64-bit JSON integers
+
+S = TypeVar("S")
 
 
 class ConfigError(ValueError):
@@ -46,12 +50,13 @@ class SessionSources:
 class MemoryConfig:
     """The whole config: one section per registered mechanism (its `settings` dataclass, defaults
     for a section the file leaves out), the plugin modules that registered more mechanisms, and
-    where sessions may be named (`sessions`). Sections are read as attributes (`config.intent`) or
-    by name (`config.section("intent")`)."""
+    where sessions may be named (`sessions`). A section is read by its dataclass
+    (`config.of(IntentConfig)`, typed), or by name (`config.section("intent")`) where the code has
+    no class at hand (the engine and core, which import no mechanism)."""
 
     __slots__ = ("sections", "plugins", "sessions")
 
-    def __init__(self, plugins: tuple[str, ...] = (), sessions: SessionSources | None = None, **sections):
+    def __init__(self, plugins: tuple[str, ...] = (), sessions: SessionSources | None = None, **sections: Any) -> None:
         mechanism.discover(plugins)
         unknown = sorted(set(sections) - set(mechanism.REGISTRY))
         if unknown:
@@ -61,32 +66,31 @@ class MemoryConfig:
         object.__setattr__(self, "plugins", tuple(plugins))
         object.__setattr__(self, "sessions", sessions or SessionSources())
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("MemoryConfig is immutable")
 
-    def __getattr__(self, name):
-        try:
-            return object.__getattribute__(self, "sections")[name]
-        except KeyError:
-            raise AttributeError(f"no mechanism registers config section {name!r}") from None
-
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, MemoryConfig) and (self.sections, self.plugins, self.sessions) == (
             other.sections,
             other.plugins,
             other.sessions,
         )
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash((tuple(sorted(self.sections.items())), self.plugins, self.sessions))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"MemoryConfig(plugins={self.plugins!r}, sessions={self.sessions!r}, "
             f"{', '.join(f'{k}={v!r}' for k, v in self.sections.items())})"
         )
 
-    def section(self, name: str):
+    def of(self, settings: type[S]) -> S:
+        """The section of the registered mechanism whose `settings` is this dataclass."""
+        return self.sections[section_name(settings)]
+
+    def section(self, name: str) -> Any:
+        """The section of the mechanism registered under `name`."""
         return self.sections[name]
 
     def as_dict(self) -> dict:
@@ -96,6 +100,14 @@ class MemoryConfig:
             "sessions": dataclasses.asdict(self.sessions),
             **{name: dataclasses.asdict(s) for name, s in self.sections.items()},
         }
+
+
+def section_name(settings: type) -> str:
+    """The config section's name of the registered mechanism whose `settings` is this dataclass."""
+    for name, cls in mechanism.REGISTRY.items():
+        if cls.settings is settings:
+            return name
+    raise TypeError(f"no registered mechanism declares settings {settings.__module__}.{settings.__qualname__}")
 
 
 def choices(section: type, name: str) -> tuple[str, ...]:
@@ -137,7 +149,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config field type {tp} at {key}")
 
 
-def _build(cls: type, data: Any, path: str):
+def _build(cls: type[S], data: Any, path: str) -> S:
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -159,7 +171,7 @@ def _build(cls: type, data: Any, path: str):
 TOP_LEVEL = mechanism.RESERVED_NAMES
 
 
-def from_dict(data: dict | None) -> MemoryConfig:
+def from_dict(data: dict[str, Any] | None) -> MemoryConfig:
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -185,7 +197,7 @@ def from_dict(data: dict | None) -> MemoryConfig:
     return config
 
 
-def plain(**sections) -> MemoryConfig:
+def plain(**sections: Any) -> MemoryConfig:
     """Every mechanism off (`--plain`): the server answers as plain SGLang does; `sections` given
     replace theirs (one mechanism on alone)."""
     mechanism.discover(())
@@ -223,3 +235,40 @@ def from_env() -> MemoryConfig:
 @functools.cache
 def _load_once(path: str | None, plain_mode: bool) -> MemoryConfig:
     return plain() if plain_mode else load(path)
+
+
+def to_yaml(
+    *sections: object,
+    plugins: tuple[str, ...] = (),
+    sessions: SessionSources | None = None,
+    raw: dict[str, Any] | None = None,
+) -> str:
+    """The YAML the loader reads for these sections (instances of registered mechanisms' `settings`
+    dataclasses), for tests and benchmarks: a wrong field name fails where the dataclass is built,
+    not when a server reads the file. Each section is named by the registry and holds `enabled`
+    and every field that differs from its default, so a section it leaves out keeps the loader's
+    defaults (and `Mechanism.enabled_with`). `sessions` writes its changed fields; `raw` adds
+    sections as they are (a plugin's, whose class the caller does not import)."""
+    mechanism.discover()  # the built-in mechanisms; a plugin's section is named once its module is imported
+    data: dict[str, Any] = {"plugins": list(plugins)} if plugins else {}
+    if sessions is not None:
+        data["sessions"] = _changed(sessions)
+    for section in sections:
+        name = section_name(type(section))
+        if name in data:
+            raise TypeError(f"section {name!r} given twice")
+        data[name] = {"enabled": getattr(section, "enabled"), **_changed(section)}
+    for name, body in (raw or {}).items():
+        if name in data:
+            raise TypeError(f"section {name!r} given twice")
+        data[name] = body
+    return yaml.safe_dump(data, sort_keys=False, width=1 << 16)
+
+
+def _changed(section: Any) -> dict[str, Any]:
+    """A settings dataclass's fields that differ from their defaults, in declaration order."""
+    return {
+        f.name: getattr(section, f.name)
+        for f in dataclasses.fields(section)
+        if f.name != "enabled" and getattr(section, f.name) != f.default
+    }

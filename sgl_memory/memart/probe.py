@@ -16,6 +16,7 @@ import uuid
 
 from sgl_memory.core.config import from_env
 from sgl_memory.core.request import FIELD, SpecError, check_served, parse
+from sgl_memory.memart.settings import MemArtConfig
 from sgl_memory.memart.window import window
 
 
@@ -42,7 +43,8 @@ async def send_probe(request, engine) -> None:
         if request.batched() or not isinstance(raws[0], dict):
             return
         config = from_env()
-        windowed = window(request, engine, config.memory, parse(raws[0])) if config.memory.enabled else 0
+        memory = config.of(MemArtConfig)
+        windowed = window(request, engine, memory, parse(raws[0])) if memory.enabled else 0
         if not windowed:
             return
         raw = {**raws[0], "memory": {"mode": "retrieve"}}

@@ -158,7 +158,7 @@ def parse_request(raw: dict, internal: bool) -> MemArtRequest | None:
 
 
 def check_request(part: MemArtRequest, config) -> None:
-    if part.unit == "line" and config.memory.cut != "lines":
+    if part.unit == "line" and config.of(MemArtConfig).cut != "lines":
         raise SpecError(
             f"{FIELD}.memory.unit 'line': this server cuts memory blocks by tokens, not at lines "
             "(memory.cut: tokens), so it does not know its blocks' lines"
@@ -171,6 +171,7 @@ def check_request(part: MemArtRequest, config) -> None:
 
 
 def check_config(config) -> None:
-    repair = config.memory.recompute
-    if config.memory.enabled and repair in REPAIRS and not config.section(REPAIRS[repair]).enabled:
+    memory = config.of(MemArtConfig)
+    repair = memory.recompute
+    if memory.enabled and repair in REPAIRS and not config.section(REPAIRS[repair]).enabled:
         raise ConfigError(f"memory.recompute: {repair!r} needs {REPAIRS[repair]}.enabled: true")

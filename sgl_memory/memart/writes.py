@@ -26,6 +26,7 @@ from fastapi.responses import ORJSONResponse
 from sgl_memory.core.config import MemoryConfig
 from sgl_memory.core.request import FIELD, MAX_ID_LEN, SpecError, check_id
 from sgl_memory.memart.encoder import embed
+from sgl_memory.memart.settings import MemArtConfig
 
 MAX_ENTRIES = 1024  # per call
 MAX_TEXT_CHARS = 1 << 16
@@ -113,7 +114,7 @@ def mount(app, config: MemoryConfig, engine) -> None:
         return ORJSONResponse(status_code=status, content={"error": {"message": message}})
 
     def serving() -> None:
-        if not config.memory.enabled:
+        if not config.of(MemArtConfig).enabled:
             raise SpecError("KV memory is off on this server (memory.enabled: false)")
 
     async def parsed(request: Request, parse):
@@ -135,7 +136,7 @@ def mount(app, config: MemoryConfig, engine) -> None:
                     raise SpecError(f"entry {key!r} is {len(ids)} tokens; the context holds {limit}")
             embeddings = (
                 (await asyncio.to_thread(embed, [t for _, t in entries]))
-                if config.memory.groups
+                if config.of(MemArtConfig).groups
                 else [None] * len(entries)
             )
             owner = owner_of(session_id, tenant)
