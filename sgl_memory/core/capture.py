@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -40,7 +40,7 @@ class ExtendRows(NamedTuple):
         )
 
 
-def extend_rows(forward_batch) -> list[ExtendRows]:
+def extend_rows(forward_batch: Any) -> list[ExtendRows]:
     prefix_lens = forward_batch.extend_prefix_lens_cpu or forward_batch.extend_prefix_lens.tolist()
     new_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
     pool_rows = forward_batch.req_pool_indices.tolist()
@@ -59,12 +59,12 @@ class Subscriber(Protocol):
         """The parts of this forward's requests this subscriber takes, once per forward; empty: none.
         Each part is a pair whose second item is the request's ExtendRows."""
 
-    def first_read(self, part) -> int | None:
+    def first_read(self, part: list[Any]) -> int | None:
         """The first prompt position of its request that `part` reads: a row dropper (rows.py) may
         drop the request's rows before it and leave the rest to this subscriber, which then receives
         the rows with their positions. None: it reads every row, so none of the request's is dropped."""
 
-    def take(self, bound: list, layer, q, k, v) -> None:
+    def take(self, bound: list[Any], layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """One attention layer's inputs of the requests `bind` chose."""
 
 
@@ -95,7 +95,7 @@ class QueryCapture:
             start = first_pos + w_lo - self.window_start
             buf[start : start + n - w_lo] = q[w_lo:].float()
 
-    def add_rows(self, layer, q: torch.Tensor, r: ExtendRows) -> None:
+    def add_rows(self, layer: Any, q: torch.Tensor, r: ExtendRows) -> None:
         """A subscriber's `take`: this request's rows `r` of an attention layer's packed query `q`.
         Where a dropper left only some of the request's rows (`r.positions`), the rows from the first
         one this capture reads on are contiguous (first_read kept them): they are added from there."""
@@ -129,7 +129,9 @@ ROW_LAYOUT: Slot = Slot("row layout")
 BOUND: Slot[tuple[int, list]] = Slot("capture bindings")
 
 
-def feed(subscribers: list[Subscriber], layer, q, k, v, forward_batch) -> None:
+def feed(
+    subscribers: list[Subscriber], layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: Any
+) -> None:
     """One attention layer's inputs of a forward: each subscriber's rows of an extend forward."""
     if not forward_batch.rids or forward_batch.forward_mode.is_decode():
         return None  # decode steps, every layer of every token: nothing to capture
@@ -147,7 +149,9 @@ def feed(subscribers: list[Subscriber], layer, q, k, v, forward_batch) -> None:
     return None
 
 
-def write_trace(directory: str, rid, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+def write_trace(
+    directory: str, rid: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> Path:
     """What a mechanism captured for one request, written for offline use (the pruner head's
     training rows, KEEP's checks against a full prefill): `<directory>/<rid>.safetensors`, the rid
     made a safe file name."""

@@ -55,6 +55,9 @@ class MemoryConfig:
     no class at hand (the engine and core, which import no mechanism)."""
 
     __slots__ = ("sections", "plugins", "sessions")
+    sections: dict[str, Any]  # mechanism name -> its section (its `settings` dataclass)
+    plugins: tuple[str, ...]
+    sessions: SessionSources
 
     def __init__(self, plugins: tuple[str, ...] = (), sessions: SessionSources | None = None, **sections: Any) -> None:
         mechanism.discover(plugins)
@@ -128,7 +131,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, choices))}")
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, key)
     if tp is bool:
         if not isinstance(value, bool):
@@ -155,7 +158,7 @@ def _build(cls: type[S], data: Any, path: str) -> S:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # S: a settings dataclass
     for key in data:
         if key not in hints:
             where = f"{path}.{key}" if path else str(key)
@@ -187,7 +190,9 @@ def from_dict(data: dict[str, Any] | None) -> MemoryConfig:
     for key in data:
         if key not in TOP_LEVEL and key not in mechanism.REGISTRY:
             raise ConfigError(f"{key}: unknown key; allowed keys: {', '.join(TOP_LEVEL)}, {', '.join(names)}")
-    sections = {name: _build(cls.settings, data.get(name), name) for name, cls in mechanism.REGISTRY.items()}
+    sections: dict[str, Any] = {
+        name: _build(cls.settings, data.get(name), name) for name, cls in mechanism.REGISTRY.items()
+    }
     for name, cls in mechanism.REGISTRY.items():
         if cls.enabled_with in sections and "enabled" not in (data.get(name) or {}):
             sections[name] = dataclasses.replace(sections[name], enabled=sections[cls.enabled_with].enabled)

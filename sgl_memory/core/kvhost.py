@@ -9,12 +9,17 @@ it never looks inside. The KV pool is SGLang's, read through its buffer accessor
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from sgl_memory.core.requests import RequestStore
-from sgl_memory.core.sessions import SessionRegistry
+from sgl_memory.core.sessions import SessionKey, SessionRegistry
+
+if TYPE_CHECKING:
+    from sgl_memory.core.mechanism import Mechanism
+    from sgl_memory.core.reuse import ReusedKV
+    from sgl_memory.core.views import RequestView
 
 Branches = tuple[tuple[int, int], ...]  # (position, key id), ascending positions; () for a plain path
 # KVHost.reduce_heads: (a per-rank aggregate over heads, "mean" or "sum") -> the one over every rank's heads
@@ -34,9 +39,15 @@ def namespace(extra_key: str | None, kind: str, *names: str) -> str:
     return f"{extra_key or ''}\x00{kind}" + "".join(f":{n}" for n in names)
 
 
+# The engine's handles, which a mechanism passes back and never looks inside: a path's key in the
+# tree (`key`), and a node of the tree (where a match ends).
+TreeKey = Any
+Node = Any
+
+
 class Match(Protocol):
     device_prefix_len: int  # how many of the key's first tokens the tree holds
-    last_device_node: Any  # where they end (a handle for `path_slots`, `inc_lock_ref`)
+    last_device_node: Node  # where they end (a handle for `path_slots`, `inc_lock_ref`)
 
 
 class KVPool(Protocol):
@@ -77,22 +88,24 @@ class KVHost(Protocol):
         least of a count: what every rank can do). `(values, values)` without tensor parallelism.
         A collective: every rank calls it at the same point of the same request."""
 
-    def row(self, req) -> torch.Tensor:
+    def row(self, req: RequestView) -> torch.Tensor:
         """The request's slot map row: position -> KV slot."""
 
     def slot_map(self) -> torch.Tensor:
         """Every request row's slot map [rows, context] (a forward's rows name their row index)."""
 
-    def key(self, tokens, extra_key: str | None, cache_salt=None, branches: Branches = ()) -> Any:
+    def key(
+        self, tokens: Sequence[int], extra_key: str | None, cache_salt: str | None = None, branches: Branches = ()
+    ) -> TreeKey:
         """The tree key of a path: its tokens under a namespace, branch ids at its branches."""
 
-    def match(self, key) -> Match:
+    def match(self, key: TreeKey) -> Match:
         """What the tree holds of `key` (it may split a node, as every match does)."""
 
-    def insert_path(self, key, slots: torch.Tensor) -> int:
+    def insert_path(self, key: TreeKey, slots: torch.Tensor) -> int:
         """Insert `key` with these slots [len(key)]; returns how much of it the tree held already."""
 
-    def path_slots(self, node) -> torch.Tensor:
+    def path_slots(self, node: Node) -> torch.Tensor:
         """The slots of the path from the root to `node`."""
 
     def alloc_slots(self, n: int) -> torch.Tensor | None:
@@ -101,12 +114,12 @@ class KVHost(Protocol):
     def free_real(self, slots: torch.Tensor) -> None:
         """Give back slots that hold no sentinel entry."""
 
-    def inc_lock_ref(self, node) -> Any:
+    def inc_lock_ref(self, node: Node) -> Any:
         """Keep the path to `node` from eviction until `dec_lock_ref`."""
 
-    def dec_lock_ref(self, node) -> Any: ...
+    def dec_lock_ref(self, node: Node) -> Any: ...
 
-    def hold(self, req, node, tokens: int) -> None:
+    def hold(self, req: RequestView, node: Node, tokens: int) -> None:
         """Keep the path to `node` (`tokens` long) in the tree for a waiting request until its prefill
         is scheduled (the scheduler locks its prefix then), it is dropped, or nothing can run
         while requests wait (then every hold goes). KV brought back for a request must still be
@@ -122,24 +135,26 @@ class KVHost(Protocol):
     def room(self) -> int:
         """Slots `alloc_slots` can give now: free ones and those eviction can free."""
 
-    def expect(self, node, when: Callable[[float], float]) -> None:
+    def expect(self, node: Node, when: Callable[[float], float]) -> None:
         """The path ending at `node` is next used at `when(now)` (time.monotonic seconds; inf: not
         again): under pool pressure the tree evicts the paths used furthest ahead first, the nodes
         of this path that no other path shares included, and the rest by last use. Ignored when the
         operator chose an eviction policy other than SGLang's default LRU."""
 
-    def branches(self, req) -> Branches:
+    def branches(self, req: RequestView) -> Branches:
         """Where the request's key takes branch ids instead of its tokens."""
 
-    def export_session(self, key, skip=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def export_session(
+        self, key: SessionKey, skip: Mechanism | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Every mechanism's state of the session (but `skip`'s): tensors and which of them are KV."""
 
-    def import_session(self, key, tensors: dict[str, torch.Tensor]) -> None: ...
+    def import_session(self, key: SessionKey, tensors: dict[str, torch.Tensor]) -> None: ...
 
     def position_shift(self, rid: str) -> int:
         """How far the request's model positions run from SGLang's (Mechanism.position_shift of the
         mechanism that re-packed its row; 0: none)."""
 
-    def placed_kv(self, req) -> Any:
+    def placed_kv(self, req: RequestView) -> ReusedKV | None:
         """The KV a mechanism placed among the request's new tokens for a repair (reuse.ReusedKV,
         Mechanism.placed_kv), or None."""

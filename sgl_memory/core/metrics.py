@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
+from typing import TYPE_CHECKING
 
 from sgl_memory.core import mechanism
 from sgl_memory.core.request import FIELD
+
+if TYPE_CHECKING:
+    from sgl_memory.core.views import RequestView
 
 RECENT = 4096  # per-request metrics kept for the OpenAI response rewrite (by response id)
 
@@ -19,7 +23,7 @@ RECENT = 4096  # per-request metrics kept for the OpenAI response rewrite (by re
 class Stats:
     """What every registered mechanism's MetricsSchema asks for, over the requests so far."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests = 0
         self.prompt_tokens = 0
@@ -76,7 +80,7 @@ class Stats:
 STATS = Stats()
 
 
-def attach(req, fields: dict) -> None:
+def attach(req: RequestView, fields: dict) -> None:
     """Merge fields into the request's sgl_memory metrics (one dict, sent when it finishes)."""
     if req.customized_info is None:
         req.customized_info = {}

@@ -19,6 +19,8 @@ enabled before SGLang sets its multiprocess directory.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 from sgl_memory.core import mechanism
 
@@ -34,7 +36,7 @@ class Series:
     """A Prometheus series declared now and created at its first use; a no-op while disabled.
     `labels(...)` selects a labelled child as prometheus_client does."""
 
-    def __init__(self, kind: str, name: str, doc: str, labels=(), **options):
+    def __init__(self, kind: str, name: str, doc: str, labels: Sequence[str] = (), **options: Any) -> None:
         self.kind, self.name, self.doc, self.label_names, self.options = (
             kind,
             PREFIX + name,
@@ -47,7 +49,7 @@ class Series:
             raise ValueError(f"Prometheus series {self.name} is declared twice")
         DECLARED[self.name] = self
 
-    def _series(self):
+    def _series(self) -> Any:
         if self._made is None and _enabled:
             import prometheus_client
 
@@ -61,7 +63,7 @@ class Series:
                     self._made = make(self.name, self.doc, self.label_names, **self.options)
         return self._made
 
-    def labels(self, *values) -> _Child:
+    def labels(self, *values: str) -> _Child:
         return _Child(self, values)
 
     def inc(self, amount: float = 1) -> None:
@@ -90,11 +92,11 @@ class _Child:
             s.labels(*self.values).observe(value)
 
 
-def counter(name: str, doc: str, labels=()) -> Series:
+def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Series:
     return Series("counter", name, doc, labels)
 
 
-def histogram(name: str, doc: str, labels=()) -> Series:
+def histogram(name: str, doc: str, labels: Sequence[str] = ()) -> Series:
     return Series("histogram", name, doc, labels, buckets=SECONDS)
 
 
@@ -112,7 +114,7 @@ REFUSALS = counter(
 BAD_REQUESTS = counter("bad_requests", "Requests refused by sgl-memory's validation: field, json, size", ["reason"])
 
 
-def enable(server_args) -> None:
+def enable(server_args: Any) -> None:
     """Record metrics in this process when the server runs with --enable-metrics."""
     global _enabled
     _enabled = _enabled or bool(getattr(server_args, "enable_metrics", False))

@@ -12,10 +12,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sgl_memory.core import mechanism
+
+if TYPE_CHECKING:
+    from sgl_memory.core.config import MemoryConfig
+    from sgl_memory.core.mechanism import Mechanism
+    from sgl_memory.core.views import RequestView
+
+S = TypeVar("S")  # a mechanism's config section
 
 FIELD = "sgl_memory"
 MAX_ID_LEN = 256
@@ -54,14 +62,15 @@ class RequestPart:
         session's history: a text-level match against the session's stored path does not apply."""
         return False
 
-    def over(self, base):
+    def over(self, base: S) -> S:
         """`base` (the mechanism's config section, a dataclass) with this part's fields of the same
-        names that are set (not None): a request's overrides of the server's settings."""
+        names that are set (not None): a request's overrides of the server's settings. A part that
+        overrides settings is a dataclass."""
         return dataclasses.replace(
-            base,
+            base,  # type: ignore[type-var]  # S: a settings dataclass
             **{
                 f.name: v
-                for f in dataclasses.fields(self)
+                for f in dataclasses.fields(self)  # type: ignore[arg-type]
                 if (v := getattr(self, f.name)) is not None and hasattr(base, f.name)
             },
         )
@@ -100,7 +109,7 @@ class MemorySpec:
     def assembled(self) -> bool:
         return any(p.assembles for p in self.parts.values())
 
-    def admits(self, mechanism) -> bool:
+    def admits(self, mechanism: type[Mechanism] | Mechanism) -> bool:
         """Whether `mechanism` (a Mechanism class or instance) acts on this request: every one on a
         client's request; on an internal pass its owner, and the mechanisms that follow internal
         passes unless the pass is transient."""
@@ -108,7 +117,7 @@ class MemorySpec:
         return owner is None or mechanism.name == owner or (mechanism.follows_internal and not self.transient)
 
 
-def check_id(value, name: str, where: str | None = None) -> str | None:
+def check_id(value: Any, name: str, where: str | None = None) -> str | None:
     """A session id or tenant (`name`), from the field's key of that name unless `where` names
     another source (a header) for the message."""
     where = where or f"{FIELD}.{name}"
@@ -127,7 +136,7 @@ def check_id(value, name: str, where: str | None = None) -> str | None:
 # Value checks shared by the mechanisms' parsers: each names the key in the client's message.
 
 
-def choice(value, choices, where: str):
+def choice(value: Any, choices: Sequence[Any], where: str) -> Any:
     """A named option: checked as a string first, so an object or a list is a 400, not a TypeError."""
     if value is None:
         return None
@@ -136,19 +145,19 @@ def choice(value, choices, where: str):
     return value
 
 
-def integer(value, lo: int, hi: int, where: str) -> int | None:
+def integer(value: Any, lo: int, hi: int, where: str) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi):
         raise SpecError(f"{where} must be an integer in [{lo}, {hi}], got {value!r}")
     return value
 
 
-def number(value, lo: float, hi: float, where: str) -> float | None:
+def number(value: Any, lo: float, hi: float, where: str) -> float | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi):
         raise SpecError(f"{where} must be a number in [{lo}, {hi}], got {value!r}")
     return None if value is None else float(value)
 
 
-def flag(value, where: str) -> bool | None:
+def flag(value: Any, where: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise SpecError(f"{where} must be true or false, got {value!r}")
     return value
@@ -179,7 +188,7 @@ def keys() -> tuple[str, ...]:
     return COMMON + tuple(f for cls in mechanism.ordered() for f in cls.fields)
 
 
-def parse(raw, internal: bool = False) -> MemorySpec:
+def parse(raw: Any, internal: bool = False) -> MemorySpec:
     """`internal`: the field as the scheduler receives it, which may carry the server's own keys
     (the HTTP hook's probe id)."""
     if raw is None:
@@ -201,7 +210,7 @@ def parse(raw, internal: bool = False) -> MemorySpec:
     return MemorySpec(session_id, check_id(raw.get("tenant"), "tenant"), readonly, parts, asked)
 
 
-def check_served(spec: MemorySpec, config) -> None:
+def check_served(spec: MemorySpec, config: MemoryConfig) -> None:
     """A request that asks for a mechanism this server runs without is refused, naming the config
     key: serving it without the behaviour asked for would drop the request's intent silently."""
     for name, part in spec.parts.items():
@@ -216,12 +225,12 @@ def check_served(spec: MemorySpec, config) -> None:
 # (SGLang passes custom_params through to the scheduler's sampling params untouched).
 
 
-def encode(custom_params: dict | None, raw) -> dict:
+def encode(custom_params: dict | None, raw: Any) -> dict:
     """custom_params with the raw field put in (a new dict; the caller's is not changed)."""
     return {**(custom_params or {}), FIELD: json.dumps(raw)}
 
 
-def decode(custom_params: dict | None):
+def decode(custom_params: dict | None) -> Any:
     """The raw field out of custom_params (None when absent); a SpecError when it is not JSON."""
     raw = (custom_params or {}).get(FIELD)
     if isinstance(raw, str):
@@ -232,6 +241,6 @@ def decode(custom_params: dict | None):
     return raw
 
 
-def of_request(req) -> MemorySpec:
+def of_request(req: RequestView) -> MemorySpec:
     """The spec a scheduler request carries in its custom_params (the HTTP layer put it there)."""
     return parse(decode(getattr(req.sampling_params, "custom_params", None)), internal=True)

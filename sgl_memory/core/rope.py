@@ -8,6 +8,7 @@ plain (unscaled) rotation of Llama / Qwen2 models is supported; `Rope.from_hf_co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ class Rope:
     neox: bool = True  # rotate halves (Llama / Qwen2 in HF layout), not interleaved pairs
 
     @classmethod
-    def from_hf_config(cls, cfg) -> Rope:
+    def from_hf_config(cls, cfg: Any) -> Rope:
         params = getattr(cfg, "rope_parameters", None) or {}
         scaling = getattr(cfg, "rope_scaling", None) or {}
         kind = scaling.get("rope_type", scaling.get("type", params.get("rope_type", "default")))

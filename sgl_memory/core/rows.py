@@ -21,7 +21,7 @@ request's rows by position.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -71,5 +71,5 @@ class RowDropper(Protocol):
         layer's) that no later layer computes; requests not named keep their rows."""
 
 
-def layout(forward_batch) -> RowLayout | None:
+def layout(forward_batch: Any) -> RowLayout | None:
     return capture.ROW_LAYOUT.get(forward_batch)

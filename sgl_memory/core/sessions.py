@@ -18,6 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import quote
 
 SessionKey = tuple[str, str]  # (tenant or "", session id)
@@ -47,7 +48,7 @@ def routing_key(tenant: str | None, session_id: str) -> str:
 
 
 class SessionRegistry:
-    def __init__(self):
+    def __init__(self) -> None:
         self._sessions: OrderedDict[SessionKey, dict[str, object]] = OrderedDict()
         self._limits: dict[str, tuple[int, Callable[[object], bool]]] = {}
         self._counts: dict[str, int] = {}
@@ -60,7 +61,7 @@ class SessionRegistry:
         with self._lock:
             self._limits[name] = (capacity, keep)
 
-    def get(self, key: SessionKey, name: str, create: Callable[[], object] | None = None):
+    def get(self, key: SessionKey, name: str, create: Callable[[], Any] | None = None) -> Any:
         """The session's slot (the session becomes the most recently used); made by `create` when
         missing and `create` is given, None otherwise."""
         with self._lock:
@@ -77,7 +78,7 @@ class SessionRegistry:
                 self._bound(name, spare=key)
             return value
 
-    def pop(self, key: SessionKey, name: str):
+    def pop(self, key: SessionKey, name: str) -> Any:
         with self._lock:
             return self._pop(key, name)
 
@@ -102,7 +103,7 @@ class SessionRegistry:
         with self._lock:
             return self._counts.get(name, 0)
 
-    def _pop(self, key: SessionKey, name: str):
+    def _pop(self, key: SessionKey, name: str) -> Any:
         slots = self._sessions.get(key)
         if slots is None or name not in slots:
             return None

@@ -9,7 +9,8 @@ user message holding `<tool_response>`, so "latest user message" covers them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 # Per template family: the token that opens a message header, and where the role name sits after it.
 FAMILIES = {
@@ -41,7 +42,7 @@ class RoleMarkers:
     tool_result: tuple[tuple[int, ...], ...] = ()  # what may follow a user role name where the message is a tool result
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, family: str) -> RoleMarkers:
+    def from_tokenizer(cls, tokenizer: Any, family: str) -> RoleMarkers:
         if family not in FAMILIES or tokenizer is None:
             return cls(None, {})
         opener = tokenizer.convert_tokens_to_ids(FAMILIES[family])
@@ -55,13 +56,13 @@ class RoleMarkers:
         )
         return cls(opener, roles, tool)
 
-    def role_at(self, token_ids, pos: int) -> str | None:
+    def role_at(self, token_ids: Sequence[int], pos: int) -> str | None:
         for role, ids in self.roles.items():
             if ids and tuple(token_ids[pos + 1 : pos + 1 + len(ids)]) == ids:
                 return role
         return None
 
-    def messages(self, token_ids) -> list[tuple[int, str | None]]:
+    def messages(self, token_ids: Sequence[int]) -> list[tuple[int, str | None]]:
         """(start, role) of each message, in order; a tool result rendered as a user message (Qwen)
         has the role "tool"."""
         if self.opener is None:
@@ -94,7 +95,7 @@ def after_answer(messages: list[tuple[int, str | None]], length: int) -> int | N
     return messages[k][0] if k < len(messages) else length
 
 
-def find_spans(token_ids, markers: RoleMarkers, query_tail: int) -> Spans:
+def find_spans(token_ids: Sequence[int], markers: RoleMarkers, query_tail: int) -> Spans:
     n = len(token_ids)
     tail = Spans(0, max(0, n - query_tail), "tail", None)
     if markers.opener is None:

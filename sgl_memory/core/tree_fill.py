@@ -27,25 +27,30 @@ Everything here goes through the KV host protocol (kvhost.py): no SGLang type is
 from __future__ import annotations
 
 import os.path
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sgl_memory.core.kvhost import Branches, KVHost, Match
 from sgl_memory.core.slots import Slot
 
+if TYPE_CHECKING:
+    from sgl_memory.core.views import RequestView
 
-def with_branches(token_ids, branches: Branches):
+IdsT = TypeVar("IdsT", bound=MutableSequence[int])  # a key's ids: an array of the tree's type, or a list
+
+
+def with_branches(token_ids: IdsT, branches: Branches) -> IdsT:
     """The key ids of a path with these branches (those beyond its end left out): a
     copy of the same sequence type, which the tree's key comparison requires, or `token_ids` itself
     when no branch falls inside it."""
     inside = [(p, i) for p, i in branches if p < len(token_ids)]
     if not inside:
         return token_ids
-    ids = token_ids[:]
+    ids = cast(IdsT, token_ids[:])  # the same sequence type: the tree compares keys of one type
     for p, i in inside:
         ids[p] = i
     return ids
@@ -184,7 +189,7 @@ class PathKV:
     live: torch.Tensor  # [n] bool: False where the position was pruned (its slot is the sentinel)
 
 
-def held_path(tree: KVHost, req) -> HeldPath:
+def held_path(tree: KVHost, req: RequestView) -> HeldPath:
     """How much of a released request's tokens (prompt and output) the tree holds under the key the
     request inserted them with (a read: it may split a node, as every match does, but inserts and
     frees nothing)."""

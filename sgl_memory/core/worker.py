@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ class Worker:
         self._queued = 0
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
-    def submit(self, item) -> None:
+    def submit(self, item: Any) -> None:
         with self._idle:
             self._queued += 1
         self._queue.put(item)
