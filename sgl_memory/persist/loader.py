@@ -24,7 +24,7 @@ class SessionLoader:
     """Loads a session's file, checked, into memory and the other mechanisms' state in it back to
     them, when a turn finds the session missing here or moved on in its file."""
 
-    def __init__(self, tree: KVHost, files: SessionFiles, sessions: Sessions):
+    def __init__(self, tree: KVHost, files: SessionFiles, sessions: Sessions) -> None:
         self.tree, self.files, self.sessions = tree, files, sessions
 
     def open(self, state: PersistTurn, session: Session | None) -> None:

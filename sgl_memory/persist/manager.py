@@ -1,6 +1,7 @@
 """Session KV persistence in one scheduler process: three tiers of a session's KV.
 
-- hot: its token path in the radix tree (SGLang's own reuse), evicted by its next use (next_use.py);
+- hot: its token path in the radix tree (SGLang's own reuse), ordered for eviction by its next use
+  (next_use.py);
 - warm: its stored form (SessionRecord: token ids + encoded blocks) in host memory, up to
   `warm_bytes`, least recently used dropped first (only once it is on disk; warm.py);
 - cold: its safetensors file (store.py), up to `quota_bytes`.
@@ -97,7 +98,7 @@ class SessionPersistence(mechanism.Mechanism):
                 cls.name, "ranks" if metrics["persist_refused"] == RANKS_DIFFER else "file"
             ).inc()
 
-    def __init__(self, config: PersistConfig, tree: KVHost, spec: CacheSpec):
+    def __init__(self, config: PersistConfig, tree: KVHost, spec: CacheSpec) -> None:
         self.config, self.tree, self.spec = config, tree, spec
         self.files = SessionFiles(config.store_dir(), spec, quant=config.quant, kivi=config.kivi)
         self.sessions = Sessions(tree.sessions, self.name)
@@ -157,10 +158,10 @@ class SessionPersistence(mechanism.Mechanism):
         self.restorer.admit(scheduler, req, spec, state)
 
     def before_prefill(self, scheduler: SchedulerView, waiting: list[RequestView], running: bool) -> list:
-        """Land the restores unpacked since the last step; restore the deferred requests' KV, in
-        the order they came, while the holds have room; the rest, and those being unpacked, wait
-        out of this batch (so the scheduler does not prefill their histories). Then bring back the
-        sessions expected back about now (prefetch)."""
+        """Land the restores unpacked since the last step; bring back the sessions expected back
+        about now (prefetch); then restore the deferred requests' KV, in the order they came, while
+        the holds have room; the rest, and those being unpacked, wait out of this batch (so the
+        scheduler does not prefill their histories)."""
         self.restorer.land()
         self.prefetch.run()
         return self.restorer.restore_deferred(waiting, running)

@@ -25,7 +25,7 @@ class NextUse:
 
     GAP_WEIGHT = 0.5  # of the newest gap in a session's moving average (the server's: the same)
 
-    def __init__(self, config: PersistConfig, tree: KVHost):
+    def __init__(self, config: PersistConfig, tree: KVHost) -> None:
         self.config, self.tree = config, tree
         self.gap: float | None = None  # the gaps every session's turns came back after (a moving average)
 

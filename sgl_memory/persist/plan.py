@@ -63,7 +63,7 @@ class Planner:
         files: SessionFiles,
         text: textmatch.TextCodec,
         loader: SessionLoader,
-    ):
+    ) -> None:
         self.config, self.tree, self.files, self.text, self.loader = config, tree, files, text, loader
 
     def match_text(self, scheduler: SchedulerView, req: RequestView, session: Session, state: PersistTurn) -> None:

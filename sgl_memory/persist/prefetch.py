@@ -26,7 +26,7 @@ class Prefetch:
     """Keeps the sessions a hint says come back at a time, and brings each one's stored path back
     into the tree just before (from the warm tier or its file), ordered for eviction by next use."""
 
-    def __init__(self, config: PersistConfig, tree: KVHost, files: SessionFiles, next_use: NextUse):
+    def __init__(self, config: PersistConfig, tree: KVHost, files: SessionFiles, next_use: NextUse) -> None:
         self.config, self.tree, self.files, self.next_use = config, tree, files, next_use
         # sessions a hint says come back at a time: their KV is brought back just before (run)
         self._expected_back: dict[SessionKey, Session] = {}

@@ -31,7 +31,9 @@ DEFERRED = prometheus.counter(
 )
 
 
-def decode(files: SessionFiles, tree: KVHost, record: SessionRecord, start: int, end: int) -> tuple[torch.Tensor, ...]:
+def decode(
+    files: SessionFiles, tree: KVHost, record: SessionRecord, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the record's positions [start, end) in the pool's dtype."""
     return files.decode(record, start, end, dtype=tree.pool.get_key_buffer(tree.layers()[0]).dtype)
 
@@ -41,7 +43,9 @@ class Restorer:
     the request runs; defers the requests the holds or the pool have no room for, and lands the
     restores the unpack thread finished."""
 
-    def __init__(self, config: PersistConfig, tree: KVHost, files: SessionFiles, sessions: Sessions, planner: Planner):
+    def __init__(
+        self, config: PersistConfig, tree: KVHost, files: SessionFiles, sessions: Sessions, planner: Planner
+    ) -> None:
         self.config, self.tree, self.files, self.sessions, self.planner = config, tree, files, sessions, planner
         # requests whose restore waits for room among the holds (restore_deferred), in arrival order,
         # with where their session's KV was at admission (memory, or read from disk)

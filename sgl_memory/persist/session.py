@@ -95,7 +95,7 @@ class Sessions:
     """This mechanism's sessions in the tree's session registry: found or made by (tenant, id),
     listed least recently used first, and which of them must stay in memory."""
 
-    def __init__(self, registry: SessionRegistry, name: str):
+    def __init__(self, registry: SessionRegistry, name: str) -> None:
         self.registry, self.name = registry, name
         # a session stays in memory while it holds turns that are nowhere else (not yet written, or
         # a write failed); the rest are re-read from disk when they come back

@@ -72,7 +72,7 @@ class TextCodec:
     and a new suffix's ids (none added). None until the first request brings the scheduler's, and
     under --skip-tokenizer-init (token-level reuse only)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.tokenizer = None
 
     def decode(self, tokens: Sequence[int]) -> str:

@@ -13,7 +13,7 @@ WARM_BYTES = prometheus.gauge("store_warm_bytes", "Stored-form session KV in hos
 class WarmTier:
     """Keeps the stored form held in host memory within `warm_bytes`."""
 
-    def __init__(self, config: PersistConfig, sessions: Sessions):
+    def __init__(self, config: PersistConfig, sessions: Sessions) -> None:
         self.config, self.sessions = config, sessions
 
     def trim(self) -> int:

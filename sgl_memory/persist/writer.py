@@ -45,7 +45,7 @@ class Writer:
         next_use: NextUse,
         warm: WarmTier,
         owner: mechanism.Mechanism,
-    ):
+    ) -> None:
         self.config, self.tree, self.files, self.sessions = config, tree, files, sessions
         self.text, self.next_use, self.warm = text, next_use, warm
         self.owner = owner  # the mechanism whose file this is: its own state is not exported into it
