@@ -18,7 +18,8 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 from test_radix_contract import RecordingAllocator
-from sgl_memory.persist.manager import Session, SessionPersistence
+from sgl_memory.persist.next_use import NextUse
+from sgl_memory.persist.session import Session
 from sgl_memory.persist.settings import AgentHints, PersistConfig
 
 
@@ -113,48 +114,45 @@ def test_a_held_path_is_not_evicted_until_its_request_leaves_the_queue():
     assert cache.held_tokens() == 0 and evicted_order(cache, alloc) == ["a", "shared"]
 
 
-def manager(**config) -> SessionPersistence:
-    m = SessionPersistence.__new__(SessionPersistence)  # the policy's state only: no store, no tree
-    m.config, m._gap, m._expected_back = PersistConfig(enabled=True, **config), None, {}
-    m.tree = SimpleNamespace(tp_size=1)
-    return m
+def predictor(**config) -> NextUse:
+    return NextUse(PersistConfig(enabled=True, **config), SimpleNamespace())  # the predictor's state only: no tree
 
 
 def test_without_hints_the_default_orders_by_last_use_and_learns_nothing_into_it():
-    m = manager()
+    m = predictor()
     s = Session(None, "s")
     for _ in range(2):
-        m._finished(s, None)
-        m._came_back(s)
-    m._finished(s, None)
-    assert m._next_use(s, s.finished_at + 3) == pytest.approx(
+        m.finished(s, None)
+        m.came_back(s)
+    m.finished(s, None)
+    assert m.next_use(s, s.finished_at + 3) == pytest.approx(
         s.finished_at + 6
     )  # as far ahead as its last use is behind
-    m._finished(s, AgentHints(expected_tool_duration_ms=2000))
-    assert m._next_use(s, s.finished_at) == pytest.approx(s.finished_at + 2)  # a hint still counts
+    m.finished(s, AgentHints(expected_tool_duration_ms=2000))
+    assert m.next_use(s, s.finished_at) == pytest.approx(s.finished_at + 2)  # a hint still counts
 
 
 def test_next_use_from_hints_learned_gaps_and_last_use():
-    m = manager(max_keep_ms=5000, eviction="learned")
+    m = predictor(max_keep_ms=5000, eviction="learned")
     s = Session(None, "s")
-    m._finished(s, None)
+    m.finished(s, None)
     t = s.finished_at
-    assert m._next_use(s, t + 3) == pytest.approx(t + 6)  # nothing known: as far ahead as its last use is behind
-    m._came_back(s)  # back after a gap: learned
+    assert m.next_use(s, t + 3) == pytest.approx(t + 6)  # nothing known: as far ahead as its last use is behind
+    m.came_back(s)  # back after a gap: learned
     gap = s.gap
-    assert s.finished_at is None and m._next_use(s, time.monotonic()) == pytest.approx(time.monotonic(), abs=0.1)
-    m._finished(s, None)
-    assert m._next_use(s, s.finished_at) == pytest.approx(s.finished_at + gap)
-    m._finished(s, AgentHints(expected_tool_duration_ms=2000))
+    assert s.finished_at is None and m.next_use(s, time.monotonic()) == pytest.approx(time.monotonic(), abs=0.1)
+    m.finished(s, None)
+    assert m.next_use(s, s.finished_at) == pytest.approx(s.finished_at + gap)
+    m.finished(s, AgentHints(expected_tool_duration_ms=2000))
     t = s.finished_at
-    assert m._next_use(s, t) == pytest.approx(t + 2)
-    assert m._next_use(s, t + 5) == pytest.approx(t + 8)  # 3 s overdue: read as 3 s further out
-    m._finished(s, AgentHints(cache_ttl_ms=60_000, expected_tool_duration_ms=10_000))
+    assert m.next_use(s, t) == pytest.approx(t + 2)
+    assert m.next_use(s, t + 5) == pytest.approx(t + 8)  # 3 s overdue: read as 3 s further out
+    m.finished(s, AgentHints(cache_ttl_ms=60_000, expected_tool_duration_ms=10_000))
     t = s.finished_at
-    assert m._next_use(s, t + 1) == t + 1  # kept: next use is now ...
-    assert m._next_use(s, t + 6) == pytest.approx(t + 10)  # ... for max_keep_ms only
-    m._finished(s, AgentHints(done=True))
-    assert m._next_use(s, s.finished_at + 1) == math.inf
+    assert m.next_use(s, t + 1) == t + 1  # kept: next use is now ...
+    assert m.next_use(s, t + 6) == pytest.approx(t + 10)  # ... for max_keep_ms only
+    m.finished(s, AgentHints(done=True))
+    assert m.next_use(s, s.finished_at + 1) == math.inf
     other = Session(None, "o")  # a session never seen back uses the server's gaps
-    m._finished(other, None)
-    assert m._next_use(other, other.finished_at) == pytest.approx(other.finished_at + m._gap)
+    m.finished(other, None)
+    assert m.next_use(other, other.finished_at) == pytest.approx(other.finished_at + m.gap)

@@ -304,7 +304,7 @@ def test_a_fine_tune_with_the_same_config_is_another_model(tmp_path):
     first one's session files: the spec's hash covers the weight files' names, sizes and bytes."""
     from types import SimpleNamespace
 
-    from sgl_memory.persist.manager import cache_spec
+    from sgl_memory.persist.identity import cache_spec
 
     def checkpoint(name: str, data: bytes):
         folder = tmp_path / name

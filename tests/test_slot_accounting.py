@@ -40,7 +40,7 @@ from sgl_memory.memart.manager import TURNS as MEMORY
 from sgl_memory.memart.manager import MemArtManager
 from sgl_memory.memart.queries import Probe
 from sgl_memory.memart.settings import MemArtConfig
-from sgl_memory.persist.manager import TURNS as PERSIST
+from sgl_memory.persist.session import TURNS as PERSIST
 from sgl_memory.persist.manager import SessionPersistence
 from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import CacheSpec
@@ -358,7 +358,7 @@ class AllSim(Sim):
         super().__init__(seed)
         spec = CacheSpec("toy", "cfg", layers=2, kv_heads=1, head_dim=2, dtype="float32", page_size=1)
         persist = SessionPersistence(PersistConfig(enabled=True, dir=str(store), quant="bf16"), self.tree, spec)
-        persist.tokenizer = Chars()
+        persist.text.tokenizer = Chars()
         memory = MemArtManager(
             MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree, Rope(head_dim=2, theta=10000.0)
         )
@@ -433,7 +433,7 @@ class AllSim(Sim):
             self.waiting.append(self.admitted())
         scheduler = SimpleNamespace(waiting_queue=self.waiting)
         held_back = set(self.tree.before_prefill(scheduler, running=bool(self.running)))
-        self.persist._unpacker.settle()  # so that the run does not depend on the thread's timing
+        self.persist.restorer._unpacker.settle()  # so that the run does not depend on the thread's timing
         ready = self.tree.held_first([r for r in self.waiting if r not in held_back])
         if ready and self.free_rows:
             req = ready[0]
@@ -446,7 +446,7 @@ class AllSim(Sim):
         self.tree.after_prefill(scheduler, scheduled=bool(ready), idle=not self.running)
 
     def reserved(self) -> list[int]:
-        return [s for job in self.persist._unpacker._jobs.values() for s in job.context[1].slots.tolist()]
+        return [s for job in self.persist.restorer._unpacker._jobs.values() for s in job.context[1].slots.tolist()]
 
     def run(self, steps: int) -> None:
         super().run(steps)

@@ -29,7 +29,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sgl_memory import models
-from sgl_memory.persist.manager import RANKS_DIFFER
+from sgl_memory.persist.session import RANKS_DIFFER
 from sgl_memory.persist.store import read_metadata
 
 pytestmark = pytest.mark.server

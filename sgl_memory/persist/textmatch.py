@@ -65,3 +65,18 @@ def match(
     if lo <= tokens_agree or not prompt_text.startswith(head):
         return TextMatch(DIVERGE, tokens_agree, prompt_ids, chars)  # text finds no more than tokens
     return TextMatch(DIVERGE, lo, stored[:lo] + encode(prompt_text[len(head) :]), chars)
+
+
+class TextCodec:
+    """The server's tokenizer as persistence uses it: a stored path's text (special tokens kept)
+    and a new suffix's ids (none added). None until the first request brings the scheduler's, and
+    under --skip-tokenizer-init (token-level reuse only)."""
+
+    def __init__(self) -> None:
+        self.tokenizer = None
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)

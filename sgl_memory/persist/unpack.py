@@ -24,7 +24,7 @@ from dataclasses import dataclass
 class Job:
     owner: object  # the request the restore is for
     tokens: int  # the request's reused prefix, to be held once the job lands
-    context: object  # what the scheduler needs to land it (manager.Restore, the reserved slots)
+    context: object  # what the scheduler needs to land it (plan.Restore, the reserved slots)
     future: Future  # -> the parts' times in ms; raises what the unpacking raised
 
 
