@@ -40,7 +40,6 @@ from sgl_memory.memart.manager import TURNS as MEMORY
 from sgl_memory.memart.manager import MemArtManager
 from sgl_memory.memart.queries import Probe
 from sgl_memory.memart.settings import MemArtConfig
-from sgl_memory.persist.session import TURNS as PERSIST
 from sgl_memory.persist.manager import SessionPersistence
 from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import CacheSpec
@@ -378,10 +377,10 @@ class AllSim(Sim):
 
     def finish(self, req):
         row = self.row(req)[: len(req.origin_input_ids)].clone()
+        state, turn = MEMORY.get(req), self.persist.turns.get(req.rid)  # the request's state ends with it
         super().finish(req)
-        state = MEMORY.get(req)
         if state.mode == "record":
-            self.last[int(PERSIST.get(req).session_id[1:])] = list(req.seq)
+            self.last[int(turn.session_id[1:])] = list(req.seq)
         self.check_recorded(req, state, row)
 
     def check_recorded(self, req, state, row) -> None:
@@ -440,7 +439,7 @@ class AllSim(Sim):
             self.waiting.remove(req)
             if self.prefill(req):
                 self.placed += bool(MEMORY.get(req) and MEMORY.get(req).retrieved_blocks)
-                self.restored += bool(PERSIST.get(req) and PERSIST.get(req).restored_tokens)
+                self.restored += bool((turn := self.persist.turns.get(req.rid)) and turn.restored_tokens)
             else:
                 self.tree.on_drop(req)  # as SGLang's release of a request aborted in its queue
         self.tree.after_prefill(scheduler, scheduled=bool(ready), idle=not self.running)

@@ -22,6 +22,7 @@ import time
 import requests
 
 from sgl_memory import cpu_dtype
+from sgl_memory.core import mechanism
 from sgl_memory.core.config import CONFIG_ENV, PLAIN_ENV, from_env
 
 logger = logging.getLogger("sgl_memory")
@@ -52,21 +53,20 @@ def quiet_import_errors() -> None:
 
 
 def banner(server_args) -> str:
-    """One line: the model, its dtype, the mechanisms on (and where that choice came from), the
-    session store and the URL."""
+    """One line: the model, its dtype, the mechanisms on (and where that choice came from), what
+    each mechanism says of itself there (Mechanism.banner: the session store) and the URL."""
     config = from_env()
     on = [name for name, section in config.sections.items() if getattr(section, "enabled", False)]
     choice = cpu_dtype.announced()
     dtype = choice.dtype if choice is not None else server_args.dtype
-    persist = config.sections.get("persist")
-    store = f"store {persist.store_dir()}" if persist is not None and persist.enabled else "no session store"
+    notes = "".join(f"; {note}" for cls in mechanism.ordered() if (note := cls.banner(config.section(cls.name))))
     mechanisms = ", ".join(on) if on else "none (plain SGLang behaviour)"
     if os.environ.get(PLAIN_ENV):
         mechanisms += " (--plain)"
     elif not os.environ.get(CONFIG_ENV):
         mechanisms += " (the default; --plain serves without)"
     name = server_args.served_model_name or server_args.model_path
-    return f"sgl-memory: serving {name} ({dtype}) at {server_args.url()}; mechanisms: {mechanisms}; {store}"
+    return f"sgl-memory: serving {name} ({dtype}) at {server_args.url()}; mechanisms: {mechanisms}{notes}"
 
 
 def _wait_until_up(server_args) -> bool:

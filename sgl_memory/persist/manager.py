@@ -39,13 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 from sgl_memory.core import mechanism, metrics, prometheus
 from sgl_memory.core.request import MemorySpec
+from sgl_memory.core.requests import Lifetime
 from sgl_memory.persist.identity import cache_spec
 from sgl_memory.persist.loader import SessionLoader
 from sgl_memory.persist.next_use import NextUse
 from sgl_memory.persist.plan import Planner
 from sgl_memory.persist.prefetch import Prefetch
 from sgl_memory.persist.restorer import Restorer
-from sgl_memory.persist.session import RANKS_DIFFER, TURNS, PersistTurn, Session, Sessions
+from sgl_memory.persist.session import RANKS_DIFFER, PersistTurn, Session, Sessions
 from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.settings import parse_request as parse_agent_hints
 from sgl_memory.persist.store import CacheSpec, SessionFiles
@@ -70,10 +71,10 @@ class SessionPersistence(mechanism.Mechanism):
     hooks hand the work to the pieces built here: the loader, the restorer, the next-use predictor,
     prefetch and the writer."""
 
-    # after memory and keep, before intent: its text-level match may replace a full-history
+    # after memory and keep (intent runs after it): its text-level match may replace a full-history
     # prompt's ids with the stored session's, and it restores their KV; intent then finds its
     # spans in the final tokens. At release it writes the session after memory queued its turn.
-    order = 30
+    after = ("memory", "keep")
     settings = PersistConfig
     fields = ("agent",)
     parse_request = staticmethod(parse_agent_hints)
@@ -100,6 +101,8 @@ class SessionPersistence(mechanism.Mechanism):
 
     def __init__(self, config: PersistConfig, tree: KVHost, spec: CacheSpec) -> None:
         self.config, self.tree, self.spec = config, tree, spec
+        # what it did for a request, as long as the request (a retracted one is written at its end)
+        self.turns = tree.requests.table("persist turns", Lifetime.REQUEST)
         self.files = SessionFiles(config.store_dir(), spec, quant=config.quant, kivi=config.kivi)
         self.sessions = Sessions(tree.sessions, self.name)
         self.text = TextCodec()  # the scheduler's tokenizer, from the first request on (open)
@@ -110,7 +113,7 @@ class SessionPersistence(mechanism.Mechanism):
         self.writer = Writer(
             config, tree, self.files, self.sessions, self.text, self.next_use, WarmTier(config, self.sessions), self
         )
-        self.restorer = Restorer(config, tree, self.files, self.sessions, planner)
+        self.restorer = Restorer(config, tree, self.files, self.sessions, planner, self.turns)
         if self.files.removed_partial:
             logger.info("session store: removed %d partial file(s) of writers that died", self.files.removed_partial)
         self.writer.probe()
@@ -128,12 +131,12 @@ class SessionPersistence(mechanism.Mechanism):
     def open(self, scheduler: SchedulerView, req: RequestView, spec: MemorySpec) -> None:
         """Load a session this server has not seen (or dropped) from its file, before any mechanism
         admits the request: the other mechanisms' state in the file goes back to them."""
-        if req in TURNS or req.finished() or spec.session_id is None or self.tree.disable:
+        if req.rid in self.turns or req.finished() or spec.session_id is None or self.tree.disable:
             return
         if self.text.tokenizer is None:
             self.text.tokenizer = scheduler.tokenizer
-        state = TURNS.set(
-            req,
+        state = self.turns.set(
+            req.rid,
             PersistTurn(
                 spec.tenant,
                 spec.session_id,
@@ -152,7 +155,7 @@ class SessionPersistence(mechanism.Mechanism):
         state.step_ms = state.parts_ms["file"] = (time.perf_counter() - t0) * 1000
 
     def admit(self, scheduler: SchedulerView, req: RequestView, spec: MemorySpec) -> None:
-        state: PersistTurn | None = TURNS.get(req)
+        state: PersistTurn | None = self.turns.get(req.rid)
         if state is None or req.finished() or state.assembled:
             return  # an assembled prompt (recalled blocks before a new turn) is rebuilt by its mechanism
         self.restorer.admit(scheduler, req, spec, state)
@@ -173,7 +176,7 @@ class SessionPersistence(mechanism.Mechanism):
 
     def on_release(self, req: RequestView) -> None:
         """The turn ended: its next use is learned from its hints, and its KV captured and written."""
-        state: PersistTurn | None = TURNS.get(req)
+        state: PersistTurn | None = self.turns.get(req.rid)
         if state is None:
             return
         self.restorer.forget(req)
@@ -183,6 +186,10 @@ class SessionPersistence(mechanism.Mechanism):
             self.next_use.finished(session, state.hints)
             self.prefetch.watch(session)
         self.writer.capture(req, state, session)
+
+    @classmethod
+    def banner(cls, section: PersistConfig) -> str:
+        return f"store {section.store_dir()}" if section.enabled else "no session store"
 
     def describe_session(self, slot: Session) -> dict:
         with slot.lock:

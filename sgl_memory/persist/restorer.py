@@ -15,13 +15,14 @@ from sgl_memory.core import prometheus, tree_fill
 from sgl_memory.core.request import MemorySpec
 from sgl_memory.persist import textmatch
 from sgl_memory.persist.plan import Planner, Restore
-from sgl_memory.persist.session import TURNS, PersistTurn, Sessions
+from sgl_memory.persist.session import PersistTurn, Sessions
 from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import ANY_NAMESPACE, SessionFiles, SessionRecord
 from sgl_memory.persist.unpack import Unpacker
 
 if TYPE_CHECKING:
     from sgl_memory.core.kvhost import KVHost
+    from sgl_memory.core.requests import RequestTable
     from sgl_memory.core.views import RequestView, SchedulerView
 
 logger = logging.getLogger(__name__)
@@ -44,9 +45,16 @@ class Restorer:
     restores the unpack thread finished."""
 
     def __init__(
-        self, config: PersistConfig, tree: KVHost, files: SessionFiles, sessions: Sessions, planner: Planner
+        self,
+        config: PersistConfig,
+        tree: KVHost,
+        files: SessionFiles,
+        sessions: Sessions,
+        planner: Planner,
+        turns: RequestTable[PersistTurn],
     ) -> None:
         self.config, self.tree, self.files, self.sessions, self.planner = config, tree, files, sessions, planner
+        self.turns = turns  # what persistence does for each request (SessionPersistence.turns)
         # requests whose restore waits for room among the holds (restore_deferred), in arrival order,
         # with where their session's KV was at admission (memory, or read from disk)
         self._deferred: dict[object, str] = {}
@@ -140,7 +148,7 @@ class Restorer:
             return
         for job in self._unpacker.finished():
             plan, reserved = job.context
-            state = TURNS.get(job.owner)
+            state = self.turns.get(job.owner.rid)
             self._deferred.pop(job.owner, None)
             try:
                 parts = job.future.result()
@@ -172,7 +180,7 @@ class Restorer:
             return []
         queued, back = set(waiting), []
         for req in list(self._deferred):
-            state = TURNS.get(req)
+            state = self.turns.get(req.rid)
             if req not in queued or req.finished() or state is None:
                 self.forget(req)  # aborted, or it left the queue another way
                 continue

@@ -1,5 +1,5 @@
 """A session as persistence holds it in memory, this mechanism's sessions in the tree's registry, and
-what persistence did for one request (its `TURNS` slot).
+what persistence did for one request (its `PersistTurn`, in the tree's request store).
 
 Each session has two locks: `lock` guards its in-memory state (capture, encode, restore),
 `io` serialises its file writes and loads; different sessions proceed in parallel.
@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from sgl_memory.core.sessions import session_key
-from sgl_memory.core.slots import Slot
 from sgl_memory.persist.settings import AgentHints
 from sgl_memory.persist.store import ANY_NAMESPACE, SessionFiles, SessionRecord
 
@@ -120,7 +119,7 @@ class Sessions:
 
 @dataclass
 class PersistTurn:
-    """What persistence did for one request, kept in its `TURNS` slot."""
+    """What persistence did for one request, kept in its `turns` table (SessionPersistence)."""
 
     tenant: str | None
     session_id: str
@@ -155,6 +154,5 @@ class PersistTurn:
         }
 
 
-TURNS: Slot[PersistTurn] = Slot("persist turn")  # per request
 # why a turn loaded or restored nothing at TP > 1: the ranks' files (or the paths they matched) differ
 RANKS_DIFFER = "the tensor-parallel ranks' copies of the session differ"
