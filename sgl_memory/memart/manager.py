@@ -34,7 +34,8 @@ import torch
 from sgl_memory.core import allocator, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.memart import writes
 from sgl_memory.memart.probe import send_probe
-from sgl_memory.memart.blocks import Block, MemArtPool
+from sgl_memory.memart.blocks import Block
+from sgl_memory.memart.pool import MemArtPool
 from sgl_memory.memart.entries import ALONE, EntryBook
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 from sgl_memory.memart.placement import assemble, choose
