@@ -156,7 +156,7 @@ def test_named_options_are_the_registries(tmp_path):
     key sets: a scorer or a norm added to its registry and not to the config would be unreachable."""
     from sgl_memory.intent.layouts import LAYOUTS
     from sgl_memory.intent.scorers import SCORERS
-    from sgl_memory.memart.blocks import EVICTIONS
+    from sgl_memory.memart.eviction import EVICTIONS
     from sgl_memory.memart.retrieval import AGGS, NORMS
 
     assert set(config.choices(IntentConfig, "scorer")) == set(SCORERS)

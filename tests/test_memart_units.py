@@ -15,7 +15,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding, apply
 from sgl_memory.core.request import SpecError, parse
 from sgl_memory.kernels.aabb_score import aabb_scores
 from sgl_memory.core.spans import RoleMarkers, find_spans
-from sgl_memory.memart.blocks import BlockIndex, MemArtPool, pieces
+from sgl_memory.memart.blocks import BlockIndex, pieces
+from sgl_memory.memart.pool import MemArtPool
 from sgl_memory.memart.placement import assemble, choose
 from sgl_memory.memart.queries import probe_end, scoring_positions
 from sgl_memory.memart.retrieval import aabb_logits, block_scores, exact_logits, score_blocks, top_blocks
@@ -311,14 +312,14 @@ def test_a_retrieval_ingests_the_turns_a_slow_worker_has_not_added():
 
     memory = MemArtPool(capacity=100, rope=Rope(head_dim=8, theta=1e4))
     started, release = threading.Event(), threading.Event()
-    unrotate = memory.free_keys
+    unrotate = memory.store.free_keys
 
     def slow(keys, positions):  # the worker's un-rotation, stalled
         started.set()
         release.wait(5)
         return unrotate(keys, positions)
 
-    memory.free_keys = slow
+    memory.store.free_keys = slow
     keys = torch.randn(2, 8, 1, 8)
     for t in range(3):
         memory.submit(list(range(t * 10, t * 10 + 8)), torch.arange(8), keys, keys.to(torch.bfloat16))
@@ -359,10 +360,10 @@ def test_merging_keeps_a_full_pool_at_its_capacity_and_every_turn_retrievable_by
     merged, dropped = MemArtPool(capacity=capacity, eviction="merge", block_size=size), MemArtPool(capacity=capacity)
     rare = distinct_turns(merged, count, n, size)
     distinct_turns(dropped, count, n, size)
-    assert len(merged.blocks) == capacity and merged.merged > 0 and merged.evicted == 0
-    assert merged.bytes == sum(b.nbytes() for b in merged.blocks.values()) + merged.score.nbytes()
+    assert len(merged.blocks) == capacity and merged.evictor.merged > 0 and merged.evictor.evicted == 0
+    assert merged.bytes == sum(b.nbytes() for b in merged.blocks.values()) + merged.store.score.nbytes()
     assert sum(b.covers for b in merged.blocks.values()) == count * n
-    assert +merged.counts == Counter(t for b in merged.blocks.values() for t in b.tokens)
+    assert +merged.store.counts == Counter(t for b in merged.blocks.values() for t in b.tokens)
     seen = [o for b in merged.blocks.values() for o in b.origin]
     assert seen == sorted(seen) and len(set(seen)) == len(seen)
     # spread evenly: no block stands for more than twice its share (folding the least recently used
@@ -389,19 +390,19 @@ def test_the_index_rows_stay_each_blocks_keys_through_appends_evictions_and_comp
     g = torch.Generator().manual_seed(7)
     rope = Rope(head_dim=8, theta=1e4)
     memory = MemArtPool(capacity=12, eviction=eviction, block_size=4, rope=rope, score_layers=1)
-    at, compactions, compact = 0, [], memory.score.compact
-    memory.score.compact = lambda blocks: (compactions.append(len(blocks)), compact(blocks))
+    at, compactions, compact = 0, [], memory.store.score.compact
+    memory.store.score.compact = lambda blocks: (compactions.append(len(blocks)), compact(blocks))
     for t in range(60):
         n = int(torch.randint(1, 15, (1,), generator=g))
         keys = torch.randn(2, n, 1, 8, generator=g).to(torch.bfloat16)
         memory.add_turn(list(range(n)), keys, keys, 4, positions=torch.arange(at, at + n))
         at += n
         live = sum(len(b.tokens) for b in memory.blocks.values())
-        assert memory.score.used - memory.score.dead == live
-        assert memory.score.buffer.shape[1] <= 1.3 * live + n
+        assert memory.store.score.used - memory.store.score.dead == live
+        assert memory.store.score.buffer.shape[1] <= 1.3 * live + n
         for block in memory.blocks.values():
             want = rope.rotate_layers(block.keys[:1], -block.positions)
-            assert torch.equal(memory.score.rows(block), want)
+            assert torch.equal(memory.store.score.rows(block), want)
     assert len(compactions) > 5
 
 
@@ -418,7 +419,9 @@ def test_a_merge_keeps_the_rarest_tokens_of_the_two_blocks_with_their_keys():
     assert block.tokens == [1, 2, 3, 9] and block.origin == [(0, 1), (0, 3), (0, 6), (0, 7)]
     kept = keys[:, [1, 3, 6, 7]].to(torch.bfloat16)
     assert (
-        torch.equal(block.keys, kept) and torch.equal(block.values, kept) and torch.equal(pool.score.rows(block), kept)
+        torch.equal(block.keys, kept)
+        and torch.equal(block.values, kept)
+        and torch.equal(pool.store.score.rows(block), kept)
     )
     assert block.spans() == [[0, 1, 1], [0, 3, 1], [0, 6, 2]] and block.covers == 2 * size
     # ties on rarity: the larger key norm
@@ -438,12 +441,12 @@ def test_a_merge_keeps_the_rarest_tokens_of_the_two_blocks_with_their_keys():
     single = MemArtPool(capacity=4, eviction="merge", block_size=size)
     single.add_turn(tokens[:size], keys[:, :size], keys[:, :size].to(torch.bfloat16), size)
     single.trim(0)
-    assert not single.blocks and single.evicted == 1 and single.bytes == 0
+    assert not single.blocks and single.evictor.evicted == 1 and single.bytes == 0
 
 
 def same_blocks(a: MemArtPool, b: MemArtPool, made: bool = True) -> None:
     assert (
-        list(a.blocks) == list(b.blocks) and a.held == b.held and +a.counts == +b.counts
+        list(a.blocks) == list(b.blocks) and a.store.held == b.store.held and +a.store.counts == +b.store.counts
     )  # the index's spare rows may differ
     for i, x in a.blocks.items():
         y = b.blocks[i]
@@ -451,7 +454,7 @@ def same_blocks(a: MemArtPool, b: MemArtPool, made: bool = True) -> None:
         assert x.made == y.made or not made
         for name in ("keys", "values", "positions"):
             assert torch.equal(getattr(x, name), getattr(y, name)) and getattr(x, name).dtype == getattr(y, name).dtype
-        assert torch.equal(a.score.rows(x), b.score.rows(y))
+        assert torch.equal(a.store.score.rows(x), b.store.score.rows(y))
 
 
 def test_an_exported_pool_loads_into_one_that_retrieves_the_same_blocks():
@@ -468,7 +471,8 @@ def test_an_exported_pool_loads_into_one_that_retrieves_the_same_blocks():
     assert not {"lo", "hi", "free"} & set(exported)
     loaded = MemArtPool(capacity=6)
     loaded.load(exported)
-    assert (loaded.turns, loaded.clock, loaded.next_id, loaded.evicted, loaded.path) == (3, 1, 9, 3, [1, 2, 3])
+    counters = (loaded.turns, loaded.store.clock, loaded.store.next_id, loaded.evictor.evicted, loaded.path)
+    assert counters == (3, 1, 9, 3, [1, 2, 3])
     same_blocks(memory, loaded)
     q = torch.randn(2, 5, 2, 8)
     want, got = memory.index(), loaded.index()
@@ -527,7 +531,7 @@ def test_capacity_evicts_by_policy(eviction, survivors):
     turn(memory, 12, 0)  # blocks 0, 1, 2
     memory.take([0])  # block 0 retrieved: LRU keeps it
     turn(memory, 12, 1)  # blocks 3, 4, 5: two must go
-    assert sorted(memory.blocks) == survivors and memory.evicted == 2
+    assert sorted(memory.blocks) == survivors and memory.evictor.evicted == 2
     assert memory.index().ids == survivors
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_memory.memart.blocks import MemArtPool
+from sgl_memory.memart.pool import MemArtPool
 from sgl_memory.memart.entries import EntryBook
 from sgl_memory.memart.writes import parse_forget, parse_write
 from sgl_memory.core.request import SpecError

@@ -36,10 +36,10 @@ from sgl_memory.core.composition import Composition
 from sgl_memory.engine.admission import ADMITTED
 from sgl_memory.core.config import plain
 from sgl_memory.intent.settings import IntentConfig
-from sgl_memory.memart.manager import TURNS as MEMORY
 from sgl_memory.memart.manager import MemArtManager
 from sgl_memory.memart.queries import Probe
 from sgl_memory.memart.settings import MemArtConfig
+from sgl_memory.memart.turns import TURNS as MEMORY
 from sgl_memory.persist.manager import SessionPersistence
 from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import CacheSpec
@@ -361,7 +361,7 @@ class AllSim(Sim):
         memory = MemArtManager(
             MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree, Rope(head_dim=2, theta=10000.0)
         )
-        memory.markers = RoleMarkers(None, {})
+        memory.roles.markers = RoleMarkers(None, {})
         self.tree.composition = Composition([*self.tree.mechanisms, persist, memory], self.tree.requests)
         self.persist, self.memory = persist, memory
         self.placed = self.restored = self.recorded_dead = 0
@@ -388,7 +388,7 @@ class AllSim(Sim):
         prefill left it: positions this request's pruning dropped included (copied before pruning;
         only positions already dead in the prefix it matched have no KV to copy), each with the KV
         written for its token at its position."""
-        pool = self.memory.session(state.owner, create=False)
+        pool = self.memory.pools.session(state.owner, create=False)
         pool.ingest(4)
         start, n, sentinel = state.prompt_kv_start, len(req.origin_input_ids), self.tree.sentinel
         had_kv = [p for p in range(start, n) if int(req.prefilled_row[p]) != sentinel]
@@ -419,7 +419,7 @@ class AllSim(Sim):
                 0,
                 rows={0: torch.randn(len(tokens), 1, 2)},
             )
-            self.memory.probes[rid] = probe
+            self.memory.probe_passes.probes[rid] = probe
             field["memory"] = {"mode": "retrieve", "probe": rid}
         return FakeReq(rid, tokens, budget=self.rng.choice((2, 5, 9, 14)), **field)
 
@@ -483,7 +483,7 @@ def test_a_request_aborted_while_queued_leaves_no_state_behind(tmp_path):
 
     sim = AllSim(0, tmp_path)
     scheduler = SimpleNamespace(tree_cache=sim.tree)
-    held = lambda: (len(sim.memory.running_probes.probing), len(sim.pruner.captures))  # noqa: E731
+    held = lambda: (len(sim.memory.probe_passes.running.probing), len(sim.pruner.captures))  # noqa: E731
     queued = []
     for i in range(6):
         tokens, base = sim.prompt()

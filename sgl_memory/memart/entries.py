@@ -14,7 +14,7 @@ inside the group) and retrieval places that turn as one unit instead of the memb
 write to a member makes the group dynamic again: the joint KV is dropped, members are retrieved on
 their own until the group has been quiet for `static_after` writes, and then it is recomputed.
 
-The book is the pool's (blocks.py): the pool's lock guards it. Admission changes it in request
+The book is the pool's (pool.py): the pool's lock guards it. Admission changes it in request
 order (the scheduler thread); the turns that hold the KV arrive later, through the pool's ingest,
 and `arrived` decides what a turn becomes, so a turn that a newer write made stale is dropped.
 """

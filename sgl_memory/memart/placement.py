@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from sgl_memory.core.rope import Rope
-from sgl_memory.memart.blocks import Block, MemArtPool
+from sgl_memory.memart.blocks import Block
+from sgl_memory.memart.pool import MemArtPool
 
 
 HEADER_SCOPES = {"none": (), "turn": ("turn",), "line": ("line",), "turn_line": ("turn", "line")}

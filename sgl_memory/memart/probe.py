@@ -3,7 +3,7 @@ engine shows it every generate request, native and OpenAI).
 
 Retrieval scores blocks with the prompt's queries at every layer, which exist only once the prompt
 has gone through the model. So the request's prompt first goes out as a prefill-only pass (the
-probe); the scheduler captures its queries (memart/manager.py). Then the request itself goes out
+probe); the scheduler captures its queries (memart/probes.py). Then the request itself goes out
 with the probe's id, and the scheduler retrieves with those queries before admitting it. The probe
 prefills the request's tokens up to its question less what the radix tree caches of them (the
 system message, an agent's tool docs, once a probe with the same start ran), reported as

@@ -6,7 +6,7 @@
 
 An entry's text is stored as one line (trailing whitespace becomes one newline) and its KV is
 computed alone: each write is a prefill-only pass through the engine whose prompt is the text,
-recorded by the scheduler as the entry's turn of the session's pool (manager.py). Writing a key
+recorded by the scheduler as the entry's turn of the session's pool (recorder.py). Writing a key
 again replaces the entry; forgetting drops it; both take effect for every request admitted after
 the call returns. Entries are grouped by MiniLM embeddings computed here (encoder.py); when the
 scheduler reports a group that became static, this side sends the pass that computes its joint KV.

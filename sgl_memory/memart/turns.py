@@ -1,0 +1,61 @@
+"""What memory did for each request: its `MemArtTurn`, kept in the request's `TURNS` slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sgl_memory.core import tree_fill
+from sgl_memory.core.reuse import REPAIRS
+from sgl_memory.core.slots import Slot
+from sgl_memory.core.views import RequestView
+
+
+@dataclass
+class MemArtTurn:
+    """What memory did for one request, kept in its `TURNS` slot."""
+
+    owner: tuple[str, str]
+    mode: str  # "record" (full-history turn), "retrieve", "probe", "write" (an entry or a joint KV), "forget"
+    store: bool = True
+    recompute: str = "none"  # what repairs the placed blocks (MemArtConfig.recompute)
+    memory_start: int = 0  # the placed blocks are positions [memory_start, memory_end) of the request
+    memory_end: int = 0
+    turn_start: int = 0  # where what the request adds to the session starts (after the placed blocks)
+    windowed: int = 0  # history tokens the HTTP side left out of a full-history request (memory.window)
+    retrieved_blocks: int = 0
+    retrieved_turns: list[int] = field(default_factory=list)
+    retrieved_spans: list[list[int]] = field(
+        default_factory=list
+    )  # [turn, offset in turn, tokens] per run (Block.spans)
+    probe_tokens: int = 0
+    retrieval_ms: float = 0.0
+    refused: str | None = None
+    prompt_kv: tree_fill.PathKV | None = None  # the turn's prompt part, copied before pruning
+    prompt_kv_start: int = 0
+    tag: tuple | None = None  # mode "write": what its turn holds (EntryBook)
+    units: dict = field(default_factory=dict)  # mode "retrieve": entries and static groups placed whole
+
+    def metrics(self, req: RequestView, memory_blocks: int, layers: int) -> dict:
+        out = {
+            "prefill_tokens": len(req.origin_input_ids) - req.cached_tokens,
+            "retrieved_blocks": self.retrieved_blocks,
+            "retrieved_turns": self.retrieved_turns,
+            "retrieved_spans": self.retrieved_spans,
+            "memory_kv_tokens": self.memory_end - self.memory_start,
+            "probe_tokens": self.probe_tokens,
+            "retrieval_ms": round(self.retrieval_ms, 3),
+            "memory_blocks": memory_blocks,
+            "memory_refused": self.refused,
+        }
+        if self.mode == "retrieve":
+            out["windowed_tokens"] = self.windowed
+            out["recompute"] = self.recompute
+            if self.recompute not in REPAIRS:  # the keep mechanism reports its own
+                full = self.recompute == "full" and self.memory_end > self.memory_start
+                out["recomputed_tokens"] = (self.memory_end - self.memory_start) * layers if full else 0
+                out["recompute_share"] = 1.0 if full else 0.0
+            out.update(self.units)
+        return out
+
+
+TURNS: Slot[MemArtTurn] = Slot("memory turn")  # per request
