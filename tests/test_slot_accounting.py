@@ -39,7 +39,6 @@ from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.memart.manager import MemArtManager
 from sgl_memory.memart.queries import Probe
 from sgl_memory.memart.settings import MemArtConfig
-from sgl_memory.memart.turns import TURNS as MEMORY
 from sgl_memory.persist.manager import SessionPersistence
 from sgl_memory.persist.settings import PersistConfig
 from sgl_memory.persist.store import CacheSpec
@@ -377,7 +376,10 @@ class AllSim(Sim):
 
     def finish(self, req):
         row = self.row(req)[: len(req.origin_input_ids)].clone()
-        state, turn = MEMORY.get(req), self.persist.turns.get(req.rid)  # the request's state ends with it
+        state, turn = (
+            self.memory.turns.get(req.rid),
+            self.persist.turns.get(req.rid),
+        )  # the request's state ends with it
         super().finish(req)
         if state.mode == "record":
             self.last[int(turn.session_id[1:])] = list(req.seq)
@@ -438,7 +440,7 @@ class AllSim(Sim):
             req = ready[0]
             self.waiting.remove(req)
             if self.prefill(req):
-                self.placed += bool(MEMORY.get(req) and MEMORY.get(req).retrieved_blocks)
+                self.placed += bool((placed := self.memory.turns.get(req.rid)) and placed.retrieved_blocks)
                 self.restored += bool((turn := self.persist.turns.get(req.rid)) and turn.restored_tokens)
             else:
                 self.tree.on_drop(req)  # as SGLang's release of a request aborted in its queue
@@ -454,7 +456,7 @@ class AllSim(Sim):
         self.waiting.clear()
 
     def placed_end(self, req) -> int:
-        state = MEMORY.get(req)
+        state = self.memory.turns.get(req.rid)
         return state.memory_end if state is not None else 0
 
 

@@ -4,8 +4,9 @@ for the one that repairs it (keep), so that neither imports the other.
 KV memory places blocks whose KV was computed in other contexts. Reused as a prefix hit, that KV
 is never recomputed ("full reuse"). When the request asks for a repair, memory makes the blocks'
 tokens part of the request's prefill instead and answers `Mechanism.placed_kv` with a `ReusedKV`:
-the keep mechanism asks the tree for it (KVHost.placed_kv) and writes the placed KV over the rows it
-decides not to recompute, layer by layer, inside the forward (keep/README.md).
+the mechanism that declares the repair asked for (Mechanism.repairs: keep) asks the tree for it
+(KVHost.placed_kv) and writes the placed KV over the rows it decides not to recompute, layer by
+layer, inside the forward (keep/README.md).
 """
 
 from __future__ import annotations
@@ -14,10 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-# The repairs of placed KV a request may ask for, and the mechanism that carries out each: the
-# placer checks that it runs (memart/settings.py), the repairer registers under that name.
-REPAIRS = {"keep": "keep", "cacheblend": "keep", "starts": "keep"}
-
 
 @dataclass
 class ReusedKV:
@@ -25,7 +22,7 @@ class ReusedKV:
     keys: torch.Tensor  # [layers, M, kv heads, head dim], post-RoPE at positions start..start+M-1, host memory
     values: torch.Tensor  # [layers, M, kv heads, head dim]
     segments: list[int]  # token counts of the placed segments (memory blocks), in order; they sum to M
-    method: str  # the repair asked for, a key of REPAIRS
+    method: str  # the repair asked for: one the repairer declares (Mechanism.repairs, mechanism.repairer)
 
     @property
     def end(self) -> int:

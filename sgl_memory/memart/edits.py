@@ -9,7 +9,7 @@ from sgl_memory.core.views import RequestView
 from sgl_memory.memart.pool import MemArtPool
 from sgl_memory.memart.pools import SessionPools
 from sgl_memory.memart.settings import MemArtRequest
-from sgl_memory.memart.turns import TURNS, MemArtTurn
+from sgl_memory.memart.turns import MemArtTurn, Turns
 
 
 class EntryEdits:
@@ -17,12 +17,12 @@ class EntryEdits:
     order (a write's KV is its prompt, computed alone and recorded at release under its tag), and
     its answer is the book as it then stands."""
 
-    def __init__(self, pools: SessionPools):
-        self.pools = pools
+    def __init__(self, pools: SessionPools, turns: Turns):
+        self.pools, self.turns = pools, turns
 
     def admit(self, req: RequestView, owner: tuple[str, str], query: MemArtRequest) -> None:
         memory = self.pools.session(owner, create=True)
-        state = TURNS.set(req, MemArtTurn(owner, query.mode, store=query.mode == "write"))
+        state = self.turns.set(req.rid, MemArtTurn(owner, query.mode, store=query.mode == "write"))
         with memory.lock:
             if query.mode == "forget":
                 for key in query.forget:

@@ -28,6 +28,7 @@ import torch
 from sgl_memory.core import allocator, mechanism, metrics, prometheus
 from sgl_memory.core.kvhost import KVHost
 from sgl_memory.core.request import MemorySpec
+from sgl_memory.core.requests import Lifetime
 from sgl_memory.core.reuse import ReusedKV
 from sgl_memory.core.rope import Rope
 from sgl_memory.core.views import RequestView, SchedulerView
@@ -44,7 +45,7 @@ from sgl_memory.memart.recorder import Recorder
 from sgl_memory.memart.retriever import Retriever
 from sgl_memory.memart.roles import Roles
 from sgl_memory.memart.settings import MemArtConfig, MemArtRequest
-from sgl_memory.memart.turns import TURNS, MemArtTurn
+from sgl_memory.memart.turns import MemArtTurn, Turns
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,10 @@ class MemArtManager(mechanism.Mechanism):
     (`retriever`, retriever.py) and placement (`placer`, placer.py), recording (`recorder`,
     recorder.py) and the session pools with their worker (`pools`, pools.py)."""
 
-    # first: it puts retrieved blocks before a memory-mode request's prompt, under a key of their
-    # own; at checkpoint it copies a turn's prompt before intent prunes the row (what pruning drops
-    # stays recallable), and at release queues the turn before persistence writes the session
-    order = 10
+    # first (it runs after none; keep, persist and intent run after it): it puts retrieved blocks
+    # before a memory-mode request's prompt, under a key of their own; at checkpoint it copies a
+    # turn's prompt before intent prunes the row (what pruning drops stays recallable), and at
+    # release queues the turn before persistence writes the session
     settings = MemArtConfig
     fields = ("memory",)
     # its request object and config checks (settings.py)
@@ -105,10 +106,11 @@ class MemArtManager(mechanism.Mechanism):
         self.layers = max(1, round(self.layer_num * config.score_layers))  # the scoring layers
         self.pools = SessionPools(config, tree, rope, self.layers, self.name)
         self.roles = Roles(config.roles)
-        self.probe_passes = ProbeAdmission(config, rope, self.layers, self.roles)
-        self.edits = EntryEdits(self.pools)
+        self.turns: Turns = tree.requests.table("memory turns", Lifetime.REQUEST)
+        self.probe_passes = ProbeAdmission(config, rope, self.layers, self.roles, tree.requests, self.turns)
+        self.edits = EntryEdits(self.pools, self.turns)
         self.placer = Placer(config, tree, rope)
-        self.retriever = Retriever(config, tree, self.roles, self.probe_passes, self.pools, self.placer)
+        self.retriever = Retriever(config, tree, self.roles, self.probe_passes, self.pools, self.placer, self.turns)
         self.recorder = Recorder(tree, self.pools)
 
     @classmethod
@@ -141,14 +143,14 @@ class MemArtManager(mechanism.Mechanism):
             self.pools.line_ends = line_ends(tokenizer)
 
     def admit(self, scheduler: SchedulerView, req: RequestView, spec: MemorySpec) -> None:
-        if spec.session_id is None or req in TURNS:
+        if spec.session_id is None or req.rid in self.turns:
             return
         owner = (spec.tenant or "", spec.session_id)
         query: MemArtRequest | None = spec.part(self.name)
         if query is None and spec.readonly:
             return  # nothing to record, nothing to place
         if query is None:
-            TURNS.set(req, MemArtTurn(owner, "record"))
+            self.turns.set(req.rid, MemArtTurn(owner, "record"))
         elif query.mode == "probe":
             self.probe_passes.admit(scheduler, req, owner, query.probe, query.placement)
         elif query.mode in ("write", "forget"):
@@ -162,19 +164,14 @@ class MemArtManager(mechanism.Mechanism):
         """Copy the turn's prompt part off the pool at the end of its prefill, before intent (later
         by order) prunes the row: what pruning drops from the request stays recallable as KV (a
         probe's: the system message's KV at its release)."""
-        state: MemArtTurn | None = TURNS.get(req)
+        state: MemArtTurn | None = self.turns.get(req.rid)
         if state is not None and state.mode == "probe":
             self.probe_passes.checkpoint(req, tree)
         else:
             self.recorder.checkpoint(req, tree, state)
 
-    def on_drop(self, req: RequestView) -> None:
-        self.probe_passes.drop(req)
-        self.placer.placed.pop(req.rid, None)
-
     def on_release(self, req: RequestView) -> None:
-        self.placer.placed.pop(req.rid, None)
-        state: MemArtTurn | None = TURNS.get(req)
+        state: MemArtTurn | None = self.turns.get(req.rid)
         if state is None:
             return
         if state.mode == "probe":

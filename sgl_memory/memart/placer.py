@@ -10,7 +10,9 @@ import torch
 
 from sgl_memory.core import tree_fill
 from sgl_memory.core.kvhost import KVHost, namespace
-from sgl_memory.core.reuse import REPAIRS, ReusedKV
+from sgl_memory.core.mechanism import repairer
+from sgl_memory.core.requests import Lifetime
+from sgl_memory.core.reuse import ReusedKV
 from sgl_memory.core.rope import Rope
 from sgl_memory.core.views import RequestView
 from sgl_memory.memart.blocks import Block
@@ -30,7 +32,8 @@ class Placer:
 
     def __init__(self, config: MemArtConfig, tree: KVHost, rope: Rope):
         self.config, self.tree, self.rope = config, tree, rope
-        self.placed: dict[str, ReusedKV] = {}  # rid -> KV placed for a repair (keep), until its release
+        # the KV placed for a request's repair, for the repairer, until the request's row is released
+        self.placed = tree.requests.table("memory placed", Lifetime.ROW)
 
     def place(
         self,
@@ -61,7 +64,7 @@ class Placer:
         if state.recompute != "none":
             # a full recompute of these blocks is the same KV for every request that places them
             # (their tokens in this order); a repair's depends on the request's turn too
-            names += [state.recompute] + ([query.probe] if state.recompute in REPAIRS else [])
+            names += [state.recompute] + ([query.probe] if repairer(state.recompute) else [])
             placed = tokens[:system]
         extra_key = namespace(req.extra_key, "memory", *names)
         key = self.tree.key(placed, extra_key, req.cache_salt)
@@ -86,12 +89,11 @@ class Placer:
                     state.owner[1],
                 )
                 return
-        if state.recompute in REPAIRS:
+        if repairer(state.recompute):
             keys, values = assemble(blocks, self.rope, at=system)
             lines = (query.unit or self.config.unit) == "line"  # a placed line is one segment
-            self.placed[req.rid] = ReusedKV(
-                system, keys, values, memory.segments(blocks, units, lines), state.recompute
-            )
+            placed_kv = ReusedKV(system, keys, values, memory.segments(blocks, units, lines), state.recompute)
+            self.placed.set(req.rid, placed_kv)
         req.origin_input_ids = array("q", tokens + prompt[system:])
         req.origin_input_ids_unpadded = req.origin_input_ids
         # SGLang resolved the client's logprob_start_len against the prompt it sent (it also caps

@@ -10,12 +10,13 @@ import torch
 
 from sgl_memory.core import tree_fill
 from sgl_memory.core.kvhost import KVHost
+from sgl_memory.core.requests import Lifetime, RequestStore
 from sgl_memory.core.rope import Rope
 from sgl_memory.core.views import RequestView, SchedulerView
 from sgl_memory.memart.queries import Probe, ProbeCapture, probe_end, scoring_positions
 from sgl_memory.memart.roles import Roles
 from sgl_memory.memart.settings import MemArtConfig
-from sgl_memory.memart.turns import TURNS, MemArtTurn
+from sgl_memory.memart.turns import MemArtTurn, Turns
 
 MAX_PROBES = 32  # recent probes kept for their request (a request with n > 1 samples uses its probe n times)
 
@@ -26,10 +27,13 @@ class ProbeAdmission:
     (`match_limit`), the system message's KV and the computed length at its release, and the
     `MAX_PROBES` most recent probes, kept by probe id for the requests that follow them."""
 
-    def __init__(self, config: MemArtConfig, rope: Rope, layers: int, roles: Roles):
-        self.config, self.layers, self.roles = config, layers, roles
+    def __init__(
+        self, config: MemArtConfig, rope: Rope, layers: int, roles: Roles, requests: RequestStore, turns: Turns
+    ):
+        self.config, self.layers, self.roles, self.turns = config, layers, roles, turns
         self.probes: OrderedDict[str, Probe] = OrderedDict()
-        self.running = ProbeCapture(rope)  # the probes being prefilled (rid -> probe) and their capture
+        # the probes being prefilled (by request id, from admission to release) and their capture
+        self.running = ProbeCapture(rope, requests.table("memory probes", Lifetime.ROW))
         self._lock = threading.Lock()
 
     def admit(
@@ -54,12 +58,12 @@ class ProbeAdmission:
         scoring = scoring_positions(ids, spans, self.config.score_tokens, markers, tokenizer)
         after_system = (placement or self.config.placement) == "after_system"
         probe = Probe(owner, scoring, self.layers, len(ids), spans.system_end if after_system else 0)
-        TURNS.set(req, MemArtTurn(owner, "probe"))
+        self.turns.set(req.rid, MemArtTurn(owner, "probe"))
         # Under the request's own key, like any prompt: the probe reuses what the tree caches of it
         # (match_limit) and leaves its prompt there for the session's next probe. A readonly request's
         # probe too: its prompt is not session state, and its release copies the system message.
         req.skip_radix_cache_insert = False
-        self.running.probing[req.rid] = probe
+        self.running.probing.set(req.rid, probe)
         with self._lock:
             self.probes[probe_id] = probe
             while len(self.probes) > MAX_PROBES:
@@ -85,9 +89,6 @@ class ProbeAdmission:
             probe.system_kv = tree_fill.copy_slots(tree, slots)
 
     def release(self, req: RequestView) -> None:
-        probe = self.running.probing.pop(req.rid, None)
+        probe = self.running.probing.get(req.rid)
         if probe is not None:
             probe.prefilled = len(req.origin_input_ids) - req.cached_tokens
-
-    def drop(self, req: RequestView) -> None:
-        self.running.probing.pop(req.rid, None)

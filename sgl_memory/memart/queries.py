@@ -10,6 +10,7 @@ import torch
 
 from sgl_memory.core import tree_fill
 from sgl_memory.core.capture import ExtendRows
+from sgl_memory.core.requests import RequestTable
 from sgl_memory.core.rope import Rope
 from sgl_memory.core.spans import RoleMarkers
 
@@ -90,15 +91,15 @@ class ProbeCapture:
     """The capture subscriber (core/capture.py) of the probes being prefilled: each probe's scoring
     rows, by position, at the layers that score."""
 
-    def __init__(self, rope: Rope):
+    def __init__(self, rope: Rope, probing: RequestTable[Probe]):
         self.rope = rope
-        self.probing: dict[str, Probe] = {}  # rid -> its probe, from admission to release
+        self.probing = probing  # each probe being prefilled, by its request's id
 
     def capturing(self) -> bool:
         return bool(self.probing)
 
     def bind(self, rows: list[ExtendRows]) -> list[tuple[Probe, ExtendRows]]:
-        return [(self.probing[r.rid], r) for r in rows if r.rid in self.probing]
+        return [(probe, r) for r in rows if (probe := self.probing.get(r.rid)) is not None]
 
     def first_read(self, part) -> int:
         return part[0].start  # the probe's scoring rows, taken by position

@@ -14,7 +14,7 @@ from sgl_memory.memart.probes import ProbeAdmission
 from sgl_memory.memart.retrieval import score_blocks, top_blocks
 from sgl_memory.memart.roles import Roles
 from sgl_memory.memart.settings import MemArtConfig, MemArtRequest
-from sgl_memory.memart.turns import TURNS, MemArtTurn
+from sgl_memory.memart.turns import MemArtTurn, Turns
 
 
 class Retriever:
@@ -30,15 +30,16 @@ class Retriever:
         probes: ProbeAdmission,
         pools: SessionPools,
         placer: Placer,
+        turns: Turns,
     ):
         self.config, self.tree, self.roles = config, tree, roles
-        self.probes, self.pools, self.placer = probes, pools, placer
+        self.probes, self.pools, self.placer, self.turns = probes, pools, placer, turns
 
     def admit(
         self, scheduler: SchedulerView, req: RequestView, owner: tuple[str, str], query: MemArtRequest, readonly: bool
     ) -> None:
-        state = TURNS.set(
-            req,
+        state = self.turns.set(
+            req.rid,
             MemArtTurn(
                 owner,
                 "retrieve",

@@ -7,7 +7,7 @@ from typing import Literal
 
 from sgl_memory.core.config import MAX_BUDGET, ConfigError, choices, require
 from sgl_memory.core.request import FIELD, RequestPart, SpecError, choice, flag, integer, object_at
-from sgl_memory.core.reuse import REPAIRS
+from sgl_memory.core.mechanism import repairer
 from sgl_memory.core.spans import RoleFamily
 
 
@@ -163,15 +163,17 @@ def check_request(part: MemArtRequest, config) -> None:
             f"{FIELD}.memory.unit 'line': this server cuts memory blocks by tokens, not at lines "
             "(memory.cut: tokens), so it does not know its blocks' lines"
         )
-    if part.recompute in REPAIRS and not config.section(REPAIRS[part.recompute]).enabled:
+    repairs = repairer(part.recompute) if part.recompute is not None else None
+    if repairs is not None and not config.section(repairs).enabled:
         raise SpecError(
             f"{FIELD}.memory.recompute {part.recompute!r}: the repair of memory blocks is off on this "
-            f"server ({REPAIRS[part.recompute]}.enabled: false)"
+            f"server ({repairs}.enabled: false)"
         )
 
 
 def check_config(config) -> None:
     memory = config.of(MemArtConfig)
     repair = memory.recompute
-    if memory.enabled and repair in REPAIRS and not config.section(REPAIRS[repair]).enabled:
-        raise ConfigError(f"memory.recompute: {repair!r} needs {REPAIRS[repair]}.enabled: true")
+    repairs = repairer(repair)
+    if memory.enabled and repairs is not None and not config.section(repairs).enabled:
+        raise ConfigError(f"memory.recompute: {repair!r} needs {repairs}.enabled: true")

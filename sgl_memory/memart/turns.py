@@ -1,18 +1,21 @@
-"""What memory did for each request: its `MemArtTurn`, kept in the request's `TURNS` slot."""
+"""What memory did for each request: its `MemArtTurn`, kept in the tree's request store (`Turns`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from sgl_memory.core import tree_fill
-from sgl_memory.core.reuse import REPAIRS
-from sgl_memory.core.slots import Slot
+from sgl_memory.core.mechanism import repairer
+from sgl_memory.core.requests import RequestTable
 from sgl_memory.core.views import RequestView
+
+# every request memory acts on, as long as the request: a retracted one records its turn at its end
+Turns = RequestTable["MemArtTurn"]
 
 
 @dataclass
 class MemArtTurn:
-    """What memory did for one request, kept in its `TURNS` slot."""
+    """What memory did for one request, kept in its `Turns` table."""
 
     owner: tuple[str, str]
     mode: str  # "record" (full-history turn), "retrieve", "probe", "write" (an entry or a joint KV), "forget"
@@ -50,12 +53,9 @@ class MemArtTurn:
         if self.mode == "retrieve":
             out["windowed_tokens"] = self.windowed
             out["recompute"] = self.recompute
-            if self.recompute not in REPAIRS:  # the keep mechanism reports its own
+            if repairer(self.recompute) is None:  # the repairing mechanism reports its own
                 full = self.recompute == "full" and self.memory_end > self.memory_start
                 out["recomputed_tokens"] = (self.memory_end - self.memory_start) * layers if full else 0
                 out["recompute_share"] = 1.0 if full else 0.0
             out.update(self.units)
         return out
-
-
-TURNS: Slot[MemArtTurn] = Slot("memory turn")  # per request
