@@ -8,7 +8,7 @@ import pytest
 
 from sgl_memory.core import composition, config, mechanism
 from sgl_memory.core.composition import Composition
-from sgl_memory.core.mechanism import Mechanism
+from sgl_memory.core.mechanism import CAPABILITIES, Mechanism
 from sgl_memory.core.requests import Lifetime, RequestStore
 
 
@@ -25,10 +25,13 @@ def fake(name: str, after: tuple[str, ...] = (), log: list | None = None, **answ
         return method
 
     attrs = {hook: answer(hook, value) for hook, value in answers.items()}
+    # the capabilities whose hooks it answers, their other hooks the contract's "no answer"
+    caps = tuple(c for c in CAPABILITIES if set(answers) & set(c.__abstractmethods__))
+    nothing = {h: answer(h, None) for c in caps for h in c.__abstractmethods__ if h not in answers}
     cls = type(
         f"Fake_{name}",
-        (Mechanism,),
-        {"after": after, "settings": object, "build": classmethod(lambda c, *a: c()), **attrs},
+        (Mechanism, *caps),
+        {"after": after, "settings": object, "build": classmethod(lambda c, *a: c()), **nothing, **attrs},
     )
     cls.name = name
     return cls()
@@ -161,7 +164,7 @@ def test_the_least_match_limit_and_the_union_of_held_requests():
 def test_at_most_one_mechanism_answers_for_a_request(hook, call, what):
     one = Composition([fake("a", **{hook: "answer"}), fake("b")])
     assert call(one) == "answer"
-    assert call(Composition([fake("a"), fake("b")])) in (None, 0, ())  # the contract's "no answer"
+    assert call(Composition([fake("a"), fake("b")])) in (None, 0, ())  # no mechanism has the capability
     two = Composition([fake("a", **{hook: "answer"}), fake("quiet", **{hook: None}), fake("b", **{hook: "other"})])
     with pytest.raises(RuntimeError, match=f"^a and b each {what}; at most one mechanism may"):
         call(two)
@@ -227,5 +230,10 @@ def test_the_architecture_page_gives_a_rule_for_every_hook():
     section = text.split("## How mechanisms compose", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
     named = [hook for cell in rows for hook in re.findall(r"`(\w+)`", cell)]
-    hooks = {n for n, f in vars(Mechanism).items() if inspect.isfunction(f) and not n.startswith("_")}
+    hooks = {
+        n
+        for kind in (Mechanism, *mechanism.CAPABILITIES)
+        for n, f in vars(kind).items()
+        if inspect.isfunction(f) and not n.startswith("_")
+    }
     assert sorted(named) == sorted(hooks)

@@ -60,7 +60,7 @@ REQUESTS = prometheus.counter("toy_requests", "Requests the toy mechanism counte
 
 
 @mechanism.register("toy")
-class ToyMechanism(mechanism.Mechanism):
+class ToyMechanism(mechanism.Mechanism, mechanism.DecodeReading):
     after = ("memory", "keep", "persist", "intent", "sentencekv")  # every built-in: it sees the prompt they made
     needs_sentinel = True  # `hide` points positions at the tree's sentinel slot
     settings = ToyConfig

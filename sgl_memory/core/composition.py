@@ -20,7 +20,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from sgl_memory.core.config import ConfigError, MemoryConfig
-from sgl_memory.core.mechanism import REGISTRY, BranchIds, Mechanism, enabled, in_order
+from sgl_memory.core.mechanism import (
+    REGISTRY,
+    BranchIds,
+    Branching,
+    DecodeReading,
+    KVPlacing,
+    Mechanism,
+    PositionShifting,
+    enabled,
+    in_order,
+)
 from sgl_memory.core.requests import RequestStore
 
 if TYPE_CHECKING:
@@ -79,10 +89,6 @@ def check(config: MemoryConfig, tp_size: int = 1, page_size: int = 1) -> None:
         raise ConfigError("; ".join(found))
 
 
-def _defines(m: Mechanism, hook: str) -> bool:
-    return getattr(type(m), hook) is not getattr(Mechanism, hook)
-
-
 class Composition:
     """The built mechanisms of one tree, in the order their declarations give
     (mechanism.in_order), the rules of the module docstring, and the end of each request's state
@@ -97,9 +103,10 @@ class Composition:
         self.subscribers = [s for m in self.mechanisms if (s := m.subscriber()) is not None]
         self.droppers = [d for m in self.mechanisms if (d := m.dropper()) is not None]
         # asked per forward and request: only the mechanisms that answer at all
-        self._shifting = [m for m in self.mechanisms if _defines(m, "position_shift")]
-        self._reading = [m for m in self.mechanisms if _defines(m, "step_reads")]
-        self._placing = [m for m in self.mechanisms if _defines(m, "placed_kv")]
+        self._branching = [m for m in self.mechanisms if isinstance(m, Branching)]
+        self._shifting = [m for m in self.mechanisms if isinstance(m, PositionShifting)]
+        self._reading = [m for m in self.mechanisms if isinstance(m, DecodeReading)]
+        self._placing = [m for m in self.mechanisms if isinstance(m, KVPlacing)]
 
     def __bool__(self) -> bool:
         return bool(self.mechanisms)
@@ -131,16 +138,16 @@ class Composition:
         limits = [n for m in self.mechanisms if (n := m.match_limit(req)) is not None]
         return min(limits) if limits else None
 
-    def branch_ids(self, req: RequestView) -> tuple[Mechanism, BranchIds] | None:
+    def branch_ids(self, req: RequestView) -> tuple[Branching, BranchIds] | None:
         """The mechanism that branches the request's path and its branch-id function, or None."""
         return only_one(
-            [(m.name, (m, ids)) for m in self.mechanisms if (ids := m.branch_ids(req)) is not None],
+            [(m.name, (m, ids)) for m in self._branching if (ids := m.branch_ids(req)) is not None],
             "branches the request's path",
         )
 
     def branches(self, req: RequestView) -> Branches:
         """The one mechanism's branches of the request's path, () for a plain path."""
-        return only_one(((m.name, m.branches(req)) for m in self.mechanisms), "branches the request's path") or ()
+        return only_one(((m.name, m.branches(req)) for m in self._branching), "branches the request's path") or ()
 
     def checkpoint(self, req: RequestView, tree: KVHost) -> RowEdit | None:
         """Every mechanism, by order (KV memory copies the prompt off before intent prunes it): the
@@ -166,7 +173,7 @@ class Composition:
 
     # --- inside the forward -------------------------------------------------------------------------
 
-    # at most one answers for a request; only the mechanisms that define the hook are asked
+    # at most one answers for a request; only the mechanisms with the capability are asked
 
     def position_shift(self, rid: str) -> int:
         return (

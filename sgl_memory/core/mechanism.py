@@ -9,7 +9,8 @@ derives the order from these and refuses a cycle), the repairs of placed KV it c
 `sgl_memory` request field it owns (`fields`, `parse_request`, `check_request`), its per-request
 metrics (`schema`, `observe`), its HTTP routes (`mount`) and what it does to requests on their
 way in (`before_generate`, with the engine API of front.py), and what it does inside the forward
-(`subscriber`, `dropper`, `position_shift`, `step_reads`, `placed_kv`). The tree (radix_cache.py)
+(`subscriber`, `dropper`, and the capabilities below: `Branching`, `PositionShifting`,
+`DecodeReading`, `KVPlacing`). The tree (radix_cache.py)
 builds the enabled ones into a `composition.Composition`, which calls them at the points of a
 request's life below and combines their answers by the rules written there. What a mechanism
 sees of SGLang's request and scheduler is views.RequestView and views.SchedulerView. Per-request
@@ -199,23 +200,6 @@ class Mechanism(ABC):
         scorer's query rows, a probe's) needs them prefilled by the request itself."""
         return None
 
-    def branch_ids(self, req: RequestView) -> BranchIds | None:
-        """Where this request's path may leave the shared tree (tree_fill.py, branches): a function
-        from the request's token ids (an int64 array) to the key id each would take at a branch of
-        its own, or None for a plain path. The tree finds the branches on the path and reports them
-        with `on_match`."""
-        return None
-
-    def on_match(self, req: RequestView, branches: Branches) -> None:
-        """The branches (kvhost.Branches) the tree matched on the request's path, for a request
-        whose `branch_ids` is not None."""
-
-    def branches(self, req: RequestView) -> Branches:
-        """Where the request's key in the tree takes branch ids instead of its tokens
-        (kvhost.Branches; () for a plain path): the tree inserts its row under that key. At most one
-        mechanism branches a given request's path (the tree raises if two do)."""
-        return ()
-
     def on_checkpoint(self, req: RequestView, tree: KVHost) -> RowEdit | None:
         """At the end of the request's prefill, before its row is inserted into the tree. Returns the
         RowEdit it made (edits are made in place, through the tree's `row(req)`) or None when it left
@@ -246,21 +230,6 @@ class Mechanism(ABC):
         when the tree is built; a dropper is also a subscriber (it takes the rows it recomputes)."""
         return None
 
-    def position_shift(self, rid: str) -> int:
-        """How far the request's model positions run from SGLang's (a layout that re-packed its KV
-        moved them); 0: not at all. Asked for every request of every forward: keep it a lookup."""
-        return 0
-
-    def step_reads(self, rid: str) -> StepReads | None:
-        """The positions each decode step of the request reads, per layer (decode.py); None: every
-        position. Asked once per decode forward and request: keep it a lookup."""
-        return None
-
-    def placed_kv(self, req: RequestView) -> ReusedKV | None:
-        """The KV this mechanism placed among the request's new tokens for a repair (reuse.py), which
-        the repairing mechanism asks the tree for (KVHost.placed_kv); None: none."""
-        return None
-
     def export_session(self, key: SessionKey) -> dict[str, torch.Tensor]:
         """What this mechanism holds for the session (tenant, id) that a later server needs to
         continue it, as named host tensors (session persistence stores them next to the session's
@@ -282,6 +251,63 @@ class Mechanism(ABC):
         """Return when the work queued so far is done (flush_cache, a clean shutdown, tests); False
         if `timeout` seconds passed first."""
         return True
+
+
+# --- capabilities: hooks only some mechanisms answer ------------------------------------------------
+# A mechanism that has one subclasses it beside Mechanism; the composition asks only those that do.
+# Each hook is answered for at most one mechanism per request (the composition raises if two do).
+
+
+class Branching(ABC):
+    """Its requests' paths may leave the shared tree at branches of their own (intent's pruned paths:
+    their KV is not what their tokens alone would give)."""
+
+    @abstractmethod
+    def branch_ids(self, req: RequestView) -> BranchIds | None:
+        """Where this request's path may leave the shared tree (tree_fill.py, branches): a function
+        from the request's token ids (an int64 array) to the key id each would take at a branch of
+        its own, or None for a plain path. The tree finds the branches on the path and reports them
+        with `on_match`."""
+
+    @abstractmethod
+    def on_match(self, req: RequestView, branches: Branches) -> None:
+        """The branches (kvhost.Branches) the tree matched on the request's path, for a request
+        whose `branch_ids` is not None."""
+
+    @abstractmethod
+    def branches(self, req: RequestView) -> Branches:
+        """Where the request's key in the tree takes branch ids instead of its tokens
+        (kvhost.Branches; () for a plain path): the tree inserts its row under that key."""
+
+
+class PositionShifting(ABC):
+    """It may re-pack a request's KV so that its model positions no longer are SGLang's."""
+
+    @abstractmethod
+    def position_shift(self, rid: str) -> int:
+        """How far the request's model positions run from SGLang's (a layout that re-packed its KV
+        moved them); 0: not at all. Asked for every request of every forward: keep it a lookup."""
+
+
+class DecodeReading(ABC):
+    """It chooses the positions a decode step of a request reads (SentenceKV)."""
+
+    @abstractmethod
+    def step_reads(self, rid: str) -> StepReads | None:
+        """The positions each decode step of the request reads, per layer (decode.py); None: every
+        position. Asked once per decode forward and request: keep it a lookup."""
+
+
+class KVPlacing(ABC):
+    """It places reused KV among a request's new tokens for another mechanism to repair (memory)."""
+
+    @abstractmethod
+    def placed_kv(self, req: RequestView) -> ReusedKV | None:
+        """The KV this mechanism placed among the request's new tokens for a repair (reuse.py), which
+        the repairing mechanism asks the tree for (KVHost.placed_kv); None: none."""
+
+
+CAPABILITIES: tuple[type, ...] = (Branching, PositionShifting, DecodeReading, KVPlacing)
 
 
 # the config's top-level keys that are not a mechanism's section (config.py): no mechanism takes them

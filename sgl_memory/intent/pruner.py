@@ -77,7 +77,7 @@ SCORING_SECONDS = prometheus.histogram("scoring_seconds", "IntentKV scoring time
 
 
 @mechanism.register("intent")
-class IntentPruner(mechanism.Mechanism):
+class IntentPruner(mechanism.Mechanism, mechanism.Branching, mechanism.PositionShifting):
     # after the mechanisms that rewrite the tokens (memory, persist): it finds its forced spans and
     # session in the final ones; and after keep, whose capture writes the placed rows' KV before
     # intent's capture reads the layer

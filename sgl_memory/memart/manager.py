@@ -58,7 +58,7 @@ REFUSALS = {"no query pass": "no_probe", "no free KV slots": "no_kv_slots"}
 
 
 @mechanism.register("memory")
-class MemArtManager(mechanism.Mechanism):
+class MemArtManager(mechanism.Mechanism, mechanism.KVPlacing):
     """The `memory` mechanism: its hooks, each handed to the object whose job it is: probe
     admission (`probe_passes`, probes.py), entry edits (`edits`, edits.py), retrieval
     (`retriever`, retriever.py) and placement (`placer`, placer.py), recording (`recorder`,

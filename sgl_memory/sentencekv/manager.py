@@ -46,7 +46,7 @@ SELECT_SECONDS = prometheus.histogram(
 
 
 @mechanism.register("sentencekv")
-class SentenceKV(mechanism.Mechanism):
+class SentenceKV(mechanism.Mechanism, mechanism.DecodeReading):
     # after intent pruning: a row it pruned is read through the sentinel-free slots, and its
     # compact layout (positions moved) is served with the full cache instead
     after = ("intent",)
