@@ -170,7 +170,7 @@ def test_named_options_are_the_registries(tmp_path):
 # float, a string with a placeholder, a named option): the builder's round trip through the loader.
 SAMPLES = {
     "intent": IntentConfig(enabled=True, budget=64, grow_at=0.5, scorer="snapkv", head="{dir}/head.safetensors"),
-    "keep": KeepConfig(enabled=False, ratio=0.25, hops=2, compact=False, loading="sync", trace_dir="{dir}/t"),
+    "keep": KeepConfig(enabled=False, ratio=0.25, hops=2, drop_rows=False, loading="sync", trace_dir="{dir}/t"),
     "memory": MemArtConfig(enabled=True, top_k=4, score_layers=0.25, cut="tokens", unit="block", groups=False),
     "persist": PersistConfig(enabled=False, dir="{dir}/store", quant="bf16", kivi=False, prefetch_ms=0.0),
     "sentencekv": SentenceKVConfig(enabled=True, budget=100, keep_factor=3.0, system=True, boundaries=".\n"),

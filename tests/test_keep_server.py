@@ -6,7 +6,7 @@ place four 16-token blocks after the system message and ask for a repair. Refere
 prefill of the request's own tokens by transformers in float32 (the KV at every placed position
 and layer), the same tokens sent as a plain request (the greedy answer), the KV a request
 with nothing recomputed after layer 0 stored (what the placed KV is at each layer), and the same
-repair asked with `compact: false` (every row computed, the placed KV written over the rows not
+repair asked with `drop_rows: false` (every row computed, the placed KV written over the rows not
 recomputed)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def tok():
 def keep_server(fp32_server):
     config = fp32_server.get("/sgl_memory/info").json()["config"]
     assert (
-        config["keep"]["compact"]
+        config["keep"]["drop_rows"]
         and config["memory"]["block_size"] == BLOCK
         and config["memory"]["placement"] == "after_system"
     )
@@ -151,10 +151,10 @@ def test_a_repair_recomputes_nested_rows_and_stores_the_placed_kv_elsewhere(
 @pytest.mark.parametrize("method", ["keep", "cacheblend"])
 def test_dropping_the_rows_gives_the_attention_of_writing_over_them(keep_server, tok, stated, method):
     """The compacted prefill (rows dropped from the hidden states after the layer that stops
-    recomputing them) against the full-cost one (`compact: false`): the same rows chosen at every
+    recomputing them) against the full-cost one (`drop_rows: false`): the same rows chosen at every
     layer, the same KV (float32: within the rounding of matmuls over other row counts), the same answer."""
     dropped, dropped_trace = ask(keep_server, tok, method, ratio=0.3)
-    full_cost, full_cost_trace = ask(keep_server, tok, method, ratio=0.3, compact=False)
+    full_cost, full_cost_trace = ask(keep_server, tok, method, ratio=0.3, drop_rows=False)
     assert dropped["meta_info"]["sgl_memory"]["recompute_dropped_rows"] is True
     assert full_cost["meta_info"]["sgl_memory"]["recompute_dropped_rows"] is False
     assert torch.equal(dropped_trace["tokens"], full_cost_trace["tokens"])

@@ -210,7 +210,9 @@ def test_a_repair_needs_the_keep_mechanism_which_is_on_with_memory_unless_turned
         ({"keep": {"hops": 2.5}}, "keep.hops"),
         ({"keep": {"ratios": 1}}, "keep: unknown field"),
         ({"keep": 1}, "keep must be an object"),
-        ({"keep": {"compact": "no"}}, "keep.compact must be true or false"),
+        ({"keep": {"drop_rows": "no"}}, "keep.drop_rows must be true or false"),
+        ({"keep": {"compact": "no"}}, "keep.compact must be true or false"),  # the key it was renamed from
+        ({"keep": {"compact": True, "drop_rows": True}}, r"keep.compact and .*keep.drop_rows: the same key, renamed"),
         ({"memory": {"recompute_ratio": 0.5}}, "unknown field"),
     ],
 )
@@ -221,12 +223,12 @@ def test_bad_recompute_fields(raw, needle):
 
 def test_keep_overrides_are_parsed_by_keep():
     spec = request.parse(
-        {"session_id": "s", "memory": {"recompute": "keep"}, "keep": {"ratio": 0.25, "hops": 2, "compact": False}}
+        {"session_id": "s", "memory": {"recompute": "keep"}, "keep": {"ratio": 0.25, "hops": 2, "drop_rows": False}}
     )
     assert (
         spec.part("keep").ratio,
         spec.part("keep").hops,
-        spec.part("keep").compact,
+        spec.part("keep").drop_rows,
         spec.part("memory").recompute,
     ) == (0.25, 2, False, "keep")
     with pytest.raises(request.SpecError, match=r"keep.enabled: false"):
@@ -305,3 +307,15 @@ def test_the_simulated_tier_holds_copies_to_its_bandwidth_and_a_pipeline_hides_t
     finally:
         piped.close()
     assert piped.load_s >= 0.2 and piped.metrics()["load_overlap"] > 0.5
+
+
+def test_the_renamed_drop_rows_key_is_still_read_with_a_warning(caplog):
+    """`keep.compact` was renamed `keep.drop_rows` (`compact` is intent's layout): a config or a
+    request written before still means the same, and says so; both keys at once are refused."""
+    with caplog.at_level("WARNING"):
+        cfg = config.from_dict({"memory": {"enabled": True}, "keep": {"compact": False}})
+        spec = request.parse({"session_id": "s", "keep": {"compact": False}})
+    assert cfg.of(KeepConfig).drop_rows is False and spec.part("keep").drop_rows is False
+    assert "keep.compact is renamed keep.drop_rows" in caplog.text
+    with pytest.raises(config.ConfigError, match="the same key, renamed; give keep.drop_rows only"):
+        config.from_dict({"keep": {"compact": False, "drop_rows": True}})

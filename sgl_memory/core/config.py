@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import typing
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from sgl_memory.core import mechanism
+
+logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "SGLMEMORY_CONFIG"  # how the launcher hands the file to SGLang's child processes
 PLAIN_ENV = "SGLMEMORY_PLAIN"  # and `--plain`: every mechanism off
@@ -159,8 +162,9 @@ def _build(cls: type[S], data: Any, path: str) -> S:
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]  # S: a settings dataclass
+    data = _renamed(cls, data, path)
     for key in data:
-        if key not in hints:
+        if key not in names:
             where = f"{path}.{key}" if path else str(key)
             raise ConfigError(f"{where}: unknown key; allowed keys: {', '.join(names)}")
     kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
@@ -169,6 +173,22 @@ def _build(cls: type[S], data: Any, path: str) -> S:
     if validate:
         validate(path)
     return obj
+
+
+def _renamed(cls: type, data: dict[str, Any], path: str) -> dict[str, Any]:
+    """`data` with the keys a section renamed (its `RENAMED`: old key -> new) under their new names:
+    a file written for an earlier release keeps working, with a warning naming the new key."""
+    renamed: dict[str, str] = getattr(cls, "RENAMED", {})
+    if not renamed.keys() & data.keys():
+        return data
+    out = dict(data)
+    for old, new in renamed.items():
+        if old in out:
+            if new in out:
+                raise ConfigError(f"{path}.{old} and {path}.{new}: the same key, renamed; give {path}.{new} only")
+            logger.warning("%s.%s is renamed %s.%s; the old key is read for now", path, old, path, new)
+            out[new] = out.pop(old)
+    return out
 
 
 TOP_LEVEL = mechanism.RESERVED_NAMES

@@ -10,7 +10,9 @@ reads the one parsed `MemorySpec`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from sgl_memory.core.views import RequestView
 
 S = TypeVar("S")  # a mechanism's config section
+
+logger = logging.getLogger(__name__)
 
 FIELD = "sgl_memory"
 MAX_ID_LEN = 256
@@ -161,6 +165,22 @@ def flag(value: Any, where: str) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise SpecError(f"{where} must be true or false, got {value!r}")
     return value
+
+
+def renamed_key(body: dict, old: str, new: str, where: str) -> str:
+    """Which key of a request object holds a renamed field: `new`, or `old` from a client written for
+    an earlier release (a warning naming the new key, once per process); both at once: a SpecError."""
+    if old not in body:
+        return new
+    if new in body:
+        raise SpecError(f"{where}.{old} and {where}.{new}: the same key, renamed; give {where}.{new} only")
+    _warn_renamed(f"{where}.{old}", f"{where}.{new}")
+    return old
+
+
+@functools.cache
+def _warn_renamed(old: str, new: str) -> None:
+    logger.warning("%s is renamed %s; the old key is read for now", old, new)
 
 
 def only(raw: dict, allowed: tuple[str, ...], where: str) -> None:

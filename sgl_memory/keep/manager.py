@@ -6,7 +6,7 @@ prefill (a capture.py subscriber: the BEFORE hook on RadixAttention.forward sees
 and v before the backend stores and attends them), the rows the layer does not recompute get the
 placed KV written over their fresh K and V, so the backend stores and attends the placed KV there;
 then the selector names the rows the next layer recomputes. What the request attends to is what a
-forward that computes only the selected rows would give. With `compact` on (the default) the rows
+forward that computes only the selected rows would give. With `drop_rows` on (the default) the rows
 no later layer recomputes are also dropped from the hidden states after each layer (rows.py, on
 the backends that attend a row layout): their KV at the later layers goes into the pool from the
 placed KV, layer by layer, and the layers run over fewer rows, which is where the time goes down.
@@ -50,7 +50,7 @@ class Blend:
     history: list[torch.Tensor] = field(default_factory=list)  # the selections, when traced
     loading: str = "sync"
     bandwidth: float = 0.0
-    compact: bool = True  # drop the rows no later layer recomputes (rows.py), where the backend can
+    drop_rows: bool = True  # drop the rows no later layer recomputes (rows.py), where the backend can
     loader: LayerLoader | None = None  # created at the first layer, on the layer's device
     select_ms: float = 0.0
     dropped_rows: bool = False  # whether later layers ran without the rows not recomputed (rows.py)
@@ -208,7 +208,7 @@ class KeepManager(mechanism.Mechanism):
         return self  # it takes the placed rows it recomputes
 
     def dropper(self) -> KeepManager:
-        return self  # a request may drop rows (keep.compact) whatever the server's default
+        return self  # a request may drop rows (keep.drop_rows) whatever the server's default
 
     def admit(self, scheduler, req, spec) -> None:
         reuse: ReusedKV | None = self.tree.placed_kv(req)
@@ -220,7 +220,7 @@ class KeepManager(mechanism.Mechanism):
         ratio = asked.ratio
         if ratio is None:
             ratio = self.config.starts_ratio if reuse.method == "starts" else self.config.ratio
-        compact = self.config.compact if asked.compact is None else asked.compact
+        drop_rows = self.config.drop_rows if asked.drop_rows is None else asked.drop_rows
         self.blends.set(
             req.rid,
             Blend(
@@ -232,7 +232,7 @@ class KeepManager(mechanism.Mechanism):
                 len(req.origin_input_ids),
                 loading=self.config.loading,
                 bandwidth=self.config.tier_bandwidth,
-                compact=compact,
+                drop_rows=drop_rows,
             ),
         )
 
@@ -252,7 +252,7 @@ class KeepManager(mechanism.Mechanism):
 
     def dropped(self, rows: list[ExtendRows], layer_id: int) -> dict[str, torch.Tensor]:
         blends = [(r.rid, self.blends.get(r.rid)) for r in rows]
-        return {rid: blend.dropped() for rid, blend in blends if blend is not None and blend.compact}
+        return {rid: blend.dropped() for rid, blend in blends if blend is not None and blend.drop_rows}
 
     # --- release ---------------------------------------------------------------------------------
 

@@ -1,15 +1,18 @@
 """KEEP's settings: the `keep:` config section and the per-request overrides of it
-(`sgl_memory.keep`: ratio, hops, compact)."""
+(`sgl_memory.keep`: ratio, hops, drop_rows)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from sgl_memory.core.config import require
-from sgl_memory.core.request import RequestPart, flag, integer, number, object_at
+from sgl_memory.core.request import RequestPart, flag, integer, number, object_at, renamed_key
 
 MAX_HOPS = 64  # importance propagation rounds (it stops earlier once its set is stable)
+# keys renamed since an earlier release (old -> new), still read with a warning: `compact` is
+# intent's layout; what KEEP does is drop rows (core/rows.py)
+RENAMED = {"compact": "drop_rows"}
 
 
 @dataclass(frozen=True)
@@ -29,14 +32,16 @@ class KeepConfig:
     decay: float = 0.5  # how fast the recomputed share shrinks with depth (in the ratio formula above)
     hops: int = 4  # importance propagation rounds of keep (1: the new turn's attention alone)
     # drop the rows no later layer recomputes from the hidden states (the speed-up, on backends that
-    # attend a row layout); false: write the placed KV over them at full cost (the same attention)
-    compact: bool = True
+    # attend a row layout); false: write the placed KV over them at full cost (the same attention).
+    # Was `compact`, which is still read
+    drop_rows: bool = True
     # how the placed KV reaches each layer (keep/loading.py): when the layer starts (sync), while the
     # layer before computes (next_layer), or that plus preloading the rows no later layer
     # recomputes while the loader is idle (balanced, KEEP's layer-balanced loading)
     loading: Literal["sync", "next_layer", "balanced"] = "balanced"
     tier_bandwidth: float = 0.0  # bytes/s of a simulated slower tier for the placed KV (0: none)
     trace_dir: str = ""  # diagnostics: each repaired request's memory KV and selections, one file per request
+    RENAMED: ClassVar[dict[str, str]] = RENAMED
 
     def validate(self, path: str) -> None:
         require(0.0 <= self.ratio <= 1.0, f"{path}.ratio", "a number in [0, 1]")
@@ -57,15 +62,16 @@ class KeepRequest(RequestPart):
 
     ratio: float | None = None
     hops: int | None = None
-    compact: bool | None = None  # false: this repair keeps every row (the same attention, at full cost)
+    drop_rows: bool | None = None  # false: this repair keeps every row (the same attention, at full cost)
 
 
 def parse_request(raw: dict, internal: bool = False) -> KeepRequest | None:
-    body, where = object_at(raw, "keep", ("ratio", "hops", "compact"))
+    body, where = object_at(raw, "keep", ("ratio", "hops", "drop_rows", *RENAMED))
     if body is None:
         return None
+    key = renamed_key(body, "compact", "drop_rows", where)
     return KeepRequest(
         number(body.get("ratio"), 0, 1, f"{where}.ratio"),
         integer(body.get("hops"), 1, MAX_HOPS, f"{where}.hops"),
-        flag(body.get("compact"), f"{where}.compact"),
+        flag(body.get(key), f"{where}.{key}"),
     )
