@@ -382,16 +382,16 @@ def test_merging_keeps_a_full_pool_at_its_capacity_and_every_turn_retrievable_by
 
 
 @pytest.mark.parametrize("eviction", ["lru", "merge"])
-def test_the_index_rows_stay_each_blocks_keys_through_appends_evictions_and_compactions(eviction):
+def test_the_index_rows_stay_each_blocks_keys_through_appends_evictions_and_repacking(eviction):
     """Random turns into a small pool: after every turn, each block's rows in the index are its
     own keys with the rotation removed (computed again here from the block's keys and positions),
     the live rows are the blocks' tokens, and the buffer holds at most 1.3x the live rows plus the
-    last turn (it grows by an eighth and is compacted once an eighth of it is dead)."""
+    last turn (it grows by an eighth and is repacked once an eighth of it is dead)."""
     g = torch.Generator().manual_seed(7)
     rope = Rope(head_dim=8, theta=1e4)
     memory = MemArtPool(capacity=12, eviction=eviction, block_size=4, rope=rope, score_layers=1)
-    at, compactions, compact = 0, [], memory.store.score.compact
-    memory.store.score.compact = lambda blocks: (compactions.append(len(blocks)), compact(blocks))
+    at, repackings, repack = 0, [], memory.store.score.repack
+    memory.store.score.repack = lambda blocks: (repackings.append(len(blocks)), repack(blocks))
     for t in range(60):
         n = int(torch.randint(1, 15, (1,), generator=g))
         keys = torch.randn(2, n, 1, 8, generator=g).to(torch.bfloat16)
@@ -403,7 +403,7 @@ def test_the_index_rows_stay_each_blocks_keys_through_appends_evictions_and_comp
         for block in memory.blocks.values():
             want = rope.rotate_layers(block.keys[:1], -block.positions)
             assert torch.equal(memory.store.score.rows(block), want)
-    assert len(compactions) > 5
+    assert len(repackings) > 5
 
 
 def test_a_merge_keeps_the_rarest_tokens_of_the_two_blocks_with_their_keys():

@@ -57,7 +57,7 @@ class ScoreKeys:
     stored token, in the pool's dtype. A turn's rows are appended (the buffer grows by an eighth of
     its rows at least, so appending stays amortised O(turn)); a removed block's rows stay until an
     eighth of the rows are dead, then the live ones are copied into a buffer of their own size.
-    Neither writes a row a scoring view may read: growth and compaction make new buffers, appends
+    Neither writes a row a scoring view may read: growth and repacking make new buffers, appends
     write past the rows any view was taken with."""
 
     def __init__(self):
@@ -83,7 +83,7 @@ class ScoreKeys:
     def rows(self, block: Block) -> torch.Tensor:
         return self.buffer[:, block.row : block.row + len(block.tokens)]
 
-    def compact(self, blocks: list[Block]) -> None:
+    def repack(self, blocks: list[Block]) -> None:
         """Keep the rows of these blocks only (their `row` moves), in a buffer of exactly their size."""
         if not blocks:
             self.buffer, self.used, self.dead = None, 0, 0

@@ -86,7 +86,7 @@ class Eviction:
             keys, values, positions, free = keys[:, keep], values[:, keep], positions[keep], free[:, keep]
             tokens, origin = [tokens[t] for t in keep], [origin[t] for t in keep]
         store.remove(second)
-        row = store.score.append(free)  # after the removal: a compaction there moves rows, not these
+        row = store.score.append(free)  # after the removal: a repacking there moves rows, not these
         store.add(
             Block(
                 first.id,

@@ -14,7 +14,7 @@ from sgl_memory.memart.blocks import Block, BlockIndex, ScoreKeys, pieces
 class BlockStore:
     """The blocks of one session's memory and what is kept in step with them: host bytes, tokens,
     token-id counts (for merging), the index's rows (`ScoreKeys`: a block's rows are its own keys
-    through every add, removal and compaction) and the scoring view made from them. Block ids are
+    through every add, removal and repacking) and the scoring view made from them. Block ids are
     chronological and never reused: a block replacing one of its id (a merge) takes its place. The
     caller holds the pool's lock."""
 
@@ -104,7 +104,7 @@ class BlockStore:
         del self.blocks[block.id]
         self._forget(block)
         if self.score.dead * 8 > self.score.used:
-            self.score.compact(list(self.blocks.values()))
+            self.score.repack(list(self.blocks.values()))
         self._index = None
 
     def _forget(self, block: Block) -> None:
