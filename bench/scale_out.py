@@ -54,7 +54,7 @@ from sgl_memory import cpu_dtype, models
 from sgl_memory.core.config import to_yaml
 from sgl_memory.core.sessions import ROUTING_HEADER, routing_key
 from sgl_memory.persist.settings import PersistConfig
-from sgl_memory.persist.store import read_metadata
+from sgl_memory.persist.header import read_metadata
 
 SESSIONS, TURNS, FAILOVER = 6, 5, 3
 FIRST_TOKENS, NEW_TOKENS, ANSWER_TOKENS = 512, 96, 16

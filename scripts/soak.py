@@ -224,7 +224,8 @@ def run_sessions(args, config: str, workdir: Path) -> dict:
 
 def check_store(store: Path) -> dict:
     """Every session file on disk loads through the store's own read path (checksum, spec, owner)."""
-    from sgl_memory.persist.store import CacheSpec, SessionFiles, read_metadata
+    from sgl_memory.persist.header import read_metadata
+    from sgl_memory.persist.store import CacheSpec, SessionFiles
 
     files = sorted(store.glob("*/*/*.safetensors"))
     bad = []

@@ -455,10 +455,10 @@ class Pool:
     def copy_sessions(source: harness.Server, target: harness.Server, *tenants: str | None) -> None:
         """The tenants' session files from `source`'s store into `target`'s, where a server that never
         held those sessions finds them on disk, as a server restarted on the same store would."""
-        from sgl_memory.persist.store import _digest
+        from sgl_memory.persist.layout import digest
 
         for tenant in tenants:
-            name = _digest("tenant", tenant or "")
+            name = digest("tenant", tenant or "")
             shutil.copytree(source.dir / "store" / name, target.dir / "store" / name, dirs_exist_ok=True)
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ from safetensors import safe_open
 
 from servers import TEST_MODEL
 from sgl_memory import models
-from sgl_memory.persist.store import _digest
+from sgl_memory.persist.layout import digest
 
 pytestmark = pytest.mark.server
 
@@ -155,7 +155,7 @@ def wait_written(store: Path, case: Case, turns: int, path_tokens: int, timeout:
     pool) and a path of at least `path_tokens` tokens."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        for path in (store / _digest("tenant", case.tenant)).glob("*/*.safetensors"):
+        for path in (store / digest("tenant", case.tenant)).glob("*/*.safetensors"):
             try:
                 with safe_open(str(path), "pt") as f:
                     done = int(f.metadata()["tokens"]) >= path_tokens

@@ -25,7 +25,8 @@ import requests
 import torch
 
 from servers import EXACT_QUANT
-from sgl_memory.persist.store import CacheSpec, SessionFiles, _digest
+from sgl_memory.persist.layout import digest
+from sgl_memory.persist.store import CacheSpec, SessionFiles
 
 pytestmark = pytest.mark.server
 
@@ -79,13 +80,13 @@ def flush(server):
 
 def session_file_of(store: Path, tenant: str, session_id: str) -> Path:
     return next(
-        iter(store.glob(f"{_digest('tenant', tenant)}/*/{_digest('session', session_id)}.safetensors")),
+        iter(store.glob(f"{digest('tenant', tenant)}/*/{digest('session', session_id)}.safetensors")),
         store / "absent",
     )
 
 
 def session_file(store: Path, session_id: str) -> Path:
-    found = list(store.glob(f"*/*/{_digest('session', session_id)}.safetensors"))
+    found = list(store.glob(f"*/*/{digest('session', session_id)}.safetensors"))
     assert len(found) <= 1
     return found[0] if found else store / "absent"
 
@@ -144,7 +145,7 @@ def test_tenants_with_identical_prompts_never_share_a_file_or_a_load(restarted):
     _, _, own = chat(b, messages, "shared", tenant="ta")
     assert own["restored_from"] == "disk" and own["restored_tokens"] > 0
     flush(b)
-    files = [p for p in store.glob("*/*/*.safetensors") if p.name == f"{_digest('session', 'shared')}.safetensors"]
+    files = [p for p in store.glob("*/*/*.safetensors") if p.name == f"{digest('session', 'shared')}.safetensors"]
     assert len(files) == 2 and files[0].parent.parent != files[1].parent.parent
 
 
@@ -422,7 +423,7 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, p
     assert f.dir == server.dir and "--fsize=6000000" in pool.catalogue["paged_limited"].prefix
     try:
         assert re.search(r"removed \d+ partial file", f.log())  # the temporary file (and the chunks no head names)
-        assert not list(store.glob("*/*/*.tmp")) and not list(store.glob(f"*/*/{_digest('session', 'big')}.*.chunk"))
+        assert not list(store.glob("*/*/*.tmp")) and not list(store.glob(f"*/*/{digest('session', 'big')}.*.chunk"))
         _, _, metrics = chat(f, [SYSTEM, {"role": "user", "content": turns[0]}], "big")
         assert metrics["restored_tokens"] == 0 and metrics["text_match"] is None
         # full disk: the turn's write fails; the next turn reports it, and the server keeps serving
@@ -433,7 +434,7 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, p
         flush(f)  # this turn's write fails too; its temporary file is gone with it
         assert not list(store.glob("*/*/*.tmp"))
         # unwritable directory: the tenant's directory name is taken by a regular file
-        (store / _digest("tenant", "blocked")).write_text("not a directory")
+        (store / digest("tenant", "blocked")).write_text("not a directory")
         run_turns(f, ["Hello there."], "u1", tenant="blocked")
         flush(f)
         _, _, metrics = chat(f, [SYSTEM, {"role": "user", "content": "Hello again."}], "u1", tenant="blocked")

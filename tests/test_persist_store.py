@@ -153,13 +153,13 @@ def test_a_file_written_before_namespaces_were_stored_restores_into_any(tmp_path
     """Files of the first format carry no namespace: they restore as before (into the request's)."""
     from safetensors.torch import load_file, save_file
 
-    from sgl_memory.persist import store
+    from sgl_memory.persist import header, store
 
     files = SessionFiles(tmp_path, SPEC, quant="bf16")
     path = files.write(None, "old", session(files, tokens=10))
-    meta = {k: v for k, v in store.read_metadata(path).items() if k not in ("extra_key", "branches", "checksum")}
+    meta = {k: v for k, v in header.read_metadata(path).items() if k not in ("extra_key", "branches", "checksum")}
     tensors = load_file(path)
-    meta["checksum"] = store._checksum(tensors, meta)
+    meta["checksum"] = header.checksum(tensors, meta)
     save_file(tensors, path, metadata=meta)
     got = files.read(None, "old")
     assert got.extra_key == store.ANY_NAMESPACE and got.branches == () and got.live is None
@@ -168,14 +168,14 @@ def test_a_file_written_before_namespaces_were_stored_restores_into_any(tmp_path
 def test_a_file_with_one_branch_of_the_earlier_format_reads_as_a_one_branch_path(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from sgl_memory.persist import store
+    from sgl_memory.persist import header
 
     files = SessionFiles(tmp_path, SPEC, quant="bf16")
     path = files.write(None, "old", dataclasses.replace(session(files, tokens=10), branches=((4, -99),)))
-    meta = {k: v for k, v in store.read_metadata(path).items() if k not in ("branches", "checksum")}
+    meta = {k: v for k, v in header.read_metadata(path).items() if k not in ("branches", "checksum")}
     meta["branch"] = "[4, -99]"
     tensors = load_file(path)
-    meta["checksum"] = store._checksum(tensors, meta)
+    meta["checksum"] = header.checksum(tensors, meta)
     save_file(tensors, path, metadata=meta)
     assert files.read(None, "old").branches == ((4, -99),)
 
@@ -509,19 +509,20 @@ def test_a_path_that_changes_inside_rewrites_from_the_change(tmp_path):
 def test_a_head_of_the_first_format_is_read_and_its_next_write_stores_every_block(tmp_path):
     """A store written before chunks (format 1: the blocks in the session's one file) reads as it
     did; the session's next turn writes a head of this format with all of its blocks in chunks."""
+    from safetensors.torch import load as load_tensors
     from safetensors.torch import save_file
 
-    from sgl_memory.persist import store
+    from sgl_memory.persist import header
 
     files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
     keys, values = kv(tokens=100)
     record = files.record(range(100), "t", keys, values)
     path = files.write(None, "old", record)
     (chunk,) = chunk_files(files, None, "old")
-    meta = {k: v for k, v in store.read_metadata(path).items() if k not in ("chunks", "checksum")}
+    meta = {k: v for k, v in header.read_metadata(path).items() if k not in ("chunks", "checksum")}
     meta["format_version"] = "1"
-    tensors = {**store.load_tensors(path.read_bytes()), **store.load_tensors(chunk.read_bytes())}
-    meta["checksum"] = store._checksum(tensors, meta)
+    tensors = {**load_tensors(path.read_bytes()), **load_tensors(chunk.read_bytes())}
+    meta["checksum"] = header.checksum(tensors, meta)
     chunk.unlink()
     save_file(tensors, path, metadata=meta)
     old = files.read(None, "old")
@@ -530,19 +531,19 @@ def test_a_head_of_the_first_format_is_read_and_its_next_write_stores_every_bloc
     new = files.continued(old, list(range(130)), 96, more_keys[:, 96:], more_values[:, 96:])
     files.write(None, "old", new, base=old.generation)
     got = files.read(None, "old")
-    assert store.read_metadata(path)["format_version"] == str(store.FORMAT_VERSION)
+    assert header.read_metadata(path)["format_version"] == str(header.FORMAT_VERSION)
     assert torch.equal(files.decode(got)[0], torch.cat([keys[:, :96], more_keys[:, 96:]], dim=1))
 
 
 def test_a_reader_whose_head_was_replaced_meanwhile_reads_the_new_one(tmp_path, monkeypatch):
     """A writer replaces the head and removes the chunks it no longer names between a reader's read
     of the head and of a chunk: the reader reads the new head (never a missing or mixed path)."""
-    from sgl_memory.persist import store
+    from sgl_memory.persist.reads import CheckedReader
 
     files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
     first, second = kv(tokens=64, seed=1), kv(tokens=64, seed=2)
     files.write(None, "s", files.record(range(64), "t", *first))
-    read_blocks = SessionFiles._read_blocks
+    read_blocks = CheckedReader._read_blocks
     calls = []
 
     def racing(self, path, meta, tensors, chunks):
@@ -551,6 +552,6 @@ def test_a_reader_whose_head_was_replaced_meanwhile_reads_the_new_one(tmp_path, 
             files.write(None, "s", files.record(range(64), "t", *second))
         return read_blocks(self, path, meta, tensors, chunks)
 
-    monkeypatch.setattr(store.SessionFiles, "_read_blocks", racing)
+    monkeypatch.setattr(CheckedReader, "_read_blocks", racing)
     got = files.read(None, "s")
     assert calls == ["1", "2"] and torch.equal(files.decode(got)[0], second[0])

@@ -27,7 +27,8 @@ import pytest
 
 from bench import harness
 from sgl_memory.core.sessions import ROUTING_HEADER, routing_key
-from sgl_memory.persist.store import _digest, read_metadata
+from sgl_memory.persist.header import read_metadata
+from sgl_memory.persist.layout import digest
 from test_persist_server import ALONE, CONVERSATIONS, SYSTEM, chat, run_turns, session_file
 
 pytestmark = pytest.mark.server
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.server
 
 def share(a, b, tenant: str) -> None:
     """The tenant's directory of A's store is B's too: both replicas read and write its sessions there."""
-    shared = a.dir / "store" / _digest("tenant", tenant)
+    shared = a.dir / "store" / digest("tenant", tenant)
     shared.mkdir(parents=True, exist_ok=True)
     (b.dir / "store" / shared.name).symlink_to(shared, target_is_directory=True)
 

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 
 from sgl_memory import models
 from sgl_memory.persist.session import RANKS_DIFFER
-from sgl_memory.persist.store import read_metadata
+from sgl_memory.persist.header import read_metadata
 
 pytestmark = pytest.mark.server
 
