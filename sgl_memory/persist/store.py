@@ -45,7 +45,7 @@ from sgl_memory.persist.header import generation_of, head_metadata
 from sgl_memory.persist.layout import StoreLayout
 from sgl_memory.persist.reads import CheckedReader
 from sgl_memory.persist.records import ANY_NAMESPACE, CacheSpec, Chunk, SessionRecord, StoreError, WriteConflict
-from sgl_memory.persist.writes import AtomicWriter
+from sgl_memory.persist.atomic import AtomicWriter
 
 # the record types are the store's own: its callers import them from here
 __all__ = ["ANY_NAMESPACE", "CacheSpec", "Chunk", "SessionFiles", "SessionRecord", "StoreError", "WriteConflict"]
@@ -54,7 +54,7 @@ __all__ = ["ANY_NAMESPACE", "CacheSpec", "Chunk", "SessionFiles", "SessionRecord
 class SessionFiles:
     """A server's session store (see the module's docstring), its jobs each in a piece of its own:
     the files' names, sizes and quota (layout.py), blocks encoded and decoded (codec.py), the
-    atomic write (writes.py) and the checked read (reads.py)."""
+    atomic write (atomic.py) and the checked read (reads.py)."""
 
     def __init__(
         self, root: str | os.PathLike, spec: CacheSpec, quant: str = "q4", kivi: bool = False, block_size: int = 256
