@@ -125,12 +125,12 @@ def test_the_overrides_listed_are_exactly_the_overrides():
 
 
 def test_the_allocator_view_wraps_what_is_listed():
-    from sgl_memory.engine.radix_cache import SentinelSafeAllocator
+    from sgl_memory.engine.dead_slots import SentinelSafeAllocator
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
     base = f"{BaseTokenToKVPoolAllocator.__module__}.{BaseTokenToKVPoolAllocator.__qualname__}"
     found = {
-        ("sgl_memory.engine.radix_cache.SentinelSafeAllocator", f"{base}.{name}")
+        ("sgl_memory.engine.dead_slots.SentinelSafeAllocator", f"{base}.{name}")
         for name in vars(SentinelSafeAllocator)
         if not name.startswith("_") and hasattr(BaseTokenToKVPoolAllocator, name)
     }

@@ -80,7 +80,7 @@ def test_idle_sessions_leave_by_furthest_next_use_and_a_done_one_first():
     now = time.monotonic()
     expected = {"a": now + 100.0, "b": now + 1.0, "c": math.inf, "d": now + 30.0}
     for name, when in expected.items():
-        cache.expect(nodes[name], lambda t, when=when: when)
+        cache.host.expect(nodes[name], lambda t, when=when: when)
     brute_force = sorted(expected, key=lambda n: -expected[n])  # furthest next use first
     assert evicted_order(cache, alloc) == brute_force + ["shared"] == ["c", "a", "d", "b", "shared"]
 
@@ -88,7 +88,7 @@ def test_idle_sessions_leave_by_furthest_next_use_and_a_done_one_first():
 def test_another_policy_chosen_by_the_operator_is_kept():
     cache, alloc = make(policy="fifo")
     nodes = fill(cache)
-    cache.expect(nodes["a"], lambda t: 0.0)  # would be last under next use
+    cache.host.expect(nodes["a"], lambda t: 0.0)  # would be last under next use
     # fifo: by creation, a's node first (the shared prefix was split off it later, by b's insert)
     assert evicted_order(cache, alloc) == ["a", "b", "c", "d", "shared"]
 
@@ -101,17 +101,17 @@ def test_a_held_path_is_not_evicted_until_its_request_leaves_the_queue():
     cache, alloc = make()
     nodes = fill(cache)
     waiting, running = Req(), Req()
-    cache.hold(waiting, nodes["a"], len(SESSIONS["a"]))
-    cache.hold(running, nodes["b"], len(SESSIONS["b"]))
-    assert cache.held_tokens() == 20
+    cache.host.hold(waiting, nodes["a"], len(SESSIONS["a"]))
+    cache.host.hold(running, nodes["b"], len(SESSIONS["b"]))
+    assert cache.host.held_tokens() == 20
     scheduler = SimpleNamespace(waiting_queue=[waiting])
-    cache.after_prefill(scheduler, scheduled=True, idle=False)  # `running` left the queue: its hold goes
-    assert cache.held_tokens() == 10
+    cache.holds.after_prefill(scheduler, scheduled=True, idle=False)  # `running` left the queue: its hold goes
+    assert cache.host.held_tokens() == 10
     order = evicted_order(cache, alloc)
     assert "a" not in order and "b" in order
     # nothing ran and nothing could be scheduled while it waits: every hold goes
-    cache.after_prefill(scheduler, scheduled=False, idle=True)
-    assert cache.held_tokens() == 0 and evicted_order(cache, alloc) == ["a", "shared"]
+    cache.holds.after_prefill(scheduler, scheduled=False, idle=True)
+    assert cache.host.held_tokens() == 0 and evicted_order(cache, alloc) == ["a", "shared"]
 
 
 def predictor(**config) -> NextUse:

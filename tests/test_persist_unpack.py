@@ -49,18 +49,19 @@ def test_a_restore_reserved_here_written_on_another_thread_lands_with_its_kv():
     cache, pool, alloc = tree()
     shared, tokens = [1, 2, 3, 4], [1, 2, 3, 4, 9, 8, 7, 6, 5]
     keys, values = kv_of(shared)
-    assert tree_fill.place(cache, RadixKey(shared), cache.match(RadixKey(shared)), keys, values)
+    host = cache.host
+    assert tree_fill.place(host, RadixKey(shared), host.match(RadixKey(shared)), keys, values)
     key = RadixKey(list(tokens))
-    match = cache.match(key)
-    reserved = tree_fill.reserve(cache, key, match)
+    match = host.match(key)
+    reserved = tree_fill.reserve(host, key, match)
     assert match.device_prefix_len == 4 and len(reserved.slots) == 5
     assert alloc.available_size() == POOL - 9  # the reserved slots are taken ...
     assert read_back(cache, pool, tokens)[0] == 4  # ... and not in the tree yet
     keys, values = kv_of(tokens)
-    writer = threading.Thread(target=tree_fill.write, args=(cache, reserved, keys[:, 4:], values[:, 4:]))
+    writer = threading.Thread(target=tree_fill.write, args=(host, reserved, keys[:, 4:], values[:, 4:]))
     writer.start()
     writer.join()
-    tree_fill.insert(cache, reserved)
+    tree_fill.insert(host, reserved)
     found, kv = read_back(cache, pool, tokens)
     assert found == 9 and torch.equal(kv, values[0, :, 0])
     assert cache.protected_size() == 0  # the matched part was locked only while the restore ran
@@ -70,16 +71,16 @@ def test_a_second_restore_of_a_path_that_landed_first_gives_its_slots_back():
     cache, pool, alloc = tree()
     tokens = list(range(10, 20))
     keys, values = kv_of(tokens)
-    key = RadixKey(tokens)
-    first, second = (tree_fill.reserve(cache, key, cache.match(key)) for _ in range(2))
+    key, host = RadixKey(tokens), cache.host
+    first, second = (tree_fill.reserve(host, key, host.match(key)) for _ in range(2))
     for reserved in (first, second):
-        tree_fill.write(cache, reserved, keys, values)
-    tree_fill.insert(cache, first)
-    tree_fill.insert(cache, second)
+        tree_fill.write(host, reserved, keys, values)
+    tree_fill.insert(host, first)
+    tree_fill.insert(host, second)
     assert alloc.available_size() == POOL - 10 and cache.evictable_size() == 10
     assert torch.equal(read_back(cache, pool, tokens)[1], values[0, :, 0])
-    abandoned = tree_fill.reserve(cache, RadixKey(tokens + [1, 2]), cache.match(RadixKey(tokens + [1, 2])))
-    tree_fill.release(cache, abandoned)
+    abandoned = tree_fill.reserve(host, RadixKey(tokens + [1, 2]), host.match(RadixKey(tokens + [1, 2])))
+    tree_fill.release(host, abandoned)
     assert alloc.available_size() == POOL - 10 and cache.protected_size() == 0
 
 

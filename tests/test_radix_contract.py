@@ -262,7 +262,7 @@ def test_every_mode_keeps_the_plain_radix_cache_contract(mode, page_size, tmp_pa
         trees.append(tree)
         allocators.append(allocator)
     plain, ours = trees
-    held_by_ours = 1 if ours.sentinel is not None else 0  # the pruning sentinel is a real slot
+    held_by_ours = 1 if ours.host.sentinel is not None else 0  # the pruning sentinel is a real slot
     logical = [{}, {}]  # slot -> allocation order, per tree: slots differ, allocation order must not
     rng = random.Random(hash((mode, page_size)) & 0xFFFF)
     inserted: list[list[int]] = []
@@ -350,7 +350,7 @@ def test_fresh_slots_come_from_eviction_inside_a_free_group(tmp_path):
         tree.insert(InsertParams(key=RadixKey([first] + [9] * (n - 1)), value=allocator.alloc(n).to(torch.int64)))
     assert allocator.available_size() == 0
     allocator.free_group_begin()
-    slots = tree.alloc_slots(40)
+    slots = tree.host.alloc_slots(40)
     assert slots is not None and len(set(slots.tolist())) == 40
     assert allocator.free_group is not None  # still open: its caller ends it
     allocator.free_group_end()
@@ -363,7 +363,7 @@ def test_sentinel_safe_allocator_forwards_each_free_variant():
     and each remaining run of a segment at its own start position."""
     from types import SimpleNamespace
 
-    from sgl_memory.engine.radix_cache import SentinelSafeAllocator
+    from sgl_memory.engine.dead_slots import SentinelSafeAllocator
 
     calls = []
 
@@ -430,10 +430,10 @@ def test_the_tree_applies_the_composition_rules_to_rows_and_paths():
         [fake("a", branches=((0, 1),), branch_ids=ids), fake("b", branches=((2, 3),), branch_ids=ids)]
     )
     with pytest.raises(RuntimeError, match="^a and b each branches the request's path"):
-        cache.branches(req)
+        cache.host.branches(req)
     with pytest.raises(RuntimeError, match="^a and b each branches the request's path"):
         cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3]), req=req))
     cache.composition = Composition([fake("a"), fake("b", branches=((2, 3),))])
-    assert cache.branches(req) == ((2, 3),)
+    assert cache.host.branches(req) == ((2, 3),)
     cache.composition = Composition([])
-    assert cache.branches(req) == ()
+    assert cache.host.branches(req) == ()

@@ -110,7 +110,7 @@ class Sim:
             disable=False, req_to_token_pool=self.rtt, token_to_kv_pool_allocator=self.alloc, page_size=1
         )
         self.tree = SglMemoryRadixCache(params, config)
-        self.pruner = self.tree.mechanism("intent")
+        self.pruner = self.tree.composition.get("intent")
         self.pruner.markers = RoleMarkers(None, {})
         self.free_rows = list(range(ROWS))
         self.running: list[FakeReq] = []
@@ -222,7 +222,7 @@ class Sim:
             self.check()
 
     def check(self):
-        sentinel = self.tree.sentinel
+        sentinel = self.tree.dead_slots.sentinel
         free = torch.cat([self.alloc.free_pages, self.alloc.release_pages]).tolist()
         assert len(free) == len(set(free)), "a slot is free twice"
         assert sentinel not in free, "the sentinel was freed"
@@ -244,7 +244,7 @@ class Sim:
             self.alloc.available_size() + self.tree.evictable_size() + self.tree.protected_size() + len(private) == POOL
         )
         self.check_pruned_paths(self.tree.root_node, branched=False)
-        # the server's own integrity check (engine/radix_cache.py) agrees with the one above
+        # the server's own integrity check (engine/integrity.py) agrees with the one above
         assert integrity.check(self.tree, [r.kv for r in self.running]) == []
         for req in self.running:
             row = self.row(req)[: len(req.seq)].long()
@@ -268,7 +268,7 @@ class Sim:
         for child in node.children.values():
             ids, values = list(child.key.token_ids), child.value.tolist()
             branch = 0 if branched else next((i for i, t in enumerate(ids) if t < 0), len(ids))
-            assert self.tree.sentinel not in values[:branch], "pruned KV on a plain path"
+            assert self.tree.dead_slots.sentinel not in values[:branch], "pruned KV on a plain path"
             self.check_pruned_paths(child, branch < len(ids))
 
 
@@ -297,7 +297,7 @@ def test_the_integrity_check_finds_each_kind_of_fault():
         sim.start()
     owners = [r.kv for r in sim.running]
     assert integrity.check(sim.tree, owners) == []
-    tree_slot = int(next(s for s in sim.tree.all_values_flatten().tolist() if s != sim.tree.sentinel))
+    tree_slot = int(next(s for s in sim.tree.all_values_flatten().tolist() if s != sim.tree.dead_slots.sentinel))
     sim.alloc.free_pages = torch.cat([sim.alloc.free_pages, torch.tensor([tree_slot])])
     assert any("held by both the tree and the free list" in p for p in integrity.check(sim.tree, owners))
     sim.alloc.free_pages = sim.alloc.free_pages[:-1]
@@ -355,13 +355,13 @@ class AllSim(Sim):
     def __init__(self, seed, store):
         super().__init__(seed)
         spec = CacheSpec("toy", "cfg", layers=2, kv_heads=1, head_dim=2, dtype="float32", page_size=1)
-        persist = SessionPersistence(PersistConfig(enabled=True, dir=str(store), quant="bf16"), self.tree, spec)
+        persist = SessionPersistence(PersistConfig(enabled=True, dir=str(store), quant="bf16"), self.tree.host, spec)
         persist.text.tokenizer = Chars()
         memory = MemArtManager(
-            MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree, Rope(head_dim=2, theta=10000.0)
+            MemArtConfig(enabled=True, block_size=4, top_k=3), self.tree.host, Rope(head_dim=2, theta=10000.0)
         )
         memory.roles.markers = RoleMarkers(None, {})
-        self.tree.composition = Composition([*self.tree.mechanisms, persist, memory], self.tree.requests)
+        self.tree.composition = Composition([*self.tree.composition.mechanisms, persist, memory], self.tree.requests)
         self.persist, self.memory = persist, memory
         self.placed = self.restored = self.recorded_dead = 0
         self.waiting: list[FakeReq] = []
@@ -392,7 +392,7 @@ class AllSim(Sim):
         written for its token at its position."""
         pool = self.memory.pools.session(state.owner, create=False)
         pool.ingest(4)
-        start, n, sentinel = state.prompt_kv_start, len(req.origin_input_ids), self.tree.sentinel
+        start, n, sentinel = state.prompt_kv_start, len(req.origin_input_ids), self.tree.dead_slots.sentinel
         had_kv = [p for p in range(start, n) if int(req.prefilled_row[p]) != sentinel]
         if not had_kv:
             return
@@ -433,9 +433,9 @@ class AllSim(Sim):
         if len(self.waiting) < 3:
             self.waiting.append(self.admitted())
         scheduler = SimpleNamespace(waiting_queue=self.waiting)
-        held_back = set(self.tree.before_prefill(scheduler, running=bool(self.running)))
+        held_back = set(self.tree.composition.before_prefill(scheduler, scheduler.waiting_queue, bool(self.running)))
         self.persist.restorer._unpacker.settle()  # so that the run does not depend on the thread's timing
-        ready = self.tree.held_first([r for r in self.waiting if r not in held_back])
+        ready = self.tree.holds.held_first([r for r in self.waiting if r not in held_back])
         if ready and self.free_rows:
             req = ready[0]
             self.waiting.remove(req)
@@ -444,7 +444,7 @@ class AllSim(Sim):
                 self.restored += bool((turn := self.persist.turns.get(req.rid)) and turn.restored_tokens)
             else:
                 self.tree.on_drop(req)  # as SGLang's release of a request aborted in its queue
-        self.tree.after_prefill(scheduler, scheduled=bool(ready), idle=not self.running)
+        self.tree.holds.after_prefill(scheduler, scheduled=bool(ready), idle=not self.running)
 
     def reserved(self) -> list[int]:
         return [s for job in self.persist.restorer._unpacker._jobs.values() for s in job.context[1].slots.tolist()]
@@ -466,7 +466,7 @@ def test_all_mechanisms_together_conserve_slots_and_read_their_own_kv(seed, tmp_
     sim.run(400)
     assert sim.pruned > 10 and sim.placed > 3 and sim.restored > 3, (sim.pruned, sim.placed, sim.restored)
     assert sim.recorded_dead > 0, "memory must have recorded positions that pruning dropped"
-    for m in sim.tree.mechanisms:
+    for m in sim.tree.composition.mechanisms:
         assert m.drain(30)
     assert integrity.request_state(sim.tree, set()) == []  # every request ended: so did its state
     sim.tree.evict(EvictParams(num_tokens=POOL))

@@ -105,16 +105,16 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
     """One rank: join the gloo group, score with every scorer, save the scores."""
     import torch.distributed as dist
 
-    from sgl_memory.engine import radix_cache
+    from sgl_memory.engine import tree_host
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=RANKS)
 
     class Group:  # SGLang's TP group coordinator, as reduce_heads reads it: its gloo side
         cpu_group = dist.group.WORLD
 
-    radix_cache.get_tp_group = lambda: Group
+    tree_host.get_tp_group = lambda: Group
     tree = type("Rank", (), {"tp_size": RANKS})()
-    reduce = lambda x, op: radix_cache.SglMemoryRadixCache.reduce_heads(tree, x, op)  # noqa: E731
+    reduce = lambda x, op: tree_host.TreeHost.reduce_heads(tree, x, op)  # noqa: E731
     with torch.no_grad():
         scores = {name: scorers.get(name).score(inputs(name, rank, reduce)) for name in sorted(scorers.SCORERS)}
         q, index = blocks(rank)
@@ -127,7 +127,7 @@ def rank_main(rank: int, rendezvous: str, out: str) -> None:
             }
         )
         # what persistence agrees on: each rank's own counts and digests
-        scores["rank_range"] = radix_cache.SglMemoryRadixCache.rank_range(tree, [rank, 5, -3 * rank, 2**62 + rank])
+        scores["rank_range"] = tree_host.TreeHost.rank_range(tree, [rank, 5, -3 * rank, 2**62 + rank])
     torch.save(scores, out)
     dist.destroy_process_group()
 

@@ -1,9 +1,10 @@
 """The radix tree as a mechanism sees it: the KV host protocol.
 
 A mechanism gets the tree in `Mechanism.build` and reaches the KV cache only through what is listed
-here (the engine's tree, radix_cache.py, implements it; tree_fill.py builds placement and copying
-on top of it). Keys, match results and tree nodes are the engine's: a mechanism passes them back,
-it never looks inside. The KV pool is SGLang's, read through its buffer accessors.
+here (the engine's `TreeHost`, engine/tree_host.py, implements it over the radix tree and is what a
+mechanism is handed as `tree`; tree_fill.py builds placement and copying on top of it). Keys, match
+results and tree nodes are the engine's: a mechanism passes them back, it never looks inside. The
+KV pool is SGLang's, read through its buffer accessors.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class KVPool(Protocol):
 
 
 class KVHost(Protocol):
+    """What a mechanism may ask of the tree (implemented by the engine's TreeHost)."""
+
     sessions: SessionRegistry  # every mechanism's per-session state, one slot each
     requests: RequestStore  # every mechanism's per-request state (requests.py), ended by the composition
     disable: bool  # the server runs without a radix cache: nothing is ever held

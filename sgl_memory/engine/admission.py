@@ -58,7 +58,7 @@ def admit_hook(scheduler, req, *args, **kwargs):
         return None
     if spec.tenant is not None:
         req.extra_key = namespace(req.extra_key, "tenant", spec.tenant)
-    if getattr(tree, "mechanisms", None):
+    if getattr(tree, "composition", None):
         tree.admit(scheduler, req, spec)
     return None
 
@@ -69,7 +69,7 @@ def dropped_hook(result, scheduler, req, *args, **kwargs):
     the tree's release: the per-request state its admission made is dropped here. One that holds a
     row is released by the tree as any other, right after."""
     tree = scheduler.tree_cache
-    if req in ADMITTED and not req.kv.holds_kv and getattr(tree, "mechanisms", None):
+    if req in ADMITTED and not req.kv.holds_kv and getattr(tree, "composition", None):
         tree.on_drop(req)
     return None
 
@@ -79,8 +79,8 @@ def prefill_hook(original, scheduler, running_batch, *args, **kwargs):
     waiting queue first (persistence restores a deferred session's KV when the tree can hold it);
     for this batch only, a request they hold back (its KV not back yet) is out of the queue, so the
     scheduler does not prefill what is about to be restored, and the requests the tree holds KV for
-    come first (tree.held_first). The queue then goes back to its order, and the tree lets go of
-    the holds of the requests that left it (tree.after_prefill)."""
+    come first (Holds.held_first). The queue then goes back to its order, and the tree lets go of
+    the holds of the requests that left it (Holds.after_prefill)."""
     tree = scheduler.tree_cache
     if CHECK_EVERY_STEP and isinstance(tree, SglMemoryRadixCache) and not tree.disable:
         problems = integrity.check(tree, integrity.row_owners(scheduler))
@@ -88,15 +88,16 @@ def prefill_hook(original, scheduler, running_batch, *args, **kwargs):
             raise RuntimeError(
                 f"{CHECK_INTEGRITY_ENV}: the tree's integrity failed before a batch: {'; '.join(problems)}"
             )
-    if not getattr(tree, "mechanisms", None):
+    if not getattr(tree, "composition", None):
         return original(scheduler, running_batch, *args, **kwargs)
     # the batch that runs now (the last prefill merged in), not scheduler.running_batch, which lags it
-    held_back = set(tree.before_prefill(scheduler, running=not running_batch.is_empty()))
-    if not held_back and not tree.held_tokens():
+    held_back = set(tree.composition.before_prefill(scheduler, scheduler.waiting_queue, not running_batch.is_empty()))
+    holds = tree.holds
+    if not held_back and not holds.held_tokens():
         plan = original(scheduler, running_batch, *args, **kwargs)  # the queue as SGLang keeps it
     else:
         order = list(scheduler.waiting_queue)
-        scheduler.waiting_queue = tree.held_first([r for r in order if r not in held_back])
+        scheduler.waiting_queue = holds.held_first([r for r in order if r not in held_back])
         try:
             plan = original(scheduler, running_batch, *args, **kwargs)
         finally:
@@ -105,5 +106,5 @@ def prefill_hook(original, scheduler, running_batch, *args, **kwargs):
             back = [r for r in order if r in left or r in held_back]
             placed = set(back)
             scheduler.waiting_queue = back + [r for r in scheduler.waiting_queue if r not in placed]
-    tree.after_prefill(scheduler, scheduled=plan.batch_to_run is not None, idle=plan.running_batch.is_empty())
+    holds.after_prefill(scheduler, scheduled=plan.batch_to_run is not None, idle=plan.running_batch.is_empty())
     return plan

@@ -4,11 +4,16 @@ SGLang's objects to the part of sgl-memory that owns the behaviour.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
 from sgl_memory.core import capture, metrics, prometheus
 from sgl_memory.core.request import FIELD
 from sgl_memory.engine import integrity, runtime
+
+if TYPE_CHECKING:
+    from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 
 # What GET /sgl_memory/sessions pages and GET /sgl_memory/integrity reports: each is asked of the
 # scheduler as SGLang's internal-state request whose rid is this key, and answered under it
@@ -80,11 +85,21 @@ def stream_finish_hook(result, accumulator, *args, req, **kwargs):
     return None
 
 
+def describe_sessions(tree: SglMemoryRadixCache) -> list[dict]:
+    """Every session the tree holds, least recently used first: its tenant, id and last use,
+    and what each mechanism says of its slot (Mechanism.describe_session): sizes, no contents."""
+    out = []
+    for (tenant, session_id), used, slots in tree.sessions.snapshot():
+        row = {"tenant": tenant or None, "session_id": session_id, "last_use": round(used, 3)}
+        out.append(row | tree.composition.describe_session(slots))
+    return out
+
+
 def sessions_state_hook(result, scheduler, recv_req=None, *args, **kwargs):
     """AFTER hook on the scheduler's get_internal_state: for a request named SESSIONS_KEY the
-    sessions its tree holds, described (SglMemoryRadixCache.describe_sessions), for the HTTP side's
-    inspector; for one named INTEGRITY_KEY the tree's integrity problems and the per-request state
-    left by requests that ended (integrity.py). SGLang's
+    sessions its tree holds, described (describe_sessions), for the HTTP side's inspector; for one
+    named INTEGRITY_KEY the tree's integrity problems and the per-request state left by requests
+    that ended (integrity.py). SGLang's
     internal-state request is the one channel from the HTTP process to the scheduler that answers;
     SGLang's own askers (GET /server_info, polled by routers) name nothing and pay for neither walk."""
     ask = getattr(recv_req, "rid", None)
@@ -93,7 +108,7 @@ def sessions_state_hook(result, scheduler, recv_req=None, *args, **kwargs):
     if ask not in (SESSIONS_KEY, INTEGRITY_KEY) or tree is None or tree.disable or not isinstance(state, dict):
         return result
     if ask == SESSIONS_KEY:
-        state[SESSIONS_KEY] = tree.describe_sessions()
+        state[SESSIONS_KEY] = describe_sessions(tree)
     else:
         state[INTEGRITY_KEY] = integrity.check(tree, integrity.row_owners(scheduler)) + integrity.request_state(
             tree, integrity.in_flight(scheduler)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from sgl_memory.core import tree_fill
-from sgl_memory.engine.radix_cache import COUNTED
+from sgl_memory.engine.dead_slots import COUNTED
 
 
 def row_owners(scheduler) -> list:
@@ -52,7 +52,7 @@ def check(tree, owners=()) -> list[str]:
     every node: a debug setting (engine/admission.py) and the tests run it, not the hot path."""
     if tree.disable:
         return []
-    page, sentinel, problems = tree.page_size, tree.sentinel, []
+    page, sentinel, problems = tree.page_size, tree.dead_slots.sentinel, []
     empty = torch.zeros(0, dtype=torch.int64)
 
     def cat(parts) -> torch.Tensor:
@@ -82,7 +82,7 @@ def check(tree, owners=()) -> list[str]:
         paths.append((kv, real(row)))
     own = cat(own)
     once("running requests' rows", own)
-    reserved = tree_fill.reserved_slots(tree)
+    reserved = tree_fill.reserved_slots(tree.host)  # reservations are the KV host's (tree_fill.reserve)
     free_pages = tree.token_to_kv_pool_allocator.get_all_free_pages()
     free = cat([] if free_pages is None else [free_pages])
     once("the free list", free)
@@ -111,12 +111,12 @@ def check(tree, owners=()) -> list[str]:
     evictable = protected = dead_evictable = dead_protected = 0
     for node in nodes:
         n = len(node.value) if node.value is not None else 0
-        dead = tree.dead_entries(node) if node in COUNTED else 0
+        dead = tree.dead_slots.entries(node) if node in COUNTED else 0
         if node.lock_ref == 0:
             evictable, dead_evictable = evictable + n, dead_evictable + dead
         else:
             protected, dead_protected = protected + n, dead_protected + dead
-    counted = (tree.evictable_size_, tree.protected_size_, *tree.dead_counts())
+    counted = (tree.evictable_size_, tree.protected_size_, *tree.dead_slots.counts())
     if counted != (evictable, protected, dead_evictable, dead_protected):
         problems.append(
             f"the tree counts (evictable, protected, their sentinel entries) {counted}, its nodes hold "

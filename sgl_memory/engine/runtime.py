@@ -21,7 +21,7 @@ def tree():
 
 def sentinel() -> int | None:
     """The KV slot pruned positions point at, or None when no pruning runs here."""
-    return getattr(_TREE, "sentinel", None)
+    return None if _TREE is None else _TREE.dead_slots.sentinel
 
 
 def composition():
