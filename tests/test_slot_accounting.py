@@ -111,7 +111,7 @@ class Sim:
         )
         self.tree = SglMemoryRadixCache(params, config)
         self.pruner = self.tree.composition.get("intent")
-        self.pruner.markers = RoleMarkers(None, {})
+        self.pruner.planner.markers = RoleMarkers(None, {})
         self.free_rows = list(range(ROWS))
         self.running: list[FakeReq] = []
         self.bases = [[self.rng.randint(0, 6) for _ in range(24)] for _ in range(3)]

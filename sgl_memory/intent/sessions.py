@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_memory.core.sessions import SessionKey
+from sgl_memory.core.sessions import SessionKey, SessionRegistry
+from sgl_memory.intent.settings import IntentConfig
 
 # Where a session key came from, strongest first (IntentKV appendix A).
 KEY_SOURCES = ("session_id", "sglang_session", "session_span", "prefix_hash", "request")
@@ -97,3 +98,50 @@ class QueryMemory:
             self.state = unit_rows(self.decay * self.state + (1.0 - self.decay) * q_mean)
         self.updates += 1
         return self.state
+
+
+class SessionMemories:
+    """The sessions' QueryMemory slots of one pruner in the tree's session registry: made at a
+    session's first use, its adaptive budget, and their export to and import from a persisted
+    session (kept with the session by persistence)."""
+
+    def __init__(self, registry: SessionRegistry, name: str, decay: float):
+        self.registry, self.name, self.decay = registry, name, decay
+
+    def memory(self, key: SessionKey) -> QueryMemory:
+        """The session's QueryMemory, made empty at its first request."""
+        return self.registry.get(key, self.name, lambda: QueryMemory(self.decay))
+
+    def budget(self, key: SessionKey, cfg: IntentConfig) -> AdaptiveBudget:
+        """The session's adaptive budget, made at its first request from the configured budget."""
+        memory = self.memory(key)
+        if memory.budget is None:
+            memory.budget = AdaptiveBudget(min(max(cfg.budget, cfg.budget_floor), cfg.budget_ceiling))
+        return memory.budget
+
+    def export(self, key: SessionKey) -> dict[str, torch.Tensor]:
+        memory = self.registry.get(key, self.name)
+        state = memory.state if memory is not None else None  # read once: update() replaces it whole
+        if state is None:
+            return {}
+        out = {"query_memory": state, "updates": torch.tensor([memory.updates])}
+        if memory.budget is not None:
+            out["adaptive_budget"] = torch.tensor([memory.budget.current])
+        return out
+
+    @staticmethod
+    def describe(slot: QueryMemory) -> dict[str, int]:
+        out = {"query_memory_turns": slot.updates}
+        if slot.budget is not None:
+            out["adaptive_budget"] = slot.budget.current
+        return out
+
+    def restore(self, key: SessionKey, tensors: dict[str, torch.Tensor]) -> None:
+        if "query_memory" not in tensors:
+            return
+        memory = self.memory(key)
+        if memory.state is None:
+            memory.state = tensors["query_memory"].float()
+            memory.updates = int(tensors["updates"][0]) if "updates" in tensors else 1
+        if memory.budget is None and "adaptive_budget" in tensors:
+            memory.budget = AdaptiveBudget(int(tensors["adaptive_budget"][0]))
