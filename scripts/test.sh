@@ -10,7 +10,9 @@ scripts/setup.sh --dev smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
 # What this machine is, so that a slow run can be read: the CPU, and the dtype the servers compute in.
 echo "[test] $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), $(nproc) cores"
 .venv/bin/python -c "from sgl_memory import cpu_dtype; print('[test]', cpu_dtype.choose().log_line())"
-# Lint and format first (seconds): pyproject.toml's [tool.ruff] holds the tree at zero.
+# Lint, format and types first (about a minute): pyproject.toml's [tool.ruff] and [tool.mypy] hold the tree at zero.
 .venv/bin/python -m ruff check --no-cache .
 .venv/bin/python -m ruff format --check --no-cache .
+# The type check of the core and the engine (pyproject.toml [tool.mypy]): the mechanism contract, typed.
+.venv/bin/python -m mypy --cache-dir=/dev/null
 exec .venv/bin/python -m pytest -p no:cacheprovider -q -ra --durations=30 "$@"

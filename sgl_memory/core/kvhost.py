@@ -63,12 +63,30 @@ class KVPool(Protocol):
 class KVHost(Protocol):
     """What a mechanism may ask of the tree (implemented by the engine's TreeHost)."""
 
-    sessions: SessionRegistry  # every mechanism's per-session state, one slot each
-    requests: RequestStore  # every mechanism's per-request state (requests.py), ended by the composition
-    disable: bool  # the server runs without a radix cache: nothing is ever held
-    page_size: int
-    tp_size: int  # the tensor-parallel group's size (1: none); a rank's pool holds its share of the KV heads
-    sentinel: int | None  # the slot pruned positions point at (None: no pruning runs here)
+    # read-only: the tree's, read through (the sentinel is taken again after flush_cache)
+
+    @property
+    def sessions(self) -> SessionRegistry:
+        """Every mechanism's per-session state, one slot each."""
+
+    @property
+    def requests(self) -> RequestStore:
+        """Every mechanism's per-request state (requests.py), ended by the composition."""
+
+    @property
+    def disable(self) -> bool:
+        """The server runs without a radix cache: nothing is ever held."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def tp_size(self) -> int:
+        """The tensor-parallel group's size (1: none); a rank's pool holds its share of the KV heads."""
+
+    @property
+    def sentinel(self) -> int | None:
+        """The slot pruned positions point at (None: no pruning runs here)."""
 
     @property
     def pool(self) -> KVPool:

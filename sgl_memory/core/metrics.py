@@ -55,7 +55,9 @@ class Stats:
                 while len(self.recent) > RECENT:
                     self.recent.popitem(last=False)
 
-    def lookup(self, rid: str) -> dict | None:
+    def lookup(self, rid: str | None) -> dict | None:
+        if rid is None:
+            return None
         with self._lock:
             return self.recent.get(rid)
 

@@ -123,6 +123,7 @@ class DeadSlots:
         return view
 
     def take_sentinel(self) -> None:
+        assert self.allocator is not None, "the sentinel is taken from the allocator install() was given"
         slot = self.allocator.alloc(1)
         if slot is None:
             raise RuntimeError("no KV slot free for the intent-pruning sentinel")

@@ -7,10 +7,12 @@ from __future__ import annotations
 import functools
 import uuid
 from contextvars import ContextVar
+from typing import cast
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 from sgl_memory.core import mechanism
+from sgl_memory.core.front import Incoming
 from sgl_memory.core.request import decode, encode
 from sgl_memory.core.spans import RoleMarkers
 
@@ -87,10 +89,10 @@ class TokenizerEngine:
     def context_len(self) -> int:
         return self.manager.context_len
 
-    async def prefill(self, raw: dict, input_ids: list[int] | None = None, like: IncomingRequest | None = None) -> dict:
+    async def prefill(self, raw: dict, input_ids: list[int] | None = None, like: Incoming | None = None) -> dict:
         rid = f"sgl-memory-pass-{uuid.uuid4().hex}"
         if like is not None:
-            src = like.obj
+            src = cast(IncomingRequest, like).obj  # the requests a mechanism is shown are this engine's
             obj = GenerateReqInput(
                 text=src.text,
                 input_ids=src.input_ids,

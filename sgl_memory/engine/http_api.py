@@ -24,6 +24,7 @@ import dataclasses
 import json
 import uuid
 from contextvars import ContextVar
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -119,7 +120,7 @@ def with_headers(raw, headers: list[tuple[bytes, bytes]], sources: SessionSource
     session id the field lacks (the field's own wins), `x-tenant-id` names the tenant where the
     operator allows it (a field naming another tenant is refused: the header is the gateway's).
     Raises SpecError naming the header."""
-    found = {SESSION_HEADER: [], TENANT_HEADER: []}
+    found: dict[str, list[str]] = {SESSION_HEADER: [], TENANT_HEADER: []}
     for name, value in headers:
         key = name.decode("latin-1").lower()
         if key in found:
@@ -304,7 +305,7 @@ def _replay(messages, receive):
 def _with_metrics(send):
     """Add the request's metrics as `sgl_memory` to an OpenAI response: a JSON one is buffered and
     rewritten; a streamed one (server-sent events) gets one more chunk before `data: [DONE]`."""
-    state = {"start": None, "chunks": [], "stream": None}
+    state: dict[str, Any] = {"start": None, "chunks": [], "stream": None}
 
     async def wrapped(message):
         if message["type"] == "http.response.start":

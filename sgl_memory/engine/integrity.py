@@ -75,12 +75,12 @@ def check(tree, owners=()) -> list[str]:
     in_tree = real(cat(n.value for n in nodes if n.value is not None))
     once("the tree's nodes", in_tree)
     rows = tree.req_to_token_pool.req_to_token
-    own, paths = [], []
+    own_parts, paths = [], []
     for kv in owners:
         row = rows[kv.req_pool_idx, : kv.kv_allocated_len].to(torch.int64).cpu()
-        own.append(real(row[kv.cache_protected_len :]))
+        own_parts.append(real(row[kv.cache_protected_len :]))
         paths.append((kv, real(row)))
-    own = cat(own)
+    own = cat(own_parts)
     once("running requests' rows", own)
     reserved = tree_fill.reserved_slots(tree.host)  # reservations are the KV host's (tree_fill.reserve)
     free_pages = tree.token_to_kv_pool_allocator.get_all_free_pages()

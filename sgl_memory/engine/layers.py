@@ -62,10 +62,11 @@ def _cut(forward_batch, hidden, stay: torch.Tensor):
     return _restart(forward_batch, value[stay], None if residual is None else residual[stay], update)
 
 
-def _restore(forward_batch, hidden, rows: RowLayout):
-    """The layer's output and residual back at their rows of the whole forward (zeros where dropped)."""
+def _restore(forward_batch, hidden, rows: RowLayout, kept: torch.Tensor):
+    """The layer's output and residual back at their rows of the whole forward (zeros where
+    dropped); `kept`: the rows the layer computed (rows.index)."""
     value, residual, update = _export(forward_batch, hidden)
-    index = rows.index.to(value.device)
+    index = kept.to(value.device)
 
     def spread(x):
         if x is None:
@@ -104,7 +105,7 @@ def layer_hook(original, layer, positions, hidden_states, forward_batch, *args, 
     finally:
         forward_batch.out_cache_loc = full_loc
     if layer_id == _last_layer():
-        return out if rows.index is None else _restore(forward_batch, out, rows)
+        return out if rows.index is None else _restore(forward_batch, out, rows, rows.index)
     kept_from = _kept_from(forward_batch, droppers)
     if kept_from is None:
         return out

@@ -64,6 +64,8 @@ class SglMemoryRadixCache(RadixCache):
     for waiting requests: its overrides of SGLang's methods, and a request's admission and drop,
     which the engine's hooks (admission.py) hand it."""
 
+    token_to_kv_pool_allocator: Any  # SGLang's allocator, or its sentinel-safe view (dead_slots.py)
+
     def __init__(
         self, params: CacheInitParams, config: MemoryConfig | None = None, ctx: TreeCacheBuildContext | None = None
     ):
@@ -120,7 +122,7 @@ class SglMemoryRadixCache(RadixCache):
 
     # --- a request's life: admission (admission.py), checkpoint, release -------------------------
 
-    def admit(self, scheduler: Scheduler | None, req: Req, spec: MemorySpec) -> None:
+    def admit(self, scheduler: Scheduler, req: Req, spec: MemorySpec) -> None:
         if spec.readonly:
             req.skip_radix_cache_insert = True  # no checkpoint: no event, and nothing of it stays in the tree
         self.composition.admit(scheduler, req, spec)
@@ -198,7 +200,7 @@ def find_branches(root: TreeNode, key: RadixKey, ids_of: Callable[[np.ndarray], 
     n = len(key)
     ids = np.asarray(key.token_ids[:n], dtype=np.int64)
     branched = ids_of(ids)
-    node, pos, found = root, 0, []
+    node, pos, found = root, 0, list[tuple[int, int]]()
     while pos < n:
         probe = RadixKey(array("q", [int(branched[pos])]), key.extra_key, cache_salt=key.cache_salt).child_key()
         child = node.children.get(probe)

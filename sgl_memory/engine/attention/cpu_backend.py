@@ -60,7 +60,7 @@ class SparsePlan:
 
 def plan_layout(req_to_token: torch.Tensor, rows, sentinel: int | None = None) -> list:
     """Plans of one layer from the forward's row layout (rows.py: RowLayout.current())."""
-    plans = []
+    plans: list[RequestPlan | SparsePlan] = []
     for r in rows:
         if r.positions is None:
             plans += plan_requests(req_to_token, [r.pool_row], [r.prefix], [r.count], sentinel, q_start=r.start)
@@ -247,6 +247,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
     ):
         if self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
             plans = self.plans
+            assert plans is not None  # _planned: this forward's plans are made
             if self.step_reads:
                 plans = with_step_reads(plans, self.step_reads, self.layer_id, query, req_to_token, runtime.sentinel())
             return run_plans(plans, query, output, k_cache, v_cache, scaling)
