@@ -3,7 +3,7 @@
 - MemArt block scoring (kernels/aabb_score.py): the Triton kernel vs the same bound in torch vs
   the exact per-key score the bound stands in for (q . k over every key, max per block), at the
   default model's shapes (24 layers, 14 query / 2 KV heads, head dim 64).
-- Sentinel compaction of the attention index lists (kernels/compact_kv_indices.py): the Triton
+- Dropping the sentinel from the attention index lists (kernels/drop_sentinel.py): the Triton
   kernel vs torch's boolean-mask compaction plus a cumsum for the new indptr.
 - SentenceKV's per-step KV index lists (kernels/step_kv_indices.py): the Triton kernel vs torch's
   boolean-mask gather of each request's read slots (the same lists; the gather syncs on its size).
@@ -29,7 +29,7 @@ import torch
 from bench.common import write_json
 from sgl_memory.keep.loading import LOADINGS, LayerLoader
 from sgl_memory.kernels.aabb_score import aabb_scores_torch, aabb_scores_triton
-from sgl_memory.kernels.compact_kv_indices import drop_sentinel_
+from sgl_memory.kernels.drop_sentinel import drop_sentinel_
 from sgl_memory.kernels.step_kv_indices import read_counts, step_kv_indices
 
 RESULTS = Path(__file__).parent / "results"

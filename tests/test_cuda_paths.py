@@ -24,7 +24,7 @@ from sgl_memory.intent import scorers  # noqa: E402
 from sgl_memory.keep.loading import LOADINGS, LayerLoader  # noqa: E402
 from sgl_memory.keep.select import SELECTORS, LayerView  # noqa: E402
 from sgl_memory.kernels.aabb_score import aabb_scores, aabb_scores_torch  # noqa: E402
-from sgl_memory.kernels.compact_kv_indices import drop_sentinel_, drop_sentinel_reference  # noqa: E402
+from sgl_memory.kernels.drop_sentinel import drop_sentinel_, drop_sentinel_reference  # noqa: E402
 from sgl_memory.kernels.step_kv_indices import step_kv_indices, step_kv_indices_reference  # noqa: E402
 from sgl_memory.persist.quant import dequantize, quantize  # noqa: E402
 from sgl_memory.sentencekv.select import SentenceReads, page_table, sentence_table  # noqa: E402
@@ -48,7 +48,7 @@ def test_the_compiled_block_score_kernel_equals_the_float64_score(dtype, L, T, H
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_the_compiled_sentinel_compaction_equals_the_per_request_reference(index_dtype):
+def test_the_compiled_sentinel_drop_equals_the_per_request_reference(index_dtype):
     g = torch.Generator().manual_seed(3)
     sentinel = 0
     lengths = [0, 1, 5, 1023, 1024, 1025, 4000, 17]

@@ -2,15 +2,15 @@
 
 Both build their per-forward KV index lists through `KVIndexTranslator.pack_read_stream`, which
 gathers each request's slot-map row into `out` at offsets `indptr`. With intent pruning on, those
-rows hold the sentinel slot at pruned positions; this AFTER hook compacts the lists in place
-(sgl_memory.kernels.compact_kv_indices), so the unmodified GPU kernels read only kept entries.
+rows hold the sentinel slot at pruned positions; this AFTER hook drops the sentinel from the lists in place
+(sgl_memory.kernels.drop_sentinel), so the unmodified GPU kernels read only kept entries.
 Translated ids (a unified pool's page ids) are not slot ids and are left alone.
 """
 
 from __future__ import annotations
 
 from sgl_memory.engine import runtime
-from sgl_memory.kernels.compact_kv_indices import drop_sentinel_
+from sgl_memory.kernels.drop_sentinel import drop_sentinel_
 
 
 def after_pack_read_stream(translated, translator, plan, *, indptr, out, **kwargs):

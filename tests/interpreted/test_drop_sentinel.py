@@ -1,4 +1,4 @@
-"""Run by tests/test_kernels.py with TRITON_INTERPRET=1: the sentinel compaction kernel, alone and
+"""Run by tests/test_kernels.py with TRITON_INTERPRET=1: the sentinel-dropping kernel, alone and
 behind SGLang's own kv-index gather, against torch references."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_kernels.py"
 
-from sgl_memory.kernels.compact_kv_indices import drop_sentinel_, drop_sentinel_reference  # noqa: E402
+from sgl_memory.kernels.drop_sentinel import drop_sentinel_, drop_sentinel_reference  # noqa: E402
 
 SENTINEL = 7
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_compaction_equals_reference(seed, dtype):
+def test_dropping_the_sentinel_equals_reference(seed, dtype):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(0, 700, (5,), generator=g)
     indptr = torch.zeros(6, dtype=torch.int32)

@@ -2,7 +2,7 @@
 
 SGLang's Triton and FlashInfer backends build, per forward, `kv_indptr` [bs + 1] and `kv_indices`
 (each request's slot-map row, concatenated). With intent pruning, rows contain the sentinel slot at
-pruned positions; attention must not read it. Compaction keeps each request's live slots in order
+pruned positions; attention must not read it. Dropping it keeps each request's live slots in order
 and moves `kv_indptr` to the live counts, in place and without a host synchronisation, so the
 step stays capturable in a CUDA graph: the new indptr is a gather from a running count of live
 entries (rows are contiguous, so entry i of indptr becomes the number of live slots before it),
@@ -19,7 +19,7 @@ BLOCK = 256
 
 
 @triton.jit
-def _compact_rows(old_indptr, src, new_indptr, dst, sentinel, BLOCK: tl.constexpr):
+def _live_rows(old_indptr, src, new_indptr, dst, sentinel, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     start = tl.load(old_indptr + row)
     end = tl.load(old_indptr + row + 1)
@@ -45,7 +45,7 @@ def drop_sentinel_(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sentinel: 
     new_indptr = live_indptr(kv_indptr, kv_indices, sentinel)
     src = kv_indices.clone()  # rows move towards the front; reading a copy keeps programs independent
     bs = kv_indptr.numel() - 1
-    _compact_rows[(bs,)](kv_indptr, src, new_indptr, kv_indices, sentinel, BLOCK=BLOCK)
+    _live_rows[(bs,)](kv_indptr, src, new_indptr, kv_indices, sentinel, BLOCK=BLOCK)
     kv_indptr.copy_(new_indptr)
 
 
