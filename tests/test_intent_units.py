@@ -90,13 +90,13 @@ def test_session_registry_bounds_each_mechanisms_slots_least_recently_used_first
     registry.get(("", "c"), "persist", lambda: "written")  # a's slot must stay: c's is the new one
     assert registry.count("persist") == 2  # over the bound until a's turn is written
     registry.get(("", "d"), "persist", lambda: "written")
-    assert [k for k, _ in registry.slots("persist")] == [("", "a"), ("", "d")]
+    assert [k for k, _ in registry.states("persist")] == [("", "a"), ("", "d")]
     assert registry.get(("", "a"), "intent") is a
     # tenants never share a session
     assert registry.get(("t2", "a"), "intent") is None
     registry.pop(("", "a"), "intent")
     registry.pop(("", "a"), "persist")
-    assert ("", "a") not in [k for k, _ in registry.slots("intent") + registry.slots("persist")]
+    assert ("", "a") not in [k for k, _ in registry.states("intent") + registry.states("persist")]
 
 
 def test_concurrent_sessions_never_touch_each_other():

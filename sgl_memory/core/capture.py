@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from sgl_memory.core.slots import Slot
+from sgl_memory.core.side_tables import SideTable
 
 
 class ExtendRows(NamedTuple):
@@ -125,8 +125,8 @@ class QueryCapture:
 
 # per forward batch: the row layout rows.py made (the rows the layers compute, once rows are
 # dropped), and each subscriber's binding of the rows, made once per layout version
-ROW_LAYOUT: Slot = Slot("row layout")
-BOUND: Slot[tuple[int, list]] = Slot("capture bindings")
+ROW_LAYOUT: SideTable = SideTable("row layout")
+BOUND: SideTable[tuple[int, list]] = SideTable("capture bindings")
 
 
 def feed(

@@ -218,10 +218,10 @@ class Composition:
             if own:
                 m.import_session(key, own)
 
-    def describe_session(self, slots: dict[str, Any]) -> dict[str, Any]:
+    def describe_session(self, states: dict[str, Any]) -> dict[str, Any]:
         """What each mechanism says of its slot of one session (Mechanism.describe_session)."""
         row: dict[str, Any] = {}
         for m in self.mechanisms:
-            if m.name in slots:
-                row.update(m.describe_session(slots[m.name]))
+            if m.name in states:
+                row.update(m.describe_session(states[m.name]))
         return row

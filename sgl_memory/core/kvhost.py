@@ -67,7 +67,7 @@ class KVHost(Protocol):
 
     @property
     def sessions(self) -> SessionRegistry:
-        """Every mechanism's per-session state, one slot each."""
+        """Every mechanism's per-session state, one each."""
 
     @property
     def requests(self) -> RequestStore:

@@ -241,10 +241,10 @@ class Mechanism(ABC):
         state this server already holds for the session is newer and is kept (when the file is
         newer, another server sharing the store wrote it, the session is dropped first)."""
 
-    def describe_session(self, slot: Any) -> dict[str, int | float | bool | None]:
-        """A few numbers about this mechanism's slot of a session for an operator's inspector
+    def describe_session(self, state: Any) -> dict[str, int | float | bool | None]:
+        """A few numbers about this mechanism's state of a session for an operator's inspector
         (GET /sgl_memory/sessions): sizes and counts, never contents. Called on the scheduler's
-        thread with the slot the registry holds; {} says nothing."""
+        thread with the state the registry holds; {} says nothing."""
         return {}
 
     def drain(self, timeout: float | None = None) -> bool:

@@ -1,14 +1,14 @@
 """Sessions: every mechanism's per-session state in one registry.
 
 A session is (tenant, session id): the tenant namespaces everything, so two tenants never share a
-session. Each session holds one slot per mechanism (intent's QueryMemory, persistence's stored
+session. Each session holds one state per mechanism (intent's QueryMemory, persistence's stored
 path, KV memory's block pool). Sessions are kept least recently used first; each mechanism bounds
-the number of its own slots and says which of them must not be dropped yet (a turn not yet
-written, a pool a worker is filling): when it is over its bound, its slots of the least recently
-used sessions go first. A session without slots is forgotten.
+the number of its own states and says which of them must not be dropped yet (a turn not yet
+written, a pool a worker is filling): when it is over its bound, its states of the least recently
+used sessions go first. A session without states is forgotten.
 
 The scheduler thread and the mechanisms' workers both use it, so every operation takes its lock;
-what a slot holds is the mechanism's to guard.
+what a state holds is the mechanism's to guard.
 """
 
 from __future__ import annotations
@@ -54,22 +54,22 @@ class SessionRegistry:
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._used: dict[SessionKey, float] = {}  # wall-clock time of each session's last use
-        self.dropped: dict[str, int] = {}  # slots dropped for their bound, per mechanism
+        self.dropped: dict[str, int] = {}  # states dropped for their bound, per mechanism
 
     def limit(self, name: str, capacity: int, keep: Callable[[object], bool] = lambda value: False) -> None:
-        """At most `capacity` slots named `name`; `keep(value)` true: not to be dropped now."""
+        """At most `capacity` states named `name`; `keep(value)` true: not to be dropped now."""
         with self._lock:
             self._limits[name] = (capacity, keep)
 
     def get(self, key: SessionKey, name: str, create: Callable[[], Any] | None = None) -> Any:
-        """The session's slot (the session becomes the most recently used); made by `create` when
+        """The session's state (the session becomes the most recently used); made by `create` when
         missing and `create` is given, None otherwise."""
         with self._lock:
-            slots = self._sessions.get(key)
-            if slots is not None:
+            states = self._sessions.get(key)
+            if states is not None:
                 self._sessions.move_to_end(key)
                 self._used[key] = time.time()
-            value = slots.get(name) if slots is not None else None
+            value = states.get(name) if states is not None else None
             if value is None and create is not None:
                 value = create()
                 self._sessions.setdefault(key, {})[name] = value
@@ -83,33 +83,33 @@ class SessionRegistry:
             return self._pop(key, name)
 
     def drop(self, key: SessionKey) -> None:
-        """Forget the session: every mechanism's slot of it."""
+        """Forget the session: every mechanism's state of it."""
         with self._lock:
             for name in list(self._sessions.get(key, ())):
                 self._pop(key, name)
 
-    def slots(self, name: str) -> list[tuple[SessionKey, object]]:
-        """Every session's slot of this name, least recently used first (a snapshot)."""
+    def states(self, name: str) -> list[tuple[SessionKey, Any]]:
+        """Every session's state of this name, least recently used first (a snapshot)."""
         with self._lock:
-            return [(key, slots[name]) for key, slots in self._sessions.items() if name in slots]
+            return [(key, states[name]) for key, states in self._sessions.items() if name in states]
 
     def snapshot(self) -> list[tuple[SessionKey, float, dict[str, object]]]:
-        """Every session: its key, its last use (wall-clock seconds) and its slots by mechanism,
+        """Every session: its key, its last use (wall-clock seconds) and its states by mechanism,
         least recently used first. Reading it does not count as a use."""
         with self._lock:
-            return [(key, self._used.get(key, 0.0), dict(slots)) for key, slots in self._sessions.items()]
+            return [(key, self._used.get(key, 0.0), dict(states)) for key, states in self._sessions.items()]
 
     def count(self, name: str) -> int:
         with self._lock:
             return self._counts.get(name, 0)
 
     def _pop(self, key: SessionKey, name: str) -> Any:
-        slots = self._sessions.get(key)
-        if slots is None or name not in slots:
+        states = self._sessions.get(key)
+        if states is None or name not in states:
             return None
-        value = slots.pop(name)
+        value = states.pop(name)
         self._counts[name] -= 1
-        if not slots:
+        if not states:
             del self._sessions[key]
             self._used.pop(key, None)
         return value

@@ -35,7 +35,7 @@ import torch
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sgl_memory.core.kvhost import Branches, KVHost, Match
-from sgl_memory.core.slots import Slot
+from sgl_memory.core.side_tables import SideTable
 
 if TYPE_CHECKING:
     from sgl_memory.core.views import RequestView
@@ -79,7 +79,7 @@ class Reserved:
 
 # per tree: the slots reserved and not yet inserted or given back (reservation id -> slots): nothing
 # else owns them meanwhile, so the tree's integrity check counts them as owned
-RESERVATIONS: Slot[dict[int, torch.Tensor]] = Slot("reserved slots")
+RESERVATIONS: SideTable[dict[int, torch.Tensor]] = SideTable("reserved slots")
 
 
 def reserved_slots(tree: KVHost) -> torch.Tensor:

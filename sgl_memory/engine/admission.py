@@ -17,11 +17,11 @@ from sgl_memory.core import prometheus
 from sgl_memory.core.config import MemoryConfig
 from sgl_memory.core.kvhost import namespace
 from sgl_memory.core.request import SpecError, check_served, of_request
-from sgl_memory.core.slots import Slot
+from sgl_memory.core.side_tables import SideTable
 from sgl_memory.engine import integrity
 from sgl_memory.engine.radix_cache import SglMemoryRadixCache
 
-ADMITTED: Slot[bool] = Slot("admitted")  # a request this hook saw (a retracted one comes back through it)
+ADMITTED: SideTable[bool] = SideTable("admitted")  # a request this hook saw (a retracted one comes back through it)
 # The debug setting: the tree's integrity (integrity.py) checked before every batch
 # is formed, the scheduler stopped at the first problem. It reads the whole tree each time.
 CHECK_INTEGRITY_ENV = "SGLMEMORY_CHECK_INTEGRITY"

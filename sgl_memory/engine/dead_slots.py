@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, Mat
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_memory.core.kvhost import Branches
-from sgl_memory.core.slots import Slot
+from sgl_memory.core.side_tables import SideTable
 from sgl_memory.core.tree_fill import with_branches
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 # per tree node: its value's sentinel entries (counted once per value), and whether the node is in
 # the dead-entry accounting (an insert creates at most one node, its last one; splits re-divide it)
-DEAD: Slot[tuple[torch.Tensor, int]] = Slot("dead entries")
-COUNTED: Slot[bool] = Slot("counted")
+DEAD: SideTable[tuple[torch.Tensor, int]] = SideTable("dead entries")
+COUNTED: SideTable[bool] = SideTable("counted")
 
 
 class SentinelSafeAllocator:

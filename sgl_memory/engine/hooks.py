@@ -87,11 +87,11 @@ def stream_finish_hook(result, accumulator, *args, req, **kwargs):
 
 def describe_sessions(tree: SglMemoryRadixCache) -> list[dict]:
     """Every session the tree holds, least recently used first: its tenant, id and last use,
-    and what each mechanism says of its slot (Mechanism.describe_session): sizes, no contents."""
+    and what each mechanism says of its state (Mechanism.describe_session): sizes, no contents."""
     out = []
-    for (tenant, session_id), used, slots in tree.sessions.snapshot():
+    for (tenant, session_id), used, states in tree.sessions.snapshot():
         row = {"tenant": tenant or None, "session_id": session_id, "last_use": round(used, 3)}
-        out.append(row | tree.composition.describe_session(slots))
+        out.append(row | tree.composition.describe_session(states))
     return out
 
 

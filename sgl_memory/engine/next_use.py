@@ -10,10 +10,10 @@ from collections.abc import Callable
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy, LRUStrategy
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
-from sgl_memory.core.slots import Slot
+from sgl_memory.core.side_tables import SideTable
 
 # per tree node of a path no other path shares: when its path is next used (Mechanism-given, see `expect`)
-NEXT_USE: Slot[Callable[[float], float]] = Slot("next use")
+NEXT_USE: SideTable[Callable[[float], float]] = SideTable("next use")
 
 
 class NextUseStrategy(EvictionStrategy):

@@ -73,7 +73,7 @@ class SglMemoryRadixCache(RadixCache):
         self.dead_slots = DeadSlots(self)
         self.holds = Holds(self.inc_lock_ref, self.dec_lock_ref)
         self.composition = Composition([])
-        self.sessions = SessionRegistry()  # every mechanism's per-session state, one slot each
+        self.sessions = SessionRegistry()  # every mechanism's per-session state, one each
         self.requests = RequestStore()  # every mechanism's per-request state, ended by the composition
         self.tp_size = ctx.tp_size if ctx is not None else 1
         self.host = TreeHost(self)  # what the mechanisms get of the tree (core/kvhost.py)

@@ -122,8 +122,8 @@ class IntentPruner(mechanism.Mechanism, mechanism.Branching, mechanism.PositionS
     def export_session(self, key: SessionKey) -> dict[str, torch.Tensor]:
         return self.memories.export(key)
 
-    def describe_session(self, slot: QueryMemory) -> dict[str, int]:
-        return self.memories.describe(slot)
+    def describe_session(self, state: QueryMemory) -> dict[str, int]:
+        return self.memories.describe(state)
 
     def import_session(self, key: SessionKey, tensors: dict[str, torch.Tensor]) -> None:
         self.memories.restore(key, tensors)

@@ -130,10 +130,10 @@ class SessionMemories:
         return out
 
     @staticmethod
-    def describe(slot: QueryMemory) -> dict[str, int]:
-        out = {"query_memory_turns": slot.updates}
-        if slot.budget is not None:
-            out["adaptive_budget"] = slot.budget.current
+    def describe(state: QueryMemory) -> dict[str, int]:
+        out = {"query_memory_turns": state.updates}
+        if state.budget is not None:
+            out["adaptive_budget"] = state.budget.current
         return out
 
     def restore(self, key: SessionKey, tensors: dict[str, torch.Tensor]) -> None:

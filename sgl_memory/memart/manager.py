@@ -196,8 +196,8 @@ class MemArtManager(mechanism.Mechanism, mechanism.KVPlacing):
     def export_session(self, key: tuple[str, str]) -> dict[str, torch.Tensor]:
         return self.pools.export(key)
 
-    def describe_session(self, slot: MemArtPool) -> dict:
-        return self.pools.describe(slot)
+    def describe_session(self, state: MemArtPool) -> dict:
+        return self.pools.describe(state)
 
     def import_session(self, key: tuple[str, str], tensors: dict[str, torch.Tensor]) -> None:
         self.pools.load(key, tensors)

@@ -73,7 +73,7 @@ class SessionPools:
     def bound(self, current: MemArtPool) -> None:
         """All pools together within memory.pool_bytes: the least recently used sessions' pools are
         dropped whole; if the session just added to is still over, its own blocks are evicted by policy."""
-        pools = self.tree.sessions.slots(self.name)
+        pools = self.tree.sessions.states(self.name)
         total = sum(pool.bytes for _, pool in pools)
         for owner, pool in pools:
             if total <= self.config.pool_bytes:
@@ -86,7 +86,7 @@ class SessionPools:
                 )
         if total > self.config.pool_bytes:
             current.trim(max(0, current.bytes - (total - self.config.pool_bytes)))
-        pools = [pool for _, pool in self.tree.sessions.slots(self.name)]
+        pools = [pool for _, pool in self.tree.sessions.states(self.name)]
         POOL_BYTES.set(sum(m.bytes for m in pools))
         POOL_BLOCKS.set(sum(len(m.blocks) for m in pools))
         POOL_TOKENS.set(sum(m.tokens for m in pools))
@@ -101,13 +101,13 @@ class SessionPools:
         return memory.export()
 
     @staticmethod
-    def describe(slot: MemArtPool) -> dict:
-        with slot.lock:
+    def describe(state: MemArtPool) -> dict:
+        with state.lock:
             return {
-                "memory_turns": slot.turns,
-                "memory_blocks": len(slot.blocks),
-                "memory_tokens": slot.tokens,
-                "memory_bytes": slot.bytes,
+                "memory_turns": state.turns,
+                "memory_blocks": len(state.blocks),
+                "memory_tokens": state.tokens,
+                "memory_bytes": state.bytes,
             }
 
     def load(self, key: tuple[str, str], tensors: dict[str, torch.Tensor]) -> None:

@@ -191,15 +191,15 @@ class SessionPersistence(mechanism.Mechanism):
     def banner(cls, section: PersistConfig) -> str:
         return f"store {section.store_dir()}" if section.enabled else "no session store"
 
-    def describe_session(self, slot: Session) -> dict:
-        with slot.lock:
-            live = len(slot.tokens) if slot.live is None else int(slot.live.sum())
+    def describe_session(self, state: Session) -> dict:
+        with state.lock:
+            live = len(state.tokens) if state.live is None else int(state.live.sum())
             now = time.monotonic()
-            when = self.next_use.next_use(slot, now) if slot.finished_at is not None else None
+            when = self.next_use.next_use(state, now) if state.finished_at is not None else None
             return {
-                "path_tokens": len(slot.tokens),
+                "path_tokens": len(state.tokens),
                 "live_tokens": live,
-                "stored_bytes": slot.stored_bytes if slot.on_disk else 0,
+                "stored_bytes": state.stored_bytes if state.on_disk else 0,
                 # seconds until its next turn is expected (null: a turn of it runs, or none comes)
                 "expected_back_s": round(when - now, 3) if when is not None and math.isfinite(when) else None,
             }

@@ -110,7 +110,7 @@ class Sessions:
 
     def all(self) -> list[Session]:
         """Every session held, least recently used first (a snapshot)."""
-        return [session for _, session in self.registry.slots(self.name)]
+        return [session for _, session in self.registry.states(self.name)]
 
     def drop(self, key: SessionKey) -> None:
         """Forget the session: every mechanism's state of it (SessionRegistry.drop)."""

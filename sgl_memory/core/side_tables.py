@@ -1,8 +1,8 @@
-"""sgl-memory's state of one of SGLang's objects (a request, a tree node, a forward batch), held
-beside the object, never on it.
+"""sgl-memory's state of one of SGLang's objects (a tree node, a forward batch, a request the
+engine's admission saw), held beside the object, never on it.
 
-A `Slot` maps an object to one value for as long as the object lives: SGLang's classes carry no
-attribute of ours, each value has a declared type and an owner (the module that declares the slot),
+A `SideTable` maps an object to one value for as long as the object lives: SGLang's classes carry no
+attribute of ours, each value has a declared type and an owner (the module that declares the table),
 and it goes when SGLang drops the object, so a request aborted anywhere leaves nothing behind. The
 map is keyed by identity (a ForwardBatch, a dataclass, is not hashable) and each entry removes itself
 when its object is collected, before the object's id can be reused.
@@ -16,7 +16,9 @@ from typing import Any, Generic, TypeVar, overload
 T = TypeVar("T")
 
 
-class Slot(Generic[T]):
+class SideTable(Generic[T]):
+    """One value per live object, beside it (the module docstring)."""
+
     def __init__(self, name: str):
         self.name = name
         self._values: dict[int, tuple[weakref.ref, T]] = {}
@@ -51,4 +53,4 @@ class Slot(Generic[T]):
         return len(self._values)
 
     def __repr__(self) -> str:
-        return f"Slot({self.name!r}, {len(self._values)} held)"
+        return f"SideTable({self.name!r}, {len(self._values)} held)"
