@@ -64,8 +64,8 @@ def default_max_total_tokens(model_path: Path, kv_dtype: str = "bfloat16") -> in
     """SGLang sizes the pool like GPU memory on CPU (13 GB, 40 s start); size it from free RAM."""
     import psutil
 
-    budget = psutil.virtual_memory().available * KV_POOL_RAM_FRACTION
-    tokens = int(budget // kv_bytes_per_token(model_path, kv_dtype))
+    ram_bytes = psutil.virtual_memory().available * KV_POOL_RAM_FRACTION
+    tokens = int(ram_bytes // kv_bytes_per_token(model_path, kv_dtype))
     return max(KV_POOL_MIN_TOKENS, min(KV_POOL_MAX_TOKENS, tokens))
 
 
