@@ -36,6 +36,9 @@ SCALE_END = "<!-- end of generated -->"
 
 @dataclasses.dataclass(frozen=True)
 class Key:
+    """One key of the configuration reference: its name, type, default, allowed values, where a
+    request overrides it, and its meaning."""
+
     name: str
     type: str
     default: str

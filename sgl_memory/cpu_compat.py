@@ -102,6 +102,9 @@ class _StubModule(types.ModuleType):
 
 
 class _StubLoader(importlib.abc.Loader):
+    """Loads the `sgl_kernel` stub: a package whose every attribute is a raising kernel, except
+    `assign_req_to_token_pool_cpu`, ours in torch."""
+
     def create_module(self, spec):
         module = _StubModule(spec.name)
         module.__path__ = []  # a package, so `import sgl_kernel.x.y` resolves to stubs as well
@@ -115,6 +118,9 @@ class _StubLoader(importlib.abc.Loader):
 
 
 class _CompatFinder(importlib.abc.MetaPathFinder):
+    """The meta path finder: registers the op schemas torchvision lacks before it loads next to a
+    CPU torch, and serves the `sgl_kernel` stub where no real `sgl_kernel` is installed."""
+
     def __init__(self):
         self._cpu = None
 

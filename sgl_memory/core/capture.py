@@ -25,6 +25,8 @@ from sgl_memory.core.side_tables import SideTable
 
 
 class ExtendRows(NamedTuple):
+    """Where one request's rows sit in an extend forward's packed q / k / v, and the positions they hold."""
+
     rid: str
     start: int  # first row of the request in the batch's q / k / v
     prefix: int  # position of that row (the request's first new token)
@@ -52,6 +54,9 @@ def extend_rows(forward_batch: Any) -> list[ExtendRows]:
 
 
 class Subscriber(Protocol):
+    """What a mechanism that reads the attention layers' prefill inputs provides
+    (Mechanism.subscriber): which requests of a forward it takes, and each layer's rows of them."""
+
     def capturing(self) -> bool:
         """Whether any request is waiting for rows now (checked on every layer call: keep it cheap)."""
 

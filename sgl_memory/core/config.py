@@ -33,7 +33,7 @@ S = TypeVar("S")
 
 
 class ConfigError(ValueError):
-    pass
+    """A config this server refuses to start with: the message names the key path and what is allowed."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,9 @@ import torch
 
 
 class StepReads(Protocol):
+    """What a mechanism provides for a request whose decode steps read only part of its KV
+    (Mechanism.step_reads): the positions each step attends, per layer."""
+
     def positions(self, layer: int, q: torch.Tensor, token: int, length: int) -> torch.Tensor:
         """The positions [k] (int64, ascending, on the host) of the request's sequence that this
         decode step attends at `layer`; they must include `length - 1`, the step's own token.

@@ -47,11 +47,16 @@ Node = Any
 
 
 class Match(Protocol):
+    """What a mechanism reads of a tree match: how many of the key's first tokens the tree holds,
+    and the node where they end."""
+
     device_prefix_len: int  # how many of the key's first tokens the tree holds
     last_device_node: Node  # where they end (a handle for `path_slots`, `inc_lock_ref`)
 
 
 class KVPool(Protocol):
+    """What a mechanism reads of SGLang's KV pool: its number of layers and each layer's key and value buffers."""
+
     layer_num: int
 
     def get_key_buffer(self, layer: int) -> torch.Tensor:

@@ -93,6 +93,9 @@ class RowEdit:
 
 
 class Mechanism(ABC):
+    """A memory mechanism: what it declares to the server and what it does at each point of a
+    request's life, as the module docstring sets out."""
+
     name: ClassVar[str]
     # The mechanisms whose hooks run before this one's, where both are registered: the order in which
     # admissions rewrite a request's tokens, and in which checkpoint and release run. Each

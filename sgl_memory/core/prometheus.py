@@ -80,6 +80,8 @@ class Series:
 
 
 class _Child:
+    """One labelled child of a Series (`Series.labels`): records under those label values, a no-op while disabled."""
+
     def __init__(self, series: Series, values: tuple):
         self.series, self.values = series, values
 

@@ -85,6 +85,9 @@ COMMON = ("session_id", "tenant", "readonly")  # the keys no mechanism owns
 
 @dataclass(frozen=True)
 class MemorySpec:
+    """One request's parsed `sgl_memory` field: the session it names, whether it only reads, and
+    each mechanism's part."""
+
     session_id: str | None = None
     tenant: str | None = None
     # reads the session as its next turn would and changes nothing: no pruning event, nothing

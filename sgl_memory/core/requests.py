@@ -26,6 +26,9 @@ T = TypeVar("T")
 
 
 class Lifetime(Enum):
+    """How long a table's entry of a request lives: `ROW`, as long as the request's KV row;
+    `REQUEST`, as long as the request."""
+
     ROW = "row"
     REQUEST = "request"
 

@@ -18,6 +18,9 @@ import torch
 
 @dataclass
 class ReusedKV:
+    """The KV a mechanism placed among a request's new tokens, with the repair asked for: what the
+    repairing mechanism reads (KVHost.placed_kv)."""
+
     start: int  # request position of the first placed token; the placed tokens are [start, start + M)
     keys: torch.Tensor  # [layers, M, kv heads, head dim], post-RoPE at positions start..start+M-1, host memory
     values: torch.Tensor  # [layers, M, kv heads, head dim]

@@ -15,6 +15,8 @@ import torch
 
 @dataclass(frozen=True)
 class Rope:
+    """One model's plain rotary embedding (head dim, base, layout), which moves post-RoPE keys to other positions."""
+
     head_dim: int
     theta: float
     neox: bool = True  # rotate halves (Llama / Qwen2 in HF layout), not interleaved pairs

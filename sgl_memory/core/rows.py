@@ -66,6 +66,9 @@ class RowLayout:
 
 
 class RowDropper(Protocol):
+    """What a mechanism that stops later layers computing some prefill rows provides
+    (Mechanism.dropper): after each layer, the rows no later layer computes."""
+
     def dropped(self, rows: list[ExtendRows], layer_id: int) -> dict[str, torch.Tensor]:
         """After layer `layer_id`, per request id: the positions of its rows (among `rows`, this
         layer's) that no later layer computes; requests not named keep their rows."""

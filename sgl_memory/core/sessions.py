@@ -48,6 +48,10 @@ def routing_key(tenant: str | None, session_id: str) -> str:
 
 
 class SessionRegistry:
+    """Every session's per-mechanism states, least recently used first, each mechanism's within the
+    bound it sets (`limit`). Every operation takes the registry's lock; what a state holds is its
+    mechanism's to guard."""
+
     def __init__(self) -> None:
         self._sessions: OrderedDict[SessionKey, dict[str, object]] = OrderedDict()
         self._limits: dict[str, tuple[int, Callable[[object], bool]]] = {}

@@ -24,6 +24,9 @@ QUERY_ROLES = ("user", "tool", "function", "ipython")
 
 @dataclass(frozen=True)
 class Spans:
+    """The forced set of one request's tokens: its protected system prefix and its actionable query
+    span, and how they were found."""
+
     system_end: int  # [0, system_end) is the protected system prefix
     query_start: int  # [query_start, len) is the actionable query span
     source: str  # "roles" when found from markers, "tail" for the fallback

@@ -174,6 +174,9 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
 
 @dataclass
 class HeldPath:
+    """The leading tokens of a released request that the tree holds under its key, the node where
+    they end and where the path's key leaves its tokens."""
+
     tokens: list[int]  # the leading tokens whose KV the tree holds under the namespace asked
     node: object  # the tree node where they end
     branches: Branches = ()  # where the path's key leaves its tokens
@@ -184,6 +187,8 @@ class HeldPath:
 
 @dataclass
 class PathKV:
+    """The KV of a stretch of a held path, copied to host memory, with the mask of its live positions."""
+
     keys: torch.Tensor  # [layers, n, heads, dim], host memory
     values: torch.Tensor
     live: torch.Tensor  # [n] bool: False where the position was pruned (its slot is the sentinel)

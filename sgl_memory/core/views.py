@@ -23,6 +23,8 @@ class KVRecord(Protocol):
 
 
 class RequestView(Protocol):
+    """What a mechanism may touch of SGLang's `Req` (each member listed in patches/contacts.yaml)."""
+
     rid: str  # per-request state beside the request is keyed by it
     origin_input_ids: array  # the prompt's token ids; an admission may rewrite them
     origin_input_ids_unpadded: array  # rewritten with them
@@ -46,6 +48,8 @@ class RequestView(Protocol):
 
 
 class SchedulerView(Protocol):
+    """What a mechanism may touch of SGLang's `Scheduler` (each member listed in patches/contacts.yaml)."""
+
     tokenizer: Any  # None under --skip-tokenizer-init
     model_config: Any
     max_req_input_len: int  # the longest prompt it admits

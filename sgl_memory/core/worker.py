@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
+    """One daemon thread that runs a mechanism's submitted items in order, survives a failing item
+    and lets a caller wait until every item submitted so far is done (`drain`)."""
+
     def __init__(self, name: str, work: Callable[[object], None], describe: Callable[[object], str] = repr):
         self.name, self._work, self._describe = name, work, describe
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -222,7 +222,7 @@ def find_branches(root: TreeNode, key: RadixKey, ids_of: Callable[[np.ndarray], 
 
 
 class PoolTooSmall(RuntimeError):
-    pass
+    """The KV pool came up with fewer tokens than --max-total-tokens asked for: the server does not start."""
 
 
 def check_pool_size(allocator, server_args) -> None:

@@ -37,6 +37,8 @@ IMPORT_ERROR = "Ignore import error when loading"
 
 
 class _ImportErrorsToDebug(logging.Filter):
+    """Moves SGLang's "Ignore import error when loading" warnings to debug (`quiet_import_errors`)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno == logging.WARNING and str(record.msg).startswith(IMPORT_ERROR):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"

@@ -40,6 +40,9 @@ EPS = 1e-6  # inside the log of n * rule: a share of 0 stays finite
 
 @dataclass(frozen=True)
 class HeadShape:
+    """The sizes of a pruner head: the backbone's head dim, the MLP's hidden width, the
+    cross-attention's width and heads, and the clip of the gain."""
+
     head_dim: int
     hidden: int = 128
     width: int = 64  # the cross-attention's width
@@ -67,6 +70,9 @@ class HeadError(ValueError):
 
 
 class PrunerHead(nn.Module):
+    """The learned residual pruner head: each candidate's score, the rule's share plus the clipped
+    gain times the residual g([f ; c]) (eq. 4-6 in the module docstring)."""
+
     def __init__(self, shape: HeadShape):
         super().__init__()
         d = shape.head_dim

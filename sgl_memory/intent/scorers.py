@@ -28,6 +28,9 @@ from sgl_memory.intent.sessions import unit_rows
 
 @dataclass
 class ScoringInputs:
+    """What a scorer reads of one request: its candidates' keys and positions, the queries captured
+    in its prefill, the session memory, how many to keep and, for the learned scorer, its head."""
+
     layer_keys: Callable[[], Iterator[torch.Tensor]]  # per layer: candidates' post-RoPE keys [n, KVH, D]
     positions: torch.Tensor  # [n] absolute positions of the candidates, ascending
     q_mean: torch.Tensor  # [layers, H, D] mean post-RoPE query over the actionable span

@@ -170,6 +170,9 @@ SELECT_SECONDS = prometheus.histogram("keep_select_seconds", "KEEP's selection t
 
 @mechanism.register("keep")
 class KeepManager(mechanism.Mechanism):
+    """The `keep` mechanism: repairs the KV that memory placed among a request's prefill tokens,
+    layer by layer, by the selector the request's `recompute` names."""
+
     # after memory: it repairs the blocks memory placed among the request's prefill tokens
     # (reuse.py); intent runs after it, so its capture subscriber writes their KV before intent's
     # reads the layer

@@ -26,6 +26,9 @@ from sgl_memory.core.registry import Registry
 
 @dataclass
 class LayerView:
+    """One layer of one request as a selector sees it: the placed rows after the placed KV was
+    written over those not recomputed, the new turn's rows, and which rows this layer recomputed."""
+
     q_mem: torch.Tensor  # [M, H, D] queries of the placed rows (meaningful where `candidates`)
     k_mem: torch.Tensor  # [M, Hkv, D] keys of the placed rows: recomputed where `candidates`, placed elsewhere
     v_mem: torch.Tensor  # [M, Hkv, Dv]
@@ -42,6 +45,9 @@ SELECTORS: Registry[type[Selector]] = Registry("selector")  # the repairs KEEP c
 
 
 class Selector(ABC):
+    """What a repair method provides (one subclass per `recompute` name, in SELECTORS): at each
+    layer, the rows the next layer recomputes."""
+
     name: ClassVar[str]
     unit: ClassVar[str]  # what the ratio counts: "segment" or "token"
     # whether `select` reads the placed KV of the rows it recomputes (then every placed row is

@@ -24,6 +24,9 @@ import torch
 
 @dataclass
 class Block:
+    """One KV block of a session's memory: its tokens, their post-RoPE keys with the position of
+    each, their values and where each token came from."""
+
     id: int  # chronological: blocks are made in turn order, ids never reused
     tokens: list[int]
     keys: torch.Tensor  # [L, n, Hkv, D] pool dtype, post-RoPE at `positions`

@@ -31,6 +31,9 @@ ALONE = 2.0  # a group threshold no cosine reaches: every entry a group of its o
 
 @dataclass
 class Entry:
+    """One memory entry a client wrote by key: its tokens, its embedding, its group and the pool
+    turn that holds its KV."""
+
     key: str
     tokens: list[int]
     embedding: torch.Tensor | None  # [E] float32, unit norm; None where grouping is off
@@ -41,6 +44,9 @@ class Entry:
 
 @dataclass
 class Group:
+    """One group of entries by meaning: its members, its version and the pool turn holding its joint
+    KV while it is static."""
+
     id: int
     members: list[str] = field(default_factory=list)  # entry keys, in the order they joined
     version: int = 0  # bumped at every change of its members
@@ -60,6 +66,9 @@ class BookChange:
 
 @dataclass
 class EntryBook:
+    """A session's entries by key and their groups: the writes and forgets in request order, and
+    what each arriving turn becomes (`arrived`). The pool's lock guards it (pool.py)."""
+
     threshold: float  # cosine to a group's centroid to join it; above 1: every entry alone
     static_after: int  # writes without a member change that make a group static
     entries: dict[str, Entry] = field(default_factory=dict)

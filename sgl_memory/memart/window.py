@@ -34,6 +34,8 @@ MAX_SESSIONS = 4096  # sessions whose last prompt is remembered; the least recen
 
 @dataclass(frozen=True)
 class Cut:
+    """A windowed prompt: the ids that go on and how many history tokens were left out."""
+
     ids: list[int]  # what goes on: the system message, the task, the window
     dropped: int  # history tokens left out
 

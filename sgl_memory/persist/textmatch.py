@@ -27,6 +27,9 @@ EXACT, EXTEND, DIVERGE, DISCARD = "exact", "extend", "diverge", "discard"
 
 @dataclass(frozen=True)
 class TextMatch:
+    """A prompt's text matched against a stored path: the outcome (EXACT, EXTEND, DIVERGE or
+    DISCARD), the stored tokens reused and the request's ids."""
+
     outcome: str
     reuse: int  # stored tokens the request reuses
     input_ids: list[int]  # the request's ids: stored[:reuse] + the tokenization of the rest

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 @dataclass
 class Job:
+    """One restore unpacking off the scheduler's step: the request it is for, its reused prefix,
+    what landing it needs and its future."""
+
     owner: object  # the request the restore is for
     tokens: int  # the request's reused prefix, to be held once the job lands
     context: object  # what the scheduler needs to land it (plan.Restore, the reserved slots)

@@ -47,6 +47,10 @@ SELECT_SECONDS = prometheus.histogram(
 
 @mechanism.register("sentencekv")
 class SentenceKV(mechanism.Mechanism, mechanism.DecodeReading):
+    """The `sentencekv` mechanism: captures each request's observation window in its prefill, builds
+    its sentence tables when the prefill ends, and hands the attention backend its per-step reads
+    until the request is released."""
+
     # after intent pruning: a row it pruned is read through the sentinel-free slots, and its
     # compact layout (positions moved) is served with the full cache instead
     after = ("intent",)

@@ -40,6 +40,9 @@ _PLANNED_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE)
 
 @dataclass(frozen=True)
 class RequestPlan:
+    """How one request's new query rows (from `q_start`) attend at a layer: the keys all of them
+    see, and their own keys, seen causally."""
+
     q_start: int
     n_new: int
     visible: KvSource  # keys every new token sees: the prefix, or the whole sequence when n_new == 1
@@ -140,6 +143,10 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
 
 
 class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
+    """The `sgl_memory_cpu` attention backend to SGLang: its torch_native backend with the forward's
+    metadata and the extend and decode attention overridden (patches/contacts.yaml), so that each
+    layer attends only what each request's plan reads."""
+
     plans: list | None = None
     planned_tokens = 0  # query rows the plans cover; a layer called with other rows is not ours
     supports_row_layout = True  # engine/layers.py may drop rows between layers

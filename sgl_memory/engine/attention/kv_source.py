@@ -18,6 +18,9 @@ MAX_RUNS = 4
 
 @dataclass(frozen=True)
 class KvSource:
+    """Where one request's keys lie in the KV pool: contiguous runs of slots, or the slot list
+    itself when it is too fragmented for runs."""
+
     runs: tuple[tuple[int, int], ...] = ()  # [start, stop) ranges of pool slots, in position order
     slots: torch.Tensor | None = None  # the slot list itself, when it is too fragmented for runs
 
