@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from servers import SERVER_DTYPE
 from test_persist_server import SYSTEM, chat, flush, history, long_text
@@ -148,3 +149,52 @@ def test_a_session_expected_back_is_restored_before_its_request_arrives(paged_se
     assert usage2["prompt_tokens_details"]["cached_tokens"] == hot_usage["prompt_tokens_details"]["cached_tokens"]
     assert usage2["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // PAGE * PAGE - PAGE
     assert answer2 == hot
+
+
+def test_sglangs_hint_envelope_is_honoured_on_generate_and_chat_and_checked(paged_server):
+    """SGLang's `kv_hints` envelope, each action the server implements, through /generate (SGLang's
+    own field) and /v1/chat/completions (read here; the session named by the header): the session's
+    row in GET /sgl_memory/sessions shows what the action stands for (docs/requests.md). A payload of
+    the wrong shape is a 400 naming the field, and the server goes on; an action type it does not
+    know is ignored."""
+    server, text = paged_server, "A short turn to hint about."
+
+    def envelope(kind, payload=None):
+        action = {"action_id": "a", "action_type": kind, "action_version": "1"} | (
+            {"payload": payload} if payload else {}
+        )
+        return {"protocol_version": "1", "message_id": "m", "actions": [action]}
+
+    def send(route, session, hints):
+        if route == "generate":
+            params = {"max_new_tokens": 1, "temperature": 0}
+            body = {"text": text, "sampling_params": params, "sgl_memory": {"session_id": session}, "kv_hints": hints}
+            return requests.post(server.url + "/generate", json=body, timeout=120)
+        body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 1, "kv_hints": hints}
+        return requests.post(
+            server.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=120
+        )
+
+    def row(session):
+        rows = server.get("/sgl_memory/sessions?limit=1000").json()["sessions"]
+        return next(r for r in rows if r["session_id"] == session)
+
+    def within(value, lo, hi):
+        return value is not None and lo < value <= hi
+
+    for route in ("generate", "chat"):
+        for kind, payload, shows in (
+            ("retain", {"ttl_ms": 60_000}, lambda r: within(r["keep_s"], 50, 60)),
+            ("pin", {"ttl_ms": 30_000}, lambda r: within(r["keep_s"], 20, 30)),
+            ("prefetch", {"in_ms": 90_000}, lambda r: within(r["expected_back_s"], 80, 90)),
+            ("demote", None, lambda r: r["leaves_first"] == "demoted"),
+            ("done", None, lambda r: r["leaves_first"] == "done"),
+            ("share", {"with": "anyone"}, lambda r: r["keep_s"] is None and r["leaves_first"] is None),
+        ):
+            session = f"kvh-{route}-{kind}"
+            r = send(route, session, envelope(kind, payload))
+            assert r.status_code == 200, (route, kind, r.text)
+            assert shows(row(session)), (route, kind, row(session))
+        bad = send(route, f"kvh-{route}-bad", envelope("retain", {"ttl_ms": "long"}))
+        assert bad.status_code == 400 and "kv_hints.actions[0].payload.ttl_ms" in bad.text, bad.text
+    assert server.get("/health").status_code == 200

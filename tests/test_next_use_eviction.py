@@ -156,3 +156,28 @@ def test_next_use_from_hints_learned_gaps_and_last_use():
     other = Session(None, "o")  # a session never seen back uses the server's gaps
     m.finished(other, None)
     assert m.next_use(other, other.finished_at) == pytest.approx(other.finished_at + m.gap)
+
+
+def test_a_demoted_session_leaves_the_pool_and_then_host_memory_first_and_is_forgotten_when_back():
+    """`demote` (kv_hints): its next use is as far as a done session's, until a turn of it comes back;
+    the warm tier then drops its stored form before a less recently used session's."""
+    from sgl_memory.core.sessions import SessionRegistry
+    from sgl_memory.persist.session import Sessions
+    from sgl_memory.persist.warm import WarmTier
+
+    m = predictor()
+    s = Session(None, "s")
+    m.finished(s, AgentHints(demote=True, expected_tool_duration_ms=1000))
+    assert m.next_use(s, s.finished_at) == math.inf
+    m.came_back(s)
+    m.finished(s, None)
+    assert m.next_use(s, s.finished_at + 1) == pytest.approx(s.finished_at + 2)  # last use order again
+
+    sessions = Sessions(SessionRegistry(), "persist")
+    old, demoted = (sessions.get(None, name, create=True) for name in ("old", "demoted"))
+    for session, hint in ((old, None), (demoted, AgentHints(demote=True))):
+        session.record, session.on_disk = SimpleNamespace(nbytes=lambda: 100), True
+        m.finished(session, hint)
+    assert [x.session_id for x in sessions.all()] == ["old", "demoted"]  # old is the least recently used
+    WarmTier(PersistConfig(warm_bytes=150), sessions).trim()
+    assert demoted.record is None and old.record is not None

@@ -4,8 +4,9 @@
 - the per-request `sgl_memory` field on `/generate`, `/v1/chat/completions`, `/v1/completions` and
   `/v1/responses`: validated here (a bad field is a 400 before anything reaches the engine) and
   moved into SGLang's `custom_params`, which carries it to the scheduler; the session id and the
-  tenant may come from headers instead (`x-session-id`, `x-tenant-id`: `with_headers`), and a
-  chain of `/v1/responses` is one session by itself (`with_chain`);
+  tenant may come from headers instead (`x-session-id`, `x-tenant-id`: `with_headers`), a
+  chain of `/v1/responses` is one session by itself (`with_chain`), and SGLang's own hint envelope
+  (`kv_hints`, on every one of those routes) hands its actions to the mechanisms (`with_kv_hints`);
 - bounds on those bodies that SGLang does not check: a size cap (413) and JSON nested too deeply
   to parse (400; SGLang's own parser would answer it with a 500);
 - a prompt of zero tokens, or with a token id outside the vocabulary, is a 400 (TokenizerManager
@@ -29,6 +30,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from sglang.srt.managers.io_struct import GetInternalStateReq
+from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 
 from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype
 from sgl_memory.core import mechanism, prometheus
@@ -174,6 +176,36 @@ def with_chain(raw, body: dict):
     return {**(raw or {}), "session_id": session}
 
 
+KV_HINTS = "kv_hints"  # SGLang's envelope on /generate; this server reads it on the OpenAI routes too
+
+
+def with_kv_hints(raw, body: dict, path: str, config: MemoryConfig):
+    """The request's `sgl_memory` field with the actions of SGLang's hint envelope (`kv_hints`,
+    sglang/srt/managers/kv_hints.py) under the field's own `kv_hints`, for the mechanisms that read
+    it (the persist mechanism validates the payloads of the actions it implements and ignores the
+    rest). The envelope is checked as SGLang checks it: a malformed one is a SpecError (400).
+    /generate keeps it in the body, which SGLang carries to the scheduler's request; the OpenAI
+    routes, whose bodies have no such field, lose it once read."""
+    if isinstance(raw, dict) and KV_HINTS in raw:
+        raise SpecError(f"{FIELD}.{KV_HINTS} is the server's own key: send the envelope as the body's {KV_HINTS}")
+    if KV_HINTS not in body:
+        return raw
+    value = body[KV_HINTS] if path == NATIVE else body.pop(KV_HINTS)
+    if value is None or not isinstance(raw, (dict, type(None))):
+        return raw  # no envelope; or a field that is not an object, which parse() refuses
+    if isinstance(value, list):
+        raise SpecError(f"{KV_HINTS}: one envelope per request here (a batch's list of envelopes is not read)")
+    try:
+        envelope = decode_kv_hints_envelope(value)
+    except ValueError as exc:
+        raise SpecError(f"{KV_HINTS}: {exc}") from None
+    readers = [cls for cls in mechanism.ordered() if KV_HINTS in cls.fields and config.section(cls.name).enabled]
+    if not readers or not envelope.actions:
+        return raw  # nothing here implements an action: ignored, as the envelope's contract says
+    actions = [{"type": a.action_type, "version": a.action_version, "payload": a.payload} for a in envelope.actions]
+    return {**(raw or {}), KV_HINTS: actions}
+
+
 MAX_PAGE = 1000  # sessions per page of GET /sgl_memory/sessions
 
 
@@ -279,8 +311,12 @@ class MemoryFieldMiddleware:
                 raw = with_headers(data.get(FIELD), scope["headers"], self.config.sessions)
                 if path == RESPONSES and self.config.sessions.response_chains:
                     raw = with_chain(raw, data)
+                dropped = path != NATIVE and KV_HINTS in data  # read here: the body goes on without it
+                raw = with_kv_hints(raw, data, path, self.config)
                 if raw is not None:
                     body = json.dumps(move_field(path, {**data, FIELD: raw}, self.config)).encode()
+                elif dropped:
+                    body = json.dumps(data).encode()
             except SpecError as exc:
                 prometheus.BAD_REQUESTS.labels("field").inc()
                 return await _send_error(send, 400, str(exc))

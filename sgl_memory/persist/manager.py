@@ -48,6 +48,7 @@ from sgl_memory.persist.prefetch import Prefetch
 from sgl_memory.persist.restorer import Restorer
 from sgl_memory.persist.session import RANKS_DIFFER, PersistTurn, Session, Sessions
 from sgl_memory.persist.settings import PersistConfig
+from sgl_memory.persist.settings import KV_HINTS
 from sgl_memory.persist.settings import parse_request as parse_agent_hints
 from sgl_memory.persist.store import CacheSpec, SessionFiles
 from sgl_memory.persist.textmatch import TextCodec
@@ -76,7 +77,7 @@ class SessionPersistence(mechanism.Mechanism):
     # spans in the final tokens. At release it writes the session after memory queued its turn.
     after = ("memory", "keep")
     settings = PersistConfig
-    fields = ("agent",)
+    fields = ("agent", KV_HINTS)  # KV_HINTS: SGLang's envelope's actions, put in the field by the HTTP layer
     parse_request = staticmethod(parse_agent_hints)
     follows_internal = True  # an entry write or forget changes the session: its file keeps that
     # at TP > 1 each rank writes its own file; the ranks load and restore a session together or
@@ -202,6 +203,9 @@ class SessionPersistence(mechanism.Mechanism):
                 "stored_bytes": state.stored_bytes if state.on_disk else 0,
                 # seconds until its next turn is expected (null: a turn of it runs, or none comes)
                 "expected_back_s": round(when - now, 3) if when is not None and math.isfinite(when) else None,
+                # what its last turn's hints left: kept in the pool this many more seconds, leaves it first
+                "keep_s": round(state.keep_until - now, 3) if state.keep_until and state.keep_until > now else None,
+                "leaves_first": "done" if state.done else "demoted" if state.demoted else None,
             }
 
     def drain(self, timeout: float | None = None) -> bool:

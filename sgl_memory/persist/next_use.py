@@ -35,25 +35,27 @@ class NextUse:
         if session.finished_at is None:
             return False
         now = time.monotonic()
-        predicted = None if session.done else self.expected(session)
+        predicted = None if session.done or session.demoted else self.expected(session)
         if predicted is not None:
             NEXT_USE_ERROR.observe(abs(now - predicted))
         gap = now - session.finished_at
         session.gap = gap if session.gap is None else self.GAP_WEIGHT * gap + (1 - self.GAP_WEIGHT) * session.gap
         self.gap = gap if self.gap is None else self.GAP_WEIGHT * gap + (1 - self.GAP_WEIGHT) * self.gap
         session.finished_at = session.expected_at = session.keep_until = None
+        session.done = session.demoted = False
         return True
 
     def finished(self, session: Session, hints: AgentHints | None) -> None:
         """A turn of the session ended: its hints say when the next comes (or that none does)."""
         now = time.monotonic()
-        session.finished_at, session.expected_at, session.keep_until, session.done = now, None, None, False
+        session.finished_at, session.expected_at, session.keep_until = now, None, None
+        session.done = session.demoted = False
         if hints is not None:
             if hints.expected_tool_duration_ms is not None:
                 session.expected_at = now + hints.expected_tool_duration_ms / 1000
             if hints.cache_ttl_ms is not None:
                 session.keep_until = now + min(hints.cache_ttl_ms, self.config.max_keep_ms) / 1000
-            session.done = bool(hints.done)
+            session.done, session.demoted = bool(hints.done), bool(hints.demote)
 
     def expected(self, session: Session) -> float | None:
         """When the idle session's next turn is expected (time.monotonic): its last turn's hint,
@@ -68,12 +70,12 @@ class NextUse:
 
     def next_use(self, session: Session, now: float) -> float:
         """The eviction order's next use (NextUseStrategy): now while a turn of it runs or a keep-for
-        lasts; inf for a session that is done; when it is expected, and a session expected back
+        lasts; inf for a session that is done or demoted; when it is expected, and a session expected back
         already and not back yet as that much later; without any expectation, as far ahead as its
         last use is behind (LRU)."""
         if session.finished_at is None or (session.keep_until is not None and now < session.keep_until):
             return now
-        if session.done:
+        if session.done or session.demoted:
             return math.inf
         when = self.expected(session)
         if when is None:

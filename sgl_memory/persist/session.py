@@ -62,6 +62,7 @@ class Session:
     expected_at: float | None = None
     keep_until: float | None = None
     done: bool = False
+    demoted: bool = False  # its last turn's hint: not back soon (leaves the pool and host memory first)
     prefetched: int = 0  # tokens brought back before its next turn arrived (prefetch), reported by that turn
     lock: threading.Lock = field(default_factory=threading.Lock)
     io: threading.Lock = field(default_factory=threading.Lock)

@@ -1,5 +1,5 @@
-"""Session persistence's settings: the `persist:` config section, and a request's `agent` hints
-(`sgl_memory.agent`), which order the sessions' eviction."""
+"""Session persistence's settings: the `persist:` config section, and a request's hints (`sgl_memory.agent`,
+and the actions of SGLang's `kv_hints` envelope this server implements), which order the sessions' eviction."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from sgl_memory.core.config import require
-from sgl_memory.core.request import RequestPart, flag, number, object_at
+from sgl_memory.core.request import RequestPart, SpecError, flag, integer, number, object_at, only
 
 MAX_HINT_MS = 24 * 3600 * 1000  # a day: the longest tool duration or keep-for a client may state
 
@@ -61,26 +61,78 @@ class PersistConfig:
         require(0.0 <= self.prefetch_ms <= MAX_HINT_MS, f"{path}.prefetch_ms", f"a number in [0, {MAX_HINT_MS}]")
 
 
-AGENT_KEYS = ("expected_tool_duration_ms", "cache_ttl_ms", "done")
+AGENT_KEYS = ("expected_tool_duration_ms", "cache_ttl_ms", "done", "demote")
+# SGLang's envelope (kv_hints.py): the actions implemented here, named after RFC #27574's hints; the
+# HTTP layer checks the envelope's shape and hands its actions over as the field's `kv_hints`
+KV_HINTS = "kv_hints"
+KV_HINT_VERSION = "1"
+KV_HINT_PAYLOADS: dict[str, tuple[str, ...]] = {
+    "retain": ("ttl_ms",),
+    "pin": ("ttl_ms",),
+    "prefetch": ("in_ms",),
+    "demote": (),
+    "done": (),
+}
 
 
 @dataclass(frozen=True)
 class AgentHints(RequestPart):
-    """`sgl_memory.agent`: what the client knows of the session's next turn after this one (the
-    names of SGLang RFC #24656's `agent_hints`). The server uses them to choose which idle session
-    leaves the KV pool first; they never change an answer."""
+    """`sgl_memory.agent` (the names of SGLang RFC #24656's `agent_hints`) and SGLang's `kv_hints`
+    actions: what the client knows of the session's next turn after this one. The server uses them
+    to choose which idle session leaves the KV pool (and host memory) first; they never change an
+    answer."""
 
     expected_tool_duration_ms: float | None = None  # the tool this turn calls returns after about this long
     cache_ttl_ms: float | None = None  # keep the session in the pool this long after the turn (bounded: max_keep_ms)
     done: bool | None = None  # the session has no next turn: its KV leaves the pool first
+    demote: bool | None = None  # not back soon: its KV leaves the pool first, and host memory once on disk
 
 
 def parse_request(raw: dict, internal: bool = False) -> AgentHints | None:
+    """The `agent` object's hints, and what the envelope's actions add where the object is silent
+    (the object's own keys win, as the field's session id wins over the header's)."""
     body, where = object_at(raw, "agent", AGENT_KEYS)
-    if body is None:
+    given = {**kv_hint_actions(raw.get(KV_HINTS)), **(body or {})}
+    if body is None and not given:
         return None
     return AgentHints(
-        number(body.get("expected_tool_duration_ms"), 0, MAX_HINT_MS, f"{where}.expected_tool_duration_ms"),
-        number(body.get("cache_ttl_ms"), 0, MAX_HINT_MS, f"{where}.cache_ttl_ms"),
-        flag(body.get("done"), f"{where}.done"),
+        number(given.get("expected_tool_duration_ms"), 0, MAX_HINT_MS, f"{where}.expected_tool_duration_ms"),
+        number(given.get("cache_ttl_ms"), 0, MAX_HINT_MS, f"{where}.cache_ttl_ms"),
+        flag(given.get("done"), f"{where}.done"),
+        flag(given.get("demote"), f"{where}.demote"),
     )
+
+
+def kv_hint_actions(actions: object) -> dict:
+    """The envelope's actions as `agent` keys: `retain` / `pin` {ttl_ms} keep the session (the
+    longest of them), `prefetch` {in_ms} says when it is back, `demote` and `done` (no payload).
+    A payload of the wrong shape is a SpecError naming the field; an action of a type or version
+    this server does not implement is ignored, as the envelope's contract says."""
+    if actions is None:
+        return {}
+    if not isinstance(actions, list):
+        raise SpecError(f"{KV_HINTS}.actions must be a list")
+    out: dict = {}
+    for i, action in enumerate(actions):
+        if not isinstance(action, dict):
+            raise SpecError(f"{KV_HINTS}.actions[{i}] must be an object")
+        kind, payload = action.get("type"), action.get("payload")
+        if kind not in KV_HINT_PAYLOADS or action.get("version") != KV_HINT_VERSION:
+            continue
+        where = f"{KV_HINTS}.actions[{i}].payload"
+        if payload is None:
+            payload = {}
+        if not isinstance(payload, dict):
+            raise SpecError(f"{where} must be an object")
+        only(payload, KV_HINT_PAYLOADS[kind], where)
+        for key in KV_HINT_PAYLOADS[kind]:
+            if key not in payload:
+                raise SpecError(f"{where}.{key} is required for a {kind!r} action")
+        if kind in ("retain", "pin"):
+            ttl = integer(payload["ttl_ms"], 1, MAX_HINT_MS, f"{where}.ttl_ms")
+            out["cache_ttl_ms"] = max(out.get("cache_ttl_ms", 0), ttl)
+        elif kind == "prefetch":
+            out["expected_tool_duration_ms"] = integer(payload["in_ms"], 0, MAX_HINT_MS, f"{where}.in_ms")
+        else:
+            out[kind] = True
+    return out

@@ -1,5 +1,6 @@
 """The warm tier's bound: sessions' stored form (token ids + encoded blocks) in host memory, up to
-`warm_bytes`, least recently used dropped first, and only once it is on disk."""
+`warm_bytes`, those whose hints said done or demote dropped first, then least recently used, and only
+once it is on disk."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ class WarmTier:
         self.config, self.sessions = config, sessions
 
     def trim(self) -> int:
-        """Drop the stored form of least recently used sessions that are safely on disk; returns
+        """Drop the stored form of sessions that are safely on disk (done or demoted ones first, then
+        the least recently used); returns
         the bytes of stored form left in memory (also the `store_warm_bytes` gauge)."""
-        sessions = self.sessions.all()
+        # a stable sort: the sessions' own order (least recently used first) within each group
+        sessions = sorted(self.sessions.all(), key=lambda s: not (s.done or s.demoted))
         total = sum(s.record.nbytes() for s in sessions if s.record is not None)
         for session in sessions:
             if total <= self.config.warm_bytes:
