@@ -181,3 +181,27 @@ def test_a_demoted_session_leaves_the_pool_and_then_host_memory_first_and_is_for
     assert [x.session_id for x in sessions.all()] == ["old", "demoted"]  # old is the least recently used
     WarmTier(PersistConfig(warm_bytes=150), sessions).trim()
     assert demoted.record is None and old.record is not None
+
+
+def test_a_prefetch_of_a_session_without_a_file_brings_back_nothing_and_the_scheduler_goes_on():
+    """A session expected back whose stored form is neither in host memory nor on disk (its turn
+    still being written, or the quota dropped its file): the prefetch restores nothing. Found by
+    bench/agent_traces.py's kv_hints replay, where it stopped the scheduler."""
+    from sgl_memory.persist.prefetch import Prefetch
+
+    tree = SimpleNamespace(
+        page_size=1,
+        sentinel=None,
+        tp_size=1,
+        key=lambda tokens, *rest: tokens,
+        match=lambda key: SimpleNamespace(device_prefix_len=0),
+        room=lambda: 1000,
+    )
+    files = SimpleNamespace(read=lambda tenant, session_id: None)
+    config = PersistConfig(enabled=True, prefetch_ms=1000)
+    prefetch = Prefetch(config, tree, files, predictor())
+    s = Session(None, "s", tokens=[1, 2, 3, 4], extra_key=None)
+    s.finished_at, s.expected_at = time.monotonic(), time.monotonic()
+    prefetch.watch(s)
+    prefetch.run()
+    assert s.prefetched == 0

@@ -77,6 +77,8 @@ class Prefetch:
                     record = self.files.read(session.tenant, session.session_id)
             except StoreError:
                 return 0  # the turn's admission reads it again, and refuses it with the reason
+        if record is None:
+            return 0  # no file yet (its turn is still being written) or no more (the quota dropped it)
         if record.token_ids[:n] != list(tokens[:n]) or record.branches != branches:
             return 0
         keys, values = decode(self.files, self.tree, record, have, n)
