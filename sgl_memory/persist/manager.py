@@ -84,7 +84,7 @@ class SessionPersistence(mechanism.Mechanism):
     # not at all (rank_range in loader.py and Planner.agree; tests/test_tp_server.py)
     schema = mechanism.MetricsSchema(
         marker="text_match",
-        summed=("restored_tokens", "restore_ms", "restore_step_ms", "prefetched_tokens"),
+        summed=("restored_tokens", "restore_ms", "restore_step_ms", "prefetched_tokens", "restore_deferred_ms"),
         counted=("text_match",),
         flagged=("persist_error", "persist_refused"),
     )

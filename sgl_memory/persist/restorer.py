@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 DEFERRED = prometheus.counter(
     "restores_deferred", "Session restores deferred at admission: the held KV of waiting requests was at its bound"
 )
+DEFERRED_SECONDS = prometheus.histogram(
+    "restore_deferred_seconds", "How long a deferred restore's request waited for room before its KV was restored"
+)
 
 
 def decode(
@@ -78,11 +81,14 @@ class Restorer:
                 if state.text_match != textmatch.DISCARD:
                     plan = self.planner.plan(req, session, state, "disk" if state.loaded else "memory")
         plan = self.planner.agree(req, prompt, plan, state)
-        if plan is not None and not self._bring_back(plan, state):
+        # a turn that waits for room is not passed over by the turns that come after it: their
+        # restores queue behind it (restore_deferred goes in arrival order)
+        if plan is not None and (self._waiting_for_room() or not self._bring_back(plan, state)):
             # restored before a later prefill batch: unpacked by then, or when the holds and the pool have room
             self._deferred[req] = plan.source
             if self._unpacker is None or not self._unpacker.running(req):
                 DEFERRED.inc()
+                state.defer(t0)
         state.step_ms += (time.perf_counter() - t0) * 1000
 
     def _bring_back(self, plan: Restore, state: PersistTurn, final: bool = False) -> bool:
@@ -149,7 +155,7 @@ class Restorer:
         for job in self._unpacker.finished():
             plan, reserved = job.context
             state = self.turns.get(job.owner.rid)
-            self._deferred.pop(job.owner, None)
+            self._undefer(job.owner, state)
             try:
                 parts = job.future.result()
             except Exception:
@@ -164,6 +170,14 @@ class Restorer:
             state.parts_ms.update(parts)
             state.off_step_ms += sum(parts.values())
             state.step_ms += (time.perf_counter() - t0) * 1000
+
+    def _waiting_for_room(self) -> bool:
+        """Some deferred request waits for room (not only for its own restore's unpacking)."""
+        for req in self._deferred:
+            state = self.turns.get(req.rid)
+            if state is not None and state.deferred_since is not None:
+                return True
+        return False
 
     def _room_to_hold(self, tokens: int) -> bool:
         """Whether the holds take `tokens` more: within `hold_fraction` of the pool, or nothing is
@@ -197,15 +211,29 @@ class Restorer:
             plan = self.planner.agree(req, ids, plan, state)
             final = not running and not self.tree.held_tokens()
             if plan is not None and not self._bring_back(plan, state, final):
-                back.append(req)  # no free slots yet
+                back.append(req)  # no free slots yet, or its restore is being unpacked
+                if self._unpacker is not None and self._unpacker.running(req):
+                    self._waited(state)  # from now on it waits for its own restore
                 continue
-            self._deferred.pop(req)
+            self._undefer(req, state)
             state.step_ms += (time.perf_counter() - t0) * 1000
         return back
 
+    def _undefer(self, req: RequestView, state: PersistTurn | None) -> None:
+        """The request's restore waits no more (restored, or it left the queue): its wait counted."""
+        self._deferred.pop(req, None)
+        self._waited(state)
+
+    @staticmethod
+    def _waited(state: PersistTurn | None) -> None:
+        """The request's wait for room ends (its restore runs, or it waits no more)."""
+        if state is not None and state.deferred_since is not None:
+            state.undefer(time.perf_counter())
+            DEFERRED_SECONDS.observe(state.deferred_ms / 1000)
+
     def forget(self, req: RequestView) -> None:
         """The request left the queue: a restore being unpacked for it ends and gives its slots back."""
-        self._deferred.pop(req, None)
+        self._undefer(req, self.turns.get(req.rid))
         job = self._unpacker.abandon(req) if self._unpacker is not None else None
         if job is not None:
             tree_fill.release(self.tree, job.context[1])

@@ -140,6 +140,19 @@ class PersistTurn:
     reads_only: bool = False  # a pass that changes nothing (MemorySpec.reads_only): loads, never writes
     hints: AgentHints | None = None  # sgl_memory.agent: when the session's next turn comes
     prefetched_tokens: int = 0  # of the session's KV brought back before this turn arrived
+    # how long its restore waited for room (deferred at admission, until restored or given up): the
+    # part of a slow turn's wait that is the holds' or the pool's, not its own restore's
+    deferred_since: float | None = None
+    deferred_ms: float = 0.0
+
+    def defer(self, now: float) -> None:
+        if self.deferred_since is None:
+            self.deferred_since = now
+
+    def undefer(self, now: float) -> None:
+        if self.deferred_since is not None:
+            self.deferred_ms += (now - self.deferred_since) * 1000
+            self.deferred_since = None
 
     def metrics(self, error: str | None) -> dict:
         return {
@@ -149,6 +162,7 @@ class PersistTurn:
             "restore_step_ms": round(self.step_ms, 3) if self.restored_tokens else 0.0,
             "restored_from": self.restored_from,
             "prefetched_tokens": self.prefetched_tokens,
+            "restore_deferred_ms": round(self.deferred_ms, 3),
             "restore_parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()} if self.restored_tokens else None,
             "persist_refused": self.refused,
             "persist_error": error,
