@@ -230,3 +230,54 @@ def test_sessions_back_at_once_are_restored_in_the_order_they_came(paged_server)
     for i in range(SESSIONS):
         for j in range(i + 1, SESSIONS):
             assert ends[i][0] <= ends[j][0] + batch_s, (i, j, ends)
+
+
+def test_three_sub_agents_read_their_parents_kv_and_the_kept_parent_goes_on_without_a_prefill(paged_server):
+    """A parent turn, then three sub-agents at once, each a session of its own whose prompt starts
+    with the parent's whole context (its history and the task it hands over): each reads the
+    parent's KV from the tree (SGLang's own count: cached tokens cover the parent's context; nothing
+    restored, nothing copied). The parent said it waits (`retain`, SGLang's envelope); the
+    children's last turns say `done`. The parent's next turn afterwards prefills only its new
+    tokens (from the tree or restored, never its history)."""
+    server = paged_server
+    retain = {
+        "protocol_version": "1",
+        "message_id": "p",
+        "actions": [{"action_id": "a", "action_type": "retain", "action_version": "1", "payload": {"ttl_ms": 60_000}}],
+    }
+    done = {
+        "protocol_version": "1",
+        "message_id": "c",
+        "actions": [{"action_id": "a", "action_type": "done", "action_version": "1"}],
+    }
+    parent = [SYSTEM, {"role": "user", "content": long_text("parent", 40) + " Split the work in three."}]
+
+    def send(messages, session, hints):
+        body = {"model": "m", "messages": messages, "max_tokens": 8, "temperature": 0, "kv_hints": hints}
+        r = requests.post(
+            server.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=300
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = send(parent, "sub-parent", retain)
+    answer, parent_tokens = first["choices"][0]["message"]["content"], first["usage"]["prompt_tokens"]
+    handed = parent + [{"role": "assistant", "content": answer}]
+
+    def child(i):
+        task = {"role": "user", "content": f"Sub-agent {i}: " + long_text(f"child{i}", 30) + " Sum the entries."}
+        return send(handed + [task], f"sub-c{i}", done)
+
+    with ThreadPoolExecutor(3) as workers:
+        children = list(workers.map(child, range(3)))
+    for out in children:
+        cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= parent_tokens // PAGE * PAGE, (cached, parent_tokens)  # the parent's KV, read
+        assert out["sgl_memory"]["restored_tokens"] == 0  # a new session: nothing of its own to restore
+    again = parent + [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "The sub-agents are done. Go on."},
+    ]
+    _, usage, metrics = chat(server, again, "sub-parent", max_tokens=8)
+    prefilled = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    assert prefilled <= usage["prompt_tokens"] - parent_tokens // PAGE * PAGE + PAGE, (usage, metrics)
