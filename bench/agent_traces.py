@@ -27,7 +27,9 @@ The pool (`--max-total-tokens`) is the sessions' distinct tokens (every session'
 answer, each shared prefix once) over the oversubscription, and at least the longest context.
 Methods, each on a fresh server: plain SGLang's radix cache under `--radix-eviction-policy` lru, slru,
 priority, tlru and with `--enable-session-radix-cache` (bench/many_agents.py's commands), ours
-`--plain` (every mechanism off), ours at its defaults (`ours:persist`), and ours with each request
+`--plain` (every mechanism off), ours at its defaults (`ours:persist`), ours predicting each
+session's return from the gaps its turns came back after (`ours:learned`: `persist.eviction:
+learned`), and ours with each request
 carrying SGLang's `kv_hints` envelope (`ours:kv_hints`: what the client knows when it sends a request:
 a tool call's result comes back after the traces' median tool gap, an answer waits for the user
 (`demote`), the last request is `done`).
@@ -79,6 +81,7 @@ METHODS = (
     "sglang:session",
     "ours:plain",
     "ours:persist",
+    "ours:learned",
     "ours:kv_hints",
 )
 # The one-token words a block is written in: common English words, kept where the model's tokenizer
