@@ -65,7 +65,7 @@ import requests
 from transformers import AutoTokenizer
 
 from bench import harness
-from bench.common import RESULTS, ok, provenance, write_json
+from bench.common import RESULTS, provenance, stream_chat, write_json
 from bench.fidelity.points import _render
 from bench.many_agents import command, distinct_tokens, interval, percentile, restore_totals
 from sgl_memory import models
@@ -248,19 +248,7 @@ def send(server: harness.Server, messages: list[dict], session: str, out: int, h
         "stream_options": {"include_usage": True},
         **({"kv_hints": hints} if hints else {}),
     }
-    t0, ttft, usage, memory = time.perf_counter(), None, {}, {}
-    with requests.post(
-        server.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, stream=True, timeout=3600
-    ) as r:
-        ok(r, "/v1/chat/completions")
-        for raw in r.iter_lines():
-            if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(raw[5:])
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - t0
-            usage = chunk.get("usage") or usage
-            memory = chunk.get("sgl_memory") or memory
+    ttft, usage, memory = stream_chat(server, body, session, timeout=3600)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return ttft, int(usage.get("prompt_tokens") or 0), int(cached), waits(memory)
 

@@ -126,6 +126,26 @@ def stream(server, ids: list[int], max_tokens: int, field: dict | None) -> tuple
     return last["text"], ttft, last["meta_info"]
 
 
+def stream_chat(server, body: dict, session: str, timeout: float = 1800) -> tuple[float | None, dict, dict]:
+    """A streamed /v1/chat/completions (`body` asks for the stream and its usage), the session
+    named by `x-session-id`: (TTFT in s, the usage, the response's `sgl_memory` metrics; {} when
+    the server sends none)."""
+    t0, ttft, usage, memory = time.perf_counter(), None, {}, {}
+    with requests.post(
+        server.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, stream=True, timeout=timeout
+    ) as r:
+        ok(r, "/v1/chat/completions")
+        for raw in r.iter_lines():
+            if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(raw[5:])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+            memory = chunk.get("sgl_memory") or memory
+    return ttft, usage, memory
+
+
 def ours(model: str, *flags: str) -> tuple[list[str], None]:
     """Our server with every mechanism off (`--plain`: persistence is on by default): what the
     plugin costs by itself."""

@@ -58,7 +58,7 @@ import requests
 from transformers import AutoTokenizer
 
 from bench import harness
-from bench.common import RESULTS, bootstrap, ok, provenance, stream, write_json
+from bench.common import RESULTS, bootstrap, provenance, stream, stream_chat, write_json
 from bench.fidelity.points import _render, _templated
 from sgl_memory import models
 from sgl_memory.core.config import to_yaml
@@ -244,18 +244,7 @@ def send_openai(
         body["tools"] = step.tools
     if field:
         body["sgl_memory"] = field
-    t0, ttft, usage = time.perf_counter(), None, {}
-    with requests.post(
-        server.url + "/v1/chat/completions", json=body, headers={"x-session-id": session}, stream=True, timeout=1800
-    ) as r:
-        ok(r, "/v1/chat/completions")
-        for raw in r.iter_lines():
-            if not raw.startswith(b"data:") or raw.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(raw[5:])
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - t0
-            usage = chunk.get("usage") or usage
+    ttft, usage, _ = stream_chat(server, body, session)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return ttft, int(usage.get("prompt_tokens") or 0), int(cached)
 
