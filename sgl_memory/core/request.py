@@ -30,6 +30,8 @@ S = TypeVar("S")  # a mechanism's config section
 logger = logging.getLogger(__name__)
 
 FIELD = "sgl_memory"
+# the field's key the HTTP layer fills with the actions of SGLang's `kv_hints` envelope (never a client's)
+KV_HINTS = "kv_hints"
 MAX_ID_LEN = 256
 # ids name sessions in the radix tree, in QueryMemory and in the session store: printable, no path syntax
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=-]*")

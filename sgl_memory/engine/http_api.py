@@ -35,7 +35,7 @@ from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype
 from sgl_memory.core import mechanism, prometheus
 from sgl_memory.core.config import MemoryConfig, SessionSources, from_env
-from sgl_memory.core.request import FIELD, SpecError, check_id, check_served, encode, parse
+from sgl_memory.core.request import FIELD, KV_HINTS, SpecError, check_id, check_served, encode, parse
 from sgl_memory.core.metrics import STATS
 from sgl_memory.engine import front
 from sgl_memory.engine.hooks import INTEGRITY_KEY, SESSIONS_KEY
@@ -176,9 +176,6 @@ def with_chain(raw, body: dict):
     return {**(raw or {}), "session_id": session}
 
 
-KV_HINTS = "kv_hints"  # SGLang's envelope on /generate; this server reads it on the OpenAI routes too
-
-
 def with_kv_hints(raw, body: dict, path: str, config: MemoryConfig):
     """The request's `sgl_memory` field with the actions of SGLang's hint envelope (`kv_hints`,
     sglang/srt/managers/kv_hints.py) under the field's own `kv_hints`, for the mechanisms that read
@@ -199,8 +196,8 @@ def with_kv_hints(raw, body: dict, path: str, config: MemoryConfig):
         envelope = decode_kv_hints_envelope(value)
     except ValueError as exc:
         raise SpecError(f"{KV_HINTS}: {exc}") from None
-    readers = [cls for cls in mechanism.ordered() if KV_HINTS in cls.fields and config.section(cls.name).enabled]
-    if not readers or not envelope.actions:
+    read = any(KV_HINTS in cls.fields and config.section(cls.name).enabled for cls in mechanism.ordered())
+    if not read or not envelope.actions:
         return raw  # nothing here implements an action: ignored, as the envelope's contract says
     actions = [{"type": a.action_type, "version": a.action_version, "payload": a.payload} for a in envelope.actions]
     return {**(raw or {}), KV_HINTS: actions}

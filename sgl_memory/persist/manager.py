@@ -38,7 +38,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sgl_memory.core import mechanism, metrics, prometheus
-from sgl_memory.core.request import MemorySpec
+from sgl_memory.core.request import KV_HINTS, MemorySpec
 from sgl_memory.core.requests import Lifetime
 from sgl_memory.persist.identity import cache_spec
 from sgl_memory.persist.loader import SessionLoader
@@ -48,7 +48,6 @@ from sgl_memory.persist.prefetch import Prefetch
 from sgl_memory.persist.restorer import Restorer
 from sgl_memory.persist.session import RANKS_DIFFER, PersistTurn, Session, Sessions
 from sgl_memory.persist.settings import PersistConfig
-from sgl_memory.persist.settings import KV_HINTS
 from sgl_memory.persist.settings import parse_request as parse_agent_hints
 from sgl_memory.persist.store import CacheSpec, SessionFiles
 from sgl_memory.persist.textmatch import TextCodec

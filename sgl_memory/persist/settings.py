@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from sgl_memory.core.config import require
-from sgl_memory.core.request import RequestPart, SpecError, flag, integer, number, object_at, only
+from sgl_memory.core.request import KV_HINTS, RequestPart, SpecError, flag, integer, number, object_at, only
 
 MAX_HINT_MS = 24 * 3600 * 1000  # a day: the longest tool duration or keep-for a client may state
 
@@ -63,8 +63,7 @@ class PersistConfig:
 
 AGENT_KEYS = ("expected_tool_duration_ms", "cache_ttl_ms", "done", "demote")
 # SGLang's envelope (kv_hints.py): the actions implemented here, named after RFC #27574's hints; the
-# HTTP layer checks the envelope's shape and hands its actions over as the field's `kv_hints`
-KV_HINTS = "kv_hints"
+# HTTP layer checks the envelope's shape and hands its actions over as the field's KV_HINTS
 KV_HINT_VERSION = "1"
 KV_HINT_PAYLOADS: dict[str, tuple[str, ...]] = {
     "retain": ("ttl_ms",),
