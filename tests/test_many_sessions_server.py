@@ -26,6 +26,12 @@ POOL = 3008
 SESSIONS = 6  # about 760 tokens each: together 1.5x the pool
 
 
+def envelope(kind: str, payload: dict | None = None) -> dict:
+    """SGLang's kv_hints envelope with one action (sglang/srt/managers/kv_hints.py)."""
+    action = {"action_id": "a", "action_type": kind, "action_version": "1"} | ({"payload": payload} if payload else {})
+    return {"protocol_version": "1", "message_id": "m", "actions": [action]}
+
+
 def test_restored_history_stays_until_its_request_runs_and_answers_as_if_it_had_stayed(paged_server):
     """The sessions come back at once after a flush (each restores its history from the exact store,
     most of them deferred until the holds have room); the reference is each session's same turn
@@ -159,12 +165,6 @@ def test_sglangs_hint_envelope_is_honoured_on_generate_and_chat_and_checked(page
     know is ignored."""
     server, text = paged_server, "A short turn to hint about."
 
-    def envelope(kind, payload=None):
-        action = {"action_id": "a", "action_type": kind, "action_version": "1"} | (
-            {"payload": payload} if payload else {}
-        )
-        return {"protocol_version": "1", "message_id": "m", "actions": [action]}
-
     def send(route, session, hints):
         if route == "generate":
             params = {"max_new_tokens": 1, "temperature": 0}
@@ -240,16 +240,7 @@ def test_three_sub_agents_read_their_parents_kv_and_the_kept_parent_goes_on_with
     children's last turns say `done`. The parent's next turn afterwards prefills only its new
     tokens (from the tree or restored, never its history)."""
     server = paged_server
-    retain = {
-        "protocol_version": "1",
-        "message_id": "p",
-        "actions": [{"action_id": "a", "action_type": "retain", "action_version": "1", "payload": {"ttl_ms": 60_000}}],
-    }
-    done = {
-        "protocol_version": "1",
-        "message_id": "c",
-        "actions": [{"action_id": "a", "action_type": "done", "action_version": "1"}],
-    }
+    retain, done = envelope("retain", {"ttl_ms": 60_000}), envelope("done")
     parent = [SYSTEM, {"role": "user", "content": long_text("parent", 40) + " Split the work in three."}]
 
     def send(messages, session, hints):
