@@ -152,6 +152,8 @@ def _conversation(cid: str, kind: str, data: dict, entries: list[dict], args, tr
 def pick(seed: int, count: int, args) -> list[Conversation]:
     """A seeded subset of the traces (sorted names, shuffled by the seed)."""
     paths = sorted(TRACES.glob("trace_*.json"))
+    if not paths:
+        raise SystemExit(f"no traces (trace_*.json) in {TRACES}: the replay reads the shared data folder")
     random.Random(seed).shuffle(paths)
     return [load(p, args) for p in paths[:count]]
 
@@ -407,7 +409,9 @@ def kv_bytes_per_token(model: str) -> int:
 
 
 def store_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in (directory / "store").rglob("*") if p.is_file())
+    """What the session store takes on disk: each file once, however many sessions link it."""
+    files = [p.stat() for p in (directory / "store").rglob("*") if p.is_file()]
+    return sum({(f.st_dev, f.st_ino): f.st_size for f in files}.values())
 
 
 def server_command(method: str, model: str, pool: int, directory: Path) -> tuple[list[str], dict | None]:

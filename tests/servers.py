@@ -227,9 +227,9 @@ CATALOGUE: dict[str, Spec] = {
     ),
     "paged_limited": Spec(
         "a server started on the store of the paged one after it was killed mid-write, under a "
-        "6 MB file-size limit (a full disk)",
+        "3 MB file-size limit (a full disk: a full block's file of this model is 5.9 MB in bf16)",
         config=to_yaml(PersistConfig(enabled=True, dir="{dir}/store", quant="bf16")),
-        prefix=("prlimit", "--fsize=6000000", "--"),
+        prefix=("prlimit", "--fsize=3000000", "--"),
         dir_of="paged",
         prefetch=False,
     ),

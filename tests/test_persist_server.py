@@ -164,11 +164,47 @@ def test_prometheus_counts_restores_and_the_store_size(restarted):
         after[("sgl_memory_restored_tokens_total", ())] - before.get(("sgl_memory_restored_tokens_total", ()), 0)
         == metrics["restored_tokens"]
     )
-    assert after[("sgl_memory_store_bytes", ())] == sum(
-        p.stat().st_size for p in store.glob("*/*/*")
-    )  # heads and chunks
+    assert after[("sgl_memory_store_bytes", ())] == disk_bytes(store)  # heads and chunks, each file once
     persisted = ("sgl_memory_requests_total", (("mechanism", "persist"),))
     assert after[persisted] == before.get(persisted, 0) + 1
+
+
+def disk_bytes(store: Path) -> int:
+    """What the store takes on disk: each file once, however many sessions link it."""
+    files = [p.stat() for p in store.glob("*/*/*")]
+    return sum({(f.st_dev, f.st_ino): f.st_size for f in files}.values())
+
+
+def test_sessions_that_open_alike_store_the_blocks_they_share_once(restarted, all_server, pool):
+    """Two sessions of one tenant open with the same long system prompt (an agent's tool
+    definitions): the second reads the first's KV in the tree, so the store's full blocks of it are
+    one file on disk that both sessions' heads link; the store's bytes count it once. A server that
+    never held them (`all`, the same configuration) finds the files on disk and answers their next
+    turns as the server that wrote them did from its tree."""
+    b, store, _, _ = restarted
+    tools = {"role": "system", "content": long_text("tools", 60)}  # about 670 tokens: two full blocks
+    turns = {}
+    for sid, question in (("blk-a", "Which entry is last?"), ("blk-b", "Which entry is first?")):
+        messages = [tools, {"role": "user", "content": question}]
+        answer, usage, _ = chat(b, messages, sid, tenant="blk", max_tokens=8, **ALONE)
+        turns[sid] = messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    reference = {sid: chat(b, m, sid, tenant="blk", max_tokens=8, **ALONE) for sid, m in turns.items()}
+    flush(b)  # every turn written
+    chunks = [
+        {p.stat().st_ino for p in store.glob(f"*/*/{session_file_of(store, 'blk', s).stem}.*.chunk")} for s in turns
+    ]
+    shared = chunks[0] & chunks[1]
+    assert len(shared) >= 2, chunks  # the system prompt's full blocks
+    linked = [p for p in store.glob("*/*/*.chunk") if p.stat().st_ino in shared]
+    assert all(p.stat().st_nlink == 3 for p in linked)  # the store's copy and each session's link
+    assert disk_bytes(store) < sum(p.stat().st_size for p in store.glob("*/*/*"))
+    pool.copy_sessions(b, all_server, "blk")
+    for sid, messages in turns.items():
+        answer, usage, metrics = chat(all_server, messages, sid, tenant="blk", max_tokens=8, **ALONE)
+        assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, metrics
+        assert answer == reference[sid][0]
+        cached = reference[sid][1]["prompt_tokens_details"]["cached_tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= cached, (usage, reference[sid][1])
 
 
 def test_an_openai_client_names_its_session_by_header_alone(restarted):
@@ -418,9 +454,9 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, p
     assert list(store.glob("*/*/*.tmp"))  # killed mid-write: the partial file is there (and a chunk no head names) ...
     assert not session_file(store, "big").exists()  # ... and nothing under the session's name
     # a new server on the store: it removes the partial file and serves the session by prefill;
-    # it runs under a 6 MB file-size limit, so a larger session write fails as on a full disk
+    # it runs under a 3 MB file-size limit, so a full block's write (5.9 MB in bf16) fails as on a full disk
     f = pool.get("paged_limited")
-    assert f.dir == server.dir and "--fsize=6000000" in pool.catalogue["paged_limited"].prefix
+    assert f.dir == server.dir and "--fsize=3000000" in pool.catalogue["paged_limited"].prefix
     try:
         assert re.search(r"removed \d+ partial file", f.log())  # the temporary file (and the chunks no head names)
         assert not list(store.glob("*/*/*.tmp")) and not list(store.glob(f"*/*/{digest('session', 'big')}.*.chunk"))
@@ -431,7 +467,7 @@ def test_a_server_killed_while_writing_leaves_no_file_that_loads(fault_server, p
         assert "writing the session file failed" in f.log()
         _, _, metrics = chat(f, [SYSTEM, {"role": "user", "content": "Short question?"}], "big")
         assert "File too large" in (metrics["persist_error"] or ""), metrics
-        flush(f)  # this turn's write fails too; its temporary file is gone with it
+        flush(f)  # this turn's path is one partial block: written or not, no temporary file stays
         assert not list(store.glob("*/*/*.tmp"))
         # unwritable directory: the tenant's directory name is taken by a regular file
         (store / digest("tenant", "blocked")).write_text("not a directory")

@@ -1,7 +1,7 @@
 """The session KV file store: round trips per quantization and pool dtype (bf16 and float32: the
-launcher picks the dtype from the CPU), turns that write their new blocks only, refusal of damaged or
-foreign files, atomic writes under a killed writer, ids that cannot escape the store, tenant
-isolation."""
+launcher picks the dtype from the CPU), turns that write their new blocks only, full blocks that
+several sessions hold stored once, refusal of damaged or foreign files, atomic writes under a killed
+writer, ids that cannot escape the store, tenant isolation."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sgl_memory.persist.quant import error_bound, quantize
+from sgl_memory.persist.shared import is_shared
 from sgl_memory.persist.store import CacheSpec, SessionFiles, StoreError, WriteConflict
 
 SPEC = CacheSpec("toy-model", "cfg123", layers=3, kv_heads=2, head_dim=64, dtype="bfloat16", page_size=1)
@@ -210,7 +211,7 @@ def test_damaged_and_foreign_files_are_refused(tmp_path):
     with pytest.raises(StoreError, match="checksum mismatch"):
         files.read(None, "s")
     files.write(None, "s", session(files))
-    (chunk,) = chunk_files(files, None, "s")
+    chunk = chunk_files(files, None, "s")[0]
     data = bytearray(chunk.read_bytes())
     data[-100] ^= 0xFF  # a flipped bit in a block
     chunk.write_bytes(bytes(data))
@@ -438,7 +439,9 @@ def test_servers_sharing_the_store_and_killed_at_random_lose_tear_or_mix_no_sess
     files = SessionFiles(tmp_path, SPEC, quant="bf16")
     assert not list(tmp_path.glob("*/*/*.tmp"))
     named = {c.name for t in "ab" for i in range(4) if (r := files.read(t, f"s{i}")) is not None for c in r.chunks}
-    assert {p.name for p in tmp_path.glob("*/*/*.chunk")} == named  # no chunk of a dead writer is left
+    chunks = list(tmp_path.glob("*/*/*.chunk"))
+    assert {p.name for p in chunks if not is_shared(p)} == named  # no chunk of a dead writer is left
+    assert all(p.stat().st_nlink > 1 for p in chunks if is_shared(p))  # nor a block no session links
     for tenant in "ab":
         for sid in (f"s{i}" for i in range(4)):
             acked = [g for t, s, g in stored if (t, s) == (tenant, sid)]
@@ -468,11 +471,13 @@ def turns(files, keys, values, lengths, session_id="s"):
 
 def test_a_turn_writes_the_blocks_it_added_and_reads_back_whole(tmp_path):
     """30 turns of 20 tokens on 16-token blocks: every turn reads back as the session's KV (bit for
-    bit), the files on disk are the chunks the head names (about log2 of the blocks), and the
-    blocks written over the session are a fraction of rewriting the whole path each turn."""
+    bit), the files on disk are the chunks the head names (one per block), each turn writes the
+    blocks from the one that held the previous path's end (the blocks it added, and the partial one
+    it completed), so the blocks written over the session are a fraction of rewriting the whole path
+    each turn."""
     files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
     keys, values = kv(tokens=600)
-    written = whole = 0
+    written = whole = previous = 0
     for record, added in turns(files, keys, values, range(20, 601, 20)):
         n = len(record.token_ids)
         got = files.read(None, "s")
@@ -483,10 +488,10 @@ def test_a_turn_writes_the_blocks_it_added_and_reads_back_whole(tmp_path):
             and torch.equal(got_values, values[:, :n])
         )
         assert {c.name for c in got.chunks} == {p.name for p in chunk_files(files, None, "s")}
-        assert len(got.chunks) <= (len(got.blocks)).bit_length() + 1
-        written += sum(c.count for c in got.chunks if c.name in added)
-        whole += len(got.blocks)
-        assert len(added) == 1  # one new chunk per turn (every turn adds tokens)
+        assert len(got.chunks) == len(got.blocks)
+        this_turn = sum(c.count for c in got.chunks if c.name in added)
+        assert this_turn == len(got.blocks) - previous // 16, (n, this_turn)
+        written, whole, previous = written + this_turn, whole + len(got.blocks), n
     assert written <= whole / 3, (written, whole)
 
 
@@ -518,12 +523,14 @@ def test_a_head_of_the_first_format_is_read_and_its_next_write_stores_every_bloc
     keys, values = kv(tokens=100)
     record = files.record(range(100), "t", keys, values)
     path = files.write(None, "old", record)
-    (chunk,) = chunk_files(files, None, "old")
+    chunks = chunk_files(files, None, "old")
     meta = {k: v for k, v in header.read_metadata(path).items() if k not in ("chunks", "checksum")}
     meta["format_version"] = "1"
-    tensors = {**load_tensors(path.read_bytes()), **load_tensors(chunk.read_bytes())}
+    tensors = load_tensors(path.read_bytes())
+    for chunk in chunks:
+        tensors.update(load_tensors(chunk.read_bytes()))
+        chunk.unlink()
     meta["checksum"] = header.checksum(tensors, meta)
-    chunk.unlink()
     save_file(tensors, path, metadata=meta)
     old = files.read(None, "old")
     assert old.chunks == () and old.dirty == 0 and torch.equal(files.decode(old)[0], keys)
@@ -555,3 +562,102 @@ def test_a_reader_whose_head_was_replaced_meanwhile_reads_the_new_one(tmp_path, 
     monkeypatch.setattr(CheckedReader, "_read_blocks", racing)
     got = files.read(None, "s")
     assert calls == ["1", "2"] and torch.equal(files.decode(got)[0], second[0])
+
+
+def store_bytes(root) -> int:
+    """Bytes the store takes on disk: each file once, however many names it has (an independent
+    count of what enforce_quota reports)."""
+    inodes = {(p.stat().st_dev, p.stat().st_ino): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    return sum(inodes.values())
+
+
+def sharing(prefix_tokens=40, own=(10, 30), seed=0):
+    """Sessions whose paths open with the same `prefix_tokens` tokens and KV (a shared tool prefix,
+    one radix node's slots), then tokens and KV of their own: (tokens, keys, values) each."""
+    keys, values = kv(tokens=prefix_tokens, seed=seed)
+    out = []
+    for i, n in enumerate(own):
+        k, v = kv(tokens=n, seed=seed + 1 + i)
+        tokens = list(range(prefix_tokens)) + list(range(1000 * (i + 1), 1000 * (i + 1) + n))
+        out.append((tokens, torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)))
+    return out
+
+
+def test_full_blocks_several_sessions_hold_are_stored_once_and_read_back_as_each_wrote_them(tmp_path):
+    """Two sessions open with the same 40 tokens of KV on 16-token blocks: their two full blocks of
+    it are one file each on disk (the store's bytes count them once), each session reads back its own
+    KV bit for bit, and the partial block where they part stays each one's own."""
+    files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
+    paths = sharing()
+    for i, (tokens, keys, values) in enumerate(paths):
+        files.write(None, f"s{i}", files.record(tokens, "t", keys, values))
+    for i, (tokens, keys, values) in enumerate(paths):
+        got = files.read(None, f"s{i}")
+        got_keys, got_values = files.decode(got)
+        assert got.token_ids == tokens and torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    inodes = [{c.stat().st_ino for c in chunk_files(files, None, f"s{i}")} for i in range(2)]
+    assert len(inodes[0] & inodes[1]) == 2  # blocks 0 and 1 (tokens 0-31); block 2 (32-47) differs
+    files.enforce_quota(1 << 40)
+    assert files.disk_bytes == store_bytes(tmp_path)
+    shared_bytes = sum(c.stat().st_size for c in chunk_files(files, None, "s0") if c.stat().st_ino in inodes[1])
+    assert shared_bytes and files.disk_bytes == files.size(None, "s0") + files.size(None, "s1") - shared_bytes
+
+
+def test_the_same_tokens_with_other_kv_share_nothing(tmp_path):
+    """Blocks are matched by their bytes, not their tokens: a session whose path has the same tokens
+    but other KV (another model's run, a recomputed prefix) reads back its own."""
+    files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
+    for i in range(2):
+        files.write(None, f"s{i}", files.record(list(range(48)), "t", *kv(tokens=48, seed=i)))
+    for i in range(2):
+        assert torch.equal(files.decode(files.read(None, f"s{i}"))[0], kv(tokens=48, seed=i)[0])
+    files.enforce_quota(1 << 40)
+    assert files.disk_bytes == files.size(None, "s0") + files.size(None, "s1") == store_bytes(tmp_path)
+
+
+def test_a_shared_block_stays_while_a_session_links_it_and_goes_with_the_last(tmp_path):
+    """The quota removes the least recently used sharer: the other still reads whole; when it goes
+    too, no block of either is left on disk."""
+    files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
+    paths = sharing()
+    for i, (tokens, keys, values) in enumerate(paths):
+        files.write(None, f"s{i}", files.record(tokens, "t", keys, values))
+        os.utime(files.path(None, f"s{i}"), (1000 + i, 1000 + i))
+    assert files.enforce_quota(files.size(None, "s1")) == [files.path(None, "s0")]
+    tokens, keys, _ = paths[1]
+    assert torch.equal(files.decode(files.read(None, "s1"))[0], keys)
+    assert files.disk_bytes == files.size(None, "s1") == store_bytes(tmp_path)
+    assert files.enforce_quota(0) == [files.path(None, "s1")]
+    assert not list(tmp_path.glob("*/*/*.chunk")) and files.disk_bytes == 0
+
+
+def test_without_hard_links_each_session_keeps_its_own_copy(tmp_path, monkeypatch):
+    """A filesystem that refuses hard links: every session still reads back whole, each with its own copy."""
+
+    def refuse(src, dst):
+        raise PermissionError(1, "Operation not permitted", str(src))
+
+    monkeypatch.setattr(os, "link", refuse)
+    files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
+    paths = sharing()
+    for i, (tokens, keys, values) in enumerate(paths):
+        files.write(None, f"s{i}", files.record(tokens, "t", keys, values))
+    for i, (tokens, keys, _) in enumerate(paths):
+        assert torch.equal(files.decode(files.read(None, f"s{i}"))[0], keys)
+    files.enforce_quota(1 << 40)
+    assert files.disk_bytes == files.size(None, "s0") + files.size(None, "s1") == store_bytes(tmp_path)
+
+
+def test_a_dead_writers_link_no_head_names_is_removed_and_then_its_block(tmp_path):
+    """A writer killed between linking a block and renaming its head leaves a link no head names
+    (and the block's only copy): a store opened later removes both; a named one stays."""
+    files = SessionFiles(tmp_path, SPEC, quant="bf16", block_size=16)
+    tokens, keys, values = sharing()[0]
+    head = files.write(None, "s", files.record(tokens, "t", keys, values))
+    dead = head.parent / f"{'0' * 40}.w999999999-{'ab' * 20}.chunk"
+    copy = head.parent / f"blk-{'ab' * 20}.chunk"
+    copy.write_bytes(b"a block")
+    os.link(copy, dead)
+    assert SessionFiles(tmp_path, SPEC).removed_partial == 2
+    assert not dead.exists() and not copy.exists()
+    assert torch.equal(files.decode(files.read(None, "s"))[0], keys)

@@ -159,7 +159,9 @@ class KVHost(Protocol):
         """The KV pool's size in tokens."""
 
     def room(self) -> int:
-        """Slots `alloc_slots` can give now: free ones and those eviction can free."""
+        """Slots a mechanism may take now: the free ones and those eviction can free, less those the
+        engine's scheduler counts on for the work it has taken in (a chunked prefill's rest, the
+        running requests' decode)."""
 
     def expect(self, node: Node, when: Callable[[float], float]) -> None:
         """The path ending at `node` is next used at `when(now)` (time.monotonic seconds; inf: not

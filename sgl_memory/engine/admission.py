@@ -90,8 +90,10 @@ def prefill_hook(original, scheduler, running_batch, *args, **kwargs):
             )
     if not getattr(tree, "composition", None):
         return original(scheduler, running_batch, *args, **kwargs)
-    # the batch that runs now (the last prefill merged in), not scheduler.running_batch, which lags it
-    held_back = set(tree.composition.before_prefill(scheduler, scheduler.waiting_queue, not running_batch.is_empty()))
+    # the batch that runs now (the last prefill merged in), not scheduler.running_batch, which lags it;
+    # a chunked prefill under way runs too (its next chunk needs the room it was admitted with)
+    running = not running_batch.is_empty() or scheduler.chunked_req is not None
+    held_back = set(tree.composition.before_prefill(scheduler, scheduler.waiting_queue, running))
     holds = tree.holds
     if not held_back and not holds.held_tokens():
         plan = original(scheduler, running_batch, *args, **kwargs)  # the queue as SGLang keeps it

@@ -77,6 +77,8 @@ class SglMemoryRadixCache(RadixCache):
         self.requests = RequestStore()  # every mechanism's per-request state, ended by the composition
         self.tp_size = ctx.tp_size if ctx is not None else 1
         self.host = TreeHost(self)  # what the mechanisms get of the tree (core/kvhost.py)
+        # the scheduler that serves from this tree (its first admission says): room() leaves what it counts on
+        self.scheduler: Scheduler | None = None
         super().__init__(params)
         self.memory_config = config or plain()  # no config: no mechanism (the server passes its own)
         if self.disable:
@@ -123,6 +125,7 @@ class SglMemoryRadixCache(RadixCache):
     # --- a request's life: admission (admission.py), checkpoint, release -------------------------
 
     def admit(self, scheduler: Scheduler, req: Req, spec: MemorySpec) -> None:
+        self.scheduler = scheduler
         if spec.readonly:
             req.skip_radix_cache_insert = True  # no checkpoint: no event, and nothing of it stays in the tree
         self.composition.admit(scheduler, req, spec)

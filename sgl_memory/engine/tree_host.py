@@ -24,6 +24,7 @@ from sgl_memory.core.requests import RequestStore
 from sgl_memory.core.sessions import SessionKey, SessionRegistry
 from sgl_memory.core.tree_fill import with_branches
 from sgl_memory.engine import next_use
+from sgl_memory.engine.committed import committed_tokens
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -153,7 +154,9 @@ class TreeHost:
         return self._tree.token_to_kv_pool_allocator.size
 
     def room(self) -> int:
-        return self._tree.token_to_kv_pool_allocator.available_size() + self._tree.evictable_size()
+        free = self._tree.token_to_kv_pool_allocator.available_size() + self._tree.evictable_size()
+        scheduler = self._tree.scheduler
+        return free - (committed_tokens(scheduler) if scheduler is not None else 0)
 
     def expect(self, node: TreeNode, when: Callable[[float], float]) -> None:
         next_use.expect(self._tree, node, when)

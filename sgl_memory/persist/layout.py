@@ -1,6 +1,6 @@
 """Where a session's files lie in the store directory and what they take on disk: their names
-(hashes of the ids), their sizes, the partial writes of writers that died, and the least recently
-used sessions removed to fit a quota.
+(hashes of the ids), their sizes (a block several sessions link counted once), the partial writes of
+writers that died, and the least recently used sessions removed to fit a quota.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from pathlib import Path
 
 from sgl_memory.persist.header import named_chunks, read_metadata
 from sgl_memory.persist.records import CacheSpec
-
-CHUNK_SUFFIX = ".chunk"
+from sgl_memory.persist.shared import CHUNK_SUFFIX, collect, is_shared
 
 
 def _alive(tmp_name: str) -> bool:
@@ -49,7 +48,8 @@ class StoreLayout:
     def remove_partial_writes(self) -> int:
         """Temporary files and chunks of writers that died before their head's rename: never
         loadable, only space. Both are named after their writer's pid; a live writer's (another
-        server sharing the store) are left alone, and so is every chunk a head names."""
+        server sharing the store) are left alone, and so is every chunk a head names. The store's
+        copies of blocks that no session links any more go too (shared.py)."""
         if not self.root.exists():
             return 0
         stale = [t for t in self.root.glob("*/*/*.tmp") if not _alive(t.name)]
@@ -62,27 +62,35 @@ class StoreLayout:
         stale += [
             c
             for c in self.root.glob(f"*/*/*{CHUNK_SUFFIX}")
-            if c.name not in named and not _alive(c.name.split(".", 1)[1])
+            if not is_shared(c) and c.name not in named and not _alive(c.name.split(".", 1)[1])
         ]
         for path in stale:
             path.unlink(missing_ok=True)
-        return len(stale)
+        return len(stale) + collect(self._directories())
 
     def enforce_quota(self, quota_bytes: int) -> list[Path]:
         """Delete least recently used sessions (a head and its chunks) until the store fits in
-        quota_bytes. Returns the heads removed."""
-        sessions: dict[Path, list] = {}  # head path -> [head stat, bytes of its files]
+        quota_bytes. Returns the heads removed. The store's bytes count each file once however many
+        sessions link it; a session's removal frees its own files and the blocks no other session
+        links (a link whose file has no other name but the store's copy)."""
+        collect(self._directories())
+        sessions: dict[Path, list] = {}  # head path -> [head stat, bytes its removal frees]
+        seen, total = set(), 0
         for path in self.root.glob("*/*/*"):
             try:
                 stat = path.stat()
             except FileNotFoundError:  # another server sharing the store removed it meanwhile
                 continue
+            if (stat.st_dev, stat.st_ino) not in seen:
+                seen.add((stat.st_dev, stat.st_ino))
+                total += stat.st_size
+            if is_shared(path):
+                continue
             head = path.parent / (path.name.split(".", 1)[0] + ".safetensors")
             entry = sessions.setdefault(head, [None, 0])
-            entry[1] += stat.st_size
+            entry[1] += stat.st_size if stat.st_nlink <= 2 else 0
             if path == head:
                 entry[0] = stat
-        total = sum(size for _, size in sessions.values())
         # a chunk without its head (a writer between the two, or one that died) is not a session
         files = sorted(
             ((stat, size, head) for head, (stat, size) in sessions.items() if stat is not None),
@@ -94,8 +102,14 @@ class StoreLayout:
             total -= size
             self._remove(oldest)
             removed.append(oldest)
+        if removed:
+            collect(self._directories())  # the copies only the removed sessions linked
         self.disk_bytes = total
         return removed
+
+    def _directories(self) -> list[Path]:
+        """The store's directories of session files (one per tenant and model)."""
+        return [d for d in self.root.glob("*/*") if d.is_dir()]
 
     def _remove(self, head: Path) -> None:
         for path in [head, *chunk_files(head)]:
@@ -107,7 +121,8 @@ class StoreLayout:
         return [head, *chunk_files(head)]
 
     def size(self, tenant: str | None, session_id: str) -> int:
-        """Bytes on disk of the session: its head and its chunk files."""
+        """Bytes of the session's files: its head and its chunks (a block it shares with other
+        sessions counted in full: what reading it takes)."""
         total = 0
         for path in self.files(tenant, session_id):
             try:

@@ -9,13 +9,14 @@ before trusting it: format version, model id and config hash, the cache spec, se
 token ids, the rendered prompt text, quantization, its generation, the chunks (name, first block,
 blocks, sha256), and a sha256 over every tensor of the head and the metadata itself.
 
-A turn writes the blocks its path changed or added as a new chunk, and a head that names it after
-the chunks it keeps; a later chunk's blocks stand for an earlier one's. So a turn's write follows
-its new tokens, not the session's history (a 16k-token history in Q8 is 100 MB: rewritten and
-hashed every turn, it cost more than the turn's own prefill). Chunks merge like a binary counter (a
-new chunk takes in the last one while it would be at least as large): a session of n blocks has
-about log2(n) chunks, and a block is rewritten about log2(n) times over the session's life. A head
-of format 1 (before chunks) holds its blocks itself and reads as before.
+A full block is stored once however many sessions hold it: the store's copy is named by its
+checksum and each session's head names a hard link to it (shared.py), so sessions that share a
+prefix in the radix tree (a tool prefix, a sub-agent's parent context) store its KV once. A turn
+writes its new full blocks (linking the copies the store has), its partial last block as a chunk of
+its own, and a head that names them after the chunks it keeps; a later chunk's blocks stand for an
+earlier one's. So a turn's write follows its new tokens, not the session's history (a 16k-token
+history in Q8 is 100 MB: rewritten and hashed every turn, it cost more than the turn's own
+prefill). A head of format 1 (before chunks) holds its blocks itself and reads as before.
 
 File names are hashes of the ids, so no id can name a path outside the store directory.
 
