@@ -101,9 +101,11 @@ def summarise(rows: list[dict]) -> dict:
 def store_writes(model: str, tokens: int, turns: int, new_tokens: int, work: Path) -> dict:
     """The store's write of a turn of a `tokens`-token session in Q8 (the model's KV shape, the
     pool's dtype), side by side: the turn's new blocks (how the store writes a turn) against the
-    whole session (how it wrote every turn before chunks: `base=None` writes every block). Seconds
-    and bytes written per turn, after a first write of the history."""
+    whole session (how it wrote every turn before chunks: every block written and hashed again, into
+    a store emptied first, so no block file is kept or linked). Seconds and bytes written per turn,
+    after a first write of the history."""
     import json
+    import shutil
     import time
 
     import torch
@@ -135,13 +137,14 @@ def store_writes(model: str, tokens: int, turns: int, new_tokens: int, work: Pat
             n = tokens + turn * new_tokens
             start = len(record.token_ids) // files.block_size * files.block_size
             record = files.continued(record, list(range(n)), start, keys[:, start:n], values[:, start:n])
+            if mode == "whole session":  # nothing on disk to keep or link: every block written and hashed
+                shutil.rmtree(files.root, ignore_errors=True)
             before = {p.name: p.stat().st_size for p in files.root.glob("*/*/*")}
             t0 = time.perf_counter()
             files.write(None, "s", record, base=record.generation if mode == "new blocks" else None)
             seconds.append(time.perf_counter() - t0)
-            written.append(
-                sum(p.stat().st_size for p in files.root.glob("*/*/*") if before.get(p.name) != p.stat().st_size)
-            )
+            changed = [p.stat() for p in files.root.glob("*/*/*") if before.get(p.name) != p.stat().st_size]
+            written.append(sum({(f.st_dev, f.st_ino): f.st_size for f in changed}.values()))  # a linked file once
         mean, lo, hi = bootstrap([[x] for x in seconds])
         out[mode] = {
             "write_s": {"mean": mean, "ci95": [lo, hi]},
