@@ -48,6 +48,7 @@ from locomo import data
 from sgl_memory import cpu_dtype, models
 from sgl_memory.core.config import to_yaml
 from sgl_memory.persist.settings import PersistConfig
+from sgl_memory.persist.shared import is_shared
 from bench import harness
 
 SYSTEM = "You are a helpful assistant that remembers the whole conversation."
@@ -199,7 +200,8 @@ def run_store(model, quant, sessions, work: Path, answers: dict) -> dict:
     finally:
         harness.stop(writer)
     files = list((d / "store").glob("*/*/*"))  # the sessions' heads and chunks
-    stored_bytes = sum(p.stat().st_size for p in files)
+    # each session's files, a block it shares with the repeats counted in each (the format's bytes a token)
+    stored_bytes = sum(p.stat().st_size for p in files if not is_shared(p))
     stored_tokens = 0
     for file in (p for p in files if p.suffix == ".safetensors"):  # a head holds the path's token count
         with safe_open(str(file), "pt") as f:
