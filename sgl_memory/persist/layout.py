@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sgl_memory.persist.header import named_chunks, read_metadata
 from sgl_memory.persist.records import CacheSpec
-from sgl_memory.persist.shared import CHUNK_SUFFIX, collect, is_shared
+from sgl_memory.persist.shared import CHUNK_SUFFIX, collect, is_shared, remove_unlinked
 
 
 def _alive(tmp_name: str) -> bool:
@@ -72,12 +72,14 @@ class StoreLayout:
         """Delete least recently used sessions (a head and its chunks) until the store fits in
         quota_bytes. Returns the heads removed. The store's bytes count each file once however many
         sessions link it; a session's removal frees its own files and the blocks no other session
-        links (a link whose file has no other name but the store's copy)."""
-        collect(self._directories())
+        links (a link whose file has no other name but the store's copy). A copy no session links
+        any more is removed on the way (the one scan of the store per write)."""
         sessions: dict[Path, list] = {}  # head path -> [head stat, bytes its removal frees]
         seen, total = set(), 0
         for path in self.root.glob("*/*/*"):
             try:
+                if remove_unlinked(path):
+                    continue
                 stat = path.stat()
             except FileNotFoundError:  # another server sharing the store removed it meanwhile
                 continue

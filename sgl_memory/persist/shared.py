@@ -54,17 +54,23 @@ def is_shared(path: Path) -> bool:
     return path.name.startswith(SHARED_PREFIX)
 
 
+def remove_unlinked(path: Path) -> bool:
+    """Remove `path` if it is the store's copy of a block and no session links it (no other link);
+    whether it did. A copy a writer links meanwhile keeps its link: only the store's name for it
+    goes, and the next writer of the block writes it again. FileNotFoundError: it is gone already."""
+    if is_shared(path) and path.stat().st_nlink == 1:
+        path.unlink()
+        return True
+    return False
+
+
 def collect(directories: list[Path]) -> int:
-    """Remove the store's copies no session links any more (a copy with no other link) in
-    `directories`; returns how many. A copy a writer links meanwhile keeps its link: only the store's
-    name for it goes, and the next writer of the block writes it again."""
+    """Remove the store's copies no session links any more in `directories`; returns how many."""
     removed = 0
     for directory in directories:
         for path in directory.glob(f"{SHARED_PREFIX}*{CHUNK_SUFFIX}"):
             try:
-                if path.stat().st_nlink == 1:
-                    path.unlink()
-                    removed += 1
+                removed += remove_unlinked(path)
             except FileNotFoundError:
                 pass
     return removed
