@@ -65,7 +65,7 @@ import requests
 from transformers import AutoTokenizer
 
 from bench import harness
-from bench.common import RESULTS, provenance, stream_chat, write_json
+from bench.common import RESULTS, disk_bytes, provenance, stream_chat, write_json
 from bench.fidelity.points import _render
 from bench.many_agents import command, distinct_tokens, interval, percentile, restore_totals
 from sgl_memory import models
@@ -410,8 +410,7 @@ def kv_bytes_per_token(model: str) -> int:
 
 def store_bytes(directory: Path) -> int:
     """What the session store takes on disk: each file once, however many sessions link it."""
-    files = [p.stat() for p in (directory / "store").rglob("*") if p.is_file()]
-    return sum({(f.st_dev, f.st_ino): f.st_size for f in files}.values())
+    return disk_bytes((directory / "store").rglob("*"))
 
 
 def server_command(method: str, model: str, pool: int, directory: Path) -> tuple[list[str], dict | None]:

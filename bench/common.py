@@ -88,6 +88,13 @@ def prompt_of_length(tokenizer, n: int, seed: int) -> list[int]:
     return ids[:n]
 
 
+def disk_bytes(paths) -> int:
+    """Bytes the files take on disk: each file once, however many names (hard links) it has, as
+    the session store links a block every session that holds it shares."""
+    stats = [p.stat() for p in paths if p.is_file()]
+    return sum({(f.st_dev, f.st_ino): f.st_size for f in stats}.values())
+
+
 def ok(r, what: str):
     """The response, or a RuntimeError carrying the server's answer: a bench never scores an error body."""
     if r.status_code != 200:

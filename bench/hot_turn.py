@@ -36,7 +36,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common import RESULTS, bootstrap, provenance, write_json
+from common import RESULTS, bootstrap, disk_bytes, provenance, write_json
 from locomo import data
 from persist_restart import FOLLOW_UPS, chat, chat_ids, dialogue, session_of_length, store_config
 from sgl_memory import cpu_dtype, models
@@ -143,8 +143,7 @@ def store_writes(model: str, tokens: int, turns: int, new_tokens: int, work: Pat
             t0 = time.perf_counter()
             files.write(None, "s", record, base=record.generation if mode == "new blocks" else None)
             seconds.append(time.perf_counter() - t0)
-            changed = [p.stat() for p in files.root.glob("*/*/*") if before.get(p.name) != p.stat().st_size]
-            written.append(sum({(f.st_dev, f.st_ino): f.st_size for f in changed}.values()))  # a linked file once
+            written.append(disk_bytes(p for p in files.root.glob("*/*/*") if before.get(p.name) != p.stat().st_size))
         mean, lo, hi = bootstrap([[x] for x in seconds])
         out[mode] = {
             "write_s": {"mean": mean, "ci95": [lo, hi]},

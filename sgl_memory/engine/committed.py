@@ -31,7 +31,7 @@ def committed_tokens(scheduler: Scheduler) -> int:
     """The pool tokens the scheduler counts on now: every running request's decode estimate (the
     last prefill batch's included, merged into the running batch at the next step) and, for a
     chunked prefill under way, the prompt tokens it has still to prefill and its decode estimate."""
-    chunked = scheduler.chunked_req
+    chunked, ratio = scheduler.chunked_req, scheduler.new_token_ratio_tracker.current
     seen, total = set(), 0.0
     last = scheduler.last_batch
     batches = [scheduler.running_batch] + ([last] if last is not None and last.forward_mode.is_extend() else [])
@@ -40,8 +40,8 @@ def committed_tokens(scheduler: Scheduler) -> int:
             if req is chunked or id(req) in seen or req.finished():
                 continue
             seen.add(id(req))
-            total += decode_estimate(req, scheduler.new_token_ratio_tracker.current)
+            total += decode_estimate(req, ratio)
     if chunked is not None:
         total += max(0, len(chunked.origin_input_ids) - chunked.prefix_len)
-        total += decode_estimate(chunked, scheduler.new_token_ratio_tracker.current)
+        total += decode_estimate(chunked, ratio)
     return int(total + 0.999)
