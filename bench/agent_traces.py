@@ -39,10 +39,11 @@ p50 / p90 / p99, goodput (the share of requests whose TTFT is within `--ttft-bou
 prefilled over the ideal (each distinct prefix once, across sessions), tokens restored and
 prefetched, store bytes (ours; also over the distinct tokens at one byte a K or V value), failed
 requests and requests slower than `--stall-s`; where the slowest 5% of turns waited (their restore's
-wait for room, their own restore, their prefill, the rest). For ours, the server's predicted return
-of each session (GET /sgl_memory/sessions' `expected_back_s`, read when a turn ends, inside the
-think time) against the replay's real gap: median and p90 of |predicted - actual| per gap class
-(after a tool call, after an answer). Writes bench/results/agent_traces.json and .png.
+wait for room, their own restore, their wait behind other requests, their own prefill, the
+rest). For ours, the server's predicted return of each session (GET /sgl_memory/sessions'
+`expected_back_s`, read when a turn ends, inside the think time) against the replay's real gap:
+median and p90 of |predicted - actual| per gap class (after a tool call, after an answer).
+Writes bench/results/agent_traces.json and .png.
 
     .venv/bin/python -m bench.agent_traces --quick       (sglang:lru, ours:persist, ours:kv_hints at 4x, one seed)
     .venv/bin/python -m bench.agent_traces --seeds 0 1 2 (the grid: hours on these CPUs)
@@ -257,11 +258,18 @@ def send(server: harness.Server, messages: list[dict], session: str, out: int, h
 
 def waits(memory: dict) -> dict:
     """Where a turn's time went before its first token, as the server reports it (ours): its
-    restore's wait for room, its own restore (the scheduler's part and the unpack thread's)."""
+    restore's wait for room, its own restore (the scheduler's part and the unpack thread's), its
+    wait behind other requests and its own prefill (None where the server does not say)."""
     persist = memory.get("persist") or memory
+
+    def seconds(key: str) -> float | None:
+        return None if persist.get(key) is None else persist[key] / 1000
+
     return {
         "deferred_s": (persist.get("restore_deferred_ms") or 0) / 1000,
         "restore_s": (persist.get("restore_ms") or 0) / 1000,
+        "queued_s": seconds("queued_ms"),
+        "prefill_s": seconds("prefill_ms"),
         "restored_tokens": int(persist.get("restored_tokens") or 0),
         "prefetched_tokens": int(persist.get("prefetched_tokens") or 0),
     }
@@ -361,8 +369,9 @@ def summarize(turns: list[Turn], ideal: int, args) -> dict:
 
 def slowest(turns: list[Turn], share: float = 0.05) -> dict:
     """Where the slowest turns' time to first token went (the slowest `share` of them, at least
-    one): its restore's wait for room and its own restore (the server's report), its prefill (the
-    tokens it computed), and the rest, queued behind other requests' prefills and restores."""
+    one): its restore's wait for room, its own restore, its wait behind other requests and its
+    own prefill (the server's report, where it gives one), the tokens it prefilled, and the rest
+    of its time to first token (the HTTP and tokenizer path, and all of it where the server says nothing)."""
     timed = sorted((t for t in turns if t.ttft_s is not None), key=lambda t: t.ttft_s, reverse=True)
     tail = timed[: max(1, math.ceil(share * len(timed)))] if timed else []
     if not tail:
@@ -371,15 +380,13 @@ def slowest(turns: list[Turn], share: float = 0.05) -> dict:
     def mean(values) -> float:
         return sum(values) / len(tail)
 
-    deferred = mean(t.waits.get("deferred_s", 0.0) for t in tail)
-    restore = mean(t.waits.get("restore_s", 0.0) for t in tail)
+    parts = {p: mean(t.waits.get(p) or 0.0 for t in tail) for p in ("deferred_s", "restore_s", "queued_s", "prefill_s")}
     return {
         "turns": len(tail),
         "ttft_s": mean(t.ttft_s for t in tail),
-        "deferred_s": deferred,
-        "restore_s": restore,
+        **parts,
         "prefilled_tokens": mean(t.prompt_tokens - t.cached_tokens for t in tail),
-        "rest_s": mean(t.ttft_s for t in tail) - deferred - restore,
+        "rest_s": mean(t.ttft_s for t in tail) - sum(parts.values()),
     }
 
 

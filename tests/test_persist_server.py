@@ -154,10 +154,22 @@ def test_prometheus_counts_restores_and_the_store_size(restarted):
     b, store, _, copies = restarted
     flush(b)  # the tree is empty: the turn below restores its session
     before = b.prometheus()
+    t0 = time.perf_counter()
     _, _, metrics = chat(b, third_turn(1, copies["rs"][1]), "s1", tenant="rs")
+    wall_ms = (time.perf_counter() - t0) * 1000
     flush(b)  # its own turn is written: the store gauge is set after every write
     after = b.prometheus()
     assert metrics["restored_tokens"] > 0
+    # where its wait went: each part once in the histogram, as the response said; together no more
+    # than the client waited for the whole answer, and its prefill took some of it
+    parts = {"deferred": "restore_deferred_ms", "restore": "restore_ms", "queued": "queued_ms", "prefill": "prefill_ms"}
+    assert metrics["prefill_ms"] > 0 and metrics["queued_ms"] >= 0, metrics
+    assert sum(metrics[key] for key in parts.values()) <= wall_ms, (metrics, wall_ms)
+    for part, key in parts.items():
+        label = (("part", part),)
+        for series, value in (("_count", 1), ("_sum", metrics[key] / 1000)):
+            name = "sgl_memory_turn_wait_seconds" + series
+            assert after[(name, label)] - before.get((name, label), 0) == pytest.approx(value, abs=1e-6), part
     source = (("source", metrics["restored_from"]),)
     assert after[("sgl_memory_restores_total", source)] - before.get(("sgl_memory_restores_total", source), 0) == 1
     assert (

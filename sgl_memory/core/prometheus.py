@@ -26,6 +26,7 @@ from sgl_memory.core import mechanism
 
 PREFIX = "sgl_memory_"
 SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+WAITS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)  # a request's waits: seconds to minutes
 
 _enabled = False
 _lock = threading.Lock()  # the scheduler's threads (writer, memory worker) may be first
@@ -98,8 +99,8 @@ def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Series:
     return Series("counter", name, doc, labels)
 
 
-def histogram(name: str, doc: str, labels: Sequence[str] = ()) -> Series:
-    return Series("histogram", name, doc, labels, buckets=SECONDS)
+def histogram(name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = SECONDS) -> Series:
+    return Series("histogram", name, doc, labels, buckets=tuple(buckets))
 
 
 def gauge(name: str, doc: str) -> Series:

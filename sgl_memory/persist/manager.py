@@ -63,6 +63,17 @@ logger = logging.getLogger(__name__)
 RESTORES = prometheus.counter("restores", "Session KV restored into the tree", ["source"])
 RESTORED_TOKENS = prometheus.counter("restored_tokens", "Tokens restored from the session store")
 RESTORE_SECONDS = prometheus.histogram("restore_seconds", "Session restore time")
+# where a session turn's time before its first token went, per turn: `deferred` (its restore
+# waited for room), `restore` (its own), `queued` (behind other requests), `prefill` (its own)
+WAIT_PARTS = {
+    "deferred": "restore_deferred_ms",
+    "restore": "restore_ms",
+    "queued": "queued_ms",
+    "prefill": "prefill_ms",
+}
+TURN_WAIT_SECONDS = prometheus.histogram(
+    "turn_wait_seconds", "Where a session turn's time to its first token went", ["part"], buckets=prometheus.WAITS
+)
 
 
 @mechanism.register("persist")
@@ -83,7 +94,15 @@ class SessionPersistence(mechanism.Mechanism):
     # not at all (rank_range in loader.py and Planner.agree; tests/test_tp_server.py)
     schema = mechanism.MetricsSchema(
         marker="text_match",
-        summed=("restored_tokens", "restore_ms", "restore_step_ms", "prefetched_tokens", "restore_deferred_ms"),
+        summed=(
+            "restored_tokens",
+            "restore_ms",
+            "restore_step_ms",
+            "prefetched_tokens",
+            "restore_deferred_ms",
+            "queued_ms",
+            "prefill_ms",
+        ),
         counted=("text_match",),
         flagged=("persist_error", "persist_refused"),
     )
@@ -94,6 +113,9 @@ class SessionPersistence(mechanism.Mechanism):
             RESTORES.labels(metrics.get("restored_from") or "unknown").inc()
             RESTORED_TOKENS.inc(metrics["restored_tokens"])
             RESTORE_SECONDS.observe(metrics["restore_ms"] / 1000)
+        if metrics.get("prefill_ms") is not None:  # it ran: every part is known
+            for part, key in WAIT_PARTS.items():
+                TURN_WAIT_SECONDS.labels(part).observe((metrics.get(key) or 0) / 1000)
         if metrics.get("persist_refused"):
             prometheus.REFUSALS.labels(
                 cls.name, "ranks" if metrics["persist_refused"] == RANKS_DIFFER else "file"
@@ -181,6 +203,7 @@ class SessionPersistence(mechanism.Mechanism):
             return
         self.restorer.forget(req)
         session = self.sessions.get(state.tenant, state.session_id, create=True)
+        state.waited(req.time_stats)
         metrics.attach(req, state.metrics(session.error))
         if not state.reads_only:
             self.next_use.finished(session, state.hints)

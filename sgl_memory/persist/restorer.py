@@ -88,7 +88,9 @@ class Restorer:
             self._deferred[req] = plan.source
             if self._unpacker is None or not self._unpacker.running(req):
                 DEFERRED.inc()
-                state.defer(t0)
+                # it waits for room from here: this admission's own time (the file, the match) is
+                # its restore's (step_ms), not counted twice
+                state.defer(time.perf_counter())
         state.step_ms += (time.perf_counter() - t0) * 1000
 
     def _bring_back(self, plan: Restore, state: PersistTurn, final: bool = False) -> bool:
@@ -213,22 +215,23 @@ class Restorer:
             if plan is not None and not self._bring_back(plan, state, final):
                 back.append(req)  # no free slots yet, or its restore is being unpacked
                 if self._unpacker is not None and self._unpacker.running(req):
-                    self._waited(state)  # from now on it waits for its own restore
+                    self._waited(state, t0)  # its restore began at t0: from then on it waits for its own
                 continue
-            self._undefer(req, state)
+            self._undefer(req, state, t0)
             state.step_ms += (time.perf_counter() - t0) * 1000
         return back
 
-    def _undefer(self, req: RequestView, state: PersistTurn | None) -> None:
+    def _undefer(self, req: RequestView, state: PersistTurn | None, since: float | None = None) -> None:
         """The request's restore waits no more (restored, or it left the queue): its wait counted."""
         self._deferred.pop(req, None)
-        self._waited(state)
+        self._waited(state, since)
 
     @staticmethod
-    def _waited(state: PersistTurn | None) -> None:
-        """The request's wait for room ends (its restore runs, or it waits no more)."""
+    def _waited(state: PersistTurn | None, since: float | None = None) -> None:
+        """The request's wait for room ends (its restore runs, or it waits no more), at `since`
+        (default now): a restore's own time from then on is its restore's, counted once."""
         if state is not None and state.deferred_since is not None:
-            state.undefer(time.perf_counter())
+            state.undefer(time.perf_counter() if since is None else since)
             DEFERRED_SECONDS.observe(state.deferred_ms / 1000)
 
     def forget(self, req: RequestView) -> None:

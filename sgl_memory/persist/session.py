@@ -8,6 +8,7 @@ Each session has two locks: `lock` guards its in-memory state (capture, encode, 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -144,6 +145,11 @@ class PersistTurn:
     # part of a slow turn's wait that is the holds' or the pool's, not its own restore's
     deferred_since: float | None = None
     deferred_ms: float = 0.0
+    # where the rest of its wait for its first token went (`waited`): queued behind other requests
+    # (neither its restore nor its wait for room) and its own prefill; None until it is known
+    opened_at: float = field(default_factory=time.perf_counter)  # when persistence first saw it
+    queued_ms: float | None = None
+    prefill_ms: float | None = None
 
     def defer(self, now: float) -> None:
         if self.deferred_since is None:
@@ -154,15 +160,33 @@ class PersistTurn:
             self.deferred_ms += (now - self.deferred_since) * 1000
             self.deferred_since = None
 
+    @property
+    def restore_ms(self) -> float:
+        """Its restore's time, on the scheduler's step and the unpack thread's (0: nothing restored)."""
+        return self.step_ms + self.off_step_ms if self.restored_tokens else 0.0
+
+    def waited(self, time_stats: object) -> None:
+        """Split its time from admission to its first token with SGLang's stamps of its first forward
+        and its prefill's end (perf_counter, this process's clock, as `opened_at`): what its restore's
+        wait for room and its restore did not take of the time before its first forward was queued."""
+        entered = getattr(time_stats, "forward_entry_time", 0.0)
+        finished = getattr(time_stats, "prefill_finished_time", 0.0)
+        if not entered or not finished:
+            return  # it never ran (aborted while queued)
+        self.queued_ms = max(0.0, (entered - self.opened_at) * 1000 - self.deferred_ms - self.restore_ms)
+        self.prefill_ms = (finished - entered) * 1000
+
     def metrics(self, error: str | None) -> dict:
         return {
             "text_match": self.text_match,
             "restored_tokens": self.restored_tokens,
-            "restore_ms": round(self.step_ms + self.off_step_ms, 3) if self.restored_tokens else 0.0,
+            "restore_ms": round(self.restore_ms, 3),
             "restore_step_ms": round(self.step_ms, 3) if self.restored_tokens else 0.0,
             "restored_from": self.restored_from,
             "prefetched_tokens": self.prefetched_tokens,
             "restore_deferred_ms": round(self.deferred_ms, 3),
+            "queued_ms": None if self.queued_ms is None else round(self.queued_ms, 3),
+            "prefill_ms": None if self.prefill_ms is None else round(self.prefill_ms, 3),
             "restore_parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()} if self.restored_tokens else None,
             "persist_refused": self.refused,
             "persist_error": error,
