@@ -24,7 +24,9 @@ token). A sub-agent is a session of its own, started by its parent (several at o
 has them back to back) and joined before the parent's next request.
 
 The pool (`--max-total-tokens`) is the sessions' distinct tokens (every session's last prompt and
-answer, each shared prefix once) over the oversubscription, and at least the longest context.
+answer, each shared prefix once) over the oversubscription, and at least the longest context (where
+that floor binds, the run's own oversubscription, distinct tokens over the pool, is written beside
+the one asked for: `effective_oversubscription`).
 Methods, each on a fresh server: plain SGLang's radix cache under `--radix-eviction-policy` lru, slru,
 priority, tlru and with `--enable-session-radix-cache` (bench/many_agents.py's commands), ours
 `--plain` (every mechanism off), ours at its defaults (`ours:persist`), ours predicting each
@@ -69,7 +71,7 @@ from bench import harness
 from bench.common import RESULTS, disk_bytes, provenance, stream_chat, write_json
 from bench.fidelity.points import _render
 from bench.many_agents import command, distinct_tokens, interval, percentile, restore_totals
-from sgl_memory import models
+from sgl_memory import kv_pool, models
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-traces"
 BLOCK = 64  # tokens per hash block in the traces
@@ -407,12 +409,10 @@ def predictor_error(turns: list[Turn]) -> dict:
     return out
 
 
-def kv_bytes_per_token(model: str) -> int:
+def one_byte_a_value(model: str) -> int:
     """One token's K and V over every layer at one byte a value (the store's Q8 default, its scales
     left out): what a distinct token costs the store at the least."""
-    config = json.loads((models.model_dir(model) / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    return kv_pool.bytes_per_token(models.model_dir(model), "fp8_e4m3")
 
 
 def store_bytes(directory: Path) -> int:
@@ -458,6 +458,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         row = {"method": key[0], "oversubscription": key[1], "runs": bool(group)}
         if group:
             row["pool_tokens"] = group[0]["pool_tokens"]
+            row["effective_oversubscription"] = interval([r["effective_oversubscription"] for r in group])
             for metric in METRICS + TOTALS:
                 values = [r[metric] for r in group if r.get(metric) is not None]
                 if values:
@@ -556,11 +557,15 @@ def main() -> None:
         pool = pool_for(distinct, longest, over)
         directory = base / f"{seed}-{over}-{method.replace(':', '-')}"
         directory.mkdir(parents=True)
-        print(f"[{n}/{len(runs)}] seed {seed}, {over}x, {method}: pool {pool} tokens", flush=True)
+        # the longest context's floor can bind: then the pool is larger than asked and the run is
+        # at its own oversubscription, said beside the asked one (more --sessions reach the asked)
+        effective = distinct / pool
+        floor = f" (the longest context's floor: {effective:.2f}x)" if effective < over * 0.99 else ""
+        print(f"[{n}/{len(runs)}] seed {seed}, {over}x, {method}: pool {pool} tokens{floor}", flush=True)
         row = run_one(method, args, roots, ideal, pool, seed, text, directory)
-        row["oversubscription"] = over
+        row["oversubscription"], row["effective_oversubscription"] = over, effective
         if row.get("store_bytes") is not None:  # against each distinct token stored once, at Q8
-            row["store_over_distinct"] = row["store_bytes"] / (distinct * kv_bytes_per_token(args.model))
+            row["store_over_distinct"] = row["store_bytes"] / (distinct * one_byte_a_value(args.model))
         print(
             "   ", {k: row.get(k) for k in ("jct_s", "ttft_p99_s", "prefilled_over_ideal", "failed", "why")}, flush=True
         )
