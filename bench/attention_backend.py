@@ -21,7 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common import RESULTS, generate, ours, parse_args, prompt_of_length, read_bandwidth_gbs, write_json
-from sgl_memory import launch_server, models
+from sgl_memory import kv_pool, models
 from bench import harness
 from bench.harness import cpu_flags, plain_sglang
 
@@ -65,7 +65,7 @@ def batched_decode(server, tokenizer, seed) -> float:
 def floors(model_path: Path, lengths, bandwidth_gbs: float) -> dict:
     """Seconds of one token's forward if it only had to read the weights and the context's KV once."""
     weight_bytes = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
-    kv = launch_server.kv_bytes_per_token(model_path)
+    kv = kv_pool.bytes_per_token(model_path, "bfloat16")
     return {n: (weight_bytes + n * kv) / (bandwidth_gbs * 1e9) for n in lengths}
 
 

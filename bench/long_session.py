@@ -125,16 +125,10 @@ def pool_gauge(server, name: str) -> float:
 
 
 def kv_bytes_per_token(model: str) -> int:
-    """What the server's KV pool holds per token: keys and values of every layer and KV head, in
-    the dtype the launcher picks on this machine."""
-    from transformers import AutoConfig
+    """What the server's KV pool holds per token, in the KV dtype the launcher picks on this machine."""
+    from sgl_memory import cpu_dtype, kv_pool
 
-    from sgl_memory import cpu_dtype
-
-    cfg = AutoConfig.from_pretrained(models.model_dir(model))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    size = {"bfloat16": 2, "float16": 2, "float32": 4}[cpu_dtype.choose().dtype]
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * size
+    return kv_pool.bytes_per_token(models.model_dir(model), cpu_dtype.choose().kv_cache_dtype)
 
 
 def run_method(method: str, turns: list[dict], tokenizer, args, work: Path) -> list[dict]:

@@ -7,12 +7,15 @@ Takes every `sglang.launch_server` flag unchanged, plus:
                         runs every section's defaults: session persistence on (agent-ready), the
                         other mechanisms off.
   --plain               every mechanism off, persistence included: SGLang's own behaviour.
+  --kv-pool-bytes SIZE  the KV pool's memory (2GiB, 512MiB, 1.5G, or bytes): the tokens it holds
+                        at the KV dtype become SGLang's `--max-total-tokens`, which wins when given
+                        (sgl_memory/kv_pool.py). Default on CPU: 15% of free RAM, at most 2 GiB.
 
 On a machine without a GPU it fills in the CPU defaults the user did not set: CPU engine,
 `--device cpu`, the compute dtype the CPU runs fastest (sgl_memory/cpu_dtype.py: bf16 with AMX or
 AVX512-BF16, else float32), `--attention-backend sgl_memory_cpu` (ours, see sgl_memory/attention), no graph
-capture, no overlap schedule, no warm-up, sleep when idle, and a `--max-total-tokens` sized from
-free RAM. It always selects the `sgl_memory` radix-cache backend
+capture, no overlap schedule, no warm-up, sleep when idle, and a KV pool sized from free RAM.
+It always selects the `sgl_memory` radix-cache backend
 unless told otherwise, and the tool-call parser of the model family.
 
 All launching stays under `if __name__ == "__main__"`: SGLang's spawned children re-import this
@@ -23,18 +26,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
 
 from sgl_memory.core import composition
 from sgl_memory.core import config as memory_config
-from sgl_memory import cpu_dtype, models
-
-KV_POOL_RAM_FRACTION = 0.15
-KV_POOL_MIN_TOKENS = 8192
-KV_POOL_MAX_TOKENS = 131072
+from sgl_memory import cpu_dtype, kv_pool, models
 
 
 def _has_flag(argv: list[str], *names: str) -> bool:
@@ -45,28 +43,6 @@ def _has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-# bytes of one KV element; a dtype SGLang resolves itself (`auto`: the model's, bf16 here) counts 2
-KV_ELEMENT_BYTES = {"float32": 4, "float": 4, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
-
-
-def kv_bytes_per_token(model_path: Path, kv_dtype: str = "bfloat16") -> int:
-    cfg = json.loads((model_path / "config.json").read_text())
-    layers = cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 2 * layers * kv_heads * head_dim * KV_ELEMENT_BYTES.get(kv_dtype, 2)  # K and V
-
-
-def default_max_total_tokens(model_path: Path, kv_dtype: str = "bfloat16") -> int:
-    """SGLang sizes the pool like GPU memory on CPU (13 GB, 40 s start); size it from free RAM."""
-    import psutil
-
-    ram_bytes = psutil.virtual_memory().available * KV_POOL_RAM_FRACTION
-    tokens = int(ram_bytes // kv_bytes_per_token(model_path, kv_dtype))
-    return max(KV_POOL_MIN_TOKENS, min(KV_POOL_MAX_TOKENS, tokens))
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
@@ -111,6 +87,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
     parser.add_argument("--model", "--model-path", dest="model", default=models.DEFAULT_MODEL)
     parser.add_argument("--memory-config", default=None)
     parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--kv-pool-bytes", default=None)
     ours, rest = parser.parse_known_args(argv)
     if ours.plain and ours.memory_config:
         raise LaunchError("--plain serves with every mechanism off; it takes no --memory-config")
@@ -140,6 +117,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
     if spec and spec.tool_call_parser:
         default("--tool-call-parser", spec.tool_call_parser)
     default("--enable-cache-report")
+    tokens_asked = _flag_value(out, "--max-total-tokens")
     if not _has_gpu():
         choice = cpu_dtype.choose(_flag_value(out, "--dtype"))
         kv_dtype = _flag_value(out, "--kv-cache-dtype")
@@ -152,7 +130,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
         # SGLang switches graph capture off by name for torch_native only; our backend has none either
         default("--cuda-graph-backend-decode", "disabled")
         default("--cuda-graph-backend-prefill", "disabled")
-        default("--max-total-tokens", str(default_max_total_tokens(model_path, choice.kv_cache_dtype)))
+        pool = kv_pool.choose(model_path, choice.kv_cache_dtype, ours.kv_pool_bytes, tokens_asked)
         default("--disable-overlap-schedule")
         default("--skip-server-warmup")
         # an idle scheduler otherwise busy-polls a whole core: half of a 2-core machine
@@ -162,6 +140,13 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
             os.environ[THREADS_BIND_ENV] = cpu_thread_binding(tp_size, sorted(os.sched_getaffinity(0)))
     else:
         os.environ.pop(cpu_dtype.CHOICE_ENV, None)  # SGLang chooses on a GPU; no stale choice inherited
+        # SGLang sizes a GPU's pool from its free memory unless told the bytes
+        asked = ours.kv_pool_bytes is not None or tokens_asked is not None
+        kv_dtype = _flag_value(out, "--kv-cache-dtype") or "auto"
+        pool = kv_pool.choose(model_path, kv_dtype, ours.kv_pool_bytes, tokens_asked) if asked else None
+    if pool is not None:
+        default("--max-total-tokens", str(pool.tokens))
+    kv_pool.export(pool)
     return out, cfg
 
 
@@ -177,7 +162,13 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
         sglang_argv, cfg = build_argv(argv)
-    except (memory_config.ConfigError, models.FetchError, cpu_dtype.DtypeError, LaunchError) as exc:
+    except (
+        memory_config.ConfigError,
+        models.FetchError,
+        cpu_dtype.DtypeError,
+        kv_pool.PoolSizeError,
+        LaunchError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -187,9 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()
-    choice = cpu_dtype.announced()
-    if choice is not None:
-        print(choice.log_line(), file=sys.stderr, flush=True)
+    for announced in (cpu_dtype.announced(), kv_pool.announced()):
+        if announced is not None:
+            print(announced.log_line(), file=sys.stderr, flush=True)
     print("sgl-memory: sglang " + " ".join(sglang_argv), file=sys.stderr, flush=True)
     server_args = prepare_server_args(sglang_argv)
     try:  # SGLang has resolved the page size (a backend may raise it): refuse before anything starts

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from servers import TEST_MODEL
-from sgl_memory import cpu_dtype, launch_server, models
+from sgl_memory import cpu_dtype, kv_pool, launch_server, models
 from sgl_memory.core import config
 from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.memart.settings import MemArtConfig
@@ -34,6 +34,7 @@ def fake_model(tmp_path, monkeypatch):
     monkeypatch.setenv(config.CONFIG_ENV, "")  # so teardown restores whatever build_argv exports
     monkeypatch.setenv(config.PLAIN_ENV, "")
     monkeypatch.setenv(cpu_dtype.CHOICE_ENV, "")
+    monkeypatch.setenv(kv_pool.POOL_ENV, "")
     monkeypatch.delenv(cpu_dtype.ENV, raising=False)  # a suite run forced to one dtype sets it
     return d
 
@@ -52,13 +53,74 @@ def test_cpu_defaults_and_our_backend(fake_model):
     assert "--disable-overlap-schedule" in argv and "--skip-server-warmup" in argv and "--sleep-on-idle" in argv
     assert flag_value(argv, "--cuda-graph-backend-decode") == "disabled"
     tokens = int(flag_value(argv, "--max-total-tokens"))
-    assert launch_server.KV_POOL_MIN_TOKENS <= tokens <= launch_server.KV_POOL_MAX_TOKENS
+    per_token = 2 * 24 * 2 * 64 * (2 if flag_value(argv, "--dtype") == "bfloat16" else 4)
+    assert kv_pool.MIN_TOKENS <= tokens <= kv_pool.MAX_DEFAULT_BYTES // per_token
     assert cfg == config.MemoryConfig()
 
 
 def test_kv_bytes_per_token_of_qwen_05b(fake_model):
     # 2 (K and V) x 24 layers x 2 KV heads x 64 head dim x 2 bytes
-    assert launch_server.kv_bytes_per_token(fake_model) == 2 * 24 * 2 * 64 * 2
+    assert kv_pool.bytes_per_token(fake_model, "bfloat16") == 2 * 24 * 2 * 64 * 2
+    assert kv_pool.bytes_per_token(fake_model, "auto") == 2 * 24 * 2 * 64 * 2  # SGLang's: the model's bf16
+    assert kv_pool.bytes_per_token(fake_model, "fp8_e4m3") == 2 * 24 * 2 * 64
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5G", 1_500_000_000), ("3000000", 3_000_000), ("64 kb", 64_000)],
+)
+def test_pool_sizes_in_bytes(text, size):
+    assert kv_pool.parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "0", "2 GiBs", ""])
+def test_a_pool_size_that_names_no_bytes_is_refused(text):
+    with pytest.raises(kv_pool.PoolSizeError, match="--kv-pool-bytes"):
+        kv_pool.parse_bytes(text)
+
+
+@pytest.mark.parametrize("capability, flags, per_value", [("AVX512", AMX_XEON, 2), ("AVX2", AVX2_EPYC, 4)])
+def test_the_pools_bytes_hold_the_tokens_of_its_kv_dtype(fake_model, monkeypatch, capability, flags, per_value):
+    """--kv-pool-bytes becomes SGLang's token count at the KV dtype the launcher picked; the choice
+    is what /sgl_memory/info and the start-up log report."""
+    on_cpu(monkeypatch, capability, flags)
+    argv, _ = launch_server.build_argv(["--kv-pool-bytes", "1GiB"])
+    per_token = 2 * 24 * 2 * 64 * per_value
+    assert int(flag_value(argv, "--max-total-tokens")) == (1 << 30) // per_token
+    assert "--kv-pool-bytes" not in argv  # ours, not SGLang's
+    pool = kv_pool.announced()
+    assert (pool.tokens, pool.bytes_per_token, pool.source) == ((1 << 30) // per_token, per_token, "--kv-pool-bytes")
+    assert pool.bytes == pool.tokens * per_token <= 1 << 30
+    assert f"{pool.tokens:,} tokens" in pool.log_line()
+
+
+def test_the_users_token_count_wins_over_bytes(fake_model):
+    argv, _ = launch_server.build_argv(["--kv-pool-bytes=1GiB", "--max-total-tokens", "4096"])
+    assert flag_value(argv, "--max-total-tokens") == "4096" and argv.count("--max-total-tokens") == 1
+    pool = kv_pool.announced()
+    assert (pool.tokens, pool.source) == (4096, "--max-total-tokens")
+
+
+def test_a_bad_pool_size_stops_start_up_with_a_message(fake_model, capsys):
+    with pytest.raises(SystemExit) as stop:
+        launch_server.main(["--kv-pool-bytes", "lots"])
+    assert stop.value.code == 2
+    assert "--kv-pool-bytes 'lots'" in capsys.readouterr().err
+
+
+def test_the_default_pool_is_a_share_of_free_ram_within_its_bounds():
+    per_token = 24_576
+    assert kv_pool.default_bytes(per_token, available=8 << 30) == int((8 << 30) * kv_pool.RAM_FRACTION)
+    assert kv_pool.default_bytes(per_token, available=64 << 30) == kv_pool.MAX_DEFAULT_BYTES  # a big machine
+    assert kv_pool.default_bytes(per_token, available=1 << 20) == kv_pool.MIN_TOKENS * per_token  # a tiny one
+
+
+def test_on_a_gpu_sglang_sizes_the_pool_unless_told_the_bytes(fake_model, monkeypatch):
+    monkeypatch.setattr(launch_server, "_has_gpu", lambda: True)
+    argv, _ = launch_server.build_argv([])
+    assert "--max-total-tokens" not in argv and kv_pool.announced() is None
+    argv, _ = launch_server.build_argv(["--kv-pool-bytes", "1GiB", "--kv-cache-dtype", "fp8_e4m3"])
+    assert int(flag_value(argv, "--max-total-tokens")) == (1 << 30) // (2 * 24 * 2 * 64)  # one byte a value
 
 
 def test_user_flags_win(fake_model):
@@ -165,8 +227,8 @@ def test_the_launcher_picks_the_dtype_the_cpu_multiplies_in_hardware(
 
 def test_a_float32_pool_is_sized_at_four_bytes_a_value(fake_model, monkeypatch):
     """The KV pool's share of RAM holds half as many float32 tokens as bf16 ones."""
-    monkeypatch.setattr(launch_server, "KV_POOL_MAX_TOKENS", 1 << 40)  # no cap: see the ratio itself
-    monkeypatch.setattr(launch_server, "KV_POOL_MIN_TOKENS", 1)
+    monkeypatch.setattr(kv_pool, "MAX_DEFAULT_BYTES", 1 << 50)  # no cap: see the ratio itself
+    monkeypatch.setattr(kv_pool, "MIN_TOKENS", 1)
     import psutil
 
     free = psutil.virtual_memory().available
@@ -177,8 +239,8 @@ def test_a_float32_pool_is_sized_at_four_bytes_a_value(fake_model, monkeypatch):
         tokens[flag_value(argv, "--dtype")] = int(flag_value(argv, "--max-total-tokens"))
     per_token = {"bfloat16": 2 * 24 * 2 * 64 * 2, "float32": 2 * 24 * 2 * 64 * 4}
     for dtype, n in tokens.items():  # free memory moves a little between the two calls
-        assert n == pytest.approx(free * launch_server.KV_POOL_RAM_FRACTION / per_token[dtype], rel=0.05)
-    assert launch_server.kv_bytes_per_token(fake_model, "float32") == per_token["float32"]
+        assert n == pytest.approx(free * kv_pool.RAM_FRACTION / per_token[dtype], rel=0.05)
+    assert kv_pool.bytes_per_token(fake_model, "float32") == per_token["float32"]
 
 
 def test_the_users_dtype_wins_and_is_reported_as_given(fake_model, monkeypatch):
@@ -191,8 +253,7 @@ def test_the_users_dtype_wins_and_is_reported_as_given(fake_model, monkeypatch):
     assert argv.count("--dtype") == 1
     choice = cpu_dtype.announced()
     assert (choice.dtype, choice.kv_cache_dtype) == ("float32", "bfloat16")
-    tokens = int(flag_value(argv, "--max-total-tokens"))  # sized for the bf16 pool asked for
-    assert launch_server.KV_POOL_MIN_TOKENS <= tokens <= launch_server.KV_POOL_MAX_TOKENS
+    assert kv_pool.announced().bytes_per_token == 2 * 24 * 2 * 64 * 2  # sized for the bf16 pool asked for
 
 
 def test_the_environment_forces_a_dtype_and_a_bad_one_stops_start_up(fake_model, monkeypatch, capsys):

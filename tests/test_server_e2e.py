@@ -223,6 +223,24 @@ def test_the_server_reports_the_dtype_it_runs_in(plain_server):
     )
 
 
+def test_the_server_reports_its_kv_pool_in_bytes_and_tokens(plain_server):
+    """/sgl_memory/info and the start-up log say the pool the launcher asked for; SGLang's own count
+    of its pool (/server_info) is those tokens, and a token costs what the model's config says at
+    the server's dtype. The pool's servers pass --max-total-tokens, which wins over bytes."""
+    pool = plain_server.get("/sgl_memory/info").json()["kv_pool"]
+    assert pool["tokens"] == plain_server.get("/server_info").json()["max_total_num_tokens"]
+    cfg = json.loads((models.model_dir(TEST_MODEL) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    value = {"bfloat16": 2, "float32": 4}[SERVER_DTYPE]
+    assert pool["bytes_per_token"] == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * value
+    assert (pool["bytes"], pool["kv_cache_dtype"], pool["source"]) == (
+        pool["tokens"] * pool["bytes_per_token"],
+        SERVER_DTYPE,
+        "--max-total-tokens",
+    )
+    assert f"= {pool['tokens']:,} tokens at {SERVER_DTYPE}" in plain_server.log()
+
+
 def test_a_cpu_without_bf16_hardware_serves_in_float32_by_itself(fp32_server):
     """An AVX2-only CPU, as torch and oneDNN see one when told to use no more (ATEN_CPU_CAPABILITY,
     ONEDNN_MAX_CPU_ISA: the suite's float32 server runs so, without --dtype). The reference for

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse
 from sglang.srt.managers.io_struct import GetInternalStateReq
 from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 
-from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype
+from sgl_memory import SGLANG_VERSION, __version__, cpu_dtype, kv_pool
 from sgl_memory.core import mechanism, prometheus
 from sgl_memory.core.config import MemoryConfig, SessionSources, from_env
 from sgl_memory.core.request import FIELD, KV_HINTS, SpecError, check_id, check_served, encode, parse
@@ -71,6 +71,13 @@ def mount(server_args, *args, **kwargs):
         }
     )
 
+    pool = kv_pool.announced()
+    kv_pool_info = (
+        dataclasses.asdict(pool)
+        if pool
+        else {"tokens": server_args.max_total_tokens, "source": "sglang (not sized by sgl_memory.launch_server)"}
+    )
+
     @app.get("/sgl_memory/info")
     async def sgl_memory_info():
         return {
@@ -79,6 +86,7 @@ def mount(server_args, *args, **kwargs):
             "radix_cache_backend": server_args.radix_cache_backend,
             "attention_backend": server_args.attention_backend,
             "dtype": dtype,
+            "kv_pool": kv_pool_info,
             "config": config.as_dict(),
         }
 
