@@ -271,7 +271,7 @@ def waits(memory: dict) -> dict:
         "deferred_s": (persist.get("restore_deferred_ms") or 0) / 1000,
         "restore_s": (persist.get("restore_ms") or 0) / 1000,
         "queued_s": seconds("queued_ms"),
-        "prefill_s": seconds("prefill_ms"),
+        "prefill_s": seconds("turn_prefill_ms"),
         "restored_tokens": int(persist.get("restored_tokens") or 0),
         "prefetched_tokens": int(persist.get("prefetched_tokens") or 0),
     }

@@ -28,7 +28,7 @@ def test_a_restored_turn_splits_its_wait_into_room_restore_queue_and_prefill():
     assert turn.queued_ms == pytest.approx(4000 - 1500 - 200)
     assert turn.prefill_ms == pytest.approx(750)
     metrics = turn.metrics(None)
-    assert metrics["queued_ms"] == pytest.approx(2300) and metrics["prefill_ms"] == pytest.approx(750)
+    assert metrics["queued_ms"] == pytest.approx(2300) and metrics["turn_prefill_ms"] == pytest.approx(750)
     assert metrics["restore_ms"] == pytest.approx(200)
 
 
@@ -41,7 +41,7 @@ def test_a_turn_that_restored_nothing_spent_its_whole_wait_queued():
 def test_a_turn_that_never_ran_reports_no_wait():
     turn = PersistTurn(None, "s", opened_at=10.0)
     turn.waited(stamps(10.0, forward=None, finished=None))  # aborted in the queue
-    assert turn.metrics(None)["queued_ms"] is None and turn.metrics(None)["prefill_ms"] is None
+    assert turn.metrics(None)["queued_ms"] is None and turn.metrics(None)["turn_prefill_ms"] is None
 
 
 def test_overlapping_clocks_never_give_a_negative_queue():

@@ -69,7 +69,7 @@ WAIT_PARTS = {
     "deferred": "restore_deferred_ms",
     "restore": "restore_ms",
     "queued": "queued_ms",
-    "prefill": "prefill_ms",
+    "prefill": "turn_prefill_ms",
 }
 TURN_WAIT_SECONDS = prometheus.histogram(
     "turn_wait_seconds", "Where a session turn's time to its first token went", ["part"], buckets=prometheus.WAITS
@@ -101,7 +101,7 @@ class SessionPersistence(mechanism.Mechanism):
             "prefetched_tokens",
             "restore_deferred_ms",
             "queued_ms",
-            "prefill_ms",
+            "turn_prefill_ms",
         ),
         counted=("text_match",),
         flagged=("persist_error", "persist_refused"),
@@ -113,7 +113,7 @@ class SessionPersistence(mechanism.Mechanism):
             RESTORES.labels(metrics.get("restored_from") or "unknown").inc()
             RESTORED_TOKENS.inc(metrics["restored_tokens"])
             RESTORE_SECONDS.observe(metrics["restore_ms"] / 1000)
-        if metrics.get("prefill_ms") is not None:  # it ran: every part is known
+        if metrics.get("turn_prefill_ms") is not None:  # it ran: every part is known
             for part, key in WAIT_PARTS.items():
                 TURN_WAIT_SECONDS.labels(part).observe((metrics.get(key) or 0) / 1000)
         if metrics.get("persist_refused"):

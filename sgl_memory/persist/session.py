@@ -186,7 +186,7 @@ class PersistTurn:
             "prefetched_tokens": self.prefetched_tokens,
             "restore_deferred_ms": round(self.deferred_ms, 3),
             "queued_ms": None if self.queued_ms is None else round(self.queued_ms, 3),
-            "prefill_ms": None if self.prefill_ms is None else round(self.prefill_ms, 3),
+            "turn_prefill_ms": None if self.prefill_ms is None else round(self.prefill_ms, 3),
             "restore_parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()} if self.restored_tokens else None,
             "persist_refused": self.refused,
             "persist_error": error,
