@@ -49,6 +49,9 @@ EXACT_QUANT = {"bfloat16": "bf16", "float32": "fp32"}[SERVER_DTYPE]
 # free RAM (about 55k tokens, 2.4 GB for the test model in float32): zero-filling that takes seconds
 # of every start and RAM the server beside it may need; no test prompt comes near this.
 POOL_TOKENS = 16384
+# The 8-bit server's pool in bytes: what POOL_TOKENS of the test model take in bf16, which holds
+# twice the tokens at one byte a value
+FP8_POOL_BYTES = 360 << 20
 # Servers up at once beside the suite, those still starting included: a 0.5B server in float32
 # takes 4-6 GB of the machine's 24, and two starts share its two cores.
 MAX_LIVE = 2
@@ -77,7 +80,7 @@ class Spec:
     def command(self, directory: Path) -> tuple[list[str], dict]:
         env = {k: v for k, v in os.environ.items() if k not in self.unset} | dict(self.env)
         flags = list(self.flags)
-        if not any(f.split("=")[0] == "--max-total-tokens" for f in flags):
+        if not any(f.split("=")[0] in ("--max-total-tokens", "--kv-pool-bytes") for f in flags):
             flags += ["--max-total-tokens", str(POOL_TOKENS)]
         if self.plain:
             path = models.model_dir(self.model)
@@ -233,6 +236,17 @@ CATALOGUE: dict[str, Spec] = {
         dir_of="paged",
         prefetch=False,
     ),
+    "fp8": Spec(
+        "an 8-bit KV pool (--kv-cache-dtype fp8_e4m3; a pool's dtype is fixed at its start), sized in bytes "
+        "(--kv-pool-bytes): persistence with no warm tier (a restore reads the file into the 8-bit pool) and "
+        "intent pruning on it; the tree's integrity checked before every batch (SGLMEMORY_CHECK_INTEGRITY)",
+        config=to_yaml(
+            IntentConfig(enabled=True, budget=100000, query_tail=16),
+            PersistConfig(enabled=True, dir="{dir}/store", warm_bytes=0),
+        ),
+        flags=("--kv-cache-dtype", "fp8_e4m3", "--kv-pool-bytes", str(FP8_POOL_BYTES)),
+        env={"SGLMEMORY_CHECK_INTEGRITY": "1"},
+    ),
 }
 # A second process of a configuration, with a store of its own: a restart (sessions copied into its
 # store, as a server that never saw them finds them on disk), the second replica behind the router,
@@ -270,6 +284,7 @@ ORDER = (
     "paged",
     "paged_limited",
     "plain",
+    "fp8",
 )
 assert set(ORDER) == set(CATALOGUE)
 

@@ -122,3 +122,33 @@ def test_batch_through_the_slot_map_matches_reference():
         want = reference(q[start : start + n], k_cache[idx], v_cache[idx])
         assert torch.allclose(out[start : start + n].double(), want, atol=1e-5), row
         start += n
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("q_dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_batch_over_an_8_bit_pool_attends_the_values_the_pool_holds(kv_dtype, q_dtype, tol):
+    """An fp8 pool (as SGLang stores one: uint8 bytes viewed as fp8) read by the same plans: each
+    request attends exactly the pool's 8-bit values, cast up. Reference: the masked softmax over
+    those values in float64."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, pool = 6, 2, 32, 3000
+    stored = [torch.zeros(pool, kv_heads, d, dtype=torch.uint8).view(kv_dtype) for _ in range(2)]
+    for buffer in stored:
+        buffer[:] = (4 * torch.randn(pool, kv_heads, d, generator=g)).to(kv_dtype)
+    k_cache, v_cache = stored
+    req_to_token = torch.zeros(3, 2048, dtype=torch.int64)
+    layouts = {0: (700, 1, torch.arange(10, 711)), 1: (90, 17, torch.randperm(pool - 1, generator=g)[:107] + 1)}
+    for row, (_, _, slots) in layouts.items():
+        req_to_token[row, : len(slots)] = slots
+    rows = list(layouts)
+    new = [layouts[r][1] for r in rows]
+    plans = plan_requests(req_to_token, rows, [layouts[r][0] for r in rows], new)
+    q = torch.randn(sum(new), heads, d, generator=g).to(q_dtype)
+    out = run_plans(plans, q, torch.empty_like(q), k_cache, v_cache, None)
+    start = 0
+    for row, n in zip(rows, new):
+        p = layouts[row][0]
+        idx = req_to_token[row, : p + n]
+        want = reference(q[start : start + n], k_cache[idx].double(), v_cache[idx].double())
+        assert torch.allclose(out[start : start + n].double(), want, atol=tol, rtol=tol), row
+        start += n

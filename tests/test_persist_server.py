@@ -162,7 +162,12 @@ def test_prometheus_counts_restores_and_the_store_size(restarted):
     assert metrics["restored_tokens"] > 0
     # where its wait went: each part once in the histogram, as the response said; together no more
     # than the client waited for the whole answer, and its prefill took some of it
-    parts = {"deferred": "restore_deferred_ms", "restore": "restore_ms", "queued": "queued_ms", "prefill": "turn_prefill_ms"}
+    parts = {
+        "deferred": "restore_deferred_ms",
+        "restore": "restore_ms",
+        "queued": "queued_ms",
+        "prefill": "turn_prefill_ms",
+    }
     assert metrics["turn_prefill_ms"] > 0 and metrics["queued_ms"] >= 0, metrics
     assert sum(metrics[key] for key in parts.values()) <= wall_ms, (metrics, wall_ms)
     for part, key in parts.items():

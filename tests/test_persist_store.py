@@ -239,6 +239,10 @@ def test_a_file_of_a_pool_in_another_dtype_is_refused_naming_the_flag_that_resto
     with pytest.raises(StoreError, match="written by a bfloat16 KV pool, this server's is float32 .*--dtype bfloat16"):
         float32.read(None, "s")
     assert path.exists()
+    fp8 = SessionFiles(tmp_path, dataclasses.replace(SPEC, dtype="float8_e4m3fn"), quant="q4")
+    fp8.write(None, "e", session(fp8))  # an 8-bit pool's file: its flag is SGLang's KV dtype
+    with pytest.raises(StoreError, match="written by a float8_e4m3fn KV pool, .*--kv-cache-dtype fp8_e4m3 to"):
+        SessionFiles(tmp_path, SPEC, quant="q4").read(None, "e")
 
 
 def test_ids_cannot_escape_and_tenants_never_share(tmp_path):

@@ -117,7 +117,8 @@ def write(tree: KVHost, reserved: Reserved, keys: torch.Tensor, values: torch.Te
     pool = tree.pool
     for i, layer in enumerate(tree.layers()):
         for buffer, kv in ((pool.get_key_buffer(layer), keys[i]), (pool.get_value_buffer(layer), values[i])):
-            buffer[rows] = (kv if everything else kv[live]).to(slots.device)
+            # in the pool's own dtype: an 8-bit pool takes each value rounded to it
+            buffer[rows] = (kv if everything else kv[live]).to(device=slots.device, dtype=buffer.dtype)
 
 
 def insert(tree: KVHost, reserved: Reserved) -> None:

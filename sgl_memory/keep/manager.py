@@ -104,9 +104,10 @@ class Blend:
             self.dropped_rows = True
             slot_map = tree.slot_map()
             slots = slot_map[rows.pool_row, (start + absent.nonzero().squeeze(1)).to(slot_map.device)].to(torch.int64)
-            pool = tree.pool
-            pool.get_key_buffer(layer_id)[slots] = placed_k[absent.to(k.device)]
-            pool.get_value_buffer(layer_id)[slots] = placed_v[absent.to(k.device)]
+            pool, absent = tree.pool, absent.to(k.device)
+            buffers = (pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id))
+            for buffer, placed in zip(buffers, (placed_k, placed_v)):
+                buffer[slots] = placed[absent].to(buffer.dtype)  # an 8-bit pool takes them rounded to it
         self.per_layer.append(int(self.selected.sum()))
         if trace:
             self.history.append(self.selected.clone())

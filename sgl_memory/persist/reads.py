@@ -131,12 +131,20 @@ class CheckedReader:
             # the launcher picks the dtype from the CPU: the same store on another CPU meets this
             raise StoreError(
                 f"{path.name}: written by a {written['dtype']} KV pool, this server's is {self.spec.dtype} "
-                f"(start it with --dtype {written['dtype']} to restore the session)"
+                f"(start it with {pool_flag(written['dtype'])} to restore the session)"
             )
         if written != asdict(self.spec):
             raise StoreError(f"{path.name}: written for another model or cache layout ({meta['spec']})")
         if meta["session_id"] != session_id or meta["tenant"] != (tenant or ""):
             raise StoreError(f"{path.name}: belongs to another session")
+
+
+# the launcher's flag that gives a pool of a file's dtype: the 8-bit pools are SGLang's KV dtypes
+FP8_FLAGS = {"float8_e4m3fn": "--kv-cache-dtype fp8_e4m3", "float8_e5m2": "--kv-cache-dtype fp8_e5m2"}
+
+
+def pool_flag(dtype: str) -> str:
+    return FP8_FLAGS.get(dtype, f"--dtype {dtype}")
 
 
 def _add_blocks(blocks: dict[int, dict[str, torch.Tensor]], tensors: dict[str, torch.Tensor]) -> None:
