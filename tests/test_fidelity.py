@@ -200,7 +200,7 @@ def test_textworld_points_are_the_walkthrough_and_each_extends_the_one_before(to
 def test_every_methods_server_config_loads_and_a_persisted_method_restores_in_its_own_format():
     import yaml
 
-    from bench.fidelity.run import PERSISTED, SERVERS, methods
+    from bench.fidelity.run import FLAGS, PERSISTED, POOL_DTYPES, SERVERS, methods
     from sgl_memory.core import config
     from sgl_memory.memart.settings import MemArtConfig
     from sgl_memory.persist.settings import PersistConfig
@@ -215,3 +215,7 @@ def test_every_methods_server_config_loads_and_a_persisted_method_restores_in_it
         assert cfg.of(PersistConfig).enabled and m.name == f"persisted {cfg.of(PersistConfig).quant}"
         assert not cfg.of(MemArtConfig).enabled and m.fields == ms[0].fields  # the full cache, restored
     assert not any(cfg.of(PersistConfig).enabled for name, cfg in loaded.items() if name in ("intent", "memory"))
+    pools = [m for m in ms if m.server in FLAGS]  # the 8-bit pools: the full cache on a server of that KV dtype
+    assert sorted(m.name for m in pools) == sorted(f"{d} pool" for d in POOL_DTYPES)
+    for m in pools:
+        assert FLAGS[m.server] == ("--kv-cache-dtype", m.name.split()[0]) and m.fields == ms[0].fields

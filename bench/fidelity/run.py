@@ -21,12 +21,14 @@ it retrieves from the conversation's memory (one session per conversation, inges
 `store: false`, so questions stay independent; rows record whether B retrieved the blocks A
 did), by retrieval unit (blocks, whole lines, lines with their turn's first block), placement
 and with KEEP's repair; text retrieval the question over the turns MiniLM picks; both place at most 1024
-tokens. A persisted method (q4, q8, bf16) is the full-cache session on a server with persistence in
-that format, the tree flushed after every point: each point's A restores the history the
-session's earlier points wrote (dequantized, as after a restart; `restored_tokens` in its rows)
-and prefills only what is new. The reference is the full cache (a budget no request reaches) in
-its own session, run first; a second full-cache session measures what numerics alone move (it prefills the latest
-message over the reference's cached prefix, in other chunks).
+tokens. An 8-bit pool's method (fp8_e4m3, fp8_e5m2) is the full-cache session on a server whose live
+KV pool is SGLang's `--kv-cache-dtype`. A persisted method (q4, q8, bf16) is the full-cache session
+on a server with persistence in that format, the tree flushed after every point: each point's A
+restores the history the session's earlier points wrote (dequantized, as after a restart;
+`restored_tokens` in its rows) and prefills only what is new. The reference is the full cache (a
+budget no request reaches) in its own session, run first; a second full-cache session measures what
+numerics alone move (it prefills the latest message over the reference's cached prefix, in other
+chunks).
 
 Per point and method (`<out>.points.jsonl`, appended as each trajectory ends; a re-run skips what it
 holds):
@@ -77,11 +79,17 @@ MEMORY_CONFIG = (CONFIG, MemArtConfig(enabled=True, cut="lines"), KeepConfig(ena
 # a restored session's methods: the store's format is the server's, one server per format (its
 # directory is added per run: a fresh store, so every restore is of this run's writes)
 PERSISTED = ("q4", "q8", "bf16")
+# an 8-bit live pool's methods: the full cache on a server whose pool is SGLang's KV dtype (a
+# pool's dtype is fixed at its start, so one server per dtype)
+POOL_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 SECTIONS: dict[str, tuple[object, ...]] = {
     "intent": (CONFIG, harness.PERSIST_OFF),
     "memory": (*MEMORY_CONFIG, harness.PERSIST_OFF),
     **{f"persist {q}": (CONFIG, PersistConfig(enabled=True, quant=q)) for q in PERSISTED},
+    **{f"pool {d}": (CONFIG, harness.PERSIST_OFF) for d in POOL_DTYPES},
 }
+# a server's launch flags beyond its config
+FLAGS = {f"pool {d}": ("--kv-cache-dtype", d) for d in POOL_DTYPES}
 SERVERS = {name: to_yaml(*sections) for name, sections in SECTIONS.items()}
 
 
@@ -143,6 +151,7 @@ def methods(budgets: list[int]) -> list[Method]:
         out += [Method(s, b, {**pruned, "scorer": s}) for s in BASELINES]
     retrieve = {"mode": "retrieve", "top_k": MEMORY_TOP_K, "placed_tokens": P.TEXT_BUDGET, "store": False}
     out += [Method(f"persisted {q}", None, full, server=f"persist {q}") for q in PERSISTED]
+    out += [Method(f"{d} pool", None, full, server=f"pool {d}") for d in POOL_DTYPES]
     out += [
         Method(name, None, {**full, "memory": {**retrieve, **MEMORY_DEFAULTS, **memory}}, "question", "memory")
         for name, memory in MEMORY_METHODS.items()
@@ -479,8 +488,13 @@ def run(args, points_path: Path, refs_path: Path) -> None:
     logs = Path(tempfile.mkdtemp(prefix="sgl-memory-fidelity-"))
     refs: dict[str, list[dict]] = {}  # the reference per trajectory, computed once per run
     with tqdm(total=sum(len(t.points) for t, _ in todo), desc="points x methods", disable=None) as bar:
+        # an 8-bit pool's methods are scored against the compute-dtype pool's reference, computed
+        # on the first server (its own would be the 8-bit pool's): the trajectories they need
+        by_pool = {t.id: t for t, m in todo if m.server in FLAGS}
         for name in SERVERS:
             phase = [(t, m) for t, m in todo if m.server == name]
+            if name == "intent":
+                phase += [(t, ms[0]) for t in by_pool.values() if not any(u is t for u, _ in phase)]
             if phase:
                 (logs / "config.yaml").write_text(server_config(name, args.head, logs / "sessions"))
                 cmd = harness.our_command(
@@ -489,6 +503,7 @@ def run(args, points_path: Path, refs_path: Path) -> None:
                     str(logs / "config.yaml"),
                     "--max-total-tokens",
                     str(args.max_total_tokens),
+                    *FLAGS.get(name, ()),
                 )
                 server = harness.start(cmd, logs / "server.log")
                 try:
@@ -529,6 +544,8 @@ def serve(
         # test_determinism_server) or compute it without a session, so nothing of it is recorded.
         ref = refs.get(traj.id)
         shared = any(m.server == "intent" for m in mine)  # a method here reads the reference's session
+        if ref is None and any(m.server in FLAGS for m in mine):
+            raise RuntimeError(f"{traj.id}: an 8-bit pool's method needs the compute-dtype pool's reference first")
         if ref is None or shared:
             bar.set_description(f"{traj.id} {REFERENCE}")
             # sessionless, it still names the full budget: the server's default budget would prune it
@@ -539,6 +556,8 @@ def serve(
             with refs_path.open("a") as f:
                 f.write(json.dumps({"trajectory": traj.id, "commit": commit(), "points": ref}) + "\n")
         for m in mine:
+            if m is ref_method:
+                continue  # only its reference was asked of this server (for the 8-bit pools)
             bar.set_description(f"{traj.id} {m.name}@{m.budget}")
             tag = "".join(c if c.isalnum() else "-" for c in m.name)  # session ids take no spaces
             session = f"{run_id}:{traj.group}:memory" if m.recalls else f"{run_id}:{traj.id}:{tag}@{m.budget}"
