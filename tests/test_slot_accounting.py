@@ -79,6 +79,7 @@ class FakeReq:
         self.extra_key = self.cache_salt = self.priority = None
         self.lock = self.last_node = None
         self.customized_info = None
+        self.time_stats = None  # SGLang's clock of the request: never stamped here
         self.skip_radix_cache_insert = False
         self.return_logprob = False
         self.logprob_start_len = -1  # SGLang's value without log-probabilities
