@@ -88,9 +88,9 @@ def default_bytes(per_token: int, available: int | None = None) -> int:
     return max(MIN_TOKENS * per_token, min(MAX_DEFAULT_BYTES, int(available * RAM_FRACTION)))
 
 
-def choose(model_path: Path, kv_dtype: str, asked_bytes: str | None, asked_tokens: str | None) -> PoolSize | None:
-    """The pool's size: the user's tokens win, then the user's bytes, then the default (None where
-    there is no default: SGLang sizes a GPU's pool from its memory)."""
+def choose(model_path: Path, kv_dtype: str, asked_bytes: str | None, asked_tokens: str | None) -> PoolSize:
+    """The pool's size: the user's tokens win, then the user's bytes, then the default (the launcher
+    asks only on CPU or when told: SGLang sizes a GPU's pool from its memory)."""
     per_token = bytes_per_token(model_path, kv_dtype)
     if asked_tokens is not None:
         if not asked_tokens.isdigit():

@@ -53,7 +53,7 @@ def test_a_session_restored_from_disk_into_the_8_bit_pool_answers_as_from_the_tr
 
 def test_pruning_keeps_its_budget_in_the_8_bit_pool(fp8_server):
     """IntentKV's eviction compacts the request's kept rows inside the 8-bit pool (the integrity
-    check runs before every batch); the next turn of the session reuses the pruned prefix."""
+    check runs before every batch), and the session's next turn is served on the pruned path."""
     text = " ".join(f"Step {i}: the tool read file_{i % 7}.py and found {i * 3} lines." for i in range(60))
     messages = [
         SYSTEM,
