@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from safetensors import safe_open
 
 from servers import FP8_POOL_BYTES, TEST_MODEL
 from sgl_memory import models
-from test_persist_server import SYSTEM, chat, flush, history
+from sgl_memory.persist.header import head_metadata, named_chunks
+from test_persist_server import SYSTEM, chat, flush, history, session_file
 
 pytestmark = pytest.mark.server
 
@@ -36,8 +38,9 @@ def test_the_pools_bytes_hold_a_token_at_one_byte_a_value(fp8_server):
 
 
 def test_a_session_restored_from_disk_into_the_8_bit_pool_answers_as_from_the_tree(fp8_server):
-    """No warm tier: after a flush the second turn's history comes back from the store's file (Q8),
-    rounded into the 8-bit pool, and the greedy answer is the one the tree gave."""
+    """No warm tier: after a flush the second turn's history comes back from the store's file, which
+    holds the pool's own bytes (`quant: auto` on an 8-bit pool: nothing requantized), and the greedy
+    answer is the one the tree gave."""
     turns = ["Name three primary colours.", "Which of them is the sky's?"]
     first, _, _ = chat(fp8_server, [SYSTEM, {"role": "user", "content": turns[0]}], "fp8-restore", max_tokens=16)
     messages = history(turns[:1], [first]) + [{"role": "user", "content": turns[1]}]
@@ -45,6 +48,12 @@ def test_a_session_restored_from_disk_into_the_8_bit_pool_answers_as_from_the_tr
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert metrics["restored_tokens"] == 0 and cached > 0
     flush(fp8_server)
+    head = session_file(fp8_server.dir / "store", "fp8-restore")
+    meta = head_metadata(head)
+    assert meta and meta["quant"] == "fp8_e4m3", meta
+    for chunk in named_chunks(meta):
+        with safe_open(head.parent / chunk.name, "pt") as f:
+            assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"F8_E4M3"}  # one byte a value, no scales
     restored, usage, metrics = chat(fp8_server, messages, "fp8-restore", max_tokens=16)
     assert metrics["restored_from"] == "disk" and metrics["restored_tokens"] > 0, metrics
     assert usage["prompt_tokens_details"]["cached_tokens"] >= cached  # the history came back, not prefilled

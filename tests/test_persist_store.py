@@ -1,5 +1,6 @@
 """The session KV file store: round trips per quantization and pool dtype (bf16 and float32: the
-launcher picks the dtype from the CPU), turns that write their new blocks only, full blocks that
+launcher picks the dtype from the CPU; the 8-bit pools, whose own format stores their bytes), files
+of one pool dtype restored into another, turns that write their new blocks only, full blocks that
 several sessions hold stored once, refusal of damaged or foreign files, atomic writes under a killed
 writer, ids that cannot escape the store, tenant isolation."""
 
@@ -15,14 +16,21 @@ import time
 import pytest
 import torch
 
-from sgl_memory.persist.quant import error_bound, quantize
+from sgl_memory.persist.quant import RAW, error_bound, quantize
 from sgl_memory.persist.shared import is_shared
 from sgl_memory.persist.store import CacheSpec, SessionFiles, StoreError, WriteConflict
 
 SPEC = CacheSpec("toy-model", "cfg123", layers=3, kv_heads=2, head_dim=64, dtype="bfloat16", page_size=1)
 
 
-POOL_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+POOL_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+# half a step of each pool dtype relative to the value: the most a value moves when rounded into it
+HALF_STEP = {torch.float32: 2**-24, torch.bfloat16: 2**-8, torch.float8_e4m3fn: 2**-4, torch.float8_e5m2: 2**-3}
 
 
 def kv(tokens=600, seed=0, dtype=torch.bfloat16):
@@ -36,7 +44,10 @@ def session(files, tokens=600, seed=0):
 
 
 @pytest.mark.parametrize("pool", list(POOL_DTYPES))
-@pytest.mark.parametrize("quant, kivi", [("bf16", False), ("fp32", False), ("q8", False), ("q4", False), ("q4", True)])
+@pytest.mark.parametrize(
+    "quant, kivi",
+    [(raw, False) for raw in ("bf16", "fp32", "fp8_e4m3", "fp8_e5m2")] + [("q8", False), ("q4", False), ("q4", True)],
+)
 def test_round_trip(tmp_path, quant, kivi, pool):
     dtype = POOL_DTYPES[pool]
     files = SessionFiles(tmp_path, dataclasses.replace(SPEC, dtype=pool), quant=quant, kivi=kivi)
@@ -48,11 +59,12 @@ def test_round_trip(tmp_path, quant, kivi, pool):
     assert got_keys.dtype == got_values.dtype == dtype
     part_keys, part_values = files.decode(got, 250, 530, dtype=dtype)  # a range across block boundaries
     assert torch.equal(part_keys, got_keys[:, 250:530]) and torch.equal(part_values, got_values[:, 250:530])
-    if quant == "fp32" or quant == "bf16" and pool == "bfloat16":  # the pool's values, or wider: exact
-        assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
-    elif quant == "bf16":  # a float32 pool stored in bf16: each value rounded once
+    if quant in RAW:  # values as a pool of the stored dtype holds them: each rounded once, if at all
+        assert got.blocks[0]["k"].dtype == RAW[quant]
         for stored, original in ((got_keys, keys), (got_values, values)):
-            assert torch.equal(stored, original.bfloat16().float()) and not torch.equal(stored, original)
+            assert torch.equal(stored.float(), original.to(RAW[quant]).float())
+        if RAW[quant] in (dtype, torch.float32):  # the pool's own format, or wider: exact
+            assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
     else:
         bits = {"q8": 8, "q4": 4}[quant]
         for stored, original, axis in ((got_keys, keys, 1 if kivi else -1), (got_values, values, -1)):
@@ -60,7 +72,7 @@ def test_round_trip(tmp_path, quant, kivi, pool):
                 block = original[:, start : start + 256].float()
                 bound = error_bound(quantize(block, bits, axis=axis))
                 # + the rounding of the dequantized value into the pool's dtype
-                rounding = block.abs() * 2**-8 + 1e-3 if dtype == torch.bfloat16 else 1e-6
+                rounding = (block.abs() + bound) * HALF_STEP[dtype] + 1e-6
                 err = (stored[:, start : start + 256].float() - block).abs()
                 assert (err <= bound + rounding).all()
 
@@ -230,19 +242,21 @@ def test_damaged_and_foreign_files_are_refused(tmp_path):
         other.read(None, "s")
 
 
-def test_a_file_of_a_pool_in_another_dtype_is_refused_naming_the_flag_that_restores_it(tmp_path):
-    """The same store on a CPU where the launcher chose the other dtype: the files stay on disk and
-    the message says how to read them."""
-    path = SessionFiles(tmp_path, SPEC, quant="q4").write(None, "s", session(SessionFiles(tmp_path, SPEC)))
-    float32 = SessionFiles(tmp_path, dataclasses.replace(SPEC, dtype="float32"), quant="q4")
-    assert float32.path(None, "s") == path
-    with pytest.raises(StoreError, match="written by a bfloat16 KV pool, this server's is float32 .*--dtype bfloat16"):
-        float32.read(None, "s")
-    assert path.exists()
-    fp8 = SessionFiles(tmp_path, dataclasses.replace(SPEC, dtype="float8_e4m3fn"), quant="q4")
-    fp8.write(None, "e", session(fp8))  # an 8-bit pool's file: its flag is SGLang's KV dtype
-    with pytest.raises(StoreError, match="written by a float8_e4m3fn KV pool, .*--kv-cache-dtype fp8_e4m3 to"):
-        SessionFiles(tmp_path, SPEC, quant="q4").read(None, "e")
+@pytest.mark.parametrize("quant", ["q8", "bf16", "fp8_e4m3"])
+def test_a_file_of_a_pool_in_another_dtype_restores_into_this_pools_dtype(tmp_path, quant):
+    """The same store on a CPU where the launcher chose the other dtype, or an 8-bit pool's files
+    read by a float pool: the KV is converted into this pool's dtype, as the writing pool's values."""
+    writers = {"q8": "float32", "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
+    written = POOL_DTYPES[writers[quant]]
+    files = SessionFiles(tmp_path, dataclasses.replace(SPEC, dtype=writers[quant]), quant=quant)
+    keys, values = kv(dtype=written)
+    files.write(None, "s", files.record(range(100, 700), "text", keys, values))
+    reference = files.decode(files.read(None, "s"), dtype=torch.float32)  # what the writing pool restores
+    for reader in ("float32", "bfloat16"):
+        other = SessionFiles(tmp_path, dataclasses.replace(SPEC, dtype=reader), quant="q8")
+        got = other.decode(other.read(None, "s"), dtype=POOL_DTYPES[reader])
+        for stored, expected in zip(got, reference):
+            assert stored.dtype == POOL_DTYPES[reader] and torch.equal(stored, expected.to(POOL_DTYPES[reader]))
 
 
 def test_ids_cannot_escape_and_tenants_never_share(tmp_path):

@@ -32,6 +32,7 @@ the other (writer.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -45,6 +46,7 @@ from sgl_memory.persist.loader import SessionLoader
 from sgl_memory.persist.next_use import NextUse
 from sgl_memory.persist.plan import Planner
 from sgl_memory.persist.prefetch import Prefetch
+from sgl_memory.persist.quant import store_format
 from sgl_memory.persist.restorer import Restorer
 from sgl_memory.persist.session import RANKS_DIFFER, PersistTurn, Session, Sessions
 from sgl_memory.persist.settings import PersistConfig
@@ -122,6 +124,7 @@ class SessionPersistence(mechanism.Mechanism):
             ).inc()
 
     def __init__(self, config: PersistConfig, tree: KVHost, spec: CacheSpec) -> None:
+        config = dataclasses.replace(config, quant=store_format(config.quant, spec.dtype))
         self.config, self.tree, self.spec = config, tree, spec
         # what it did for a request, as long as the request (a retracted one is written at its end)
         self.turns = tree.requests.table("persist turns", Lifetime.REQUEST)
@@ -145,8 +148,9 @@ class SessionPersistence(mechanism.Mechanism):
         if ctx is None:
             raise ValueError("session persistence needs the scheduler's build context (model and pool layout)")
         spec = cache_spec(ctx.model_config, ctx.server_args, tree, ctx.tp_rank, ctx.tp_size)
-        logger.info("session store: %s (%s, quant %s)", config.store_dir(), spec.model_id, config.quant)
-        return cls(config, tree, spec)
+        persistence = cls(config, tree, spec)
+        logger.info("session store: %s (%s, quant %s)", config.store_dir(), spec.model_id, persistence.config.quant)
+        return persistence
 
     # --- admission: load the session, match the prompt, restore ---------------------------------
 

@@ -1,5 +1,6 @@
 """Group quantization of KV blocks for the session store: Q4 and Q8 (affine, fp16 scales and
-biases), or unquantized values in bf16 or fp32 (RAW: a pool's own dtype is stored exactly).
+biases), or values as a pool holds them (RAW: bf16, fp32, or an 8-bit pool's fp8 bytes), stored
+and restored without conversion when the pool has that dtype.
 
 A group is `group` consecutive values along one axis: along the head dimension (one group per
 token and head, the MLX / "Agent Memory Below the Prompt" layout) or, for keys in the KIVI layout,
@@ -14,8 +15,21 @@ from dataclasses import dataclass
 import torch
 
 BITS = {"q4": 4, "q8": 8}
-RAW = {"bf16": torch.bfloat16, "fp32": torch.float32}
+RAW = {
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 GROUP = 64
+# an 8-bit pool's dtype (torch's name, as the cache spec holds it) -> its store format
+EIGHT_BIT = {str(dtype).removeprefix("torch."): name for name, dtype in RAW.items() if dtype.itemsize == 1}
+
+
+def store_format(quant: str, pool_dtype: str) -> str:
+    """The store's format for `persist.quant` on a pool of `pool_dtype`: `auto` is an 8-bit pool's
+    own format (a write stores its bytes, a restore copies them back: nothing to requantize), else q8."""
+    return EIGHT_BIT.get(pool_dtype, "q8") if quant == "auto" else quant
 
 
 @dataclass(frozen=True)

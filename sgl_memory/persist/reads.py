@@ -127,24 +127,12 @@ class CheckedReader:
         if meta.get("checksum") != checksum(tensors, {k: v for k, v in meta.items() if k != "checksum"}):
             raise StoreError(f"{path.name}: checksum mismatch (corrupted file)")
         written = json.loads(meta["spec"])
-        if written != asdict(self.spec) and dict(written, dtype=self.spec.dtype) == asdict(self.spec):
-            # the launcher picks the dtype from the CPU: the same store on another CPU meets this
-            raise StoreError(
-                f"{path.name}: written by a {written['dtype']} KV pool, this server's is {self.spec.dtype} "
-                f"(start it with {pool_flag(written['dtype'])} to restore the session)"
-            )
-        if written != asdict(self.spec):
+        # a pool of another dtype restores the file converted to its own (the launcher picks the dtype
+        # from the CPU: the same store on another CPU meets this, and an 8-bit pool's files a float pool)
+        if dict(written, dtype=self.spec.dtype) != asdict(self.spec):
             raise StoreError(f"{path.name}: written for another model or cache layout ({meta['spec']})")
         if meta["session_id"] != session_id or meta["tenant"] != (tenant or ""):
             raise StoreError(f"{path.name}: belongs to another session")
-
-
-# the launcher's flag that gives a pool of a file's dtype: the 8-bit pools are SGLang's KV dtypes
-FP8_FLAGS = {"float8_e4m3fn": "--kv-cache-dtype fp8_e4m3", "float8_e5m2": "--kv-cache-dtype fp8_e5m2"}
-
-
-def pool_flag(dtype: str) -> str:
-    return FP8_FLAGS.get(dtype, f"--dtype {dtype}")
 
 
 def _add_blocks(blocks: dict[int, dict[str, torch.Tensor]], tensors: dict[str, torch.Tensor]) -> None:
