@@ -91,6 +91,17 @@ def test_kernel_equals_torch_path_on_16_bit_inputs(dtype):
     close(aabb_scores_triton(q, lo, hi), aabb_scores_torch(q, lo, hi))
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_kernel_and_torch_path_score_boxes_of_an_8_bit_pools_keys(dtype):
+    """Blocks whose keys came from an 8-bit KV pool: their boxes in its dtype (rounding is monotone,
+    so lo <= hi still), scored against bf16 queries as the literal score of those values."""
+    q, lo, hi = boxes(torch.Generator().manual_seed(9), 1, 19, 14, 23, 2, 64)
+    q, lo, hi = q.bfloat16(), lo.to(dtype), hi.to(dtype)
+    want = aabb_scores_torch(q, lo, hi)
+    torch.testing.assert_close(want.double(), literal(q, lo, hi), rtol=1e-5, atol=1e-4)
+    close(aabb_scores_triton(q, lo, hi), want)
+
+
 def test_kernel_on_mixed_dtypes_and_empty_inputs():
     q, lo, hi = boxes(torch.Generator().manual_seed(6), 1, 4, 4, 6, 2, 64)
     close(aabb_scores_triton(q.bfloat16(), lo, hi), aabb_scores_torch(q.bfloat16(), lo, hi))
