@@ -34,7 +34,9 @@ session's return from the gaps its turns came back after (`ours:learned`: `persi
 learned`), and ours with each request
 carrying SGLang's `kv_hints` envelope (`ours:kv_hints`: what the client knows when it sends a request:
 a tool call's result comes back after the traces' median tool gap, an answer waits for the user
-(`demote`), the last request is `done`).
+(`demote`), the last request is `done`), and ours at its defaults on an 8-bit pool (`ours:fp8`:
+`--kv-cache-dtype fp8_e4m3`) given the float pool's bytes (`--kv-pool-bytes`: twice a bf16 pool's
+tokens, four times a float32 one's). Every row carries its pool's tokens and bytes.
 
 Per method and oversubscription, intervals over seeds (95% bootstrap): job completion time, TTFT
 p50 / p90 / p99, goodput (the share of requests whose TTFT is within `--ttft-bound` s), tokens
@@ -71,7 +73,7 @@ from bench import harness
 from bench.common import RESULTS, disk_bytes, provenance, stream_chat, write_json
 from bench.fidelity.points import _render
 from bench.many_agents import command, distinct_tokens, interval, percentile, restore_totals
-from sgl_memory import kv_pool, models
+from sgl_memory import cpu_dtype, kv_pool, models
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-traces"
 BLOCK = 64  # tokens per hash block in the traces
@@ -86,7 +88,10 @@ METHODS = (
     "ours:persist",
     "ours:learned",
     "ours:kv_hints",
+    "ours:fp8",
 )
+# methods on an 8-bit KV pool, given the float pool's bytes (--kv-pool-bytes): more tokens, same memory
+EIGHT_BIT = {"ours:fp8": "fp8_e4m3"}
 # The one-token words a block is written in: common English words, kept where the model's tokenizer
 # makes " word" one token (so blocks concatenate without merging across them).
 WORDS = (
@@ -420,15 +425,39 @@ def store_bytes(directory: Path) -> int:
     return disk_bytes((directory / "store").rglob("*"))
 
 
+def pool_bytes(model: str, tokens: int) -> int:
+    """What `tokens` of KV take in the compute dtype this machine's launcher picks: every method's
+    pool in bytes (the 8-bit pool's methods get these bytes, the rest these tokens)."""
+    return tokens * kv_pool.bytes_per_token(models.model_dir(model), cpu_dtype.choose().dtype)
+
+
+def pool_tokens(method: str, model: str, tokens: int) -> int:
+    """The tokens a method's pool holds when a float pool of `tokens` takes its bytes."""
+    if method not in EIGHT_BIT:
+        return tokens
+    return pool_bytes(model, tokens) // kv_pool.bytes_per_token(models.model_dir(model), EIGHT_BIT[method])
+
+
 def server_command(method: str, model: str, pool: int, directory: Path) -> tuple[list[str], dict | None]:
+    """The method's server on a pool of a float pool's `pool` tokens (bytes, for an 8-bit pool)."""
     if method == "ours:plain":
         return harness.our_command(model, "--plain", "--max-total-tokens", str(pool), "--enable-cache-report"), None
+    if method in EIGHT_BIT:  # ours at its defaults; the pool in bytes, as an operator gives it
+        cmd, env = command("ours:persist", model, pool, directory)
+        at = cmd.index("--max-total-tokens")
+        cmd[at : at + 2] = ["--kv-pool-bytes", str(pool_bytes(model, pool)), "--kv-cache-dtype", EIGHT_BIT[method]]
+        return cmd, env
     return command("ours:persist" if method == "ours:kv_hints" else method, model, pool, directory)
 
 
 def run_one(method: str, args, roots, ideal: int, pool: int, seed: int, text: Text, directory: Path) -> dict:
     cmd, env = server_command(method, args.model, pool, directory)
-    row = {"method": method, "seed": seed, "pool_tokens": pool}
+    row = {
+        "method": method,
+        "seed": seed,
+        "pool_tokens": pool_tokens(method, args.model, pool),
+        "pool_bytes": pool_bytes(args.model, pool),
+    }
     try:
         server = harness.start(cmd, directory / "server.log", env)
     except Exception as exc:  # a method SGLang refuses on this engine is reported, not fatal
@@ -457,7 +486,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
         group = [r for r in rows if (r["method"], r["oversubscription"]) == key and r["runs"]]
         row = {"method": key[0], "oversubscription": key[1], "runs": bool(group)}
         if group:
-            row["pool_tokens"] = group[0]["pool_tokens"]
+            row["pool_tokens"], row["pool_bytes"] = group[0]["pool_tokens"], group[0]["pool_bytes"]
             row["effective_oversubscription"] = interval([r["effective_oversubscription"] for r in group])
             for metric in METRICS + TOTALS:
                 values = [r[metric] for r in group if r.get(metric) is not None]
@@ -559,7 +588,7 @@ def main() -> None:
         directory.mkdir(parents=True)
         # the longest context's floor can bind: then the pool is larger than asked and the run is
         # at its own oversubscription, said beside the asked one (more --sessions reach the asked)
-        effective = distinct / pool
+        effective = distinct / pool_tokens(method, args.model, pool)
         floor = f" (the longest context's floor: {effective:.2f}x)" if effective < over * 0.99 else ""
         print(f"[{n}/{len(runs)}] seed {seed}, {over}x, {method}: pool {pool} tokens{floor}", flush=True)
         row = run_one(method, args, roots, ideal, pool, seed, text, directory)

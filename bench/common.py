@@ -70,12 +70,15 @@ def write_json(path: Path, result: dict, indent: int = 1) -> None:
     tmp.replace(path)
 
 
-def parse_args(doc: str, default_lengths: list[int]) -> argparse.Namespace:
-    """The flags every server benchmark takes: model, context lengths, seed."""
+def parse_args(doc: str, default_lengths: list[int], **extra: dict) -> argparse.Namespace:
+    """The flags every server benchmark takes: model, context lengths, seed; and a benchmark's own
+    (`extra`: flag name without dashes -> add_argument's keywords)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--model", default=models.DEFAULT_MODEL)
     ap.add_argument("--lengths", type=int, nargs="+", default=default_lengths)
     ap.add_argument("--seed", type=int, default=0)
+    for name, keywords in extra.items():
+        ap.add_argument(f"--{name}", **keywords)
     return ap.parse_args()
 
 

@@ -238,11 +238,15 @@ CATALOGUE: dict[str, Spec] = {
     ),
     "fp8": Spec(
         "an 8-bit KV pool (--kv-cache-dtype fp8_e4m3; a pool's dtype is fixed at its start), sized in bytes "
-        "(--kv-pool-bytes): persistence with no warm tier (a restore reads the file into the 8-bit pool) and "
-        "intent pruning on it; the tree's integrity checked before every batch (SGLMEMORY_CHECK_INTEGRITY)",
+        "(--kv-pool-bytes), every mechanism on it: persistence with no warm tier (a restore reads the file into "
+        "the 8-bit pool), intent pruning, KV memory placed after the system message, KEEP, SentenceKV; the "
+        "tree's integrity checked before every batch (SGLMEMORY_CHECK_INTEGRITY)",
         config=to_yaml(
             IntentConfig(enabled=True, budget=100000, query_tail=16),
+            replace(BLOCKS, top_k=4, placement="after_system"),
+            KeepConfig(enabled=True),
             PersistConfig(enabled=True, dir="{dir}/store", warm_bytes=0),
+            SentenceKVConfig(enabled=True),
         ),
         flags=("--kv-cache-dtype", "fp8_e4m3", "--kv-pool-bytes", str(FP8_POOL_BYTES)),
         env={"SGLMEMORY_CHECK_INTEGRITY": "1"},

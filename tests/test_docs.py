@@ -54,15 +54,44 @@ def test_every_link_leads_to_a_file_and_heading_that_exist(page):
     assert not broken, broken
 
 
-def test_the_docs_site_builds_strict(tmp_path):
-    """Every page in the nav, no page outside it, no broken link between pages (mkdocs.yml)."""
+RESULT = re.compile(r"bench/results/([A-Za-z0-9_.-]+)")
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def result_stem(name: str) -> str:
+    """A results file named in prose, without its extensions (`x.{json,png}`, `x.json`, `x.rows`)."""
+    name = name.rstrip(".")
+    while re.search(r"\.(json|jsonl|png|md|rows)$", name):
+        name = re.sub(r"\.(json|jsonl|png|md|rows)$", "", name)
+    return name
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_result_plot_a_page_cites_is_shown_in_it(page):
+    """A result the page names (bench/results/<name>.json, .png, .{json,png}) whose plot is committed
+    is shown as an image in that page."""
+    text = prose(page.read_text())
+    results = ROOT / "bench" / "results"
+    cited = {result_stem(n) for n in RESULT.findall(text)}
+    plots = {stem for stem in cited if (results / f"{stem}.png").exists()}
+    shown = {(page.parent / target).resolve() for target in IMAGE.findall(text)}
+    missing = sorted(stem for stem in plots if (results / f"{stem}.png").resolve() not in shown)
+    assert not missing, missing
+
+
+def test_the_docs_site_builds_strict_with_a_home_page_and_every_image_and_link_inside_it(tmp_path):
+    """Every page in the nav, no page outside it, no broken link or anchor (mkdocs.yml: warnings
+    fail --strict); the README is the home page, with its plot; every image and every link of every
+    built page leads to a file of the site (the repository files the pages link to are in it:
+    scripts/docs_site.py)."""
     import os
     import subprocess
     import sys
 
+    site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     run = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -70,6 +99,17 @@ def test_the_docs_site_builds_strict(tmp_path):
         timeout=120,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    home = (site / "index.html").read_text()
+    assert "<h1" in home and "sgl-memory" in home and re.search(r"<img [^>]*src=", home)
+    broken = []
+    for html in site.rglob("*.html"):
+        for attr, target in re.findall(r'<(?:img|a) [^>]*?(src|href)="([^"#?]*)[^"]*"', html.read_text()):
+            if not target or re.match(r"^[a-z]+:", target) or target.startswith("/"):
+                continue  # an anchor on the page, another site
+            file = (html.parent / target).resolve()
+            if not (file.is_file() or (file / "index.html").is_file()):
+                broken.append(f"{html.relative_to(site)}: {attr}={target}")
+    assert not broken, broken[:20]
 
 
 def test_every_config_key_has_its_line_and_the_reference_matches_the_code():

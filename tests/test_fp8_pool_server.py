@@ -1,9 +1,11 @@
 """An 8-bit KV pool in the real server (`--kv-cache-dtype fp8_e4m3`, sized by `--kv-pool-bytes`;
-the pool's `fp8` server, with persistence and intent on it).
+the pool's `fp8` server, every mechanism on it).
 
 References: the model's config (what a token's KV takes at one byte a value), SGLang's own count of
-its pool (/server_info) and dtype, the same server's answer from its tree (a restore from disk must
-give it back), and the tree's integrity check before every batch (the server's environment).
+its pool (/server_info) and dtype, the same server's answers from its tree and its full cache (a
+restore from disk, memory blocks placed at their own positions, a repair at ratio 1 against the
+blocks prefilled as text, SentenceKV retrieving every sentence), and the tree's integrity check
+before every batch (the server's environment).
 How close its answers are to a bf16 pool's is the fidelity benchmark's to say, not a test's.
 """
 
@@ -14,9 +16,13 @@ import json
 import pytest
 from safetensors import safe_open
 
+from transformers import AutoTokenizer
+
+import test_sentencekv_server as sentencekv
 from servers import FP8_POOL_BYTES, TEST_MODEL
 from sgl_memory import models
 from sgl_memory.persist.header import head_metadata, named_chunks
+from test_memart_server import ALONE, QUESTION, generate, render, retrieve, state_facts
 from test_persist_server import SYSTEM, chat, flush, history, session_file
 
 pytestmark = pytest.mark.server
@@ -81,3 +87,71 @@ def test_pruning_keeps_its_budget_in_the_8_bit_pool(fp8_server):
     )
     assert again
     assert fp8_server.get("/sgl_memory/integrity").json()["whole"] is True
+
+
+# --- the mechanisms that place, recompute and read pool rows, on the 8-bit pool ------------------
+
+MEMORY, REFERENCE = "fp8-memory", "fp8-reference"  # the session's tenant and the reference's
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(models.model_dir(TEST_MODEL))
+
+
+@pytest.fixture(scope="module")
+def stated(fp8_server, tok):
+    """The same facts stated in two tenants' sessions: one recalled as KV memory, one the reference."""
+    return {tenant: state_facts(fp8_server, tok, tenant) for tenant in (MEMORY, REFERENCE)}
+
+
+def test_every_memory_block_placed_in_the_8_bit_pool_answers_as_the_full_history(fp8_server, tok, stated):
+    """KV memory copies a session's blocks out of the 8-bit pool and places them back: with no
+    system message they go back to their own positions, so the placed KV is the pool's bytes again
+    and the answer is the full history's (the reference tenant's path, from its tree)."""
+    q = tok.encode(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    got = generate(fp8_server, q, {"session_id": "s", "tenant": MEMORY, "memory": retrieve(top_k=1000), **ALONE})
+    assert got["meta_info"]["sgl_memory"]["memory_kv_tokens"] == len(stated[MEMORY])
+    want = generate(fp8_server, stated[REFERENCE] + q, {"session_id": "s", "tenant": REFERENCE, **ALONE})
+    assert want["meta_info"]["cached_tokens"] >= len(stated[REFERENCE]) - 1
+    assert got["output_ids"] == want["output_ids"]
+
+
+def test_keep_writes_its_recomputed_rows_into_the_8_bit_pool(fp8_server, tok, stated):
+    """Memory placed after the system message and repaired: KEEP at ratio 1 recomputes every placed
+    row at every layer and writes it into the 8-bit pool, which must answer as the same blocks
+    prefilled as text (`recompute: full`); its default ratio recomputes a part."""
+    layers = json.loads((models.model_dir(TEST_MODEL) / "config.json").read_text())["num_hidden_layers"]
+    q = render(tok, [SYSTEM, {"role": "user", "content": QUESTION}])
+
+    def ask(recompute: str, **keep) -> dict:
+        memory = {"top_k": 4, "store": False, "recompute": recompute}
+        field = {"session_id": "s", "tenant": MEMORY, "memory": memory, **ALONE, **({"keep": keep} if keep else {})}
+        return generate(fp8_server, q, field)
+
+    every, full, part = ask("keep", ratio=1.0), ask("full"), ask("keep")
+    m = every["meta_info"]["sgl_memory"]
+    placed = m["memory_kv_tokens"]
+    assert placed == 4 * 16 and m["recompute"] == "keep" and m["recompute_share"] == 1.0, m
+    assert m["recomputed_tokens"] == placed * layers
+    assert every["output_ids"] == full["output_ids"]
+    share = part["meta_info"]["sgl_memory"]["recompute_share"]
+    assert 0 < share < 1 and part["meta_info"]["sgl_memory"]["recompute_refused"] is None
+    assert fp8_server.get("/sgl_memory/integrity").json()["whole"] is True
+
+
+def test_sentencekv_reads_the_8_bit_pool_as_the_full_cache_when_it_retrieves_every_sentence(fp8_server):
+    """SentenceKV's tables are built from the 8-bit pool's keys and its decode steps read the pool
+    through index lists: with every sentence retrieved it decodes as the full cache does and reads
+    every position; with a small budget it reads a third or less, reproducibly."""
+    full = sentencekv.generate(fp8_server, {"sentencekv": {"enabled": False}})
+    every = sentencekv.generate(fp8_server, {"sentencekv": {"budget": 1 << 20, "keep_factor": 1}})
+    assert every["output_ids"] == full["output_ids"]
+    assert every["meta_info"]["sgl_memory"]["kv_read_per_step"] == pytest.approx(
+        sentencekv.full_reads(every["meta_info"])
+    )
+    small = [sentencekv.generate(fp8_server, {"sentencekv": {"budget": 48, "keep_factor": 2}}) for _ in range(2)]
+    read = small[0]["meta_info"]["sgl_memory"]["kv_read_per_step"]
+    assert read < sentencekv.full_reads(small[0]["meta_info"]) / 3
+    again = small[1]["meta_info"]["sgl_memory"]["kv_read_per_step"]
+    assert small[1]["output_ids"] == small[0]["output_ids"] and again == read
