@@ -16,6 +16,13 @@ if [ "${1:-}" = "--dev" ]; then
   shift
 fi
 
+# each phase's seconds, printed as it ends (where a first run's minutes go)
+phase_start=$SECONDS
+phase_done() {
+  echo "[setup] $1: $((SECONDS - phase_start)) s"
+  phase_start=$SECONDS
+}
+
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
@@ -45,6 +52,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "$PY" -m sgl_memory.cpu_compat >/dev/null
   "$PY" -c "import sglang, sgl_memory.plugin; assert sglang.__version__ == '$SGLANG_VERSION', sglang.__version__"
   echo "$want" > "$STAMP"
+  phase_done "packages"
 else
   echo "[setup] $VENV is up to date"
 fi
@@ -64,8 +72,10 @@ if [ "$DEV" = 1 ] && [ "$(cat "$DEV_STAMP" 2>/dev/null)" != "$dev_want" ]; then
   "${PIP[@]}" install --no-deps "bfcl-eval==2026.3.23" "tenacity==9.2.1" "tree-sitter==0.21.3" \
     "tree-sitter-java==0.21.0" "tree-sitter-javascript==0.21.4"
   echo "$dev_want" > "$DEV_STAMP"
+  phase_done "test and benchmark packages"
 fi
 
 for model in "$@"; do
   "$PY" -m sgl_memory.models fetch "$model"
+  phase_done "model $model"
 done
