@@ -199,7 +199,7 @@ def ask(server, ids: list[int], session: str, method: tuple[dict, dict] | None, 
         "ttft_s": meta["ttft_s"],
         "prefill_tokens": m.get("prefill_tokens", meta.get("prompt_tokens")),
         "memory_kv_tokens": m.get("memory_kv_tokens", 0),
-        "recomputed_tokens": m.get("recomputed_tokens", 0),
+        "recomputed_token_layers": m.get("recomputed_token_layers", 0),
         "retrieved_blocks": m.get("retrieved_blocks", 0),
         "segments": segments,
         "static_groups_placed": m.get("retrieved_static_groups", 0),
@@ -289,7 +289,7 @@ def summarize(steps: list[dict]) -> list[dict]:
                 "next_action_acc": round(sum(s["correct"] for s in mine) / len(mine), 4),
                 "ttft_s": round(med("ttft_s"), 4),
                 "prefill_tokens": med("prefill_tokens"),
-                "recomputed_tokens": med("recomputed_tokens"),
+                "recomputed_token_layers": med("recomputed_token_layers"),
                 "memory_kv_tokens": med("memory_kv_tokens"),
                 "segments": med("segments"),
             }
@@ -371,7 +371,7 @@ def main(argv=None) -> None:
     for r in result["rows"]:
         print(
             f"{r['method']:>15} {r['next_action_acc']:6.3f} {r['ttft_s']:7.3f} {r['prefill_tokens']:8.0f} "
-            f"{r['recomputed_tokens']:10.0f} {r['segments']:8.1f}"
+            f"{r['recomputed_token_layers']:10.0f} {r['segments']:8.1f}"
         )
 
 

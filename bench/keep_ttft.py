@@ -78,7 +78,7 @@ def ask(server, ids, sid: str, method: str, top_k: int, ratio: float) -> dict:
         "cached_tokens": meta.get("cached_tokens"),
         "prefill_tokens": m.get("prefill_tokens"),
         "memory_kv_tokens": m.get("memory_kv_tokens"),
-        "recomputed_tokens": m.get("recomputed_tokens"),
+        "recomputed_token_layers": m.get("recomputed_token_layers"),
         "recompute_share": m.get("recompute_share"),
         **{k: m.get(k) for k in ("load_ms", "load_wait_ms", "load_overlap", "load_bytes", "recompute_ms")},
     }
@@ -124,7 +124,7 @@ def summarize(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
         "cached_tokens",
         "prefill_tokens",
         "memory_kv_tokens",
-        "recomputed_tokens",
+        "recomputed_token_layers",
         "recompute_share",
         "load_ms",
         "load_wait_ms",

@@ -133,7 +133,7 @@ def test_keep_writes_its_recomputed_rows_into_the_8_bit_pool(fp8_server, tok, st
     m = every["meta_info"]["sgl_memory"]
     placed = m["memory_kv_tokens"]
     assert placed == 4 * 16 and m["recompute"] == "keep" and m["recompute_share"] == 1.0, m
-    assert m["recomputed_tokens"] == placed * layers
+    assert m["recomputed_token_layers"] == placed * layers
     assert every["output_ids"] == full["output_ids"]
     share = part["meta_info"]["sgl_memory"]["recompute_share"]
     assert 0 < share < 1 and part["meta_info"]["sgl_memory"]["recompute_refused"] is None

@@ -97,7 +97,7 @@ def test_ratio_one_is_a_full_prefill_of_the_same_tokens(keep_server, tok, stated
     assert (
         bool(trace["selected"].bool().all())
         and m["recompute_share"] == 1.0
-        and m["recomputed_tokens"] == placed * layers
+        and m["recomputed_token_layers"] == placed * layers
     )
     keys, values = full_prefill(reference_model, trace)
     assert float(relative(trace["keys"], keys).max()) < FULL_TOLERANCE
@@ -106,12 +106,15 @@ def test_ratio_one_is_a_full_prefill_of_the_same_tokens(keep_server, tok, stated
     plain = generate(keep_server, trace["tokens"].tolist(), None)
     full, _ = ask(keep_server, tok, "full")
     assert out["output_ids"] == plain["output_ids"] == full["output_ids"]
-    assert full["meta_info"]["sgl_memory"]["recompute_share"] == 1.0
-    assert (
-        full["meta_info"]["sgl_memory"]["prefill_tokens"]
-        == m["prefill_tokens"]
-        == len(trace["tokens"]) - int(trace["start"])
-    )
+    # both computed every uncached token at every layer: as text (full), or placed and then all
+    # recomputed (keep at ratio 1), which the cost says as reused tokens recomputed at every layer
+    f = full["meta_info"]["sgl_memory"]
+    uncached = len(trace["tokens"]) - int(trace["start"])
+    assert f["recompute_share"] == 1.0 and (f["prefill_tokens"], f["reused_tokens"]) == (uncached, 0)
+    assert (m["prefill_tokens"], m["reused_tokens"]) == (uncached - placed, placed)
+    for cost in (f, m):
+        assert cost["prefill_token_layers"] == cost["full_prefill_token_layers"] == uncached * layers
+        assert cost["prefill_work_share"] == 1.0
 
 
 @pytest.mark.parametrize("method,ratio", [("keep", 0.5), ("cacheblend", 0.3), ("starts", 0.1)])
@@ -124,7 +127,7 @@ def test_a_repair_recomputes_nested_rows_and_stores_the_placed_kv_elsewhere(
     selected = trace["selected"].bool()
     layers, placed = selected.shape
     m = out["meta_info"]["sgl_memory"]
-    assert m["recomputed_per_layer"] == selected.sum(1).tolist() and m["recomputed_tokens"] == int(selected.sum())
+    assert m["recomputed_per_layer"] == selected.sum(1).tolist() and m["recomputed_token_layers"] == int(selected.sum())
     assert m["recompute_share"] == pytest.approx(int(selected.sum()) / (layers * placed), abs=1e-6)
     assert bool(selected[0].all()) and not bool(reused["selected"][1:].bool().any())
     for layer in range(1, layers):
@@ -165,18 +168,29 @@ def test_dropping_the_rows_gives_the_attention_of_writing_over_them(keep_server,
 
 
 def test_reuse_prefills_only_the_question_and_a_repair_the_blocks_too(keep_server, tok, stated):
+    before = keep_server.prometheus()
     none, trace = ask(keep_server, tok, "none")
     keep, keep_trace = ask(keep_server, tok, "keep")
+    after = keep_server.prometheus()
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
     system = int(keep_trace["start"])
     assert trace is None and none["meta_info"]["sgl_memory"]["recompute"] == "none"
-    assert none["meta_info"]["sgl_memory"]["prefill_tokens"] == len(q) - system
-    assert none["meta_info"]["sgl_memory"]["recomputed_tokens"] == 0
-    assert keep["meta_info"]["sgl_memory"]["prefill_tokens"] == len(q) - system + BLOCK * TOP_K
-    assert (
-        0 < keep["meta_info"]["sgl_memory"]["recompute_share"] < 1
-        and keep["meta_info"]["sgl_memory"]["recompute_refused"] is None
-    )
+    n, k = none["meta_info"]["sgl_memory"], keep["meta_info"]["sgl_memory"]
+    asked, placed, layers = len(q) - system, BLOCK * TOP_K, keep_trace["selected"].shape[0]
+    # either way the prompt's own tokens (the question) are what was prefilled; reuse adds nothing
+    # to that, the repair the placed rows it recomputed, token by layer, as its trace records them
+    assert (n["prefill_tokens"], n["reused_tokens"], n["recomputed_token_layers"]) == (asked, placed, 0)
+    recomputed = int(keep_trace["selected"].sum())
+    assert (k["prefill_tokens"], k["reused_tokens"], k["recomputed_token_layers"]) == (asked, placed, recomputed)
+    for cost, work in ((n, asked * layers), (k, asked * layers + recomputed)):
+        assert cost["full_prefill_token_layers"] == (asked + placed) * layers and cost["prefill_token_layers"] == work
+        assert cost["prefill_work_share"] == pytest.approx(work / ((asked + placed) * layers), abs=1e-6)
+    assert 0 < k["recompute_share"] < 1 and k["recompute_refused"] is None
+    assert k["repair_ms"] >= k["recompute_ms"] > 0
+    # /metrics sums the same fields over the two requests
+    for key in ("reused_tokens", "prefill_token_layers", "full_prefill_token_layers"):
+        series = (f"sgl_memory_memory_{key}_total", ())
+        assert after[series] - before.get(series, 0) == n[key] + k[key], key
 
 
 @pytest.mark.parametrize(

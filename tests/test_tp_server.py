@@ -202,11 +202,11 @@ def test_memory_recall_places_and_repairs_as_one_rank_with_every_head(reference,
     _, ref_questions = reference
     ref, got = ref_questions[how], tp2["questions"][how]
     assert ref["retrieved_blocks"] > 0 and 0 < ref["recompute_share"] < 1
-    assert (got["out"], got["retrieved_spans"], got["recompute_share"], got["recomputed_tokens"]) == (
+    assert (got["out"], got["retrieved_spans"], got["recompute_share"], got["recomputed_token_layers"]) == (
         ref["out"],
         ref["retrieved_spans"],
         ref["recompute_share"],
-        ref["recomputed_tokens"],
+        ref["recomputed_token_layers"],
     )
 
 

@@ -521,9 +521,14 @@ def score(
                 "probe_tokens",
                 "retrieval_ms",
                 "recompute",
-                "recomputed_tokens",
+                "reused_tokens",
+                "recomputed_token_layers",
+                "prefill_token_layers",
+                "full_prefill_token_layers",
+                "prefill_work_share",
                 "recompute_share",
                 "recompute_ms",
+                "repair_ms",
                 "recompute_dropped_rows",
             )
             if k in mem
@@ -543,7 +548,10 @@ MEANS = (
     "e2e_latency",
     "ttft_s",
     "wall_s",
-    "recomputed_tokens",
+    "reused_tokens",
+    "recomputed_token_layers",
+    "prefill_work_share",
+    "repair_ms",
     "recompute_share",
 )
 
@@ -792,7 +800,10 @@ def table_rows(summary: dict, vs: list[Variant]) -> list[dict]:
                 "evidence_recall": s["evidence_recall"],
                 "ttft_s": s["ttft_s"],
                 "prefill_tokens": s["prefill_tokens"],
-                "recomputed_tokens": s["recomputed_tokens"],
+                "reused_tokens": s["reused_tokens"],
+                "recomputed_token_layers": s["recomputed_token_layers"],
+                "prefill_work_share": s["prefill_work_share"],
+                "repair_ms": s["repair_ms"],
                 "recompute_share": s["recompute_share"],
                 "by_category": s["by_category"],
             }

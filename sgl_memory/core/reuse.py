@@ -34,3 +34,29 @@ class ReusedKV:
     def segment_of_token(self) -> torch.Tensor:
         """[M] the segment index of each placed token."""
         return torch.repeat_interleave(torch.arange(len(self.segments)), torch.tensor(self.segments))
+
+
+def prefill_cost(
+    prompt_tokens: int, cached_tokens: int, reused_tokens: int, in_prefill: bool, recomputed: int, layers: int
+) -> dict:
+    """What a request that placed memory KV paid for its prefill, in the fields every memory-mode
+    response carries (memory reports it where nothing repairs the blocks, the repairer where it does).
+
+    `reused_tokens` are placed tokens whose KV came from memory (none when the blocks were prefilled
+    as text); `in_prefill` says whether they ran in the prefill's batch (a repair runs them through
+    its layers) or came as a prefix hit. `prefill_tokens` is then the prompt's tokens computed at
+    every layer (the question, and the blocks prefilled as text), never the placed ones; the repair's
+    share of them is `recomputed_token_layers` (tokens times the layers each was recomputed at).
+    `full_prefill_token_layers` is what prefilling the same uncached tokens would have cost without
+    memory; `prefill_work_share` is the work done over it."""
+    computed = prompt_tokens - cached_tokens - (reused_tokens if in_prefill else 0)
+    full = (computed + reused_tokens) * layers
+    work = computed * layers + recomputed
+    return {
+        "prefill_tokens": computed,
+        "reused_tokens": reused_tokens,
+        "recomputed_token_layers": recomputed,
+        "prefill_token_layers": work,
+        "full_prefill_token_layers": full,
+        "prefill_work_share": round(work / full, 6) if full else 0.0,
+    }

@@ -28,7 +28,7 @@ from sgl_memory.keep.settings import KeepConfig, KeepRequest
 from sgl_memory.keep.loading import LayerLoader
 from sgl_memory.keep.select import SELECTORS, LayerView, Selector, ratio_at
 from sgl_memory.core.requests import Lifetime, RequestTable
-from sgl_memory.core.reuse import ReusedKV
+from sgl_memory.core.reuse import ReusedKV, prefill_cost
 
 logger = logging.getLogger(__name__)
 
@@ -147,26 +147,34 @@ class Blend:
             return torch.zeros(0, dtype=torch.int64)
         return self.reuse.start + (~self.selected).nonzero().squeeze(1)
 
-    def metrics(self) -> dict:
+    def metrics(self, cached_tokens: int) -> dict:
         m = self.reuse.keys.shape[1]
         recomputed = sum(self.per_layer) if not self.refused else m * self.layers
         loads = self.loader.metrics() if self.loader is not None else {}
-        return loads | {
-            "recompute_method": self.reuse.method,
-            "recompute_placed_tokens": m * self.layers,
-            "recomputed_tokens": recomputed,
-            "recomputed_per_layer": self.per_layer,
-            "recompute_share": round(recomputed / max(1, m * self.layers), 6),
-            "recompute_ms": round(self.select_ms, 3),
-            "recompute_dropped_rows": self.dropped_rows,
-            "recompute_refused": self.refused,
-        }
+        cost = prefill_cost(self.prompt_len, cached_tokens, m, True, recomputed, self.layers)
+        return (
+            loads
+            | cost
+            | {
+                "recompute_method": self.reuse.method,
+                "recompute_placed_tokens": m * self.layers,
+                "recomputed_per_layer": self.per_layer,
+                "recompute_share": round(recomputed / max(1, m * self.layers), 6),
+                "recompute_ms": round(self.select_ms, 3),
+                # the repair's own time: choosing the rows, and waiting for placed KV a layer needed
+                # (the rows it recomputes are in the prefill's time, as every prompt token is)
+                "repair_ms": round(self.select_ms + loads.get("load_wait_ms", 0.0), 3),
+                "recompute_dropped_rows": self.dropped_rows,
+                "recompute_refused": self.refused,
+            }
+        )
 
 
 REPAIRED = prometheus.counter("keep_repairs", "Requests whose placed memory blocks KEEP repaired", ["method"])
 PLACED_TOKENS = prometheus.counter("keep_placed_tokens", "Placed memory tokens times layers of the repaired requests")
 RECOMPUTED_TOKENS = prometheus.counter("keep_recomputed_tokens", "Of those, the tokens times layers recomputed")
 SELECT_SECONDS = prometheus.histogram("keep_select_seconds", "KEEP's selection time per repaired request")
+REPAIR_SECONDS = prometheus.histogram("keep_repair_seconds", "A repair's own time: selection and waits for placed KV")
 
 
 @mechanism.register("keep")
@@ -182,7 +190,9 @@ class KeepManager(mechanism.Mechanism):
     settings = KeepConfig
     fields = ("keep",)
     parse_request = staticmethod(section.parse_request)
-    schema = mechanism.MetricsSchema(marker="recompute_method", summed=("recomputed_tokens", "recompute_ms"))
+    schema = mechanism.MetricsSchema(
+        marker="recompute_method", summed=("recomputed_token_layers", "recompute_ms", "repair_ms")
+    )
     # at TP > 1 the selectors' head aggregates are combined over the ranks (select.py): every rank
     # recomputes the same rows (tests/test_tp_scores.py, tests/test_tp_server.py)
     page_refusal = "it recomputes, and may drop, single rows of the placed blocks"
@@ -195,8 +205,9 @@ class KeepManager(mechanism.Mechanism):
             return
         REPAIRED.labels(metrics["recompute_method"]).inc()
         PLACED_TOKENS.inc(metrics["recompute_placed_tokens"])
-        RECOMPUTED_TOKENS.inc(metrics["recomputed_tokens"])
+        RECOMPUTED_TOKENS.inc(metrics["recomputed_token_layers"])
         SELECT_SECONDS.observe(metrics["recompute_ms"] / 1000)
+        REPAIR_SECONDS.observe(metrics["repair_ms"] / 1000)
 
     def __init__(self, config: KeepConfig, tree):
         self.config, self.tree = config, tree
@@ -270,7 +281,7 @@ class KeepManager(mechanism.Mechanism):
         if blend is None:
             return
         blend.close()
-        metrics.attach(req, blend.metrics())
+        metrics.attach(req, blend.metrics(req.cached_tokens))
         if self.config.trace_dir and not blend.refused and not self.tree.disable:
             self._trace(req, blend)
 

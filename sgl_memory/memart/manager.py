@@ -53,6 +53,10 @@ logger = logging.getLogger(__name__)
 RETRIEVALS = prometheus.counter("retrievals", "Memory-mode requests that retrieved blocks")
 RETRIEVED_BLOCKS = prometheus.counter("retrieved_blocks", "Memory blocks placed before requests")
 RETRIEVAL_SECONDS = prometheus.histogram("retrieval_seconds", "Memory retrieval time")
+# what memory-mode prefills cost (reuse.prefill_cost): their ratio is the work done over a full prefill's
+REUSED_TOKENS = prometheus.counter("memory_reused_tokens", "Placed tokens whose KV came from memory")
+COMPUTED = prometheus.counter("memory_prefill_token_layers", "Token-layers memory-mode prefills computed")
+FULL = prometheus.counter("memory_full_prefill_token_layers", "Token-layers a prefill without memory would compute")
 # how a memory-mode request that placed nothing is labelled; the reason strings are the manager's
 REFUSALS = {"no query pass": "no_probe", "no free KV slots": "no_kv_slots"}
 
@@ -74,7 +78,16 @@ class MemArtManager(mechanism.Mechanism, mechanism.KVPlacing):
     parse_request = staticmethod(section.parse_request)
     check_request = staticmethod(section.check_request)
     check_config = staticmethod(section.check_config)
-    schema = mechanism.MetricsSchema(marker="retrieved_blocks", summed=("retrieved_blocks", "retrieval_ms"))
+    schema = mechanism.MetricsSchema(
+        marker="retrieved_blocks",
+        summed=(
+            "retrieved_blocks",
+            "retrieval_ms",
+            "reused_tokens",
+            "prefill_token_layers",
+            "full_prefill_token_layers",
+        ),
+    )
     kv_state = {"keys": "k", "values": "v"}  # of the pool's export (pool_io.export)
     # at TP > 1 its block scores are combined over the ranks (retrieval.py) and a merge breaks ties
     # without the rank's own key norms (eviction.py): every rank places the same blocks
@@ -87,6 +100,10 @@ class MemArtManager(mechanism.Mechanism, mechanism.KVPlacing):
             RETRIEVALS.inc()
             RETRIEVED_BLOCKS.inc(metrics["retrieved_blocks"])
             RETRIEVAL_SECONDS.observe(metrics["retrieval_ms"] / 1000)
+        if "full_prefill_token_layers" in metrics:  # memory's or its repairer's (both report the cost)
+            REUSED_TOKENS.inc(metrics["reused_tokens"])
+            COMPUTED.inc(metrics["prefill_token_layers"])
+            FULL.inc(metrics["full_prefill_token_layers"])
         refused = metrics.get("memory_refused")
         if refused:
             reason = next((code for text, code in REFUSALS.items() if refused.startswith(text)), "other")

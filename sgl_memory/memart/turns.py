@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sgl_memory.core import tree_fill
+from sgl_memory.core import reuse, tree_fill
 from sgl_memory.core.mechanism import repairer
 from sgl_memory.core.requests import RequestTable
 from sgl_memory.core.views import RequestView
@@ -40,7 +40,6 @@ class MemArtTurn:
 
     def metrics(self, req: RequestView, memory_blocks: int, layers: int) -> dict:
         out = {
-            "prefill_tokens": len(req.origin_input_ids) - req.cached_tokens,
             "retrieved_blocks": self.retrieved_blocks,
             "retrieved_turns": self.retrieved_turns,
             "retrieved_spans": self.retrieved_spans,
@@ -50,12 +49,16 @@ class MemArtTurn:
             "memory_blocks": memory_blocks,
             "memory_refused": self.refused,
         }
-        if self.mode == "retrieve":
-            out["windowed_tokens"] = self.windowed
-            out["recompute"] = self.recompute
-            if repairer(self.recompute) is None:  # the repairing mechanism reports its own
-                full = self.recompute == "full" and self.memory_end > self.memory_start
-                out["recomputed_tokens"] = (self.memory_end - self.memory_start) * layers if full else 0
-                out["recompute_share"] = 1.0 if full else 0.0
-            out.update(self.units)
+        if self.mode != "retrieve":
+            return out | {"prefill_tokens": len(req.origin_input_ids) - req.cached_tokens}
+        out["windowed_tokens"] = self.windowed
+        out["recompute"] = self.recompute
+        out.update(self.units)
+        placed = self.memory_end - self.memory_start
+        if repairer(self.recompute) is not None and placed:
+            return out  # the repairer reports what the prefill cost (reuse.prefill_cost)
+        # reused as a prefix hit (none) or prefilled as text (full): no layer repairs them
+        full = self.recompute == "full" and placed > 0
+        out |= reuse.prefill_cost(len(req.origin_input_ids), req.cached_tokens, 0 if full else placed, False, 0, layers)
+        out["recompute_share"] = 1.0 if full else 0.0
         return out
