@@ -117,7 +117,7 @@ def test_ratio_one_is_a_full_prefill_of_the_same_tokens(keep_server, tok, stated
         assert cost["prefill_work_share"] == 1.0
 
 
-@pytest.mark.parametrize("method,ratio", [("keep", 0.5), ("cacheblend", 0.3), ("starts", 0.1)])
+@pytest.mark.parametrize("method,ratio", [("keep", 0.5), ("cacheblend", 0.3), ("starts", 0.1), ("random", 0.3)])
 def test_a_repair_recomputes_nested_rows_and_stores_the_placed_kv_elsewhere(
     keep_server, tok, stated, reference_model, method, ratio
 ):

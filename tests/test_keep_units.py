@@ -11,7 +11,7 @@ import torch
 
 from sgl_memory.core import config, request
 from sgl_memory.keep.loading import LOADINGS, LayerLoader
-from sgl_memory.keep.select import SELECTORS, KVDeviation, LayerView, MultiHop, SegmentStarts, ratio_at
+from sgl_memory.keep.select import SELECTORS, KVDeviation, LayerView, MultiHop, RandomTokens, SegmentStarts, ratio_at
 from sgl_memory.keep.settings import KeepConfig
 from sgl_memory.memart.settings import MemArtConfig
 
@@ -152,6 +152,22 @@ def test_starts_selects_the_earliest_tokens_of_every_segment_among_the_candidate
         got = SegmentStarts().select(v, n)
         want = sorted((i for i in range(49) if cand[i]), key=lambda i: (offsets[i], i))[:n]
         assert sorted(got.nonzero().squeeze(1).tolist()) == sorted(want)
+
+
+def test_random_picks_a_fixed_order_the_same_on_every_call_and_nested_as_the_candidates_shrink():
+    v = view(3)
+    picks = [RandomTokens().select(v, n) for n in (20, 10, 5)]
+    assert [int(p.sum()) for p in picks] == [20, 10, 5]
+    assert all(not bool((small & ~large).any()) for large, small in zip(picks, picks[1:]))
+    assert torch.equal(RandomTokens().select(v, 10), picks[1]) and not torch.equal(
+        RandomTokens(seed=1).select(v, 10), picks[1]
+    )
+    # the next layer's candidates are this layer's picks: the same order keeps the set nested
+    narrowed = view(3, candidates=picks[0])
+    assert torch.equal(RandomTokens().select(narrowed, 10), picks[1])
+    # not the positions' order nor their reverse: a pick spread over the placed tokens
+    chosen = picks[0].nonzero().squeeze(1)
+    assert chosen.tolist() != list(range(20)) and chosen.tolist() != list(range(29, 49))
 
 
 @pytest.mark.parametrize("name", sorted(SELECTORS))

@@ -1,6 +1,6 @@
 """Which placed rows the next layer recomputes: KEEP's segments by multi-hop importance, CacheBlend's
-tokens by KV deviation, the segments' first tokens (`starts`). One class per method, registered
-under its `recompute` name.
+tokens by KV deviation, the segments' first tokens (`starts`), tokens at random (`random`, the
+baseline). One class per method, registered under its `recompute` name.
 
 A selector sees one layer of one request after the placed KV was written over the rows this layer
 does not recompute (`LayerView`), and names the rows the next layer recomputes, among this layer's
@@ -187,6 +187,21 @@ class SegmentStarts(Selector):
         first = torch.full((int(seg.max()) + 1 if len(seg) else 0,), len(seg), device=seg.device)
         offset = index - first.scatter_reduce(0, seg, index, "amin")[seg]
         return top(-offset.float(), view.candidates, n)
+
+
+@SELECTORS.register("random")
+@dataclass
+class RandomTokens(Selector):
+    """Tokens in one fixed random order (seeded: a request repairs alike on every run and every
+    rank): the baseline a chosen set must beat (CacheBlend measures its selection against random
+    picks). The order is the same at every layer, so each layer's set lies inside the one before."""
+
+    unit: ClassVar[str] = "token"
+    seed: int = 0
+
+    def select(self, view: LayerView, n: int) -> torch.Tensor:
+        order = torch.rand(len(view.segment), generator=torch.Generator().manual_seed(self.seed))
+        return top(order.to(view.candidates.device), view.candidates, n)
 
 
 def ratio_at(layer: int, layers: int, ratio: float, decay: float) -> float:

@@ -43,9 +43,10 @@ class MemArtConfig:
     placed_tokens: int = 2048
     # what repairs the placed blocks' KV (computed in other contexts): none (reused as placed), starts
     # (their first tokens recomputed: the assembly's first token becomes an attention sink), keep and
-    # cacheblend (a selected share; these three run in sgl_memory/keep, on with memory unless its
-    # section says), full (the blocks' tokens prefilled again in the request's context)
-    recompute: Literal["none", "keep", "cacheblend", "starts", "full"] = "starts"
+    # cacheblend (a selected share), random (a share at random: the baseline; these four run in
+    # sgl_memory/keep, on with memory unless its section says), full (the blocks' tokens prefilled
+    # again in the request's context)
+    recompute: Literal["none", "keep", "cacheblend", "starts", "random", "full"] = "starts"
     # memory entries written by key (POST /sgl_memory/memory/write, memart/entries.py): grouped by
     # MiniLM sentence embeddings (an entry joins the nearest group at cosine >= group_threshold); a
     # group unchanged for static_after writes gets a joint KV and is retrieved as one unit
