@@ -222,6 +222,24 @@ def bootstrap(
     return mean, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
 
 
+def ratio_interval(
+    pairs: list[tuple[float, float]], seed: int = 0, level: float = 0.95, resamples: int = 2000
+) -> tuple[float, float, float]:
+    """sum(a) / sum(b) over (a, b) pairs (a share of a gain: mean(part) / mean(whole)) and its
+    percentile bootstrap interval, resampling pairs."""
+
+    def ratio(sample):
+        total = sum(b for _, b in sample)
+        return sum(a for a, _ in sample) / total if total else float("nan")
+
+    if not pairs:
+        return float("nan"), float("nan"), float("nan")
+    rng = random.Random(seed)
+    draws = sorted(ratio([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return ratio(pairs), draws[int(tail * resamples)], draws[min(resamples - 1, int((1 - tail) * resamples) - 1)]
+
+
 def kl(p_top: dict, q_top: dict) -> float:
     """KL(p || q) over the union of two top-k lists, each renormalised; a token missing from one list
     gets that list's smallest probability (an upper bound on its true mass)."""

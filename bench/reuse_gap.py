@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import random
 import re
 import time
 from dataclasses import dataclass
@@ -239,20 +238,16 @@ def question(
     return row
 
 
-def share_interval(rows: list[dict], part: str, seed: int = 0, resamples: int = 2000) -> tuple[float, float, float]:
+def share_interval(rows: list[dict], part: str) -> tuple[float, float, float]:
     """mean(part - reused) / mean(fresh - reused) over questions, with a percentile bootstrap interval."""
-    gains = [
-        (r["plain"]["parts"][part]["ll"] - r["plain"]["reused"], r["plain"]["fresh"] - r["plain"]["reused"])
-        for r in rows
-    ]
+    from bench.common import ratio_interval
 
-    def ratio(sample):
-        total = sum(g for _, g in sample)
-        return sum(p for p, _ in sample) / total if total else float("nan")
-
-    rng = random.Random(seed)
-    draws = sorted(ratio([gains[rng.randrange(len(gains))] for _ in gains]) for _ in range(resamples))
-    return ratio(gains), draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
+    return ratio_interval(
+        [
+            (r["plain"]["parts"][part]["ll"] - r["plain"]["reused"], r["plain"]["fresh"] - r["plain"]["reused"])
+            for r in rows
+        ]
+    )
 
 
 def summarize(rows: list[dict]) -> dict:
