@@ -29,7 +29,7 @@ fi
 PY=$VENV/bin/python
 # no bytecode at install: pip compiles every file it installs on one core (a minute or more of
 # ~400 MB of sources here); compileall does it below on every core, beside the model's conversion
-PIP=("$PY" -m pip --disable-pip-version-check --no-compile)
+INSTALL=("$PY" -m pip --disable-pip-version-check install --no-compile)
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 installed=0
 
@@ -53,15 +53,15 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing into $VENV (a few minutes on a fresh machine)"
   if command -v nvidia-smi >/dev/null 2>&1; then
     # A GPU machine takes SGLang with its CUDA dependencies as published.
-    "${PIP[@]}" install "sglang==$SGLANG_VERSION" -e ".[gpu]"
+    "${INSTALL[@]}" "sglang==$SGLANG_VERSION" -e ".[gpu]"
   else
     # CPU torch first: an unconstrained torch requirement would pull a multi-GB CUDA build.
-    "${PIP[@]}" install "torch==2.13.0"
-    "${PIP[@]}" install --no-deps "sglang==$SGLANG_VERSION"
-    "${PIP[@]}" install -r scripts/requirements-cpu.txt -c scripts/constraints-cpu.txt
+    "${INSTALL[@]}" "torch==2.13.0"
+    "${INSTALL[@]}" --no-deps "sglang==$SGLANG_VERSION"
+    "${INSTALL[@]}" -r scripts/requirements-cpu.txt -c scripts/constraints-cpu.txt
     # PyPI's torchvision is a CUDA build; sgl_memory.cpu_compat makes it import beside CPU torch.
-    "${PIP[@]}" install --no-deps "torchvision==0.28.0"
-    "${PIP[@]}" install --no-deps -e .
+    "${INSTALL[@]}" --no-deps "torchvision==0.28.0"
+    "${INSTALL[@]}" --no-deps -e .
   fi
   "$PY" -m sgl_memory.cpu_compat >/dev/null
   "$PY" -c "import sglang, sgl_memory.plugin; assert sglang.__version__ == '$SGLANG_VERSION', sglang.__version__"
@@ -77,14 +77,14 @@ dev_want=$( (echo "$want"; cat scripts/requirements-dev.txt) | sha256sum | cut -
 if [ "$DEV" = 1 ] && [ "$(cat "$DEV_STAMP" 2>/dev/null)" != "$dev_want" ]; then
   echo "[setup] installing the test and benchmark dependencies"
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "${PIP[@]}" install -e ".[test,bench]"
+    "${INSTALL[@]}" -e ".[test,bench]"
   else
-    "${PIP[@]}" install -r scripts/requirements-dev.txt -c scripts/constraints-cpu.txt
+    "${INSTALL[@]}" -r scripts/requirements-dev.txt -c scripts/constraints-cpu.txt
   fi
   # The agent harness (bench/agent) imports BFCL's tasks, back-ends and checker. bfcl-eval's own
   # requirements pin numpy 1.x and a dozen API clients it does not need here, so it goes in without
   # them, with the few packages the modules we import use.
-  "${PIP[@]}" install --no-deps "bfcl-eval==2026.3.23" "tenacity==9.2.1" "tree-sitter==0.21.3" \
+  "${INSTALL[@]}" --no-deps "bfcl-eval==2026.3.23" "tenacity==9.2.1" "tree-sitter==0.21.3" \
     "tree-sitter-java==0.21.0" "tree-sitter-javascript==0.21.4"
   echo "$dev_want" > "$DEV_STAMP"
   installed=1
