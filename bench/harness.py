@@ -121,6 +121,13 @@ def start_router(workers: list[Server], log_path: Path, *flags: str, timeout: fl
         time.sleep(0.2)
 
 
+def default_pool_tokens(model_path) -> int:
+    """The tokens our launcher's default pool holds on this machine (its bytes at the compute dtype's KV)."""
+    from sgl_memory import cpu_dtype, kv_pool
+
+    return kv_pool.choose(Path(model_path), cpu_dtype.choose().kv_cache_dtype, None, None).tokens
+
+
 def cpu_flags(model_path, attention_backend: str, pool_tokens: int | None = None) -> list[str]:
     """The CPU flags our launcher defaults to, spelled out for a plain SGLang server: the compute
     dtype it would choose here included (plain SGLang takes the model's bf16 otherwise, which an
@@ -128,9 +135,9 @@ def cpu_flags(model_path, attention_backend: str, pool_tokens: int | None = None
     --sleep-on-idle (an idle plain server otherwise busy-polls a core, which on two cores halved the
     speed of the server beside it: 10 min for test_intent_server's module instead of 6). The KV
     pool: `pool_tokens`, or what our launcher would size for this machine."""
-    from sgl_memory import cpu_dtype, launch_server
+    from sgl_memory import cpu_dtype
 
-    pool = pool_tokens or launch_server.default_max_total_tokens(model_path)
+    pool = pool_tokens or default_pool_tokens(model_path)
     return [
         "--device",
         "cpu",

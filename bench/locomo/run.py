@@ -361,11 +361,9 @@ def defaults_config(directory: Path) -> Path:
 def server_flags(model: str, convs: list[Conversation], recordings: set[str]) -> list[str]:
     """A KV pool that holds every transcript ingested in the recordings this server runs plus one
     full-transcript request."""
-    from sgl_memory import launch_server
-
     need = sum(len(c.memory_turn(r)[0]) for c in convs for r in recordings | {"plain"})
     need += 2 * max(len(c.ingest_ids) for c in convs) + 4096
-    default = launch_server.default_max_total_tokens(models.model_dir(model))
+    default = harness.default_pool_tokens(models.model_dir(model))
     return ["--max-total-tokens", str(max(default, need))]
 
 
