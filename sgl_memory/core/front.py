@@ -48,6 +48,9 @@ class Engine(Protocol):
     def tokenize(self, text: str) -> list[int]:
         """The text's token ids, without special tokens."""
 
+    def decode(self, ids: list[int]) -> str:
+        """The ids' text, without special tokens."""
+
     def markers(self, family: str) -> RoleMarkers:
         """The chat template family's role markers in this model's tokenizer (spans.RoleMarkers)."""
 

@@ -83,6 +83,9 @@ class TokenizerEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.manager.tokenizer.encode(text, add_special_tokens=False)
 
+    def decode(self, ids: list[int]) -> str:
+        return self.manager.tokenizer.decode(ids, skip_special_tokens=True)
+
     def markers(self, family: str) -> RoleMarkers:
         return _markers(self.manager.tokenizer, family)
 

@@ -1,4 +1,5 @@
-"""Edit admission: the entries API's passes (memart/writes.py) on the scheduler side, and their answer."""
+"""Edit admission: the entries API's passes (memart/writes.py) and text mode's read of a session's
+turns (memart/text.py) on the scheduler side, and their answers."""
 
 from __future__ import annotations
 
@@ -8,21 +9,27 @@ from sgl_memory.core.kvhost import namespace
 from sgl_memory.core.views import RequestView
 from sgl_memory.memart.pool import MemArtPool
 from sgl_memory.memart.pools import SessionPools
-from sgl_memory.memart.settings import MemArtRequest
+from sgl_memory.memart.settings import MemArtConfig, MemArtRequest
 from sgl_memory.memart.turns import MemArtTurn, Turns
 
 
 class EntryEdits:
     """An entry write's or forget's pass: the session's book changes at its admission, in request
     order (a write's KV is its prompt, computed alone and recorded at release under its tag), and
-    its answer is the book as it then stands."""
+    its answer is the book as it then stands. A `turns` pass (text mode's) changes nothing: its
+    answer is the token ids the session's pool holds."""
 
     def __init__(self, pools: SessionPools, turns: Turns):
         self.pools, self.turns = pools, turns
 
     def admit(self, req: RequestView, owner: tuple[str, str], query: MemArtRequest) -> None:
-        memory = self.pools.session(owner, create=True)
         state = self.turns.set(req.rid, MemArtTurn(owner, query.mode, store=query.mode == "write"))
+        # its own key: an entry's KV is its text's alone and must not be matched by another path
+        req.extra_key = namespace(req.extra_key, f"memory-{query.mode}")
+        if query.mode == "turns":  # a read (answered at release, `transcript`): one token, never stored
+            req.skip_radix_cache_insert = True
+            return
+        memory = self.pools.session(owner, create=True)
         with memory.lock:
             if query.mode == "forget":
                 for key in query.forget:
@@ -34,8 +41,6 @@ class EntryEdits:
                 state.tag = change.tag
             else:
                 state.tag = ("joint", query.group, query.version)
-        # its own key: an entry's KV is its text's alone and must not be matched by another path
-        req.extra_key = namespace(req.extra_key, f"memory-{query.mode}")
         if query.mode == "forget":
             req.skip_radix_cache_insert = True
 
@@ -50,3 +55,12 @@ class EntryEdits:
             ]
         out["prefill_tokens"] = len(req.origin_input_ids) - req.cached_tokens
         return {"memory_book": out}
+
+    @staticmethod
+    def transcript(memory: MemArtPool | None, config: MemArtConfig) -> dict:
+        """A `turns` pass's answer: the token ids of every turn the session's pool holds, in order
+        (text mode's lines come from them, memart/text.py)."""
+        if memory is None:
+            return {"memory_turns": []}
+        memory.ingest(config.block_size)  # turns the worker has not added yet
+        return {"memory_turns": [{"turn": turn, "ids": ids} for turn, ids in memory.transcript()]}

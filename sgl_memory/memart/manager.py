@@ -170,8 +170,10 @@ class MemArtManager(mechanism.Mechanism, mechanism.KVPlacing):
             self.turns.set(req.rid, MemArtTurn(owner, "record"))
         elif query.mode == "probe":
             self.probe_passes.admit(scheduler, req, owner, query.probe, query.placement)
-        elif query.mode in ("write", "forget"):
+        elif query.mode in ("write", "forget", "turns"):
             self.edits.admit(req, owner, query)
+        elif query.mode == "text":  # its lines are in the prompt already (text.py): it only records
+            self.retriever.turn(scheduler, req, owner, query, spec.readonly)
         else:
             self.retriever.admit(scheduler, req, owner, query, spec.readonly)
 
@@ -193,6 +195,9 @@ class MemArtManager(mechanism.Mechanism, mechanism.KVPlacing):
             return
         if state.mode == "probe":
             self.probe_passes.release(req)
+            return
+        if state.mode == "turns":
+            metrics.attach(req, self.edits.transcript(self.pools.session(state.owner, create=False), self.config))
             return
         memory = self.pools.session(state.owner, create=True)
         if state.mode in ("write", "forget"):

@@ -135,6 +135,17 @@ class MemArtPool:
         with self.lock:
             return self.store.index(self.book.hidden_turns)
 
+    def transcript(self) -> list[tuple[int, list[int]]]:
+        """The token ids it holds of each turn retrieval may choose, in turn order (text mode reads
+        them, memart/text.py): what eviction or a merge left of a turn, in the turn's own order."""
+        with self.lock:
+            blocks = [self.store.blocks[i] for i in self.store.index(self.book.hidden_turns).ids]
+        held: dict[int, list[tuple[int, int]]] = {}
+        for block in blocks:
+            for token, (turn, offset) in zip(block.tokens, block.origin):
+                held.setdefault(turn, []).append((offset, token))
+        return [(turn, [t for _, t in sorted(held[turn])]) for turn in sorted(held)]
+
     def take(self, ids: list[int]) -> list[Block]:
         """The blocks of these ids in chronological order, marked as used now."""
         with self.lock:

@@ -16,6 +16,7 @@ import uuid
 
 from sgl_memory.core.config import from_env
 from sgl_memory.core.request import FIELD, SpecError, check_served, parse
+from sgl_memory.memart import text
 from sgl_memory.memart.settings import MemArtConfig
 from sgl_memory.memart.window import window
 
@@ -35,9 +36,13 @@ def memory_field(request) -> dict | None:
 
 async def send_probe(request, engine) -> None:
     """Send the probe of a memory-mode request and point the request at it. A full-history request
-    of a session past `memory.window` becomes one here (window.py)."""
+    of a session past `memory.window` becomes one here (window.py). Text mode places lines instead
+    and needs no probe (text.py)."""
     raw = memory_field(request)
     windowed = 0
+    if raw is not None and raw["memory"].get("mode") == "text":
+        await text.place(request, engine, raw, from_env().of(MemArtConfig))
+        return
     if raw is None:
         raws = request.fields()
         if request.batched() or not isinstance(raws[0], dict):

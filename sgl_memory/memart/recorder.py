@@ -40,7 +40,7 @@ class Recorder:
         start = self.turn_start(state, self.pools.session(state.owner, create=True), prompt)
         # a prefix matched from a pruned path may hold dead positions: the live mask leaves them out
         slots = tree.row(req)[start : len(prompt)].to(torch.int64)
-        state.prompt_kv, state.prompt_kv_start = tree_fill.copy_slots(tree, slots), start
+        state.prompt_kv, state.prompt_kv_start = leave_out(tree_fill.copy_slots(tree, slots), start, state), start
 
     def record(self, req: RequestView, state: MemArtTurn, memory: MemArtPool) -> bool:
         """Submit the turn's KV to the pool (its worker or the caller adds it); False if none."""
@@ -61,7 +61,7 @@ class Recorder:
             state.prompt_kv = None
         else:  # released before its prefill ended (aborted, or a prefill-only write): what the tree holds of it
             start, tokens = self.turn_start(state, memory, path.tokens), path.tokens
-            kv = tree_fill.copy_path(self.tree, path, start) if len(path) > start else None
+            kv = leave_out(tree_fill.copy_path(self.tree, path, start), start, state) if len(path) > start else None
         if state.mode == "record":
             memory.path = tokens
         if kv is None or len(tokens) <= start:
@@ -75,3 +75,12 @@ class Recorder:
         if kept:
             memory.submit(kept, positions, kv.keys[:, live], kv.values[:, live], state.tag)
         return bool(kept)
+
+
+def leave_out(kv: tree_fill.PathKV, start: int, state: MemArtTurn) -> tree_fill.PathKV:
+    """KV of positions from `start` without a text-mode request's placed lines (memart/text.py):
+    they are the session's memory already, and recording them again would repeat them in it."""
+    if state.text_span is not None:
+        a, b = (max(0, p - start) for p in state.text_span)
+        kv.live[a:b] = False
+    return kv

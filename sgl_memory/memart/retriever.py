@@ -38,24 +38,35 @@ class Retriever:
     def admit(
         self, scheduler: SchedulerView, req: RequestView, owner: tuple[str, str], query: MemArtRequest, readonly: bool
     ) -> None:
-        state = self.turns.set(
-            req.rid,
-            MemArtTurn(
-                owner,
-                "retrieve",
-                store=query.store and not readonly,
-                recompute=query.recompute or self.config.recompute,
-            ),
-        )
-        # what the client added after the last answer (all of it: two tool results are two
-        # messages in some templates), else its last message; not the history it resends
-        ids = list(req.origin_input_ids)
-        start = after_answer(self.roles.of(scheduler).messages(ids), len(ids))
-        state.turn_start = start if start is not None else self.roles.spans(scheduler, ids).query_start
+        state = self.turn(scheduler, req, owner, query, readonly)
         state.windowed = query.windowed
         t0 = time.perf_counter()
         self.retrieve(scheduler, req, state, query)
         state.retrieval_ms = (time.perf_counter() - t0) * 1000
+
+    def turn(
+        self, scheduler: SchedulerView, req: RequestView, owner: tuple[str, str], query: MemArtRequest, readonly: bool
+    ) -> MemArtTurn:
+        """The request's `MemArtTurn`, with where what it adds to the session starts: what the
+        client added after the last answer (all of it: two tool results are two messages in some
+        templates), else its last message; not the history it resends. A text-mode request's lines
+        (placed by the HTTP side, memart/text.py) are left out of what it records."""
+        state = self.turns.set(
+            req.rid,
+            MemArtTurn(
+                owner,
+                query.mode,
+                store=query.store and not readonly,
+                recompute="none" if query.mode == "text" else query.recompute or self.config.recompute,
+                text_span=query.text_span,
+                text_lines=query.text_lines,
+            ),
+        )
+        state.retrieval_ms = query.text_ms  # text mode's retrieval ran on the HTTP side
+        ids = list(req.origin_input_ids)
+        start = after_answer(self.roles.of(scheduler).messages(ids), len(ids))
+        state.turn_start = start if start is not None else self.roles.spans(scheduler, ids).query_start
+        return state
 
     def retrieve(self, scheduler: SchedulerView, req: RequestView, state: MemArtTurn, query: MemArtRequest) -> None:
         probe = self.probes.get(query.probe)

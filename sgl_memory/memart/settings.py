@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sgl_memory.core.config import MAX_BUDGET, ConfigError, choices, require
-from sgl_memory.core.request import FIELD, RequestPart, SpecError, choice, flag, integer, object_at
+from sgl_memory.core.request import FIELD, RequestPart, SpecError, choice, flag, integer, number, object_at
 from sgl_memory.core.mechanism import repairer
 from sgl_memory.core.spans import RoleFamily
 
@@ -57,6 +57,9 @@ class MemArtConfig:
     # tokens is served in memory mode: its last `window` tokens of messages stay in the prompt, the
     # older turns come back from the session's memory (memart/window.py); 0: off
     window: int = 0
+    # `memory: {mode: text}` (memart/text.py): the lines retrieved from the session's turns open its
+    # last user message under this line
+    text_header: str = "Earlier in this conversation:\n"
 
     def validate(self, path: str) -> None:
         require(self.block_size >= 1, f"{path}.block_size", "an integer >= 1")
@@ -76,12 +79,23 @@ class MemArtConfig:
         )
 
 
-MODES = ("retrieve",)
-INTERNAL_MODES = ("probe", "write", "forget")  # sent by the server's own HTTP side only
+MODES = ("retrieve", "text")
+INTERNAL_MODES = ("probe", "write", "forget", "turns")  # sent by the server's own HTTP side only
 MAX_TOP_K = 1 << 16
 NAMED = ("norm", "agg", "scoring", "placement", "header", "unit", "recompute")  # options named in the section
 CLIENT_KEYS = ("mode", "top_k", *NAMED, "store", "placed_tokens")
-INTERNAL_KEYS = ("probe", "entry", "embedding", "group", "version", "forget", "windowed")
+INTERNAL_KEYS = (
+    "probe",
+    "entry",
+    "embedding",
+    "group",
+    "version",
+    "forget",
+    "windowed",
+    "text_span",
+    "text_lines",
+    "text_ms",
+)
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,12 @@ class MemArtRequest(RequestPart):
     recompute: str | None = None  # a repair of the placed blocks (KEEP's knobs are `sgl_memory.keep`)
     probe: str | None = None  # internal: the id of the query pass the HTTP hook ran first
     windowed: int = 0  # internal: history tokens the HTTP hook left out of a full-history request (window.py)
+    # internal, mode "text" (text.py): the prompt positions [start, end) of the lines the HTTP side
+    # placed, how many lines and its retrieval's milliseconds; mode "turns" asks for the session's
+    # recorded token ids
+    text_span: tuple[int, int] | None = None
+    text_lines: int = 0
+    text_ms: float = 0.0
     # internal, the memory entries API (memart/writes.py): mode "write" records the prompt as the
     # entry `entry` (with its sentence `embedding`) or as the joint KV of group `group` at `version`;
     # mode "forget" drops the entries `forget`
@@ -122,8 +142,9 @@ class MemArtRequest(RequestPart):
 
     @property
     def reads_only(self) -> bool:
-        # a probe, or a forget of no keys: the entries API reading a session's book
-        return self.mode == "probe" or (self.mode == "forget" and not self.forget)
+        # a probe, a forget of no keys (the entries API reading a session's book), text mode's read
+        # of the session's turns
+        return self.mode in ("probe", "turns") or (self.mode == "forget" and not self.forget)
 
     @property
     def assembles(self) -> bool:
@@ -142,6 +163,7 @@ def parse_request(raw: dict, internal: bool) -> MemArtRequest | None:
     if raw.get("session_id") is None:
         raise SpecError(f"{where} needs {FIELD}.session_id: memory belongs to a session")
     embedding = body.get("embedding")
+    span = body.get("text_span")
     return MemArtRequest(
         mode,
         integer(body.get("top_k"), 1, MAX_TOP_K, f"{where}.top_k"),
@@ -154,11 +176,21 @@ def parse_request(raw: dict, internal: bool) -> MemArtRequest | None:
         version=body.get("version"),
         forget=tuple(body.get("forget", ())),
         windowed=integer(body.get("windowed"), 0, MAX_BUDGET, f"{where}.windowed") or 0,
+        text_span=None if span is None else (int(span[0]), int(span[1])),
+        text_lines=integer(body.get("text_lines"), 0, MAX_BUDGET, f"{where}.text_lines") or 0,
+        text_ms=number(body.get("text_ms"), 0, float("inf"), f"{where}.text_ms") or 0.0,
         **named,
     )
 
 
 def check_request(part: MemArtRequest, config) -> None:
+    if part.mode == "text":
+        kv_only = [k for k in NAMED if getattr(part, k) is not None]
+        if kv_only:
+            raise SpecError(
+                f"{FIELD}.memory.{kv_only[0]} places KV blocks; mode 'text' places the session's lines as "
+                "prompt text (top_k, placed_tokens and store apply)"
+            )
     if part.unit == "line" and config.of(MemArtConfig).cut != "lines":
         raise SpecError(
             f"{FIELD}.memory.unit 'line': this server cuts memory blocks by tokens, not at lines "

@@ -18,7 +18,9 @@ class MemArtTurn:
     """What memory did for one request, kept in its `Turns` table."""
 
     owner: tuple[str, str]
-    mode: str  # "record" (full-history turn), "retrieve", "probe", "write" (an entry or a joint KV), "forget"
+    # "record" (full-history turn), "retrieve", "text", "probe", "write" (an entry or a joint KV),
+    # "forget", "turns" (text mode's read of the session's token ids)
+    mode: str
     store: bool = True
     recompute: str = "none"  # what repairs the placed blocks (MemArtConfig.recompute)
     memory_start: int = 0  # the placed blocks are positions [memory_start, memory_end) of the request
@@ -37,6 +39,8 @@ class MemArtTurn:
     prompt_kv_start: int = 0
     tag: tuple | None = None  # mode "write": what its turn holds (EntryBook)
     units: dict = field(default_factory=dict)  # mode "retrieve": entries and static groups placed whole
+    text_span: tuple[int, int] | None = None  # mode "text": the placed lines' positions, not recorded
+    text_lines: int = 0
 
     def metrics(self, req: RequestView, memory_blocks: int, layers: int) -> dict:
         out = {
@@ -49,6 +53,10 @@ class MemArtTurn:
             "memory_blocks": memory_blocks,
             "memory_refused": self.refused,
         }
+        if self.mode == "text":
+            start, end = self.text_span or (0, 0)
+            out |= {"text_lines": self.text_lines, "text_tokens": end - start}
+            return out | reuse.prefill_cost(len(req.origin_input_ids), req.cached_tokens, 0, False, 0, layers)
         if self.mode != "retrieve":
             return out | {"prefill_tokens": len(req.origin_input_ids) - req.cached_tokens}
         out["windowed_tokens"] = self.windowed
