@@ -15,7 +15,8 @@ Methods, all on our server (`--memory-config` with a `memory:` section):
   `dated`: the same memory of a transcript with its session's date on every line; `chat`: the
   transcript sent as agents send a turn, a memory-mode chat message after the system message, so
   the memory holds no token computed at position 0 (the attention sink `starts` restores), with
-  reuse alone and with the default repair.
+  reuse alone, with the default repair, and in the server's text mode (`memory: {mode: text}`: the
+  same memory's lines ranked by MiniLM, placed as prompt text, memart/text.py).
   Ablations (per request, same server): the other three norm x agg combinations; MemArt's AABB
   bound instead of each block's best key (with rr-max, the paper's choice for Qwen, and with
   softmax-max); the blocks after the system message instead of first. Block size 8 with top_k
@@ -96,12 +97,15 @@ class Variant:
     # how the memory records the transcript (RECORDINGS): plain (from position 0, one record turn),
     # dated (the same with a date on every line) or chat (a memory-mode chat turn)
     recording: str = "plain"
+    mode: str = "retrieve"  # a memart variant's memory mode: retrieve (KV blocks) or text (its lines as text)
 
     def __post_init__(self):
         if self.recording != "plain" and self.method != "memart":
             raise ValueError("recording is how a memory records its transcript; text and full read the transcript")
         if self.recording not in RECORDINGS or (self.recording == "chat" and self.turns != "transcript"):
             raise ValueError(f"recording {self.recording!r} with turns {self.turns!r}")
+        if self.mode != "retrieve" and (self.method, self.config) != ("memart", "defaults"):
+            raise ValueError("a memory mode other than retrieve runs as a user sends it: memart at the defaults")
 
     @property
     def server(self) -> tuple[str, int, bool, str]:
@@ -114,6 +118,8 @@ class Variant:
         if self.config == "defaults":
             if self.method == "text":
                 return "text-defaults"
+            if self.mode == "text":
+                return "memory-defaults-text-mode" + ("" if self.recording == "plain" else f"-{self.recording}")
             return f"memory-defaults-{self.recompute}" + ("" if self.recording == "plain" else f"-{self.recording}")
         if self.method == "text":
             return f"text-k{self.top_k}"  # budget from the main MemArt variant at this top_k
@@ -193,7 +199,7 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
             out.append(replace(DEFAULTS_REUSE, recompute="starts", recording="dated"))
         elif group == "chat":  # a memory with no sink recorded: reuse alone against the default repair
             chat = replace(DEFAULTS_REUSE, recording="chat")
-            out += [chat, replace(chat, recompute="starts")]
+            out += [chat, replace(chat, recompute="starts"), replace(chat, mode="text")]
         else:
             out.append(Variant(group, 16, top_k))
     labels = [v.label for v in out]
@@ -428,6 +434,9 @@ class Runner:
                 "evidence_recall": sum(e in found for e in q.evidence) / len(q.evidence) if q.evidence else None,
             }
             return prompts.with_context(self.tokenizer, excerpt, q.question), None, extra
+        if variant.config == "defaults" and variant.mode == "text":
+            memory = {"session_id": sid, "memory": {"mode": "text", "store": False}}
+            return prompts.question_only(self.tokenizer, q.question), memory, {}
         if variant.config == "defaults":
             memory = {"session_id": sid, "memory": {"mode": "retrieve", "store": False, "recompute": variant.recompute}}
             return prompts.question_only(self.tokenizer, q.question), memory, {}
@@ -528,6 +537,8 @@ def score(
                 "recompute_ms",
                 "repair_ms",
                 "recompute_dropped_rows",
+                "text_lines",
+                "text_tokens",
             )
             if k in mem
         },
@@ -551,6 +562,7 @@ MEANS = (
     "prefill_work_share",
     "repair_ms",
     "recompute_share",
+    "text_tokens",
 )
 
 
@@ -569,6 +581,7 @@ def summarize(results: Results, convs: list[Conversation] | None) -> dict:
             by_label.setdefault(row["variant"], []).append(row)
     text = next((rows for label, rows in by_label.items() if label.startswith("text-")), [])
     refs = {"text": text, "full": by_label.get("full", []), "reuse": by_label.get(DEFAULTS_REUSE.label, [])}
+    refs["chat_reuse"] = by_label.get(replace(DEFAULTS_REUSE, recording="chat").label, [])
     summary = {}
     for label, rows in by_label.items():
         cats = sorted({r["category"] for r in rows})
@@ -589,7 +602,8 @@ def summarize(results: Results, convs: list[Conversation] | None) -> dict:
 
 def intervals(rows: list[dict], refs: dict[str, list[dict]]) -> dict:
     """95% bootstrap intervals over questions: F1, and F1 paired against each reference method
-    (text retrieval, the whole transcript, reuse at the defaults) on the questions both answered:
+    (text retrieval, the whole transcript, reuse at the defaults of plain and of chat-recorded
+    memory) on the questions both answered:
     `f1_vs_<name>`, its `_ci` and its `n_vs_<name>`."""
     _, low, high = bootstrap([[r["f1"]] for r in rows])
     out = {"f1_ci": [low, high]}
