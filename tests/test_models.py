@@ -122,3 +122,43 @@ def test_catalogue_checksums_are_well_formed():
     for spec in models.MODELS.values():
         assert len(spec.sha256) == 64 and int(spec.sha256, 16) >= 0
         assert spec.size > 0 and spec.packages
+
+
+def write_gguf(path: Path, vocab: list[str]) -> None:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_token_list(vocab)
+    writer.add_tensor("token_embd.weight", np.arange(24, dtype=np.float32).reshape(4, 6))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_conversion_parses_its_gguf_once_and_reads_what_a_plain_reader_reads(tmp_path):
+    """transformers opens the GGUF three times during a conversion; inside `_parsed_once` each
+    open of that file is one parsed reader whose fields and tensors equal a `gguf.GGUFReader`'s
+    opened outside it (the reference), another file still gets its own, and the patch is gone after."""
+    import gguf
+    import numpy as np
+
+    model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    write_gguf(model, [f"tok{i}" for i in range(300)])
+    write_gguf(other, ["a", "b"])
+    reference = gguf.GGUFReader(model)
+    original = gguf.GGUFReader
+    with models._parsed_once(model):
+        first, again = gguf.GGUFReader(model), gguf.GGUFReader(str(model))
+        separate = gguf.GGUFReader(other)
+    assert gguf.GGUFReader is original
+    assert first is again and separate is not first
+    assert list(first.fields) == list(reference.fields)
+    for name, field in reference.fields.items():
+        assert [p.tolist() for p in first.fields[name].parts] == [p.tolist() for p in field.parts], name
+    tokens = first.fields["tokenizer.ggml.tokens"]
+    assert [bytes(tokens.parts[i]).decode() for i in tokens.data] == [f"tok{i}" for i in range(300)]
+    assert [t.name for t in first.tensors] == [t.name for t in reference.tensors]
+    assert np.array_equal(first.tensors[0].data, reference.tensors[0].data)
+    assert len(separate.fields["tokenizer.ggml.tokens"].data) == 2
