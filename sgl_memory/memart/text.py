@@ -28,6 +28,7 @@ from sgl_memory.core.request import FIELD, SpecError
 from sgl_memory.core.sessions import SessionKey, session_key
 from sgl_memory.core.spans import QUERY_ROLES, RoleMarkers
 from sgl_memory.memart.encoder import embed
+from sgl_memory.memart.passes import internal_pass, one_token
 from sgl_memory.memart.settings import MemArtConfig
 
 MAX_CACHED_LINES = 1 << 17  # line embeddings kept over all sessions (384 floats each: ~200 MB)
@@ -137,10 +138,7 @@ async def place(request, engine, raw: dict, config: MemArtConfig) -> None:
         )
     t0 = time.perf_counter()
     owner = {k: raw[k] for k in ("session_id", "tenant") if raw.get(k) is not None}
-    meta = await engine.prefill({**owner, "memory": {"mode": "turns"}}, input_ids=engine.tokenize("\n")[:1])
-    turns = meta.get(FIELD, {}).get("memory_turns")
-    if turns is None:
-        raise RuntimeError(f"the memory pass came back without the session's turns: {meta.get('finish_reason')}")
+    turns = await internal_pass(engine, owner, {"mode": "turns"}, one_token(engine), answer="memory_turns")
     where = target(ids, engine.markers(config.roles), engine.decode)
     header = engine.tokenize(config.text_header)
     memory = raw["memory"]

@@ -12,8 +12,7 @@ the call returns. Entries are grouped by MiniLM embeddings computed here (encode
 scheduler reports a group that became static, this side sends the pass that computes its joint KV.
 Every answer carries the session's book: its entries, groups and which groups are static.
 
-The passes carry their own `sgl_memory.memory` modes, which a client cannot send: they go out as
-the engine's own passes (core/front.py), which no mechanism's before_generate sees.
+The passes are the engine's own (passes.py).
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ from fastapi import Request
 from fastapi.responses import ORJSONResponse
 
 from sgl_memory.core.config import MemoryConfig
-from sgl_memory.core.request import FIELD, MAX_ID_LEN, SpecError, check_id
+from sgl_memory.core.request import MAX_ID_LEN, SpecError, check_id
 from sgl_memory.memart.encoder import embed
+from sgl_memory.memart.passes import internal_pass, one_token
 from sgl_memory.memart.settings import MemArtConfig
 
 MAX_ENTRIES = 1024  # per call
@@ -81,18 +81,6 @@ def parse_forget(data) -> tuple[str, str | None, list[str]]:
     return session_id, tenant, [_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
 
 
-async def _pass(engine, owner: dict, memory: dict, input_ids: list[int]) -> dict:
-    """One internal prefill-only pass; the scheduler's answer (MemArtTurn metrics: memory_book)."""
-    meta = await engine.prefill({**owner, "memory": memory}, input_ids=input_ids)
-    finish = meta.get("finish_reason") or {}
-    if finish.get("type") == "abort":
-        raise SpecError(f"the engine refused the memory pass: {finish.get('message')}")
-    book = meta.get(FIELD, {}).get("memory_book")
-    if book is None:
-        raise RuntimeError("the memory pass came back without the session's book")
-    return book
-
-
 async def _joint(engine, owner: dict, book: dict, joint: list[dict]) -> dict:
     """Send the joint-KV pass of every group the book reports static (and of those the passes
     themselves report), so the call returns with its groups' KV computed."""
@@ -101,7 +89,7 @@ async def _joint(engine, owner: dict, book: dict, joint: list[dict]) -> dict:
         if not due:
             break
         group = due.pop(0)
-        book = await _pass(
+        book = await internal_pass(
             engine, owner, {"mode": "write", "group": group["group"], "version": group["version"]}, group["tokens"]
         )
         joint.append({"group": group["group"], "tokens": len(group["tokens"])})
@@ -143,7 +131,7 @@ def mount(app, config: MemoryConfig, engine) -> None:
             written, joint, book = [], [], None
             for (key, _), ids, embedding in zip(entries, tokenized, embeddings):
                 pass_ = {"mode": "write", "entry": key, **({"embedding": embedding} if embedding is not None else {})}
-                book = await _pass(engine, owner, pass_, ids)
+                book = await internal_pass(engine, owner, pass_, ids)
                 written.append({"key": key, "tokens": len(ids)})
                 book = await _joint(engine, owner, book, joint)
         except SpecError as exc:
@@ -174,6 +162,5 @@ def mount(app, config: MemoryConfig, engine) -> None:
 
     async def _forget(owner: dict, keys: list[str]) -> dict:
         """A forget pass (no keys: the book as it stands). Its prompt is one token, never stored."""
-        token = engine.tokenize("\n")[:1]
-        book = await _pass(engine, owner, {"mode": "forget", "forget": keys}, token)
+        book = await internal_pass(engine, owner, {"mode": "forget", "forget": keys}, one_token(engine))
         return await _joint(engine, owner, book, [])
