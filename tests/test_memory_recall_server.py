@@ -1,7 +1,7 @@
 """KV memory at its defaults recalls a fact from the start of an agent session, on the default model
 (the suite's server for it runs the memory section's defaults).
 
-A session states a fact in its first turn, then four tool outputs of about 1k tokens each fill it;
+A session states a fact in its first turn, then three tool outputs of about 1k tokens each fill it;
 the question comes in memory mode alone. Every turn went through memory-mode requests, so no token
 of the session's memory was computed at position 0: placed first, reused as it was recorded, a
 line from the middle of a session is no attention sink, and reused blocks alone answered such a
@@ -60,7 +60,7 @@ def test_a_fact_from_the_first_turn_comes_back_from_memory_at_the_defaults(qwen_
     memory = qwen_server.get("/sgl_memory/info").json()["config"]["memory"]
     assert (memory["recompute"], memory["placement"], memory["placed_tokens"]) == ("starts", "first", 2048)
     history = [SYSTEM]
-    for text in [FACT] + [f"Tool output of `monitor --day {d}`:\n{monitor(d)}" for d in range(4)]:
+    for text in [FACT] + [f"Tool output of `monitor --day {d}`:\n{monitor(d)}" for d in range(3)]:
         out = generate(
             qwen_server,
             render(tok, [SYSTEM, {"role": "user", "content": text}]),
