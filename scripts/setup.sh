@@ -93,9 +93,8 @@ fi
 
 compiling=""
 if [ "$installed" = 1 ]; then
-  # a file that does not compile (a vendored test for another Python) is skipped, as pip skips it;
-  # at the lowest priority: the model's conversion beside it is what the first answer waits for
-  nice -n 19 "$PY" -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 &
+  # a file that does not compile (a vendored test for another Python) is skipped, as pip skips it
+  "$PY" -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 &
   compiling=$!
 fi
 i=0
