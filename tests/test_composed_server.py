@@ -8,16 +8,16 @@ one without SentenceKV turns it off (`sentencekv.enabled: false`). KV memory rec
 turns (what a full-history request carries is recorded on a server with memory on); the memory
 checks run for the cases with memory. Each case is a tenant of its own.
 
-All three: one agent session of 40 turns: each turn brings a tool observation and a question, and the client
+All three: one agent session of 24 turns: each turn brings a tool observation and a question, and the client
 resends its whole history (full-history turns), which intent prunes to a small budget (the
 observations are history it may drop; the question is the turn's actionable span), persistence
-writes after every turn and KV memory records; at turn 20 the server restarts; at turn 40 a
+writes after every turn and KV memory records; at turn 12 the server restarts; at turn 24 a
 memory-mode request asks about turn 1.
 
-The reference for the restart is the same server that never restarted: server A runs turns 1-20,
-the session's file is copied once turn 20 is written (the file then holds turn 20's pruned path,
+The reference for the restart is the same server that never restarted: server A runs turns 1-12,
+the session's file is copied once turn 12 is written (the file then holds turn 12's pruned path,
 its live mask, the QueryMemory and the memory pool) into the store of server B (a second server
-like A that never saw the session), A answers turn 21, and B answers turn 21 again, restoring the
+like A that never saw the session), A answers turn 13, and B answers turn 13 again, restoring the
 session from the file. A store in the pool's dtype restores bit-identical KV and the QueryMemory and
 the pool are stored exactly, so B must prune the same positions and answer the same greedy tokens.
 Each pair runs the same session for 8 turns, restarting at turn 4.
@@ -106,7 +106,7 @@ class Case:
 
 
 CASES = {
-    "all": Case(("intent", "persist", "memory", "sentencekv"), 39, 20),
+    "all": Case(("intent", "persist", "memory", "sentencekv"), 23, 12),  # the history outgrows the budget by turn 3
     "intent+persist": Case(("intent", "persist"), 8, 4),
     "memory+persist": Case(("persist", "memory"), 8, 4),
 }
