@@ -15,7 +15,9 @@ def one_token(engine) -> list[int]:
     return engine.tokenize("\n")[:1]
 
 
-async def internal_pass(engine, owner: dict, memory: dict, input_ids: list[int], answer: str = "memory_book"):
+async def internal_pass(
+    engine, owner: dict, memory: dict, input_ids: list[int], answer: str = "memory_book"
+) -> dict | list:
     """Send one pass and return the scheduler's `answer` from its metrics (MemArtTurn): the
     session's book after a write or forget, its recorded turns after a `turns` pass."""
     meta = await engine.prefill({**owner, "memory": memory}, input_ids=input_ids)
