@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,10 @@ collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpre
 POOL: servers.Pool | None = None
 INDEX: dict[str, int] = {}  # test id -> its place in the run
 MODULE_SECONDS: dict[str, float] = defaultdict(float)
+# test id -> what our servers did for it: requests, tokens prefilled (prompt less cached), tokens
+# generated. On a CPU a generated token costs as much as about 60 prefilled ones (a decode step reads
+# every weight), so this says where a server test's seconds go.
+TOKENS: dict[str, Counter[str]] = defaultdict(Counter)
 STARTED = time.monotonic()
 
 
@@ -107,13 +111,33 @@ def pytest_collection_modifyitems(session, config, items):
     POOL.plan([(item.nodeid.split("::")[0], _uses(item)) for item in items])
 
 
+def _served() -> dict[int, Counter[str]]:
+    """Each live server of ours (by process): its counts so far, from GET /sgl_memory/stats."""
+    counts = {}
+    for name, server in POOL.live.items():
+        if POOL.catalogue[name].plain or server.proc.poll() is not None:
+            continue
+        try:
+            stats = server.get("/sgl_memory/stats", timeout=5).json()
+        except Exception:  # busy or gone: the tally is a report, never a test's failure
+            continue
+        prefilled = stats["prompt_tokens"] - stats["cached_tokens"]
+        counts[server.proc.pid] = Counter(
+            requests=stats["requests"], prefilled=prefilled, generated=stats["completion_tokens"]
+        )
+    return counts
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     index = INDEX.get(item.nodeid, -1)
     if POOL is not None:
         POOL.enter(index, item.get_closest_marker("server") is not None)
+    before = _served() if POOL is not None and POOL.live else {}
     yield
     if POOL is not None:
+        for pid, counts in _served().items():  # a server started for this test counts from zero
+            TOKENS[item.nodeid] += counts - before.get(pid, Counter())
         POOL.leave(index)
 
 
@@ -128,10 +152,22 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("where the time went")
     for line in POOL.report():
         write(line)
+    modules: dict[str, Counter[str]] = defaultdict(Counter)
+    for test, counts in TOKENS.items():
+        modules[test.split("::")[0]] += counts
     write(f"modules (setup, call and teardown of their tests), {time.monotonic() - STARTED:.0f} s in all:")
     for module, seconds in sorted(MODULE_SECONDS.items(), key=lambda kv: -kv[1]):
         if seconds >= 1:
-            write(f"  {seconds:7.1f} s  {module}")
+            write(f"  {seconds:7.1f} s  {module}  {_tokens(modules.get(module))}")
+    write("the tests that generated the most tokens on our servers:")
+    for test, counts in sorted(TOKENS.items(), key=lambda kv: -kv[1]["generated"])[:15]:
+        write(f"  {_tokens(counts)}  {test}")
+
+
+def _tokens(counts: Counter[str] | None) -> str:
+    if not counts:
+        return ""
+    return f"{counts['requests']:5} requests, {counts['prefilled']:7} prefilled, {counts['generated']:6} generated"
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -682,6 +682,7 @@ def test_prometheus_and_stats_count_every_request_streamed_ones_too(intent_serve
 
     assert grew("sgl_memory_requests_total", mechanism="intent") == 3
     assert stats_after["requests"] - stats_before["requests"] == 3
+    assert stats_after["completion_tokens"] - stats_before["completion_tokens"] == 4 + 3 + 5  # ignore_eos
     for key, name in (
         ("compression_events", "sgl_memory_compression_events_total"),
         ("live_kv_tokens", "sgl_memory_live_kv_tokens_total"),

@@ -28,6 +28,7 @@ class Stats:
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.completion_tokens = 0
         self.totals: Counter[str] = Counter()
         self.maxima: dict[str, float] = {}
         self.counts: dict[str, Counter[str]] = {}
@@ -40,6 +41,7 @@ class Stats:
             self.requests += 1
             self.prompt_tokens += int(meta_info.get("prompt_tokens") or 0)
             self.cached_tokens += int(meta_info.get("cached_tokens") or 0)
+            self.completion_tokens += int(meta_info.get("completion_tokens") or 0)
             for schema in schemas:
                 for key in schema.summed:
                     self.totals[key] += metrics.get(key) or 0
@@ -71,6 +73,7 @@ class Stats:
                 "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
                 "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens,
                 "totals": totals,
                 "means": {key: total / n for key, total in totals.items()},
                 "maxima": {key: self.maxima.get(key, 0) for schema in keys for key in schema.maxed},
