@@ -574,6 +574,8 @@ def test_the_shipped_pruner_head_prunes_a_bfcl_session_on_the_default_model(serv
             if outs["learned"]["sgl_memory"]["compression_events"]:
                 first, second = (o["choices"][0]["logprobs"]["content"] for o in (outs["learned"], outs["memory"]))
                 differs += [t["top_logprobs"] for t in first[1:]] != [t["top_logprobs"] for t in second[1:]]
+                if differs:  # one difference shows the head is not the identity: the later steps cost minutes
+                    break
             (string,), (result,) = backends.execute([(name, arguments)])
             messages = messages + [{"role": "assistant", "content": string}, {"role": "user", "content": result}]
     finally:

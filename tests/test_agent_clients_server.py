@@ -54,7 +54,7 @@ def server(fp32_b_server):
     return fp32_b_server
 
 
-def generate(server, ids, field, n=12):
+def generate(server, ids, field, n=8):
     r = server.post(
         "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": field}
     )

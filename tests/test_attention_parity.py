@@ -30,7 +30,7 @@ def servers(fp32_server, sglang_server):
 def greedy(server, text):
     body = {
         "text": text,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 24},
+        "sampling_params": {"temperature": 0, "max_new_tokens": 12},
         "return_logprob": True,
         "top_logprobs_num": 2,
     }

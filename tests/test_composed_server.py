@@ -120,7 +120,7 @@ def fields(case: Case) -> dict:
     return out
 
 
-def chat(server, case: Case, messages, max_tokens=12, **memory):
+def chat(server, case: Case, messages, max_tokens=6, **memory):
     body = {
         "model": "m",
         "messages": messages,

@@ -77,7 +77,7 @@ def question_rows(tok, ids):
     return len(ids) - next(j + 1 for j in range(last, len(ids)) if "\n" in tok.decode([ids[j]]))
 
 
-def generate(server, ids, memory, n=16, status=200):
+def generate(server, ids, memory, n=6, status=200):
     r = server.post(
         "/generate",
         {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory},
@@ -187,7 +187,7 @@ def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, sta
 
 def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_server, tok, stated):
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    first = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE})
+    first = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE}, n=16)
     m = first["meta_info"]["sgl_memory"]
     assert m["retrieved_blocks"] == 4 and 0 in m["retrieved_turns"]  # the turn that states the fact
     turn0 = render(tok, SYSTEM + [{"role": "user", "content": FACTS[0]}])
@@ -197,7 +197,7 @@ def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_serv
     assert first["meta_info"]["prompt_tokens"] == 64 + len(q) and question_rows(tok, q) <= m["probe_tokens"] <= len(q)
     assert "Pepper" in first["text"], first["text"]
     # the same assembled prefix again: the radix tree holds it, and the question with it
-    again = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE})
+    again = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE}, n=16)
     assert (
         again["meta_info"]["cached_tokens"] >= 64 + len(q) - 1
         and again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1
@@ -478,7 +478,7 @@ def test_a_probe_that_reuses_the_cached_prefix_chooses_the_blocks_a_full_probe_d
     for i, text in enumerate(AGENT_TURNS):
         ids = render(tok, system + [{"role": "user", "content": text}])
         assert mem_server.post("/flush_cache?timeout=60", {}).status_code == 200
-        full = generate(mem_server, ids, {**session, "memory": retrieve(top_k=4, placement="after_system")})[
+        full = generate(mem_server, ids, {**session, "memory": retrieve(top_k=4, placement="after_system")}, n=1)[
             "meta_info"
         ]["sgl_memory"]
         reused = generate(

@@ -47,7 +47,7 @@ def render(tok, messages):
     return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def generate(server, ids, field, n=24):
+def generate(server, ids, field, n=16):
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
     if field is not None:
         body["sgl_memory"] = field

@@ -46,7 +46,7 @@ PAGE = 16  # the fault server's page size
 ALONE = {"intent": False, "sentencekv": {"enabled": False}}
 
 
-def chat(server, messages, session_id=None, tenant=None, max_tokens=24, **field):
+def chat(server, messages, session_id=None, tenant=None, max_tokens=8, **field):
     memory = {k: v for k, v in (("session_id", session_id), ("tenant", tenant)) if v} | field
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "sgl_memory": memory}
     r = server.post("/v1/chat/completions", body)

@@ -21,7 +21,7 @@ FACTS = [
     for i, color in zip(range(40), ["red", "green", "blue", "white", "black"] * 8)
 ]
 PROMPT = "Read the notes.\n" + " ".join(FACTS) + "\nQuestion: what is the code of the box in locker number 7? Answer:"
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")

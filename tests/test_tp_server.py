@@ -52,7 +52,7 @@ def tok():
     return AutoTokenizer.from_pretrained(models.model_dir(MODEL))
 
 
-def generate(server, ids, memory, n=16):
+def generate(server, ids, memory, n=12):
     r = server.post(
         "/generate",
         {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory},
