@@ -77,7 +77,7 @@ def turn(tok, history: list[dict], text: str) -> list[int]:
 def ask(server, ids: list[int], field: dict) -> dict:
     body = {
         "input_ids": ids,
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
         "return_logprob": True,
         "sgl_memory": {"tenant": "determinism", **field},
     }
