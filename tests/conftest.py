@@ -79,9 +79,8 @@ def _integrity(request):
         return
     module = request.node.nodeid.split("::")[0]
     used = {name for m, needs in zip(POOL.modules, POOL.needs) if m == module for name in needs}
-    for name in sorted(used):
-        server = POOL.live.get(name)
-        if server is None or POOL.catalogue[name].plain or server.proc.poll() is not None:
+    for name, server in _ours_up():
+        if name not in used:
             continue
         r = server.get("/sgl_memory/integrity")
         assert r.status_code == 200 and r.json()["whole"], f"server {name} after {module}: {r.text}"
@@ -111,12 +110,17 @@ def pytest_collection_modifyitems(session, config, items):
     POOL.plan([(item.nodeid.split("::")[0], _uses(item)) for item in items])
 
 
+def _ours_up():
+    """(name, server) of every server of the pool that runs our plugin and is still up, by name."""
+    for name, server in sorted(POOL.live.items()):
+        if not POOL.catalogue[name].plain and server.proc.poll() is None:
+            yield name, server
+
+
 def _served() -> dict[int, Counter[str]]:
     """Each live server of ours (by process): its counts so far, from GET /sgl_memory/stats."""
     counts = {}
-    for name, server in POOL.live.items():
-        if POOL.catalogue[name].plain or server.proc.poll() is not None:
-            continue
+    for _, server in _ours_up():
         try:
             stats = server.get("/sgl_memory/stats", timeout=5).json()
         except Exception:  # busy or gone: the tally is a report, never a test's failure
@@ -133,7 +137,7 @@ def pytest_runtest_protocol(item, nextitem):
     index = INDEX.get(item.nodeid, -1)
     if POOL is not None:
         POOL.enter(index, item.get_closest_marker("server") is not None)
-    before = _served() if POOL is not None and POOL.live else {}
+    before = _served() if POOL is not None else {}
     yield
     if POOL is not None:
         for pid, counts in _served().items():  # a server started for this test counts from zero
