@@ -318,7 +318,12 @@ def test_the_simulated_tier_holds_copies_to_its_bandwidth_and_a_pipeline_hides_t
         piped.ready(0, rows)
         for layer in range(1, 4):
             piped.want(layer, rows, torch.zeros(64, dtype=torch.bool))
-            time.sleep(0.08)  # the layer before computes for longer than a layer's load
+            # The layer before computes for longer than a layer's load: modelled by waiting for the
+            # loader rather than by a fixed sleep, which a loaded CI machine outran (a 50 ms copy
+            # held 116 ms).
+            deadline = time.monotonic() + 30
+            while not bool(piped.loaded[layer].all()) and time.monotonic() < deadline:
+                time.sleep(0.005)
             piped.ready(layer, rows)
     finally:
         piped.close()
