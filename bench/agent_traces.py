@@ -28,7 +28,8 @@ answer, each shared prefix once) over the oversubscription, and at least the lon
 that floor binds, the run's own oversubscription, distinct tokens over the pool, is written beside
 the one asked for: `effective_oversubscription`).
 Methods, each on a fresh server: plain SGLang's radix cache under `--radix-eviction-policy` lru, slru,
-priority, tlru and with `--enable-session-radix-cache` (bench/many_agents.py's commands), ours
+priority, tlru (its threshold `--tlru-threshold`, its next-prompt estimate the replay's median growth of
+a request) and with `--enable-session-radix-cache` (bench/many_agents.py's commands), ours
 `--plain` (every mechanism off), ours at its defaults (`ours:persist`), ours predicting each
 session's return from the gaps its turns came back after (`ours:learned`: `persist.eviction:
 learned`), and ours with each request
@@ -438,8 +439,11 @@ def pool_tokens(method: str, model: str, tokens: int) -> int:
     return pool_bytes(model, tokens) // kv_pool.bytes_per_token(models.model_dir(model), EIGHT_BIT[method])
 
 
-def server_command(method: str, model: str, pool: int, directory: Path) -> tuple[list[str], dict | None]:
-    """The method's server on a pool of a float pool's `pool` tokens (bytes, for an 8-bit pool)."""
+def server_command(
+    method: str, model: str, pool: int, directory: Path, tlru: dict | None = None
+) -> tuple[list[str], dict | None]:
+    """The method's server on a pool of a float pool's `pool` tokens (bytes, for an 8-bit pool);
+    `tlru` is SGLang's tlru policy's config."""
     if method == "ours:plain":
         return harness.our_command(model, "--plain", "--max-total-tokens", str(pool), "--enable-cache-report"), None
     if method in EIGHT_BIT:  # ours at its defaults; the pool in bytes, as an operator gives it
@@ -447,11 +451,13 @@ def server_command(method: str, model: str, pool: int, directory: Path) -> tuple
         at = cmd.index("--max-total-tokens")
         cmd[at : at + 2] = ["--kv-pool-bytes", str(pool_bytes(model, pool)), "--kv-cache-dtype", EIGHT_BIT[method]]
         return cmd, env
+    if method == "sglang:tlru":
+        return command(method, model, pool, directory, tlru)
     return command("ours:persist" if method == "ours:kv_hints" else method, model, pool, directory)
 
 
 def run_one(method: str, args, roots, ideal: int, pool: int, seed: int, text: Text, directory: Path) -> dict:
-    cmd, env = server_command(method, args.model, pool, directory)
+    cmd, env = server_command(method, args.model, pool, directory, args.tlru)
     row = {
         "method": method,
         "seed": seed,
@@ -563,6 +569,13 @@ def main() -> None:
     ap.add_argument("--tool-gap-s", type=float, default=None, help="kv_hints' prefetch: default the traces' median")
     ap.add_argument("--ttft-bound", type=float, default=5.0, help="seconds: goodput's bound")
     ap.add_argument("--stall-s", type=float, default=120.0, help="a request slower than this counts as stalled")
+    ap.add_argument(
+        "--tlru-threshold",
+        type=int,
+        default=1024,
+        help="tokens: SGLang's tlru keeps of each conversation what leaves its next prefill at most this long "
+        "(the test model prefills about 1,200 tokens in 5 s, the goodput bound, on a 2-core AVX2 CPU in float32)",
+    )
     ap.add_argument("--quick", action="store_true", help="sglang:lru, ours:persist, ours:kv_hints at 4x, seed 0")
     ap.add_argument("--out", default=str(RESULTS / "agent_traces.json"))
     args = ap.parse_args()
@@ -570,6 +583,8 @@ def main() -> None:
         args.methods, args.oversubscription, args.seeds = ["sglang:lru", "ours:persist", "ours:kv_hints"], [4], [0]
     if args.tool_gap_s is None:
         args.tool_gap_s = tool_gap(args)
+    # tlru's next prompt: the replay's median growth of a request over the one before
+    args.tlru = {"threshold": args.tlru_threshold, "next_prompt_estimate": next_prompt(args)}
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(args.model))
     text, base = Text(tokenizer, args.block_tokens, args.shared_share), Path(tempfile.mkdtemp(prefix="agent-traces-"))
     plans, rows = {}, []
@@ -609,6 +624,16 @@ def main() -> None:
     write_json(out, {"provenance": provenance(), "config": config, "plans": sessions, "summary": summary, "runs": rows})
     plot(summary, out.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
+
+
+def next_prompt(args) -> int:
+    """The median tokens a request adds to the one before it in its conversation, over every trace
+    in the folder, as replayed (`--block-tokens` a block)."""
+    growth = []
+    for path in sorted(TRACES.glob("trace_*.json")):
+        for c in conversations([load(path, args)]):
+            growth += [len(b.blocks) - len(a.blocks) for a, b in zip(c.requests, c.requests[1:])]
+    return max(1, round(statistics.median(growth) * args.block_tokens)) if growth else 1
 
 
 def tool_gap(args) -> float:

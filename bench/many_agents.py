@@ -337,11 +337,17 @@ def summarize(turns: list[Turn], ideal: int, stall_s: float) -> dict:
 # --- servers --------------------------------------------------------------------------------------
 
 
-def command(method: str, model: str, pool: int, directory: Path) -> tuple[list[str], dict | None]:
+def command(
+    method: str, model: str, pool: int, directory: Path, policy_config: dict | None = None
+) -> tuple[list[str], dict | None]:
+    """The method's server; `policy_config` is SGLang's `--radix-eviction-policy-config` (tlru's
+    threshold and next-prompt estimate, slru's protected threshold) for a plain SGLang method."""
     kind, variant = method.split(":")
     path = models.model_dir(model)
     if kind == "sglang":
         extra = ["--enable-session-radix-cache"] if variant == "session" else ["--radix-eviction-policy", variant]
+        if policy_config:
+            extra += ["--radix-eviction-policy-config", json.dumps(policy_config)]
         return harness.plain_sglang(
             path, *harness.cpu_flags(path, "torch_native", pool), "--enable-cache-report", *extra
         )

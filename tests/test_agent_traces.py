@@ -11,6 +11,7 @@ import json
 import statistics
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -170,3 +171,24 @@ def test_sibling_sub_agents_share_their_prompt_as_far_as_the_trace_says(tokenize
     assert blocks > a.prefix_blocks and blocks * 2 <= tokens <= blocks * 2 + 16
     parent = A.rendered(tokenizer, text, c)[0]
     assert common(parent, A.rendered(tokenizer, text, a)[0]) < 16  # a sub-agent's prompt is not its parent's
+
+
+def test_tlru_gets_its_config_as_sglangs_own_policy_reads_it():
+    """SGLang's tlru runs with the replay's threshold and next-prompt estimate: the flag's JSON
+    builds SGLang's own TLRUStrategy (which refuses a key it does not take), and the estimate is
+    the brute-force median growth of a request over the one before, over every trace."""
+    from sglang.srt.mem_cache.evict_policy import TLRUStrategy
+
+    growth = []
+    for path in sorted(A.TRACES.glob("trace_*.json")):
+        for c in A.conversations([A.load(path, ARGS)]):
+            growth += [len(c.requests[k].blocks) - len(c.requests[k - 1].blocks) for k in range(1, len(c.requests))]
+    estimate = A.next_prompt(ARGS)
+    assert estimate == max(1, round(statistics.median(growth) * ARGS.block_tokens))
+    config = {"threshold": 1024, "next_prompt_estimate": estimate}
+    cmd, _ = A.server_command("sglang:tlru", "smollm2-135m-instruct", 2048, Path("/tmp"), config)
+    policy = TLRUStrategy(**json.loads(cmd[cmd.index("--radix-eviction-policy-config") + 1]))
+    assert (policy.threshold, policy.next_prompt_estimate) == (1024, estimate)
+    assert cmd[cmd.index("--radix-eviction-policy") + 1] == "tlru"
+    lru, _ = A.server_command("sglang:lru", "smollm2-135m-instruct", 2048, Path("/tmp"), config)
+    assert "--radix-eviction-policy-config" not in lru  # the config is tlru's alone
