@@ -219,13 +219,14 @@ CATALOGUE: dict[str, Spec] = {
     ),
     "paged": Spec(
         "page size 16 (intent, memory and KEEP refuse pages): persistence's faults on an exact store with no "
-        "warm tier and a small pool (eviction), SentenceKV at page size 16; the tree's integrity checked before "
-        "every batch (SGLMEMORY_CHECK_INTEGRITY)",
+        "warm tier and a small pool (eviction), SentenceKV at page size 16; prefills in chunks of 1,024 tokens "
+        "(SGLang's CPU default, 4,096, is over this pool: a chunked prefill racing restores); the tree's "
+        "integrity checked before every batch (SGLMEMORY_CHECK_INTEGRITY)",
         config=to_yaml(
             PersistConfig(enabled=True, dir="{dir}/store", quant=EXACT_QUANT, warm_bytes=0),
             SentenceKVConfig(enabled=True),
         ),
-        flags=("--max-total-tokens", "3008", "--page-size", "16"),
+        flags=("--max-total-tokens", "3008", "--page-size", "16", "--chunked-prefill-size", "1024"),
         env={"SGLMEMORY_CHECK_INTEGRITY": "1"},
     ),
     "paged_limited": Spec(

@@ -278,3 +278,34 @@ def test_three_sub_agents_read_their_parents_kv_and_the_kept_parent_goes_on_with
     _, usage, metrics = chat(server, again, "sub-parent", max_tokens=8)
     prefilled = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
     assert prefilled <= usage["prompt_tokens"] - parent_tokens // PAGE * PAGE + PAGE, (usage, metrics)
+
+
+def test_a_restore_waits_for_the_room_a_chunked_prefill_under_way_counts_on(paged_server):
+    """A session comes back while a long prompt is prefilled in chunks (the `paged` server's
+    --chunked-prefill-size is 1,024 for this: SGLang's CPU default, 4,096, is more than its pool).
+    After the first chunk the free slots would hold the session's history, but not that history and
+    the chunks still to come, which SGLang's scheduler gives their whole size however little room
+    its budget sees; so the restore waits until the long prompt is done, and both answer. Before
+    engine/committed.py the restore took those slots and the next chunk's allocation stopped the
+    scheduler (`Out of memory ... Try to allocate`, found by bench/agent_traces.py)."""
+    server, chunk = paged_server, 1024
+    turns = [long_text("race", 110) + " Note the last entry."]
+    answer, usage, _ = chat(server, [SYSTEM, {"role": "user", "content": turns[0]}], "race", max_tokens=4)
+    history_tokens = usage["prompt_tokens"] // PAGE * PAGE
+    flush(server)  # the session is on disk only: its next turn restores its history
+    prompt = [SYSTEM, {"role": "user", "content": long_text("chunks", 230) + " Which entry is largest?"}]
+    with ThreadPoolExecutor(1) as worker:
+        long_turn = worker.submit(chat, server, prompt, "race-long", max_tokens=4)
+        time.sleep(1.5)  # the long prompt's first chunk is under way (a chunk takes seconds here)
+        messages = history(turns, [answer]) + [{"role": "user", "content": "The tool returned 7. Go on."}]
+        answer2, usage2, metrics = chat(server, messages, "race", max_tokens=4)
+        long_answer, long_usage, _ = long_turn.result()
+    long_tokens = long_usage["prompt_tokens"]
+    # the race as built: three chunks; the history fits beside the first chunk alone, not beside the
+    # whole long prompt, and taking it would leave the second chunk short of its slots
+    assert long_tokens > 2 * chunk and POOL - long_tokens < history_tokens <= POOL - chunk, (long_tokens, usage)
+    assert POOL - chunk - history_tokens < chunk
+    assert answer2 and long_answer
+    assert metrics["restored_from"] == "disk" and metrics["restore_deferred_ms"] > 0, metrics  # it waited
+    assert usage2["prompt_tokens_details"]["cached_tokens"] >= history_tokens, (usage2, metrics)  # and was used
+    assert server.get("/health").status_code == 200
