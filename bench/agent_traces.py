@@ -451,9 +451,8 @@ def server_command(
         at = cmd.index("--max-total-tokens")
         cmd[at : at + 2] = ["--kv-pool-bytes", str(pool_bytes(model, pool)), "--kv-cache-dtype", EIGHT_BIT[method]]
         return cmd, env
-    if method == "sglang:tlru":
-        return command(method, model, pool, directory, tlru)
-    return command("ours:persist" if method == "ours:kv_hints" else method, model, pool, directory)
+    policy_config = tlru if method == "sglang:tlru" else None
+    return command("ours:persist" if method == "ours:kv_hints" else method, model, pool, directory, policy_config)
 
 
 def run_one(method: str, args, roots, ideal: int, pool: int, seed: int, text: Text, directory: Path) -> dict:
@@ -626,23 +625,22 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
 
 
+def folder(args) -> list[Conversation]:
+    """Every conversation of every trace in the folder (sub-agents included), scaled by the args."""
+    return [c for path in sorted(TRACES.glob("trace_*.json")) for c in conversations([load(path, args)])]
+
+
 def next_prompt(args) -> int:
     """The median tokens a request adds to the one before it in its conversation, over every trace
     in the folder, as replayed (`--block-tokens` a block)."""
-    growth = []
-    for path in sorted(TRACES.glob("trace_*.json")):
-        for c in conversations([load(path, args)]):
-            growth += [len(b.blocks) - len(a.blocks) for a, b in zip(c.requests, c.requests[1:])]
+    growth = [len(b.blocks) - len(a.blocks) for c in folder(args) for a, b in zip(c.requests, c.requests[1:])]
     return max(1, round(statistics.median(growth) * args.block_tokens)) if growth else 1
 
 
 def tool_gap(args) -> float:
     """The median scaled gap after a tool call over every trace in the folder: what a client's
     `prefetch` hint says (one number, as a client would configure it)."""
-    gaps = []
-    for path in sorted(TRACES.glob("trace_*.json")):
-        for c in conversations([load(path, args)]):
-            gaps += [c.requests[k].think_s for k in range(1, len(c.requests)) if c.requests[k - 1].tool_call]
+    gaps = [b.think_s for c in folder(args) for a, b in zip(c.requests, c.requests[1:]) if a.tool_call]
     return statistics.median(gaps) if gaps else 0.0
 
 

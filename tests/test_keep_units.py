@@ -276,6 +276,14 @@ def test_every_loading_hands_each_layer_the_rows_it_asks_for(mode):
     assert loader.metrics()["load_bytes"] == loader.bytes > 0
 
 
+def wait_loaded(loader: LayerLoader, where, timeout_s: float = 30.0) -> None:
+    """Until the loader's thread has loaded `where` (an index into its [layers, M] loaded mask), or
+    the timeout: the caller asserts what it finds."""
+    deadline = time.monotonic() + timeout_s
+    while not bool(loader.loaded[where].all()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_a_balanced_loader_preloads_the_rows_no_later_layer_recomputes():
     keys, values = placed(layers=8)
     loader = LayerLoader(keys, values, "cpu", "balanced")
@@ -284,9 +292,7 @@ def test_a_balanced_loader_preloads_the_rows_no_later_layer_recomputes():
         dropped[:10] = True
         loader.want(1, dropped, dropped)
         loader.ready(1, dropped)
-        deadline = time.monotonic() + 5
-        while not bool(loader.loaded[2:, :10].all()) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_loaded(loader, (slice(2, None), slice(None, 10)), timeout_s=5)
         # every later layer holds the dropped rows before it asks, and nothing else was loaded
         assert bool(loader.loaded[2:, :10].all()) and not bool(loader.loaded[:, 10:].any())
         for layer in range(2, 8):
@@ -321,9 +327,7 @@ def test_the_simulated_tier_holds_copies_to_its_bandwidth_and_a_pipeline_hides_t
             # The layer before computes for longer than a layer's load: modelled by waiting for the
             # loader rather than by a fixed sleep, which a loaded CI machine outran (a 50 ms copy
             # held 116 ms).
-            deadline = time.monotonic() + 30
-            while not bool(piped.loaded[layer].all()) and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_loaded(piped, layer)
             piped.ready(layer, rows)
     finally:
         piped.close()
