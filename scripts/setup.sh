@@ -27,9 +27,26 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY=$VENV/bin/python
-# no bytecode at install: pip compiles every file it installs on one core (a minute or more of
-# ~400 MB of sources here); compileall does it below on every core, beside the model's conversion
-INSTALL=("$PY" -m pip --disable-pip-version-check install --no-compile)
+UV_VERSION=0.13.8
+# uv installs the packages: it unpacks wheels on every core and links them from its cache (a second
+# set-up, or another clone, reuses it), where pip unpacks one file at a time (2-3 minutes of pip
+# here on a fresh machine). It reads none of pip's configuration, so pip's sources (index, mirror,
+# wheel folder, constraints, CA bundle) are passed to it (scripts/uv_sources.py). It writes no
+# bytecode: compileall does that below on every core, beside the model's conversion.
+INSTALL=()
+installer() {
+  [ ${#INSTALL[@]} -gt 0 ] && return
+  if [ "$("$VENV/bin/uv" --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
+    "$PY" -m pip --disable-pip-version-check install -q "uv==$UV_VERSION"
+  fi
+  local pip_config variable
+  pip_config=$("$PY" -m pip config list 2>/dev/null || true)
+  mapfile -t uv_sources < <("$PY" scripts/uv_sources.py <<<"$pip_config")
+  while IFS= read -r variable; do
+    [ -n "$variable" ] && export "${variable?}"
+  done < <("$PY" scripts/uv_sources.py --env <<<"$pip_config")
+  INSTALL=("$VENV/bin/uv" pip install --python "$PY" "${uv_sources[@]}")
+}
 SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 installed=0
 
@@ -44,13 +61,14 @@ for model in "$@"; do
 done
 
 stamp_inputs() {
-  cat scripts/setup.sh scripts/requirements-cpu.txt scripts/constraints-cpu.txt pyproject.toml
+  cat scripts/setup.sh scripts/uv_sources.py scripts/requirements-cpu.txt scripts/constraints-cpu.txt pyproject.toml
 }
 STAMP=$VENV/.sgl-memory-setup
 want=$(stamp_inputs | sha256sum | cut -d' ' -f1)
 
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing into $VENV (a few minutes on a fresh machine)"
+  installer
   if command -v nvidia-smi >/dev/null 2>&1; then
     # A GPU machine takes SGLang with its CUDA dependencies as published.
     "${INSTALL[@]}" "sglang==$SGLANG_VERSION" -e ".[gpu]"
@@ -76,6 +94,7 @@ DEV_STAMP=$VENV/.sgl-memory-setup-dev
 dev_want=$( (echo "$want"; cat scripts/requirements-dev.txt) | sha256sum | cut -d' ' -f1)
 if [ "$DEV" = 1 ] && [ "$(cat "$DEV_STAMP" 2>/dev/null)" != "$dev_want" ]; then
   echo "[setup] installing the test and benchmark dependencies"
+  installer
   if command -v nvidia-smi >/dev/null 2>&1; then
     "${INSTALL[@]}" -e ".[test,bench]"
   else
