@@ -15,7 +15,7 @@ import sys
 
 # the sections of pip's configuration an install reads, weakest first: pip's [install] section
 # overrides [global], and its PIP_* variables (listed as ":env:") override both
-SECTIONS = (("global", 0), ("install", 1), (":env:", 2))
+SECTIONS = {"global": 0, "install": 1, ":env:": 2}
 # pip's key -> uv's flag; each takes a space-separated list in pip's configuration
 FLAGS = {
     "index-url": "--index-url",
@@ -30,15 +30,14 @@ VARIABLES = {"cert": "SSL_CERT_FILE", "default-timeout": "UV_HTTP_TIMEOUT", "tim
 
 def settings(listing: str) -> dict[str, str]:
     """pip's value per key for an install, from `pip config list` lines (`section.key='value'`)."""
-    rank = dict(SECTIONS)
     found: dict[str, tuple[int, str]] = {}
     for line in listing.splitlines():
         name, sep, value = line.partition("=")
         section, dot, key = name.rpartition(".")
-        if not sep or not dot or section not in rank:
+        if not sep or not dot or section not in SECTIONS:
             continue  # another command's section ([download], [wheel]): not an install's
-        if key not in found or rank[section] >= found[key][0]:
-            found[key] = (rank[section], ast.literal_eval(value))
+        if key not in found or SECTIONS[section] >= found[key][0]:
+            found[key] = (SECTIONS[section], ast.literal_eval(value))
     return {key: value for key, (_, value) in found.items()}
 
 
@@ -47,8 +46,8 @@ def uv_args(listing: str) -> list[str]:
     version over every index, not the first index that has the package at all."""
     args = ["--index-strategy", "unsafe-best-match"]
     for key, value in settings(listing).items():
-        for item in value.split() if key in FLAGS else []:
-            args += [FLAGS[key], item]
+        if key in FLAGS:
+            args += [arg for item in value.split() for arg in (FLAGS[key], item)]
     return args
 
 
