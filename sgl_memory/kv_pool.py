@@ -2,6 +2,9 @@
 costs depends on the KV dtype (the default model's K and V take 24.6 KB a token in float32, 12.3 KB
 in bf16, 6.1 KB at one byte a value).
 
+An int8 pool (`--kv-cache-dtype int8`, ours: engine/int8_pool.py) holds a value in one byte and
+adds a 2-byte scale per token and head (core/kv_rows.py): 6.3 KB a token for the default model.
+
 The launcher turns `--kv-pool-bytes` (or its default: a share of free RAM on CPU) into SGLang's
 `--max-total-tokens` at the pool's KV dtype; a `--max-total-tokens` the user gives wins. The choice
 is exported (POOL_ENV) for /sgl_memory/info and the start-up log.
@@ -15,12 +18,15 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sgl_memory.core import kv_rows
+
 POOL_ENV = "SGLMEMORY_KV_POOL"  # the launcher's choice, as JSON, for /sgl_memory/info
 RAM_FRACTION = 0.15  # the default's share of the RAM free at start-up
 MAX_DEFAULT_BYTES = 2 << 30  # the default's ceiling: a bigger pool only when asked for
 MIN_TOKENS = 8192  # the default's floor: a few sessions of the default model's context
 # bytes of one K or V value; a dtype SGLang resolves itself (`auto`: the model's, bf16 here) counts 2
 ELEMENT_BYTES = {"float32": 4, "float": 4, "fp32": 4, "fp8_e4m3": 1, "fp8_e5m2": 1}
+INT8 = "int8"  # our packed pool's --kv-cache-dtype value
 UNITS = {
     "": 1,
     "k": 10**3,
@@ -54,8 +60,10 @@ def bytes_per_token(model_path: Path, kv_dtype: str) -> int:
     cfg = json.loads((model_path / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    values = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim  # K and V
-    return values * ELEMENT_BYTES.get(kv_dtype, 2)
+    rows = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads)  # K and V of each head
+    if kv_dtype == INT8:
+        return rows * kv_rows.row_bytes(head_dim, kv_rows.PACKED)
+    return rows * head_dim * ELEMENT_BYTES.get(kv_dtype, 2)
 
 
 @dataclass(frozen=True)

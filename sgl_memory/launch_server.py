@@ -10,6 +10,8 @@ Takes every `sglang.launch_server` flag unchanged, plus:
   --kv-pool-bytes SIZE  the KV pool's memory (2GiB, 512MiB, 1.5G, or bytes): the tokens it holds
                         at the KV dtype become SGLang's `--max-total-tokens`, which wins when given
                         (sgl_memory/kv_pool.py). Default on CPU: 15% of free RAM, at most 2 GiB.
+  --kv-cache-dtype int8 beside SGLang's values: our pool of 8-bit codes with a scale per token and
+                        head (engine/int8_pool.py), read by our CPU attention backend; CPU only.
 
 On a machine without a GPU it fills in the CPU defaults the user did not set: CPU engine,
 `--device cpu`, the compute dtype the CPU runs fastest (sgl_memory/cpu_dtype.py: bf16 with AMX or
@@ -43,6 +45,19 @@ def _has_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _without_flag(argv: list[str], name: str) -> list[str]:
+    """argv with every `name v` and `name=v` taken out."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
@@ -118,9 +133,17 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
         default("--tool-call-parser", spec.tool_call_parser)
     default("--enable-cache-report")
     tokens_asked = _flag_value(out, "--max-total-tokens")
+    kv_dtype = _flag_value(out, "--kv-cache-dtype")
+    if kv_dtype == kv_pool.INT8:  # ours: SGLang's flag has no such value; its pool holds the compute dtype's
+        out = _without_flag(out, "--kv-cache-dtype")
+        backend = _flag_value(out, "--attention-backend")
+        if _has_gpu() or backend not in (None, cpu_backend.BACKEND_NAME):
+            raise LaunchError(
+                f"--kv-cache-dtype int8 is read by the CPU attention backend ({cpu_backend.BACKEND_NAME}) only;"
+                " on a GPU, SGLang's fp8_e4m3 or fp8_e5m2"
+            )
     if not _has_gpu():
         choice = cpu_dtype.choose(_flag_value(out, "--dtype"))
-        kv_dtype = _flag_value(out, "--kv-cache-dtype")
         if kv_dtype not in (None, "auto"):
             choice = dataclasses.replace(choice, kv_cache_dtype=kv_dtype)
         os.environ[cpu_dtype.CHOICE_ENV] = choice.to_json()
@@ -142,8 +165,7 @@ def build_argv(argv: list[str]) -> tuple[list[str], memory_config.MemoryConfig]:
         os.environ.pop(cpu_dtype.CHOICE_ENV, None)  # SGLang chooses on a GPU; no stale choice inherited
         # SGLang sizes a GPU's pool from its free memory unless told the bytes
         asked = ours.kv_pool_bytes is not None or tokens_asked is not None
-        kv_dtype = _flag_value(out, "--kv-cache-dtype") or "auto"
-        pool = kv_pool.choose(model_path, kv_dtype, ours.kv_pool_bytes, tokens_asked) if asked else None
+        pool = kv_pool.choose(model_path, kv_dtype or "auto", ours.kv_pool_bytes, tokens_asked) if asked else None
     if pool is not None:
         default("--max-total-tokens", str(pool.tokens))
     kv_pool.export(pool)

@@ -87,8 +87,12 @@ def _integrity(request):
 
 
 def _uses(item) -> frozenset[str]:
+    """The servers a test uses: their fixtures, and the server a module-scoped `server_name`
+    fixture parametrizes it with (the same tests on servers that differ in what is fixed at their
+    start, a pool's dtype)."""
     names = set(getattr(item, "fixturenames", ()))
-    return frozenset(n for n in servers.CATALOGUE if servers.fixture_name(n) in names)
+    named = getattr(getattr(item, "callspec", None), "params", {}).get("server_name")
+    return frozenset(n for n in servers.CATALOGUE if servers.fixture_name(n) in names or n == named)
 
 
 def _ends(item) -> set[str]:

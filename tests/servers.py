@@ -49,7 +49,7 @@ EXACT_QUANT = {"bfloat16": "bf16", "float32": "fp32"}[SERVER_DTYPE]
 # free RAM (about 55k tokens, 2.4 GB for the test model in float32): zero-filling that takes seconds
 # of every start and RAM the server beside it may need; no test prompt comes near this.
 POOL_TOKENS = 16384
-# The 8-bit server's pool in bytes: what POOL_TOKENS of the test model take in bf16, which holds
+# The 8-bit servers' pool in bytes: what POOL_TOKENS of the test model take in bf16, which holds
 # twice the tokens at one byte a value
 FP8_POOL_BYTES = 360 << 20
 # Servers up at once beside the suite, those still starting included: a 0.5B server in float32
@@ -253,6 +253,14 @@ CATALOGUE: dict[str, Spec] = {
         env={"SGLMEMORY_CHECK_INTEGRITY": "1"},
     ),
 }
+CATALOGUE["int8"] = replace(
+    CATALOGUE["fp8"],
+    why="our int8 KV pool (--kv-cache-dtype int8: codes and a scale per token and head) with every mechanism on "
+    "it, as `fp8` has SGLang's; in float32 (an AVX2-only CPU's choice, where the pool quarters the bytes a token "
+    "takes), where KV memory copied out as values and placed back is the pool's own bytes again",
+    flags=("--kv-cache-dtype", "int8", "--kv-pool-bytes", str(FP8_POOL_BYTES)),
+    env={"SGLMEMORY_CHECK_INTEGRITY": "1", **AVX2_ONLY},
+)
 # A second process of a configuration, with a store of its own: a restart (sessions copied into its
 # store, as a server that never saw them finds them on disk), the second replica behind the router,
 # the second of two fresh servers.
@@ -290,6 +298,7 @@ ORDER = (
     "paged_limited",
     "plain",
     "fp8",
+    "int8",
 )
 assert set(ORDER) == set(CATALOGUE)
 

@@ -49,7 +49,7 @@ def test_example_config_is_valid_and_equals_defaults():
         ),
         (
             "persist:\n  quant: q2\n",
-            "persist.quant: 'q2' is not allowed; allowed values: auto, q4, q8, bf16, fp32, fp8_e4m3, fp8_e5m2",
+            "persist.quant: 'q2' is not allowed; allowed values: auto, q4, q8, bf16, fp32, fp8_e4m3, fp8_e5m2, int8",
         ),
         ("intent:\n  budget: 0\n", "intent.budget: invalid value; allowed: an integer in [1, 2147483647]"),
         ("intent:\n  budget: many\n", "intent.budget: 'many' is not allowed; expected an integer"),

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from sgl_memory.core import kv_rows
 from sgl_memory.engine.attention.cpu_backend import plan_requests, run_plans
 from sgl_memory.engine.attention.kv_source import locate
 from sgl_memory.engine.attention.merged import attend
@@ -124,18 +125,37 @@ def test_batch_through_the_slot_map_matches_reference():
         start += n
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def int8_rows(values: torch.Tensor) -> torch.Tensor:
+    """The int8 pool's rows of `values` (core/kv_rows.py)."""
+    return kv_rows.encode(values)
+
+
+def held_int8(rows: torch.Tensor) -> torch.Tensor:
+    """What packed int8 rows hold, read by hand: 8-bit codes times the fp16 scale in a row's last
+    two bytes, in float64."""
+    scale = rows[..., -2:].contiguous().view(torch.float16).double()
+    return rows[..., :-2].double() * scale
+
+
+POOL_FORMATS = {
+    # name: (the pool's rows of float values, what rows hold in float64)
+    "fp8_e4m3": (lambda x: x.to(torch.float8_e4m3fn), lambda r: r.double()),
+    "fp8_e5m2": (lambda x: x.to(torch.float8_e5m2), lambda r: r.double()),
+    "int8": (int8_rows, held_int8),
+}
+
+
+@pytest.mark.parametrize("kv_format", list(POOL_FORMATS))
 @pytest.mark.parametrize("q_dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_a_batch_over_an_8_bit_pool_attends_the_values_the_pool_holds(kv_dtype, q_dtype, tol):
-    """An fp8 pool (as SGLang stores one: uint8 bytes viewed as fp8) read by the same plans: each
-    request attends exactly the pool's 8-bit values, cast up. Reference: the masked softmax over
-    those values in float64."""
+def test_a_batch_over_an_8_bit_pool_attends_the_values_the_pool_holds(kv_format, q_dtype, tol):
+    """An 8-bit pool read by the same plans: fp8 (as SGLang stores one: uint8 bytes viewed as fp8)
+    or our int8 rows (codes and a scale per token and head): each request attends exactly the
+    values the pool holds, cast or decoded up to the query's dtype. Reference: the masked softmax
+    over those values in float64."""
     g = torch.Generator().manual_seed(11)
     heads, kv_heads, d, pool = 6, 2, 32, 3000
-    stored = [torch.zeros(pool, kv_heads, d, dtype=torch.uint8).view(kv_dtype) for _ in range(2)]
-    for buffer in stored:
-        buffer[:] = (4 * torch.randn(pool, kv_heads, d, generator=g)).to(kv_dtype)
-    k_cache, v_cache = stored
+    to_rows, held = POOL_FORMATS[kv_format]
+    k_cache, v_cache = (to_rows(4 * torch.randn(pool, kv_heads, d, generator=g)) for _ in range(2))
     req_to_token = torch.zeros(3, 2048, dtype=torch.int64)
     layouts = {0: (700, 1, torch.arange(10, 711)), 1: (90, 17, torch.randperm(pool - 1, generator=g)[:107] + 1)}
     for row, (_, _, slots) in layouts.items():
@@ -149,6 +169,8 @@ def test_a_batch_over_an_8_bit_pool_attends_the_values_the_pool_holds(kv_dtype, 
     for row, n in zip(rows, new):
         p = layouts[row][0]
         idx = req_to_token[row, : p + n]
-        want = reference(q[start : start + n], k_cache[idx].double(), v_cache[idx].double())
+        # as the query's dtype reads them: an int8 value is rounded to bf16 there (an fp8 one is exact)
+        k, v = (held(cache[idx]).to(q_dtype).double() for cache in (k_cache, v_cache))
+        want = reference(q[start : start + n], k, v)
         assert torch.allclose(out[start : start + n].double(), want, atol=tol, rtol=tol), row
         start += n

@@ -21,7 +21,7 @@ MECHANISMS = {module.split(".")[1] for module in mechanism.builtin()}
 KERNELS = {"kernels"}  # compute kernels (Triton, kernels/ in the repository): no SGLang, usable from any floor
 ROOT = {"SGLANG_VERSION", "__version__"}  # the package's own __init__
 PLATFORM = {"cpu_compat", "cpu_dtype"}  # the CPU platform layer, imported at interpreter start (a .pth)
-# the launcher's choices the server reports (/sgl_memory/info): import nothing else of ours
+# the launcher's choices the server reports (/sgl_memory/info): import only the core floor
 LAUNCH = {"kv_pool"}
 
 

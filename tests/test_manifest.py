@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sgl_memory"
 OURS = (
     "sgl_memory.engine.radix_cache.SglMemoryRadixCache",
     "sgl_memory.engine.attention.cpu_backend.SglMemoryCpuAttnBackend",
+    "sgl_memory.engine.int8_pool.Int8KVPool",
     "sgl_memory.frontend.MemoryEndpoint",
 )
 # private names the package reads that are not SGLang's: namedtuple's copy, a torch op

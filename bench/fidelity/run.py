@@ -21,8 +21,8 @@ it retrieves from the conversation's memory (one session per conversation, inges
 `store: false`, so questions stay independent; rows record whether B retrieved the blocks A
 did), by retrieval unit (blocks, whole lines, lines with their turn's first block), placement
 and with KEEP's repair; text retrieval the question over the turns MiniLM picks; both place at most 1024
-tokens. An 8-bit pool's method (fp8_e4m3, fp8_e5m2) is the full-cache session on a server whose live
-KV pool is SGLang's `--kv-cache-dtype`. A persisted method (q4, q8, bf16) is the full-cache session
+tokens. An 8-bit pool's method (SGLang's fp8_e4m3, fp8_e5m2; our int8) is the full-cache session on a
+server whose live KV pool is of that `--kv-cache-dtype`. A persisted method (q4, q8, bf16) is the full-cache session
 on a server with persistence in that format, the tree flushed after every point: each point's A
 restores the history the session's earlier points wrote (dequantized, as after a restart;
 `restored_tokens` in its rows) and prefills only what is new. The reference is the full cache (a
@@ -79,9 +79,9 @@ MEMORY_CONFIG = (CONFIG, MemArtConfig(enabled=True, cut="lines"), KeepConfig(ena
 # a restored session's methods: the store's format is the server's, one server per format (its
 # directory is added per run: a fresh store, so every restore is of this run's writes)
 PERSISTED = ("q4", "q8", "bf16")
-# an 8-bit live pool's methods: the full cache on a server whose pool is SGLang's KV dtype (a
-# pool's dtype is fixed at its start, so one server per dtype)
-POOL_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+# an 8-bit live pool's methods: the full cache on a server whose pool is of that KV dtype (SGLang's
+# fp8 or our int8; a pool's dtype is fixed at its start, so one server per dtype)
+POOL_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")
 SECTIONS: dict[str, tuple[object, ...]] = {
     "intent": (CONFIG, harness.PERSIST_OFF),
     "memory": (*MEMORY_CONFIG, harness.PERSIST_OFF),

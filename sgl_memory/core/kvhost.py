@@ -55,12 +55,15 @@ class Match(Protocol):
 
 
 class KVPool(Protocol):
-    """What a mechanism reads of SGLang's KV pool: its number of layers and each layer's key and value buffers."""
+    """What a mechanism reads of SGLang's KV pool: its number of layers and each layer's key and
+    value buffers. A buffer's rows are in the pool's format (kv_rows.py: values of its dtype, or
+    packed int8 rows); what computes with them converts them there, what writes them too."""
 
     layer_num: int
+    dtype: torch.dtype  # the values' dtype (a packed pool's compute dtype, which it decodes to)
 
     def get_key_buffer(self, layer: int) -> torch.Tensor:
-        """[slots, kv heads, head dim] of one layer (post-RoPE keys)."""
+        """[slots, kv heads, head dim] of one layer (post-RoPE keys; head dim + 2 bytes when packed)."""
 
     def get_value_buffer(self, layer: int) -> torch.Tensor: ...
 

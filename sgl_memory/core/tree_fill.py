@@ -34,6 +34,7 @@ import torch
 
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from sgl_memory.core import kv_rows
 from sgl_memory.core.kvhost import Branches, KVHost, Match
 from sgl_memory.core.side_tables import SideTable
 
@@ -117,8 +118,8 @@ def write(tree: KVHost, reserved: Reserved, keys: torch.Tensor, values: torch.Te
     pool = tree.pool
     for i, layer in enumerate(tree.layers()):
         for buffer, kv in ((pool.get_key_buffer(layer), keys[i]), (pool.get_value_buffer(layer), values[i])):
-            # in the pool's own dtype: an 8-bit pool takes each value rounded to it
-            buffer[rows] = (kv if everything else kv[live]).to(device=slots.device, dtype=buffer.dtype)
+            # in the pool's own format: an 8-bit pool takes each value rounded to it, packed rows as they are
+            buffer[rows] = kv_rows.convert(kv if everything else kv[live], buffer.dtype).to(slots.device)
 
 
 def insert(tree: KVHost, reserved: Reserved) -> None:
@@ -190,7 +191,7 @@ class HeldPath:
 class PathKV:
     """The KV of a stretch of a held path, copied to host memory, with the mask of its live positions."""
 
-    keys: torch.Tensor  # [layers, n, heads, dim], host memory
+    keys: torch.Tensor  # [layers, n, heads, dim], host memory, as the pool stores them or as values (copy_slots)
     values: torch.Tensor
     live: torch.Tensor  # [n] bool: False where the position was pruned (its slot is the sentinel)
 
@@ -217,15 +218,22 @@ def path_live(tree: KVHost, path: HeldPath) -> torch.Tensor:
     return live_mask(tree, tree.path_slots(path.node)[: len(path)])
 
 
-def copy_slots(tree: KVHost, slots: torch.Tensor) -> PathKV:
+def copy_slots(tree: KVHost, slots: torch.Tensor, as_stored: bool = False) -> PathKV:
     """KV [layers, n, heads, dim] of these slots (a row's or a path's), copied off the pool to host
-    memory, with their live mask (a pruned position's KV is the sentinel's: zeros)."""
+    memory, with their live mask (a pruned position's KV is the sentinel's: zeros). Packed int8 rows
+    come decoded to the pool's compute dtype, unless `as_stored` (the session store keeps them as
+    they are); any other pool's rows come in its dtype."""
     pool = tree.pool
-    keys = torch.stack([pool.get_key_buffer(i)[slots] for i in tree.layers()]).cpu()
-    values = torch.stack([pool.get_value_buffer(i)[slots] for i in tree.layers()]).cpu()
+
+    def rows(buffer: torch.Tensor) -> torch.Tensor:
+        stored = buffer[slots].cpu()
+        return kv_rows.convert(stored, pool.dtype) if kv_rows.packed(stored) and not as_stored else stored
+
+    keys = torch.stack([rows(pool.get_key_buffer(i)) for i in tree.layers()])
+    values = torch.stack([rows(pool.get_value_buffer(i)) for i in tree.layers()])
     return PathKV(keys, values, live_mask(tree, slots))
 
 
-def copy_path(tree: KVHost, path: HeldPath, start: int, end: int | None = None) -> PathKV:
+def copy_path(tree: KVHost, path: HeldPath, start: int, end: int | None = None, as_stored: bool = False) -> PathKV:
     """KV of positions [start, end) of a held path, copied off the pool, with its live mask."""
-    return copy_slots(tree, tree.path_slots(path.node)[start : len(path) if end is None else end])
+    return copy_slots(tree, tree.path_slots(path.node)[start : len(path) if end is None else end], as_stored)

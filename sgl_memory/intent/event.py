@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from sgl_memory.core import capture
+from sgl_memory.core import capture, kv_rows
 from sgl_memory.core.capture import QueryCapture
 from sgl_memory.core.kvhost import KVHost
 from sgl_memory.core.mechanism import RowEdit
@@ -82,7 +82,7 @@ class Compressor:
         cand_slots = slots[candidates]
 
         def keys_of(slots: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:
-            return lambda: (pool.get_key_buffer(layer)[slots] for layer in range(pool.layer_num))
+            return lambda: (kv_rows.values(pool.get_key_buffer(layer)[slots]) for layer in range(pool.layer_num))
 
         query_slots = slots[positions[live & (positions >= state.spans.query_start)]]
         inputs = scorers.ScoringInputs(

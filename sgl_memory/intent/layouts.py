@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from sgl_memory.core import kv_rows
 from sgl_memory.core.mechanism import RowEdit
 from sgl_memory.core.rope import Rope
 
@@ -65,7 +66,8 @@ def apply_compact(
     src = slots[kept]
     delta = torch.arange(k) - kept
     for k_buf, v_buf in zip(k_buffers, v_buffers):
-        k_buf[fresh] = rope.rotate(k_buf[src], delta)
+        # re-rotated as values and stored back in the pool's format (a packed row gets a new scale)
+        k_buf[fresh] = kv_rows.convert(rope.rotate(kv_rows.values(k_buf[src]), delta), k_buf.dtype)
         v_buf[fresh] = v_buf[src]
     private = slots[protected:length]
     to_free = torch.unique(private[private != sentinel])

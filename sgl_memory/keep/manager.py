@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_memory.core import capture, mechanism, metrics, prometheus, tree_fill
+from sgl_memory.core import capture, kv_rows, mechanism, metrics, prometheus, tree_fill
 from sgl_memory.core.capture import ExtendRows
 from sgl_memory.keep import settings as section
 from sgl_memory.keep.settings import KeepConfig, KeepRequest
@@ -107,7 +107,7 @@ class Blend:
             pool, absent = tree.pool, absent.to(k.device)
             buffers = (pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id))
             for buffer, placed in zip(buffers, (placed_k, placed_v)):
-                buffer[slots] = placed[absent].to(buffer.dtype)  # an 8-bit pool takes them rounded to it
+                buffer[slots] = kv_rows.convert(placed[absent], buffer.dtype)  # an 8-bit pool: rounded to it
         self.per_layer.append(int(self.selected.sum()))
         if trace:
             self.history.append(self.selected.clone())

@@ -1,5 +1,7 @@
 """KV as a session's blocks and back: each block holds its layers' keys and values stacked,
-quantized (quant.py) or as bf16 / fp32 values, and a record is built from the blocks of a path.
+quantized (quant.py) or as a pool holds them (bf16 / fp32 values, fp8 bytes, packed int8 rows), and
+a record is built from the blocks of a path. KV comes in and goes out in the pool's own format
+(core/kv_rows.py): a block stored in it is copied, any other is converted.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from typing import Any
 
 import torch
 
+from sgl_memory.core import kv_rows
 from sgl_memory.persist.quant import BITS, GROUP, RAW, Quantized, dequantize, quantize
 from sgl_memory.persist.records import CacheSpec, SessionRecord
 
@@ -62,8 +65,8 @@ class BlockCodec:
         """`x` (a block's keys or values, or KV state of a head) in the store's quantization, grouped
         along `axis`: the tensors it is stored as, named after `name`."""
         if self.quant in RAW:
-            return {name: x.to(RAW[self.quant]).contiguous()}
-        q = quantize(x, BITS[self.quant], axis=axis)
+            return {name: kv_rows.convert(x, RAW[self.quant]).contiguous()}
+        q = quantize(kv_rows.values(x), BITS[self.quant], axis=axis)
         return {
             f"{name}.codes": q.codes.contiguous(),
             f"{name}.scales": q.scales.contiguous(),
@@ -73,18 +76,20 @@ class BlockCodec:
     def decode(
         self, record: SessionRecord, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.bfloat16
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [layers, stop - start, kv_heads, head_dim] of tokens start .. stop - 1;
-        only the blocks that hold them are dequantized."""
+        """Keys and values [layers, stop - start, kv_heads, head_dim] of tokens start .. stop - 1 in a
+        pool of `dtype`'s format (packed int8: head_dim + 2 bytes a row); only the blocks that hold
+        them are decoded."""
         n = len(record.token_ids)
         stop = n if stop is None else stop
         size = record.block_size
         first, last = start // size, -(-stop // size)
         # every block is decoded straight into one buffer (no per-block tensors to concatenate)
-        shape = (self.spec.layers, min(last * size, n) - first * size, self.spec.kv_heads, self.spec.head_dim)
+        width = kv_rows.row_bytes(self.spec.head_dim, dtype) // dtype.itemsize
+        shape = (self.spec.layers, min(last * size, n) - first * size, self.spec.kv_heads, width)
         keys, values = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
         for b in range(first, last):
             at, length = (b - first) * size, min(size, n - b * size)
-            part = (*shape[:1], length, *shape[2:])
+            part = (*shape[:1], length, self.spec.kv_heads, self.spec.head_dim)  # the values' shape
             self.decode_tensor(
                 record.blocks[b], "k", part, 1 if record.kivi else 3, record.quant, dtype, keys[:, at : at + length]
             )
@@ -102,10 +107,15 @@ class BlockCodec:
         dtype: torch.dtype,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The tensor `name` of `block` as `dtype` values (into `out` if given), stored in `quant`."""
+        """The tensor `name` of `block` (values of `shape`, stored in `quant`) in `dtype`'s format
+        (into `out` if given)."""
         if quant in RAW:
-            return block[name].to(dtype) if out is None else out.copy_(block[name])
+            x = kv_rows.convert(block[name], dtype)
+            return x if out is None else out.copy_(x)
         q = Quantized(
             block[f"{name}.codes"], block[f"{name}.scales"], block[f"{name}.biases"], shape, BITS[quant], axis, GROUP
         )
+        if dtype == kv_rows.PACKED:  # a packed row's scale is its head's: from the values, not the groups
+            x = kv_rows.encode(dequantize(q, torch.float32))
+            return x if out is None else out.copy_(x)
         return dequantize(q, dtype, out)

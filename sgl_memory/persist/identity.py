@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sgl_memory.core import kv_rows
 from sgl_memory.persist.store import CacheSpec
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ def cache_spec(model_config: Any, server_args: Any, tree: KVHost, tp_rank: int, 
         config_hash,
         tree.pool.layer_num,
         buffer.shape[-2],
-        buffer.shape[-1],
+        kv_rows.head_dim(buffer),
         str(buffer.dtype).removeprefix("torch."),
         tree.page_size,
         f"tp{tp_rank}/{tp_size}",

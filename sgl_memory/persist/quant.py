@@ -1,6 +1,7 @@
 """Group quantization of KV blocks for the session store: Q4 and Q8 (affine, fp16 scales and
-biases), or values as a pool holds them (RAW: bf16, fp32, or an 8-bit pool's fp8 bytes), stored
-and restored without conversion when the pool has that dtype.
+biases), or values as a pool holds them (RAW: bf16, fp32, an 8-bit pool's fp8 bytes or the int8
+pool's packed rows, core/kv_rows.py), stored and restored without conversion when the pool has that
+dtype.
 
 A group is `group` consecutive values along one axis: along the head dimension (one group per
 token and head, the MLX / "Agent Memory Below the Prompt" layout) or, for keys in the KIVI layout,
@@ -14,12 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_memory.core import kv_rows
+
 BITS = {"q4": 4, "q8": 8}
 RAW = {
     "bf16": torch.bfloat16,
     "fp32": torch.float32,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int8": kv_rows.PACKED,
 }
 GROUP = 64
 # an 8-bit pool's dtype (torch's name, as the cache spec holds it) -> its store format

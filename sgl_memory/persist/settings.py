@@ -25,9 +25,9 @@ class PersistConfig:
     # user's cache directory, $XDG_CACHE_HOME/sgl-memory/sessions (else ~/.cache/sgl-memory/sessions)
     dir: str = ""
     # auto: q8 (a Q4 restore changed half of the session's greedy answers, bench/persist_restart), or
-    # an 8-bit pool's own format (its bytes: no requantizing); bf16 / fp32 / fp8_*: values as a pool
-    # of that dtype holds them (exact there); a file of any format restores into any pool dtype
-    quant: Literal["auto", "q4", "q8", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # an 8-bit pool's own format (its bytes: no requantizing); bf16 / fp32 / fp8_* / int8: KV as a pool
+    # of that dtype holds it (exact there); a file of any format restores into any pool dtype
+    quant: Literal["auto", "q4", "q8", "bf16", "fp32", "fp8_e4m3", "fp8_e5m2", "int8"] = "auto"
     kivi: bool = True  # keys grouped per channel over tokens (KIVI), values per token: see persist/README.md
     write_policy: Literal["on_finish", "off"] = "on_finish"  # off: restore from the store, never write
     quota_bytes: int = 8 << 30  # disk; least recently used session files go first

@@ -91,7 +91,7 @@ class Writer:
             if same == len(path) == len(session.tokens):
                 return
             start = same // self.files.block_size * self.files.block_size
-            kv = tree_fill.copy_path(self.tree, path, start)
+            kv = tree_fill.copy_path(self.tree, path, start, as_stored=True)
             session.pending.append(Captured(path.tokens, start, kv.keys, kv.values, live, path.branches, req.extra_key))
             session.tokens, session.text, session.live, session.branches, session.extra_key = (
                 path.tokens,

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from sgl_memory.core import mechanism, metrics, prometheus
+from sgl_memory.core import kv_rows, mechanism, metrics, prometheus
 from sgl_memory.core.attention import attention_probs
 from sgl_memory.core.capture import ExtendRows, QueryCapture
 from sgl_memory.core.request import MemorySpec
@@ -205,7 +205,8 @@ class SentenceKV(mechanism.Mechanism, mechanism.DecodeReading):
         if cfg.selection == "page":  # the Quest-style baseline: every token, fixed pages, no prefill scores
             pages = positions // cfg.page_size
             for layer in range(pool.layer_num):
-                tables.append(page_table(candidates, pages, pool.get_key_buffer(layer)[slots[candidates]]))
+                keys = kv_rows.values(pool.get_key_buffer(layer)[slots[candidates]])
+                tables.append(page_table(candidates, pages, keys))
         else:
             sentence_of = sentence_ids(tokens, self.ends, cfg.max_sentence)
             # the window attends every live token before it (the sinks too: the paper's positions
@@ -213,7 +214,7 @@ class SentenceKV(mechanism.Mechanism, mechanism.DecodeReading):
             scored = positions[live & (positions < scored_end)]
             is_candidate = ~always[scored]
             for layer in range(pool.layer_num):
-                keys = pool.get_key_buffer(layer)[slots[scored]]
+                keys = kv_rows.values(pool.get_key_buffer(layer)[slots[scored]])
                 scores = attention_probs(keys, window[layer]).sum(dim=(0, 1)).cpu()[is_candidate]
                 chosen = top_tokens(scores, cfg.pool)
                 tables.append(

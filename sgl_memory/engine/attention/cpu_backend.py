@@ -28,6 +28,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+from sgl_memory.core import kv_rows
 from sgl_memory.core.rows import layout as row_layout
 from sgl_memory.engine import runtime
 from sgl_memory.engine.attention.kv_source import KvSource, locate
@@ -142,6 +143,16 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
     return output
 
 
+def unplanned(k_cache: torch.Tensor) -> None:
+    """A layer torch_native attends (encoder, cross or windowed attention): it reads the pool's
+    buffers as values, which packed int8 rows are not, so such a server cannot use that pool."""
+    if kv_rows.packed(k_cache):
+        raise RuntimeError(
+            "--kv-cache-dtype int8 is read by this backend's own plans only; this model has layers it leaves "
+            "to torch_native (encoder, cross or sliding-window attention): serve it with a float or fp8 pool"
+        )
+
+
 class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
     """The `sgl_memory_cpu` attention backend to SGLang: its torch_native backend with the forward's
     metadata and the extend and decode attention overridden (patches/contacts.yaml), so that each
@@ -214,6 +225,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             self.planned_tokens, self.layout_version = sum(r.count for r in rows), layout.version
         if causal and self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
             return run_plans(self.plans, query, output, k_cache, v_cache, scaling)
+        unplanned(k_cache)
         return super()._run_sdpa_forward_extend(
             query,
             output,
@@ -258,6 +270,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             if self.step_reads:
                 plans = with_step_reads(plans, self.step_reads, self.layer_id, query, req_to_token, runtime.sentinel())
             return run_plans(plans, query, output, k_cache, v_cache, scaling)
+        unplanned(k_cache)
         return super()._run_sdpa_forward_decode(
             query,
             output,

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from sgl_memory.core import kv_rows
+
 # CPU flash attention returning the log-sum-exp next to the output; public SDPA does not return it.
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _as_heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[len, kv_heads, dim] pool rows -> [1, kv_heads, len, dim] (a view unless a cast is needed)."""
-    return x.to(dtype).movedim(0, 1).unsqueeze(0)
+    """[len, kv_heads, dim] pool rows (any pool's format, core/kv_rows.py) -> [1, kv_heads, len, dim]
+    values (a view unless a cast or a decode is needed: only this part's rows, never the pool's)."""
+    return kv_rows.convert(x, dtype).movedim(0, 1).unsqueeze(0)
 
 
 def attend(
