@@ -36,8 +36,9 @@ learned`), and ours with each request
 carrying SGLang's `kv_hints` envelope (`ours:kv_hints`: what the client knows when it sends a request:
 a tool call's result comes back after the traces' median tool gap, an answer waits for the user
 (`demote`), the last request is `done`), and ours at its defaults on an 8-bit pool (`ours:fp8`:
-`--kv-cache-dtype fp8_e4m3`) given the float pool's bytes (`--kv-pool-bytes`: twice a bf16 pool's
-tokens, four times a float32 one's). Every row carries its pool's tokens and bytes.
+SGLang's `--kv-cache-dtype fp8_e4m3`; `ours:int8`: ours, codes and a scale per token and head) given
+the float pool's bytes (`--kv-pool-bytes`: about twice a bf16 pool's tokens, four times a float32
+one's). Every row carries its pool's tokens and bytes.
 
 Per method and oversubscription, intervals over seeds (95% bootstrap): job completion time, TTFT
 p50 / p90 / p99, goodput (the share of requests whose TTFT is within `--ttft-bound` s), tokens
@@ -90,9 +91,10 @@ METHODS = (
     "ours:learned",
     "ours:kv_hints",
     "ours:fp8",
+    "ours:int8",
 )
 # methods on an 8-bit KV pool, given the float pool's bytes (--kv-pool-bytes): more tokens, same memory
-EIGHT_BIT = {"ours:fp8": "fp8_e4m3"}
+EIGHT_BIT = {"ours:fp8": "fp8_e4m3", "ours:int8": "int8"}
 # The one-token words a block is written in: common English words, kept where the model's tokenizer
 # makes " word" one token (so blocks concatenate without merging across them).
 WORDS = (

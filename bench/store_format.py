@@ -3,8 +3,8 @@
 A restore reads a session's file, decodes its blocks into the pool's dtype and writes them into the
 pool's slots; a write copies the session's slots off the pool, encodes them in the store's format
 and writes the file. With a Q8 store, a float pool dequantizes every value on restore and quantizes
-it again on write; an 8-bit pool's own format (`persist.quant: auto` on an fp8 pool) is the pool's
-bytes, copied both ways. Side by side in one run, with the store's own functions (no server; the
+it again on write; an 8-bit pool's own format (`persist.quant: auto` on an fp8 or int8 pool) is the
+pool's bytes, copied both ways (the int8 pool's rows: codes and a scale per token and head). Side by side in one run, with the store's own functions (no server; the
 model's KV shape, KV values drawn at random): for each (pool dtype, store format) the milliseconds
 of each part over `--repeats` runs (mean and 95% bootstrap interval), the file's bytes, and the
 restore's and the write's speed-up over today's Q8 on the float pool this machine's launcher picks.
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from bench.common import RESULTS, bootstrap, disk_bytes, write_json
 from sgl_memory import cpu_dtype, models
-from sgl_memory.core import tree_fill
+from sgl_memory.core import kv_rows, tree_fill
 from sgl_memory.persist.store import CacheSpec, SessionFiles
 
 # (pool dtype, store format): today's defaults on the float pools, the 8-bit pools requantizing
@@ -44,17 +44,23 @@ ROWS = [
     ("float8_e4m3fn", "fp8_e4m3"),
     ("float8_e5m2", "q8"),
     ("float8_e5m2", "fp8_e5m2"),
+    ("int8", "q8"),
+    ("int8", "int8"),
 ]
 RESTORE = ("read", "decode", "pool_write")
 WRITE = ("copy_off_pool", "encode", "file_write")
 
 
 class Pool:
-    """A KV pool's buffers as the store's functions read them: one [slots, heads, dim] per layer."""
+    """A KV pool's buffers as the store's functions read them: one [slots, heads, row] per layer
+    (a row: the head dim's values, or the int8 pool's packed codes and scale)."""
+
+    dtype = torch.float32  # what packed rows decode to (the store copies them as they are)
 
     def __init__(self, layers: int, slots: int, heads: int, dim: int, dtype: torch.dtype) -> None:
-        self.k = [torch.zeros(slots, heads, dim, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(slots, heads, dim, dtype=dtype) for _ in range(layers)]
+        width = kv_rows.row_bytes(dim, dtype) // dtype.itemsize
+        self.k = [torch.zeros(slots, heads, width, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(slots, heads, width, dtype=dtype) for _ in range(layers)]
 
     def get_key_buffer(self, layer: int) -> torch.Tensor:
         return self.k[layer]
@@ -82,7 +88,8 @@ def one_row(spec: CacheSpec, quant: str, tokens: int, repeats: int, work: Path) 
     pool = Pool(spec.layers, tokens + 1, spec.kv_heads, spec.head_dim, dtype)
     g = torch.Generator().manual_seed(0)
     for buffer in (*pool.k, *pool.v):
-        buffer[1:] = torch.randn(buffer[1:].shape, generator=g).to(dtype)
+        values = torch.randn(tokens, spec.kv_heads, spec.head_dim, generator=g)
+        buffer[1:] = kv_rows.convert(values, dtype)
     tree = SimpleNamespace(pool=pool, layers=lambda: range(spec.layers), sentinel=None)
     slots = torch.arange(1, tokens + 1)
     parts: dict[str, list[float]] = {}
@@ -90,7 +97,7 @@ def one_row(spec: CacheSpec, quant: str, tokens: int, repeats: int, work: Path) 
     for i in range(repeats):
         # a store of its own each time: an earlier run's block files would be linked, not written
         files = SessionFiles(work / f"{spec.dtype}-{quant}-{i}", spec, quant=quant)
-        kv = timed(parts, "copy_off_pool", lambda: tree_fill.copy_slots(tree, slots))
+        kv = timed(parts, "copy_off_pool", lambda: tree_fill.copy_slots(tree, slots, as_stored=True))
         record = timed(parts, "encode", lambda: files.record(range(tokens), "", kv.keys, kv.values))
         timed(parts, "file_write", lambda: files.write(None, "s", record))
         size = disk_bytes(files.root.rglob("*.*"))
