@@ -4,12 +4,13 @@ A restore reads a session's file, decodes its blocks into the pool's dtype and w
 pool's slots; a write copies the session's slots off the pool, encodes them in the store's format
 and writes the file. With a Q8 store, a float pool dequantizes every value on restore and quantizes
 it again on write; an 8-bit pool's own format (`persist.quant: auto` on an fp8 or int8 pool) is the
-pool's bytes, copied both ways (the int8 pool's rows: codes and a scale per token and head). Side by side in one run, with the store's own functions (no server; the
-model's KV shape, KV values drawn at random): for each (pool dtype, store format) the milliseconds
-of each part over `--repeats` runs (mean and 95% bootstrap interval), the file's bytes, and the
-restore's and the write's speed-up over today's Q8 on the float pool this machine's launcher picks.
-Plain SGLang has no store: its alternative to a restore is the prefill of the whole session
-(bench/persist_restart.py measures it in a server).
+pool's bytes, copied both ways (the int8 pool's rows: codes and a scale per token and head). Side by
+side in one run, with the store's own functions (no server; the model's KV shape, KV values drawn at
+random): for each (pool dtype, store format) the milliseconds of each part over `--repeats` runs
+(mean and 95% bootstrap interval), the file's bytes, and the restore's and the write's speed-up over
+today's Q8 on the float pool this machine's launcher picks. Plain SGLang has no store: its
+alternative to a restore is the prefill of the whole session (bench/persist_restart.py measures it
+in a server).
 
 Writes bench/results/store_format.json and .png.
 
