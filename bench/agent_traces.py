@@ -74,8 +74,16 @@ from transformers import AutoTokenizer
 from bench import harness
 from bench.common import RESULTS, disk_bytes, provenance, stream_chat, write_json
 from bench.fidelity.points import _render
-from bench.many_agents import command, distinct_tokens, interval, percentile, restore_totals
-from sgl_memory import cpu_dtype, kv_pool, models
+from bench.many_agents import (
+    command,
+    distinct_tokens,
+    interval,
+    method_tokens,
+    percentile,
+    pool_bytes,
+    restore_totals,
+)
+from sgl_memory import kv_pool, models
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-traces"
 BLOCK = 64  # tokens per hash block in the traces
@@ -93,8 +101,6 @@ METHODS = (
     "ours:fp8",
     "ours:int8",
 )
-# methods on an 8-bit KV pool, given the float pool's bytes (--kv-pool-bytes): more tokens, same memory
-EIGHT_BIT = {"ours:fp8": "fp8_e4m3", "ours:int8": "int8"}
 # The one-token words a block is written in: common English words, kept where the model's tokenizer
 # makes " word" one token (so blocks concatenate without merging across them).
 WORDS = (
@@ -428,31 +434,13 @@ def store_bytes(directory: Path) -> int:
     return disk_bytes((directory / "store").rglob("*"))
 
 
-def pool_bytes(model: str, tokens: int) -> int:
-    """What `tokens` of KV take in the compute dtype this machine's launcher picks: every method's
-    pool in bytes (the 8-bit pool's methods get these bytes, the rest these tokens)."""
-    return tokens * kv_pool.bytes_per_token(models.model_dir(model), cpu_dtype.choose().dtype)
-
-
-def pool_tokens(method: str, model: str, tokens: int) -> int:
-    """The tokens a method's pool holds when a float pool of `tokens` takes its bytes."""
-    if method not in EIGHT_BIT:
-        return tokens
-    return pool_bytes(model, tokens) // kv_pool.bytes_per_token(models.model_dir(model), EIGHT_BIT[method])
-
-
 def server_command(
     method: str, model: str, pool: int, directory: Path, tlru: dict | None = None
 ) -> tuple[list[str], dict | None]:
-    """The method's server on a pool of a float pool's `pool` tokens (bytes, for an 8-bit pool);
-    `tlru` is SGLang's tlru policy's config."""
+    """The method's server on a pool of a float pool's `pool` tokens (bytes, for an 8-bit pool:
+    bench/many_agents.py's command); `tlru` is SGLang's tlru policy's config."""
     if method == "ours:plain":
         return harness.our_command(model, "--plain", "--max-total-tokens", str(pool), "--enable-cache-report"), None
-    if method in EIGHT_BIT:  # ours at its defaults; the pool in bytes, as an operator gives it
-        cmd, env = command("ours:persist", model, pool, directory)
-        at = cmd.index("--max-total-tokens")
-        cmd[at : at + 2] = ["--kv-pool-bytes", str(pool_bytes(model, pool)), "--kv-cache-dtype", EIGHT_BIT[method]]
-        return cmd, env
     policy_config = tlru if method == "sglang:tlru" else None
     return command("ours:persist" if method == "ours:kv_hints" else method, model, pool, directory, policy_config)
 
@@ -462,7 +450,7 @@ def run_one(method: str, args, roots, ideal: int, pool: int, seed: int, text: Te
     row = {
         "method": method,
         "seed": seed,
-        "pool_tokens": pool_tokens(method, args.model, pool),
+        "pool_tokens": method_tokens(method, args.model, pool),
         "pool_bytes": pool_bytes(args.model, pool),
     }
     try:
@@ -604,7 +592,7 @@ def main() -> None:
         directory.mkdir(parents=True)
         # the longest context's floor can bind: then the pool is larger than asked and the run is
         # at its own oversubscription, said beside the asked one (more --sessions reach the asked)
-        effective = distinct / pool_tokens(method, args.model, pool)
+        effective = distinct / method_tokens(method, args.model, pool)
         floor = f" (the longest context's floor: {effective:.2f}x)" if effective < over * 0.99 else ""
         print(f"[{n}/{len(runs)}] seed {seed}, {over}x, {method}: pool {pool} tokens{floor}", flush=True)
         row = run_one(method, args, roots, ideal, pool, seed, text, directory)

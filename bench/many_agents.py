@@ -28,7 +28,11 @@ radix cache under the `lru` policy and the others named in `--policies`, plain S
 warm host tier, restored KV held until its request runs, idle sessions evicted by next use learned
 from the gaps their turns came back after), `ours:last_use` the same with SGLang's LRU order, and
 `ours:hints` the defaults with each request's `sgl_memory.agent` hints (the next tool's median
-pause, `done` on a session's last step).
+pause, `done` on a session's last step), and the defaults on an 8-bit pool (`ours:fp8`: SGLang's
+fp8_e4m3; `ours:int8`: ours, a scale per token and head). Every method's pool takes the same bytes:
+the float pool's (the compute dtype this machine's launcher picks) of that many tokens, which an
+8-bit pool is given as `--kv-pool-bytes` and turns into about twice a bf16 pool's tokens, four
+times a float32 one's; each row carries its pool's tokens and bytes.
 
 Per run: job completion time (the first request sent to the last answer), TTFT per request (p50,
 p99), tokens prefilled (prompt minus cached, summed) over the ideal (the distinct token prefixes of
@@ -60,7 +64,7 @@ from transformers import AutoTokenizer
 from bench import harness
 from bench.common import RESULTS, bootstrap, provenance, stream, stream_chat, write_json
 from bench.fidelity.points import _render, _templated
-from sgl_memory import models
+from sgl_memory import cpu_dtype, kv_pool, models
 from sgl_memory.core.config import to_yaml
 from sgl_memory.persist.settings import PersistConfig
 
@@ -84,7 +88,11 @@ METHODS = (
     "ours:last_use",
     "ours:learned",
     "ours:hints",
+    "ours:fp8",
+    "ours:int8",
 )
+# methods on an 8-bit KV pool, given the float pool's bytes (--kv-pool-bytes): more tokens, same memory
+EIGHT_BIT = {"ours:fp8": "fp8_e4m3", "ours:int8": "int8"}
 
 
 @dataclass
@@ -337,11 +345,25 @@ def summarize(turns: list[Turn], ideal: int, stall_s: float) -> dict:
 # --- servers --------------------------------------------------------------------------------------
 
 
+def pool_bytes(model: str, tokens: int) -> int:
+    """What `tokens` of KV take in the compute dtype this machine's launcher picks: every method's
+    pool in bytes (the 8-bit pool's methods get these bytes, the rest these tokens)."""
+    return tokens * kv_pool.bytes_per_token(models.model_dir(model), cpu_dtype.choose().dtype)
+
+
+def method_tokens(method: str, model: str, tokens: int) -> int:
+    """The tokens a method's pool holds when a float pool of `tokens` takes its bytes."""
+    if method not in EIGHT_BIT:
+        return tokens
+    return pool_bytes(model, tokens) // kv_pool.bytes_per_token(models.model_dir(model), EIGHT_BIT[method])
+
+
 def command(
     method: str, model: str, pool: int, directory: Path, policy_config: dict | None = None
 ) -> tuple[list[str], dict | None]:
-    """The method's server; `policy_config` is SGLang's `--radix-eviction-policy-config` (tlru's
-    threshold and next-prompt estimate, slru's protected threshold) for a plain SGLang method."""
+    """The method's server on a pool of a float pool's `pool` tokens (its bytes, for an 8-bit pool);
+    `policy_config` is SGLang's `--radix-eviction-policy-config` (tlru's threshold and next-prompt
+    estimate, slru's protected threshold) for a plain SGLang method."""
     kind, variant = method.split(":")
     path = models.model_dir(model)
     if kind == "sglang":
@@ -354,9 +376,11 @@ def command(
     config = directory / "memory.yaml"
     eviction = variant if variant in ("last_use", "learned") else PersistConfig.eviction
     config.write_text(to_yaml(PersistConfig(enabled=True, dir=str(directory / "store"), eviction=eviction)))
-    return harness.our_command(
-        model, "--max-total-tokens", str(pool), "--enable-cache-report", "--memory-config", str(config)
-    ), None
+    # the pool as an operator gives it: tokens, or an 8-bit pool's bytes
+    size = ["--max-total-tokens", str(pool)]
+    if method in EIGHT_BIT:
+        size = ["--kv-pool-bytes", str(pool_bytes(model, pool)), "--kv-cache-dtype", EIGHT_BIT[method]]
+    return harness.our_command(model, *size, "--enable-cache-report", "--memory-config", str(config)), None
 
 
 def restore_totals(server: harness.Server) -> dict:
@@ -389,7 +413,8 @@ def run_one(
         return {
             "method": method,
             "seed": seed,
-            "pool_tokens": pool,
+            "pool_tokens": method_tokens(method, args.model, pool),
+            "pool_bytes": pool_bytes(args.model, pool),
             "runs": False,
             "why": (last or [str(exc)])[0][-300:],
         }
@@ -400,7 +425,8 @@ def run_one(
         row = {
             "method": method,
             "seed": seed,
-            "pool_tokens": pool,
+            "pool_tokens": method_tokens(method, args.model, pool),
+            "pool_bytes": pool_bytes(args.model, pool),
             "runs": True,
             **summarize(turns, ideal, args.stall_s),
         }
@@ -423,7 +449,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
         if not group:
             out.append({"method": key[0], "oversubscription": key[1], "runs": False})
             continue
-        row = {"method": key[0], "oversubscription": key[1], "runs": True, "pool_tokens": group[0]["pool_tokens"]}
+        row = {"method": key[0], "oversubscription": key[1], "runs": True}
+        row["pool_tokens"], row["pool_bytes"] = group[0]["pool_tokens"], group[0].get("pool_bytes")
         for metric in ("jct_s", "ttft_p50_s", "ttft_p99_s", "prefilled_over_ideal"):
             row[metric] = interval([r[metric] for r in group if r[metric] is not None])
         for metric in ("restored_tokens", "restore_s", "restore_step_s"):
