@@ -371,7 +371,6 @@ def test_openai_api_and_streaming_carry_memory_mode(mem_server, stated):
             {"session_id": "s", "memory": {"mode": "text", "recompute": "full"}},
             "mode 'text' places the session's lines",
         ),
-        ({"session_id": "s", "memory": {"mode": "text"}}, "needs the prompt as token ids"),
         ({"session_id": "s", "memory": {"mode": "turns"}}, "mode 'turns' is unknown"),  # the server's own pass
     ],
 )
@@ -532,6 +531,19 @@ def test_text_mode_places_the_lines_minilm_ranks_first_as_a_client_would(mem_ser
     # the same session in KV mode, unchanged by the text-mode read
     kv = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE})
     assert kv["meta_info"]["sgl_memory"]["retrieved_blocks"] == 4
+    # the same prompt sent as text (/generate `text`): tokenized as SGLang tokenizes it, then the same
+    assert tok(tok.decode(q))["input_ids"] == q  # the text stands for these ids
+    as_text = mem_server.post(
+        "/generate",
+        {
+            "text": tok.decode(q),
+            "sampling_params": {"max_new_tokens": len(got["output_ids"]), "temperature": 0},
+            "sgl_memory": {"session_id": "s", "tenant": A, "memory": text_mode, **ALONE},
+        },
+    )
+    assert as_text.status_code == 200, as_text.text
+    assert as_text.json()["output_ids"] == got["output_ids"]
+    assert as_text.json()["meta_info"]["prompt_tokens"] == len(want_ids)
     # another tenant's session of the same id holds other lines: never these
     other = generate(mem_server, q, {"session_id": "s", "tenant": "memart-nobody", "memory": text_mode})
     assert other["meta_info"]["sgl_memory"]["text_lines"] == 0 and other["meta_info"]["prompt_tokens"] == len(q)

@@ -34,8 +34,11 @@ class Incoming(Protocol):
         """Its one prompt's token ids when it came as ids (an OpenAI chat request does); None for a
         text prompt or a batch."""
 
+    def prompt_text(self) -> str | None:
+        """Its one prompt when it came as text (a native /generate with `text`); None for ids or a batch."""
+
     def set_prompt_ids(self, ids: list[int]) -> None:
-        """Replace its one prompt's token ids (a request that came as ids)."""
+        """Make its one prompt these token ids (a text prompt becomes them)."""
 
     def reads_prompt_logprobs(self) -> bool:
         """Whether it asks for log-probabilities of prompt tokens (at the client's positions)."""
@@ -47,6 +50,10 @@ class Engine(Protocol):
 
     def tokenize(self, text: str) -> list[int]:
         """The text's token ids, without special tokens."""
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's token ids as SGLang tokenizes a `text` request (the tokenizer's own
+        special tokens included)."""
 
     def decode(self, ids: list[int]) -> str:
         """The ids' text, without special tokens."""

@@ -47,8 +47,13 @@ class IncomingRequest:
             return None
         return ids
 
+    def prompt_text(self) -> str | None:
+        text = self.obj.text
+        return text if isinstance(text, str) and self.obj.input_ids is None and not self.batched() else None
+
     def set_prompt_ids(self, ids: list[int]) -> None:
-        self.obj.input_ids = list(ids)
+        # SGLang tokenizes `text` only where no ids are given; the text goes so the two never disagree
+        self.obj.input_ids, self.obj.text = list(ids), None
 
     def reads_prompt_logprobs(self) -> bool:
         start = self.obj.logprob_start_len
@@ -82,6 +87,9 @@ class TokenizerEngine:
 
     def tokenize(self, text: str) -> list[int]:
         return self.manager.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.manager.tokenizer(text)["input_ids"]  # as TokenizerManager._tokenize_texts does
 
     def decode(self, ids: list[int]) -> str:
         return self.manager.tokenizer.decode(ids, skip_special_tokens=True)

@@ -131,11 +131,10 @@ async def place(request, engine, raw: dict, config: MemArtConfig) -> None:
     """Put the session's most relevant recorded lines into a text-mode request's prompt, and tell
     the scheduler where they are (`text_span`, `text_lines`, `text_ms`)."""
     ids = request.prompt_ids()
+    if ids is None and (prompt := request.prompt_text()) is not None:
+        ids = engine.encode_prompt(prompt)  # a /generate `text`: the ids SGLang would give it
     if ids is None:
-        raise SpecError(
-            f"{FIELD}.memory.mode 'text' needs the prompt as token ids (an OpenAI chat request sends "
-            "them; /generate: input_ids)"
-        )
+        raise SpecError(f"{FIELD}.memory.mode 'text' needs one prompt, as text or token ids")
     t0 = time.perf_counter()
     owner = {k: raw[k] for k in ("session_id", "tenant") if raw.get(k) is not None}
     turns = await internal_pass(engine, owner, {"mode": "turns"}, one_token(engine), answer="memory_turns")
