@@ -15,6 +15,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
+from greedy import REQUEST, parted_at
 from servers import SERVER_DTYPE, TEST_MODEL
 from sgl_memory import models
 
@@ -77,11 +78,9 @@ def question_rows(tok, ids):
     return len(ids) - next(j + 1 for j in range(last, len(ids)) if "\n" in tok.decode([ids[j]]))
 
 
-def generate(server, ids, memory, n=6, status=200):
-    r = server.post(
-        "/generate",
-        {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}, "sgl_memory": memory},
-    )
+def generate(server, ids, memory, n=6, status=200, **params):
+    sampling = {"max_new_tokens": n, "temperature": 0}
+    r = server.post("/generate", {"input_ids": ids, "sampling_params": sampling, "sgl_memory": memory, **params})
     assert r.status_code == status, r.text
     return r.json()
 
@@ -187,7 +186,8 @@ def test_prometheus_pool_size_is_what_the_sessions_recorded(mem_server, tok, sta
 
 def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_server, tok, stated):
     q = render(tok, SYSTEM + [{"role": "user", "content": QUESTION}])
-    first = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE}, n=16)
+    memory = {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE}
+    first = generate(mem_server, q, memory, n=16, **REQUEST)
     m = first["meta_info"]["sgl_memory"]
     assert m["retrieved_blocks"] == 4 and 0 in m["retrieved_turns"]  # the turn that states the fact
     turn0 = render(tok, SYSTEM + [{"role": "user", "content": FACTS[0]}])
@@ -196,13 +196,15 @@ def test_memory_mode_answers_an_early_fact_prefilling_only_the_question(mem_serv
     assert m["memory_kv_tokens"] == 64 and m["prefill_tokens"] == len(q)
     assert first["meta_info"]["prompt_tokens"] == 64 + len(q) and question_rows(tok, q) <= m["probe_tokens"] <= len(q)
     assert "Pepper" in first["text"], first["text"]
-    # the same assembled prefix again: the radix tree holds it, and the question with it
-    again = generate(mem_server, q, {"session_id": "s", "tenant": A, "memory": retrieve(top_k=4), **ALONE}, n=16)
+    # the same assembled prefix again: the radix tree holds it, and the question with it; its greedy
+    # answer is the first one's up to rounding (in bf16 a one-token extend over the cached rows
+    # flipped a near-tie that the question's own prefill did not: tests/greedy.py)
+    again = generate(mem_server, q, memory, n=16, **REQUEST)
     assert (
         again["meta_info"]["cached_tokens"] >= 64 + len(q) - 1
         and again["meta_info"]["sgl_memory"]["prefill_tokens"] <= 1
     )
-    assert again["output_ids"] == first["output_ids"]
+    parted_at(again, first, SERVER_DTYPE)
 
 
 def test_a_prompt_that_carries_its_answer_retrieves_for_the_question(mem_server, tok, stated):
