@@ -582,6 +582,7 @@ def summarize(results: Results, convs: list[Conversation] | None) -> dict:
     text = next((rows for label, rows in by_label.items() if label.startswith("text-")), [])
     refs = {"text": text, "full": by_label.get("full", []), "reuse": by_label.get(DEFAULTS_REUSE.label, [])}
     refs["chat_reuse"] = by_label.get(replace(DEFAULTS_REUSE, recording="chat").label, [])
+    refs["chat_defaults"] = by_label.get(replace(DEFAULTS_REUSE, recompute="starts", recording="chat").label, [])
     summary = {}
     for label, rows in by_label.items():
         cats = sorted({r["category"] for r in rows})
@@ -589,21 +590,22 @@ def summarize(results: Results, convs: list[Conversation] | None) -> dict:
             "n": len(rows),
             **{m: _mean(rows, m) for m in MEANS},
             **intervals(rows, refs),
-            "by_category": {
-                str(c): {
-                    "n": sum(r["category"] == c for r in rows),
-                    **{m: _mean([r for r in rows if r["category"] == c], m) for m in ("f1", "bleu1", "sim")},
-                }
-                for c in cats
-            },
+            "by_category": {str(c): of_category([r for r in rows if r["category"] == c], refs) for c in cats},
         }
     return summary
+
+
+def of_category(rows: list[dict], refs: dict[str, list[dict]]) -> dict:
+    """One category's questions: their means, and F1 paired against text retrieval and the chat
+    memory's defaults (the agent case's choice of mode), with intervals."""
+    chosen = {k: refs[k] for k in ("text", "chat_defaults")}
+    return {"n": len(rows), **{m: _mean(rows, m) for m in ("f1", "bleu1", "sim")}, **intervals(rows, chosen)}
 
 
 def intervals(rows: list[dict], refs: dict[str, list[dict]]) -> dict:
     """95% bootstrap intervals over questions: F1, and F1 paired against each reference method
     (text retrieval, the whole transcript, reuse at the defaults of plain and of chat-recorded
-    memory) on the questions both answered:
+    memory, the chat-recorded memory's defaults) on the questions both answered:
     `f1_vs_<name>`, its `_ci` and its `n_vs_<name>`."""
     _, low, high = bootstrap([[r["f1"]] for r in rows])
     out = {"f1_ci": [low, high]}
@@ -614,7 +616,7 @@ def intervals(rows: list[dict], refs: dict[str, list[dict]]) -> dict:
             for r in rows
             if (r["conversation"], r["qa_index"]) in theirs
         ]
-        if pairs and rows is not ref:
+        if pairs and ref and rows[0]["variant"] != ref[0]["variant"]:  # not paired with itself
             out[f"f1_vs_{name}"], low, high = bootstrap(pairs)
             out[f"f1_vs_{name}_ci"], out[f"n_vs_{name}"] = [low, high], len(pairs)
     return out
@@ -701,27 +703,36 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _vs(s: dict, ref: str) -> str:
+    key = f"f1_vs_{ref}"
+    return "{:+.3f} [{:+.3f}, {:+.3f}]".format(s[key], *s[f"{key}_ci"]) if key in s else "-"
+
+
 def report(result: dict, vs_order: list[str], ingest: dict[str, float]) -> None:
-    """The table, with seconds per question: the cost a reader compares first."""
+    """The table, with seconds per question: the cost a reader compares first; then F1 per
+    question category, paired against text retrieval and the chat memory's defaults."""
     summary = result["summary"]
     print(
         f"{'variant':48} {'n':>4} {'F1':>6} {'95% CI':>13} {'vs text':>21} {'vs full':>21} {'vs reuse':>21} "
-        f"{'BLEU1':>6} {'sim':>6} {'recall':>6} "
+        f"{'vs chat KV':>21} {'BLEU1':>6} {'sim':>6} {'recall':>6} "
         f"{'prefill':>8} {'KV dec':>7} {'TTFT':>6} {'s/q':>7}"
     )
-    for label in sorted(summary, key=lambda s: (vs_order.index(s) if s in vs_order else len(vs_order), s)):
+    order = sorted(summary, key=lambda s: (vs_order.index(s) if s in vs_order else len(vs_order), s))
+    for label in order:
         s = summary[label]
         ci = "[{:.3f}, {:.3f}]".format(*s["f1_ci"]) if "f1_ci" in s else "-"
-        vs = [
-            "{:+.3f} [{:+.3f}, {:+.3f}]".format(s[f"f1_vs_{r}"], *s[f"f1_vs_{r}_ci"]) if f"f1_vs_{r}" in s else "-"
-            for r in ("text", "full", "reuse")
-        ]
+        vs = [_vs(s, r) for r in ("text", "full", "reuse", "chat_defaults")]
         print(
             f"{label:48} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {ci:>13} {vs[0]:>21} {vs[1]:>21} {vs[2]:>21} "
-            f"{_fmt(s['bleu1'], '6.3f')} "
+            f"{vs[3]:>21} {_fmt(s['bleu1'], '6.3f')} "
             f"{_fmt(s['sim'], '6.3f')} {_fmt(s['evidence_recall'], '6.3f')} {_fmt(s['prefill_tokens'], '8.0f')} "
             f"{_fmt(s['kv_decode_tokens'], '7.0f')} {_fmt(s['ttft_s'], '6.2f')} {_fmt(s['wall_s'], '7.2f')}"
         )
+    print(f"\n{'variant':48} {'category':>8} {'n':>4} {'F1':>6} {'vs text':>21} {'vs chat KV':>21}")
+    for label in order:
+        for c, s in summary[label]["by_category"].items():
+            vs = f"{_vs(s, 'text'):>21} {_vs(s, 'chat_defaults'):>21}"
+            print(f"{label:48} {c:>8} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {vs}")
     for bs, seconds in ingest.items():
         print(f"memart ingestion {bs}: {seconds:.1f} s per conversation")
 
