@@ -192,11 +192,9 @@ def test_the_int8_pools_prompt_is_read_as_a_model_reading_every_row_through_kv_r
     boxes = enumerate(["red", "blue", "green"] * 8)
     facts = " ".join(f"Fact {i}: the {colour} box holds {i * 7 % 13} keys." for i, colour in boxes)
     ids = render(tok, [SYSTEM, {"role": "user", "content": facts + " " + QUESTION}])
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True, "logprob_start_len": 0}
-    body["sgl_memory"] = ALONE  # the server's pruning and SentenceKV stay out of the rows read
-    r = int8_server.post("/generate", body)
-    assert r.status_code == 200, r.text
-    served = [lp for lp, *_ in r.json()["meta_info"]["input_token_logprobs"][1:]]
+    # ALONE: the server's pruning and SentenceKV stay out of the rows read
+    out = generate(int8_server, ids, ALONE, n=1, return_logprob=True, logprob_start_len=0)
+    served = [lp for lp, *_ in out["meta_info"]["input_token_logprobs"][1:]]
     reference = json.loads(
         subprocess.run(
             [sys.executable, str(Path(__file__).with_name("rows_reference.py"))],
