@@ -38,7 +38,9 @@ a tool call's result comes back after the traces' median tool gap, an answer wai
 (`demote`), the last request is `done`), and ours at its defaults on an 8-bit pool (`ours:fp8`:
 SGLang's `--kv-cache-dtype fp8_e4m3`; `ours:int8`: ours, codes and a scale per token and head) given
 the float pool's bytes (`--kv-pool-bytes`: about twice a bf16 pool's tokens, four times a float32
-one's). Every row carries its pool's tokens and bytes.
+one's), and ours with intent as the capacity lever (`ours:pressure`: a session's turns prune to a
+history budget of 256 once the tree has had to evict, `intent.when: pressure`; bench/many_agents.py's
+PRESSURE). Every row carries its pool's tokens and bytes.
 
 Per method and oversubscription, intervals over seeds (95% bootstrap): job completion time, TTFT
 p50 / p90 / p99, goodput (the share of requests whose TTFT is within `--ttft-bound` s), tokens
@@ -100,6 +102,7 @@ METHODS = (
     "ours:kv_hints",
     "ours:fp8",
     "ours:int8",
+    "ours:pressure",
 )
 # The one-token words a block is written in: common English words, kept where the model's tokenizer
 # makes " word" one token (so blocks concatenate without merging across them).

@@ -29,7 +29,9 @@ warm host tier, restored KV held until its request runs, idle sessions evicted b
 from the gaps their turns came back after), `ours:last_use` the same with SGLang's LRU order, and
 `ours:hints` the defaults with each request's `sgl_memory.agent` hints (the next tool's median
 pause, `done` on a session's last step), and the defaults on an 8-bit pool (`ours:fp8`: SGLang's
-fp8_e4m3; `ours:int8`: ours, a scale per token and head). Every method's pool takes the same bytes:
+fp8_e4m3; `ours:int8`: ours, a scale per token and head), and the defaults with intent as the capacity
+lever (`ours:pressure`: turns prune to a history budget once the pool is under pressure,
+`intent.when: pressure`). Every method's pool takes the same bytes:
 the float pool's (the compute dtype this machine's launcher picks) of that many tokens, which an
 8-bit pool is given as `--kv-pool-bytes` and turns into about twice a bf16 pool's tokens, four
 times a float32 one's; each row carries its pool's tokens and bytes.
@@ -66,6 +68,7 @@ from bench.common import RESULTS, bootstrap, provenance, stream, stream_chat, wr
 from bench.fidelity.points import _render, _templated
 from sgl_memory import cpu_dtype, kv_pool, models
 from sgl_memory.core.config import to_yaml
+from sgl_memory.intent.settings import IntentConfig
 from sgl_memory.persist.settings import PersistConfig
 
 # Tool pauses: (median seconds, log-normal sigma) per tool kind; a tool not listed pauses as "api".
@@ -90,7 +93,12 @@ METHODS = (
     "ours:hints",
     "ours:fp8",
     "ours:int8",
+    "ours:pressure",
 )
+# intent as the capacity lever (`ours:pressure`): a session's turns prune to this history budget once
+# the pool is under pressure (intent.when pressure). 256: TextWorld's decision points at this
+# budget keep 0.47 of the KV with no difference in gold log-likelihood (bench/results/fidelity.md)
+PRESSURE = IntentConfig(enabled=True, when="pressure", budget=256, budget_mode="history")
 # methods on an 8-bit KV pool, given the float pool's bytes (--kv-pool-bytes): more tokens, same memory
 EIGHT_BIT = {"ours:fp8": "fp8_e4m3", "ours:int8": "int8"}
 
@@ -375,7 +383,8 @@ def command(
         )
     config = directory / "memory.yaml"
     eviction = variant if variant in ("last_use", "learned") else PersistConfig.eviction
-    config.write_text(to_yaml(PersistConfig(enabled=True, dir=str(directory / "store"), eviction=eviction)))
+    persist = PersistConfig(enabled=True, dir=str(directory / "store"), eviction=eviction)
+    config.write_text(to_yaml(persist, *([PRESSURE] if variant == "pressure" else [])))
     # the pool as an operator gives it: tokens, or an 8-bit pool's bytes
     size = ["--max-total-tokens", str(pool)]
     if method in EIGHT_BIT:

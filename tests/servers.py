@@ -252,6 +252,16 @@ CATALOGUE: dict[str, Spec] = {
         flags=("--kv-cache-dtype", "fp8_e4m3", "--kv-pool-bytes", str(FP8_POOL_BYTES)),
         env={"SGLMEMORY_CHECK_INTEGRITY": "1"},
     ),
+    "pressure": Spec(
+        "intent as the capacity lever, set as an operator sets it (`intent.when: pressure`), with persistence, on "
+        "a pool a few prompts fill (1,536 tokens): a session served whole before the tree evicts, pruned after; "
+        "the other intent servers prune always, and filling their pools takes a minute of prefill",
+        config=to_yaml(
+            IntentConfig(enabled=True, when="pressure", budget=64, budget_mode="history", query_tail=16),
+            PersistConfig(enabled=True, dir="{dir}/store", quant=EXACT_QUANT),
+        ),
+        flags=("--max-total-tokens", "1536"),
+    ),
 }
 CATALOGUE["int8"] = replace(
     CATALOGUE["fp8"],
@@ -299,6 +309,7 @@ ORDER = (
     "plain",
     "fp8",
     "int8",
+    "pressure",
 )
 assert set(ORDER) == set(CATALOGUE)
 

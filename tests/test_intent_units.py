@@ -507,3 +507,62 @@ def test_the_adaptive_budget_grows_on_mass_left_out_and_shrinks_on_a_repeated_ke
         b.after_event(0.0, torch.tensor([0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34, 35]), 150, cfg) == 1.0
         and b.current == 50
     )  # floor
+
+
+# --- intent.when pressure: pruning as a capacity lever -------------------------------------------
+
+
+def test_when_pressure_prunes_only_after_an_eviction_and_a_pruned_session_keeps_pruning():
+    """`when: pressure`: a request is served whole unless the tree evicted within the window; one
+    admitted then prunes, and its session's later turns prune (and follow its pruned path, the same
+    namespace) without pressure. A request's `when: always` prunes regardless."""
+    from types import SimpleNamespace
+
+    from sgl_memory.core.requests import Lifetime, RequestStore
+    from sgl_memory.intent.apply import RowLayout
+    from sgl_memory.intent.planner import Planner
+    from sgl_memory.intent.sessions import SessionMemories
+
+    ages: list[float] = []  # seconds since each eviction, the latest last
+    asked: list[float] = []
+
+    def evicted_within(seconds: float) -> bool:
+        asked.append(seconds)
+        return bool(ages) and ages[-1] <= seconds
+
+    store, memories = RequestStore(), SessionMemories(SessionRegistry(), "intent", 0.9)
+    config = IntentConfig(enabled=True, when="pressure", pressure_window_s=30, budget=8, budget_mode="history")
+    tables = [store.table(name, Lifetime.REQUEST) for name in ("shifts", "plans", "captures")]
+    planner = Planner(config, "intent", None, memories, RowLayout(tables[0]), *tables[1:], evicted_within)
+    planner.markers = RoleMarkers.from_tokenizer(ToyTokenizer(), "chatml")
+    tokens = render([("system", 5), ("user", 30), ("assistant", 10), ("user", 4)])
+
+    def plan(rid, session, **keys):
+        req = SimpleNamespace(rid=rid, origin_input_ids=tokens, session_id=None)
+        return planner.plan(req, parse({"session_id": session, **keys}))
+
+    whole = plan("a", "s1")
+    assert (whole.enabled, whole.gate, whole.namespace, whole.session_key) == (False, None, 0, None)
+    assert asked == [30]
+    ages.append(40.0)  # outside the window
+    assert not plan("b", "s1").enabled
+    ages.append(10.0)
+    pressed = plan("c", "s1")
+    assert (pressed.enabled, pressed.gate) == (True, "pressure") and pressed.namespace != 0
+    assert pressed.budget == 8 + pressed.spans.forced_count(len(tokens))
+    memories.memory(("", "s1")).update(torch.ones(2, 2, 4))  # what its compression event does
+    ages.clear()
+    again = plan("d", "s1")
+    assert (again.enabled, again.gate, again.namespace) == (True, "session", pressed.namespace)
+    assert not plan("e", "s2").enabled
+    assert plan("f", "s2", when="always").enabled
+    with pytest.raises(SpecError, match="when 'later' is unknown"):
+        parse({"when": "later"})
+    # a session the server derived from the tokens is not followed: every request opening alike is it
+    unnamed = SimpleNamespace(rid="g", origin_input_ids=tokens, session_id=None)
+    ages.append(1.0)
+    derived = planner.plan(unnamed, parse({}))
+    assert derived.gate == "pressure" and derived.key_source not in ("session_id", "sglang_session")
+    memories.memory(derived.session_key).update(torch.ones(2, 2, 4))
+    ages.clear()
+    assert not planner.plan(unnamed, parse({})).enabled

@@ -166,6 +166,11 @@ class KVHost(Protocol):
         engine's scheduler counts on for the work it has taken in (a chunked prefill's rest, the
         running requests' decode)."""
 
+    def evicted_within(self, seconds: float) -> bool:
+        """Whether the tree evicted KV to make room in the last `seconds`: the pool is under
+        pressure, not holding what it was asked to keep. The same answer on every tensor-parallel
+        rank (a collective there: every rank asks at the same point of the same request)."""
+
     def expect(self, node: Node, when: Callable[[float], float]) -> None:
         """The path ending at `node` is next used at `when(now)` (time.monotonic seconds; inf: not
         again): under pool pressure the tree evicts the paths used furthest ahead first, the nodes

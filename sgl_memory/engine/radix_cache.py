@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,9 @@ class SglMemoryRadixCache(RadixCache):
         self.host = TreeHost(self)  # what the mechanisms get of the tree (core/kvhost.py)
         # the scheduler that serves from this tree (its first admission says): room() leaves what it counts on
         self.scheduler: Scheduler | None = None
+        # time.monotonic() of the last eviction that freed slots (None: none yet): how the
+        # mechanisms tell a pool under pressure (TreeHost.evicted_within)
+        self.last_eviction: float | None = None
         super().__init__(params)
         self.memory_config = config or plain()  # no config: no mechanism (the server passes its own)
         if self.disable:
@@ -191,7 +195,10 @@ class SglMemoryRadixCache(RadixCache):
 
     def evict(self, params: EvictParams) -> EvictResult:
         """Sentinel entries free nothing: evicts until the real slots asked for are freed."""
-        return self.dead_slots.evict(params, super().evict)
+        result = self.dead_slots.evict(params, super().evict)
+        if result.num_tokens_evicted:
+            self.last_eviction = time.monotonic()
+        return result
 
 
 def find_branches(root: TreeNode, key: RadixKey, ids_of: Callable[[np.ndarray], np.ndarray]) -> Branches:

@@ -8,6 +8,7 @@ reservations by it.
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -157,6 +158,12 @@ class TreeHost:
         free = self._tree.token_to_kv_pool_allocator.available_size() + self._tree.evictable_size()
         scheduler = self._tree.scheduler
         return free - (committed_tokens(scheduler) if scheduler is not None else 0)
+
+    def evicted_within(self, seconds: float) -> bool:
+        last = self._tree.last_eviction
+        evicted = last is not None and time.monotonic() - last <= seconds
+        # each rank reads its own clock: the greatest answer is every rank's, so all prune alike
+        return bool(self.rank_range([evicted])[1][0])
 
     def expect(self, node: TreeNode, when: Callable[[float], float]) -> None:
         next_use.expect(self._tree, node, when)

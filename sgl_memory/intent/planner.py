@@ -9,6 +9,7 @@ to the forced set when the server's default asked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from sgl_memory.core import prometheus
@@ -34,6 +35,9 @@ ADAPTIVE_SCORERS = (
 )  # their scores, normalised, are a mass over the candidates
 
 
+NAMED_SOURCES = ("session_id", "sglang_session")  # session keys a client gave (sessions.KEY_SOURCES)
+
+
 @dataclass
 class RequestIntent:
     """What the pruner knows about one request, kept in its `plans` table (IntentPruner)."""
@@ -47,6 +51,7 @@ class RequestIntent:
     session_key: SessionKey | None
     key_source: str | None
     budget_reason: str | None = None  # why the budget applied is not the one configured
+    gate: str | None = None  # intent.when pressure: why this request prunes ("session", "pressure")
     namespace: int = 0  # the branch ids of this session's pruned paths derive from it (intent/paths.py)
     branches: Branches = ()  # where this request's path takes branch ids; (): a plain path
     capture_start: int = 0  # the first prompt position whose query rows the scorer and QueryMemory read
@@ -77,8 +82,10 @@ class Planner:
         layout: RowLayout,
         plans: RequestTable[RequestIntent],
         captures: RequestTable[QueryCapture],
+        evicted_within: Callable[[float], bool],
     ):
         self.config, self.name = config, name
+        self.evicted_within = evicted_within  # KVHost.evicted_within: the pool's pressure
         self.head = head  # the learned scorer's (None: scorer learned is refused)
         self.memories, self.layout = memories, layout
         self.plans, self.captures = plans, captures
@@ -110,6 +117,15 @@ class Planner:
                     req.set_finish_with_abort(f"{FIELD}.layout compact: {exc}")
                     self.captures.pop(req.rid)
 
+    def gate(self, key: SessionKey, source: str, window_s: float) -> str | None:
+        """intent.when pressure: "session" when the session, named by the client, pruned before (its
+        path is a pruned one, which only a pruning turn follows), "pressure" when the tree evicted
+        within `window_s`, None when the request is served whole. A session the server derived
+        from the tokens (a prefix hash) is not followed: every request opening alike would be it."""
+        if source in NAMED_SOURCES and self.memories.has_turns(key):
+            return "session"
+        return "pressure" if self.evicted_within(window_s) else None
+
     def plan(self, req: RequestView, spec: MemorySpec) -> RequestIntent:
         asked: IntentRequest = spec.part(self.name) or IntentRequest()
         cfg = asked.over(self.config)
@@ -119,7 +135,7 @@ class Planner:
             spans = replace(spans, system_end=0)
         forced = spans.forced_count(len(tokens))
         enabled = cfg.enabled  # the section's, unless the request says `intent: false`
-        key, source = None, None
+        key, source, gate = None, None, None
         if enabled:
             key, source = resolve_key(
                 spec.session_id,
@@ -130,6 +146,11 @@ class Planner:
                 cfg.session_prefix_tokens,
                 req.rid,
             )
+        if enabled and cfg.when == "pressure":
+            gate = self.gate(key, source, cfg.pressure_window_s)
+            enabled = gate is not None
+            if not enabled:
+                key, source = None, None  # as on a server that does not prune
         budget, reason = cfg.budget, None
         if cfg.budget_mode == "adaptive" and enabled:
             if cfg.scorer not in ADAPTIVE_SCORERS:
@@ -177,6 +198,7 @@ class Planner:
             key,
             source,
             budget_reason=reason,
+            gate=gate,
             namespace=ns,
             ablation=cfg.ablation,
             adaptive=cfg if cfg.budget_mode == "adaptive" and enabled else None,

@@ -96,7 +96,9 @@ class IntentPruner(mechanism.Mechanism, mechanism.Branching, mechanism.PositionS
         self.shifts: RequestTable[int] = tree.requests.table("intent shifts", Lifetime.ROW)
         self.memories = SessionMemories(tree.sessions, self.name, config.decay)
         self.layout = RowLayout(self.shifts)
-        self.planner = Planner(config, self.name, head, self.memories, self.layout, self.plans, self.captures)
+        self.planner = Planner(
+            config, self.name, head, self.memories, self.layout, self.plans, self.captures, tree.evicted_within
+        )
         self.queries = PrefillQueries(self.captures)
         self.compressor = Compressor(config, head, self.memories, self.layout, self.plans, self.captures)
 
@@ -183,6 +185,7 @@ def request_metrics(state: RequestIntent, output_len: int) -> dict:
         "prefill_ms": None if state.prefill_ms is None else round(state.prefill_ms, 3),
         "budget": state.budget if state.enabled else None,
         "budget_reason": state.budget_reason,
+        "pruned_for": state.gate,
         **({"adaptive_budget": state.adaptive_metrics} if state.adaptive is not None else {}),
         "scorer": state.scorer if state.enabled else None,
         "layout": state.layout if state.enabled else None,

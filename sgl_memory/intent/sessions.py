@@ -112,6 +112,11 @@ class SessionMemories:
         """The session's QueryMemory, made empty at its first request."""
         return self.registry.get(key, self.name, lambda: QueryMemory(self.decay))
 
+    def has_turns(self, key: SessionKey) -> bool:
+        """Whether a turn of the session ran with pruning (it updated the session's QueryMemory)."""
+        memory = self.registry.get(key, self.name)
+        return memory is not None and memory.updates > 0
+
     def budget(self, key: SessionKey, cfg: IntentConfig) -> AdaptiveBudget:
         """The session's adaptive budget, made at its first request from the configured budget."""
         memory = self.memory(key)

@@ -17,6 +17,12 @@ class IntentConfig:
     """Cross-turn intent pruning (IntentKV): see sgl_memory/intent/README.md."""
 
     enabled: bool = False  # a request whose live prompt exceeds the budget is pruned after its prefill
+    # always: every request prunes; pressure: a capacity lever, a request prunes only while the pool
+    # is under pressure (the tree evicted within `pressure_window_s`) or when its session pruned
+    # before (its later turns follow the pruned path), so that sessions stay in the pool at their
+    # budget instead of leaving it whole
+    when: Literal["always", "pressure"] = "always"
+    pressure_window_s: float = 60.0  # when pressure: how recent an eviction still counts as pressure (seconds)
     budget: int = 2048  # prompt positions kept live per request after its prefill (see budget_mode)
     # total: the budget counts the forced set (system prefix, latest message) too; history: it
     # counts only the compressible history between them, the forced set is kept on top (IntentKV's
@@ -59,6 +65,7 @@ class IntentConfig:
 
     def validate(self, path: str) -> None:
         require(1 <= self.budget <= MAX_BUDGET, f"{path}.budget", f"an integer in [1, {MAX_BUDGET}]")
+        require(self.pressure_window_s > 0.0, f"{path}.pressure_window_s", "a number > 0")
         require(0.0 <= self.decay < 1.0, f"{path}.decay", "a number in [0, 1)")
         require(
             1 <= self.budget_floor <= self.budget_ceiling <= MAX_BUDGET,
@@ -75,7 +82,15 @@ class IntentConfig:
         require(self.sinks >= 0, f"{path}.sinks", "an integer >= 0")
 
 
-OVERRIDES = ("budget", "budget_mode", "system_prompt", "scorer", "layout", "ablation")  # request keys over the section
+OVERRIDES = (
+    "budget",
+    "budget_mode",
+    "system_prompt",
+    "scorer",
+    "layout",
+    "ablation",
+    "when",
+)  # request keys over the section
 # `intent: false`: intent takes no part in the request, as on a server without it: no compression
 # event, no QueryMemory update, its prompt matched in the tree as far as the tree holds it (intent
 # otherwise prefills the latest message itself, to read its queries), the session's pruned path not
@@ -93,6 +108,7 @@ class IntentRequest(RequestPart):
     scorer: str | None = None
     layout: str | None = None
     ablation: str | None = None
+    when: str | None = None
     enabled: bool | None = None  # the `intent` key
 
 
