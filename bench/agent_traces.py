@@ -183,11 +183,12 @@ class Text:
     key is (client kind, position), every other block's (trace, hash id): a trace's sub-agents that
     start alike (the traces' siblings share their task prompt) share those blocks too."""
 
-    def __init__(self, tokenizer, block_tokens: int, shared_share: float):
+    def __init__(self, tokenizer, block_tokens: int, shared_share: float, turns: bool = False):
         self.words = [w for w in WORDS if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1]
         if len(self.words) < 32:
             raise SystemExit(f"only {len(self.words)} one-token words for this tokenizer")
         self.block_tokens, self.shared_share = block_tokens, shared_share
+        self.turns = turns  # one user message per request's new blocks (else the whole history in one)
 
     def block(self, key: str) -> str:
         rng = random.Random(key)
@@ -200,10 +201,30 @@ class Text:
             for j, h in enumerate(request.blocks)
         ]
         head = min(conversation.prefix_blocks, len(keys))
+        starts = turn_starts(conversation, request, head) if self.turns else [head]
         return [
             {"role": "system", "content": "".join(map(self.block, keys[:head])).strip()},
-            {"role": "user", "content": "".join(map(self.block, keys[head:])).strip() or "Go on."},
+            *(
+                {"role": "user", "content": "".join(map(self.block, keys[a:b])).strip() or "Go on."}
+                for a, b in zip(starts, [*starts[1:], len(keys)])
+            ),
         ]
+
+
+def turn_starts(conversation: Conversation, request: Request, head: int) -> list[int]:
+    """Where the messages of `request` start (block indices, the first at `head`) when each request's
+    new blocks (the previous answer and the new input, past the prefix it shares with the request
+    before it) are a message of their own: the traces record no text, but a request's prompt is the
+    one before it, its answer and what came back, so a client sends them as the history's messages.
+    A message of an earlier request that the prefix no longer holds whole ends where it parts."""
+    starts, before = [head], []
+    for r in conversation.requests:
+        shared = next((i for i, (x, y) in enumerate(zip(r.blocks, before)) if x != y), min(len(r.blocks), len(before)))
+        starts = [a for a in starts if a < max(shared, head + 1)] + ([shared] if shared > starts[-1] else [])
+        before = r.blocks
+        if r is request:
+            return starts
+    raise ValueError("the request is not one of the conversation's")
 
 
 def conversations(root: list[Conversation]) -> list[Conversation]:
@@ -568,6 +589,13 @@ def main() -> None:
         help="tokens: SGLang's tlru keeps of each conversation what leaves its next prefill at most this long "
         "(the test model prefills about 1,200 tokens in 5 s, the goodput bound, on a 2-core AVX2 CPU in float32)",
     )
+    ap.add_argument(
+        "--messages",
+        choices=["one", "turns"],
+        default="one",
+        help="one: the history after the system text as one user message; turns: each request's new blocks "
+        "a user message of their own (what pruning needs: the latest message is forced)",
+    )
     ap.add_argument("--quick", action="store_true", help="sglang:lru, ours:persist, ours:kv_hints at 4x, seed 0")
     ap.add_argument("--out", default=str(RESULTS / "agent_traces.json"))
     args = ap.parse_args()
@@ -578,7 +606,8 @@ def main() -> None:
     # tlru's next prompt: the replay's median growth of a request over the one before
     args.tlru = {"threshold": args.tlru_threshold, "next_prompt_estimate": next_prompt(args)}
     tokenizer = AutoTokenizer.from_pretrained(models.model_dir(args.model))
-    text, base = Text(tokenizer, args.block_tokens, args.shared_share), Path(tempfile.mkdtemp(prefix="agent-traces-"))
+    text = Text(tokenizer, args.block_tokens, args.shared_share, args.messages == "turns")
+    base = Path(tempfile.mkdtemp(prefix="agent-traces-"))
     plans, rows = {}, []
     runs = [(seed, over, method) for seed in args.seeds for over in args.oversubscription for method in args.methods]
     for n, (seed, over, method) in enumerate(runs, 1):

@@ -90,6 +90,30 @@ def test_prompts_share_tokens_exactly_as_far_as_their_block_ids_agree_and_sessio
     assert common(a, b) < 16
 
 
+def test_with_a_message_per_request_the_latest_message_is_the_new_blocks_and_prompts_extend_each_other(tokenizer):
+    """`--messages turns`: each request's blocks past what it shares with the request before it are
+    its last user message; the messages hold every block in order; a request that extends the one
+    before renders that one's prompt but its closing assistant header."""
+    text, one = A.Text(tokenizer, ARGS.block_tokens, 1.0, turns=True), A.Text(tokenizer, ARGS.block_tokens, 1.0)
+    extended = 0
+    for c in A.pick(0, 3, ARGS):
+        ids = A.rendered(tokenizer, text, c)
+        for k, r in enumerate(c.requests):
+            messages = text.messages(c, r)
+            keys = [m["content"] for m in one.messages(c, r)]
+            assert "".join(m["content"] for m in messages[1:]).replace(" ", "") == keys[1].replace(" ", "")
+            if k == 0 or r.blocks[: c.prefix_blocks] != c.requests[k - 1].blocks[: c.prefix_blocks]:
+                continue
+            new = r.blocks[common(c.requests[k - 1].blocks, r.blocks) :]
+            if new:  # the last message is exactly the new blocks' text
+                want = "".join(text.block(f"{c.trace}:{h}") for h in new).strip()
+                assert messages[-1]["content"] == want, (c.id, k)
+            if r.blocks[: len(c.requests[k - 1].blocks)] == c.requests[k - 1].blocks and new:
+                extended += 1
+                assert common(ids[k - 1], ids[k]) >= len(ids[k - 1]) - 3, (c.id, k)
+    assert extended > 10
+
+
 def test_the_hints_a_replayed_client_sends_are_the_persist_mechanisms_hints():
     c = A.load(A.TRACES / "trace_0002.json", ARGS)
     for k, r in enumerate(c.requests):

@@ -556,6 +556,10 @@ def test_when_pressure_prunes_only_after_an_eviction_and_a_pruned_session_keeps_
     assert (again.enabled, again.gate, again.namespace) == (True, "session", pressed.namespace)
     assert not plan("e", "s2").enabled
     assert plan("f", "s2", when="always").enabled
+    ages.append(1.0)  # under pressure, a request whose history is within the budget has nothing to drop
+    history = len(tokens) - pressed.spans.forced_count(len(tokens))
+    assert plan("f2", "s3", budget=history).gate is None and plan("f3", "s3", budget=history - 1).gate == "pressure"
+    ages.clear()
     with pytest.raises(SpecError, match="when 'later' is unknown"):
         parse({"when": "later"})
     # a session the server derived from the tokens is not followed: every request opening alike is it

@@ -117,14 +117,20 @@ class Planner:
                     req.set_finish_with_abort(f"{FIELD}.layout compact: {exc}")
                     self.captures.pop(req.rid)
 
-    def gate(self, key: SessionKey, source: str, window_s: float) -> str | None:
+    def gate(self, key: SessionKey, source: str, cfg: IntentConfig, length: int, forced: int) -> str | None:
         """intent.when pressure: "session" when the session, named by the client, pruned before (its
         path is a pruned one, which only a pruning turn follows), "pressure" when the tree evicted
-        within `window_s`, None when the request is served whole. A session the server derived
-        from the tokens (a prefix hash) is not followed: every request opening alike would be it."""
+        within the window and the request has history over the configured budget to drop, None when
+        it is served whole. Without that history an event would drop nothing, yet the pruning
+        request prefills its latest message itself (its query rows), all of its history when a
+        client sends it as one message. A session the server derived from the tokens (a prefix
+        hash) is not followed: every request opening alike would be it."""
         if source in NAMED_SOURCES and self.memories.has_turns(key):
             return "session"
-        return "pressure" if self.evicted_within(window_s) else None
+        keeps = cfg.budget if cfg.budget_mode == "total" else forced + cfg.budget
+        if length <= max(keeps, forced):
+            return None
+        return "pressure" if self.evicted_within(cfg.pressure_window_s) else None
 
     def plan(self, req: RequestView, spec: MemorySpec) -> RequestIntent:
         asked: IntentRequest = spec.part(self.name) or IntentRequest()
@@ -147,7 +153,7 @@ class Planner:
                 req.rid,
             )
         if enabled and cfg.when == "pressure":
-            gate = self.gate(key, source, cfg.pressure_window_s)
+            gate = self.gate(key, source, cfg, len(tokens), forced)
             enabled = gate is not None
             if not enabled:
                 key, source = None, None  # as on a server that does not prune
