@@ -18,9 +18,9 @@ class IntentConfig:
 
     enabled: bool = False  # a request whose live prompt exceeds the budget is pruned after its prefill
     # always: every request prunes; pressure: a capacity lever, a request prunes only while the pool
-    # is under pressure (the tree evicted within `pressure_window_s`) or when its session pruned
-    # before (its later turns follow the pruned path), so that sessions stay in the pool at their
-    # budget instead of leaving it whole
+    # is under pressure (the tree evicted within `pressure_window_s`) and it has history over the
+    # budget, or when its session pruned before (its later turns follow the pruned path), so that
+    # sessions stay in the pool at their budget instead of leaving it whole
     when: Literal["always", "pressure"] = "always"
     pressure_window_s: float = 60.0  # when pressure: how recent an eviction still counts as pressure (seconds)
     budget: int = 2048  # prompt positions kept live per request after its prefill (see budget_mode)
