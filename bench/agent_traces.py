@@ -86,6 +86,7 @@ from bench.many_agents import (
     restore_totals,
 )
 from sgl_memory import kv_pool, models
+from sgl_memory.core.tree_fill import common_prefix
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "agent-traces"
 BLOCK = 64  # tokens per hash block in the traces
@@ -219,7 +220,7 @@ def turn_starts(conversation: Conversation, request: Request, head: int) -> list
     A message of an earlier request that the prefix no longer holds whole ends where it parts."""
     starts, before = [head], []
     for r in conversation.requests:
-        shared = next((i for i, (x, y) in enumerate(zip(r.blocks, before)) if x != y), min(len(r.blocks), len(before)))
+        shared = common_prefix(r.blocks, before)
         starts = [a for a in starts if a < max(shared, head + 1)] + ([shared] if shared > starts[-1] else [])
         before = r.blocks
         if r is request:

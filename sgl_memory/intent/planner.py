@@ -24,7 +24,7 @@ from sgl_memory.intent import scorers
 from sgl_memory.intent.apply import RowLayout
 from sgl_memory.intent.head import PrunerHead
 from sgl_memory.intent.paths import namespace
-from sgl_memory.intent.sessions import SessionMemories, resolve_key
+from sgl_memory.intent.sessions import NAMED_SOURCES, SessionMemories, resolve_key
 from sgl_memory.intent.settings import IntentConfig, IntentRequest
 
 ADAPTIVE_SCORERS = (
@@ -33,9 +33,6 @@ ADAPTIVE_SCORERS = (
     "query",
     "learned",
 )  # their scores, normalised, are a mass over the candidates
-
-
-NAMED_SOURCES = ("session_id", "sglang_session")  # session keys a client gave (sessions.KEY_SOURCES)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from sgl_memory.intent.settings import IntentConfig
 
 # Where a session key came from, strongest first (IntentKV appendix A).
 KEY_SOURCES = ("session_id", "sglang_session", "session_span", "prefix_hash", "request")
+NAMED_SOURCES = ("session_id", "sglang_session")  # of those, the ones a client gave; the rest are derived
 
 
 def resolve_key(
