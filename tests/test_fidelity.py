@@ -219,3 +219,28 @@ def test_every_methods_server_config_loads_and_a_persisted_method_restores_in_it
     assert sorted(m.name for m in pools) == sorted(f"{d} pool" for d in POOL_DTYPES)
     for m in pools:
         assert FLAGS[m.server] == ("--kv-cache-dtype", m.name.split()[0]) and m.fields == ms[0].fields
+
+
+def test_a_points_file_holds_one_compute_dtype(tmp_path):
+    """A run on a server of another dtype stops before it scores; rows without the field are unknown."""
+    import json
+
+    from bench.fidelity.run import held_dtype
+
+    class Server:  # answers /sgl_memory/info as the server does
+        def __init__(self, dtype):
+            self.info = {"dtype": {"dtype": dtype, "kv_cache_dtype": dtype}}
+
+        def get(self, path):
+            assert path == "/sgl_memory/info"
+            return type("Response", (), {"json": lambda _: self.info})()
+
+    points = tmp_path / "f.points.jsonl"
+    assert held_dtype(points, Server("float32")) == "float32"  # no file yet
+    points.write_text(json.dumps({"trajectory": "a", "method": "m"}) + "\n")
+    assert held_dtype(points, Server("bfloat16")) == "bfloat16"  # an old row: dtype unknown
+    with points.open("a") as f:
+        f.write(json.dumps({"trajectory": "b", "method": "m", "dtype": "bfloat16"}) + "\n")
+    assert held_dtype(points, Server("bfloat16")) == "bfloat16"
+    with pytest.raises(SystemExit, match="holds points computed in bfloat16; this server computes in float32"):
+        held_dtype(points, Server("float32"))

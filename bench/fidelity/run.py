@@ -39,7 +39,10 @@ holds):
 - `token_agreement`: the share of gold positions where it does (greedy agreement, teacher-forced);
 - `kl`: mean over gold positions of KL(full cache || method) over the full cache's top-K tokens
   and one bucket for the rest (a lower bound of the whole-vocabulary KL);
-- `live_kv`: prompt positions live after the point's event.
+- `live_kv`: prompt positions live after the point's event;
+- `dtype`: the servers' compute dtype (`/sgl_memory/info`). A file holds one: bf16 rounds a point
+  differently with how its prompt was prefilled (docs/getting-started.md), so a method is only paired
+  with a reference of its own dtype; a run on a machine of another dtype stops before it scores.
 `<out>` holds one row per (workload, method, budget): means with 95% bootstrap intervals
 (trajectories resampled: points of one session are not independent) and paired differences to the
 full cache; `.md` the table, `.png` the plot.
@@ -507,6 +510,7 @@ def run(args, points_path: Path, refs_path: Path) -> None:
                 )
                 server = harness.start(cmd, logs / "server.log")
                 try:
+                    dtype = held_dtype(points_path, server)
                     serve(
                         server,
                         trajs,
@@ -517,6 +521,7 @@ def run(args, points_path: Path, refs_path: Path) -> None:
                         refs_path,
                         refs,
                         bar,
+                        dtype,
                     )
                 finally:
                     harness.stop(server)
@@ -532,6 +537,7 @@ def serve(
     refs_path: Path,
     refs: dict[str, list[dict]],
     bar,
+    dtype: str | None,
 ) -> None:
     memories: set[str] = set()  # groups whose memory this server holds
     for traj in trajs:
@@ -584,12 +590,25 @@ def serve(
                                 "method": m.name,
                                 "budget": m.budget,
                                 "commit": commit(),
+                                "dtype": dtype,
                                 **r,
                             }
                         )
                         + "\n"
                     )
             bar.update(len(rows))
+
+
+def held_dtype(points_path: Path, server) -> str | None:
+    """The server's compute dtype, if the points file holds no other (rows before the field: unknown)."""
+    dtype = server.get("/sgl_memory/info").json()["dtype"]["dtype"]
+    other = {r["dtype"] for r in read_rows(points_path) if r.get("dtype")} - {dtype}
+    if other:
+        raise SystemExit(
+            f"{points_path} holds points computed in {', '.join(sorted(other))}; this server computes in {dtype}. "
+            f"Give --out a file of its own, or set SGLMEMORY_DTYPE={min(other)} (docs/getting-started.md)"
+        )
+    return dtype
 
 
 def servable(traj: P.Trajectory, m: Method) -> bool:
@@ -604,9 +623,11 @@ def main(argv=None) -> None:
     points_path, refs_path = args.out.with_suffix(".points.jsonl"), args.out.with_suffix(".reference.jsonl")
     if not args.report_only:
         run(args, points_path, refs_path)
-    rows = aggregate(read_rows(points_path))
+    points = read_rows(points_path)
+    rows = aggregate(points)
     head = {"head": str(args.head)} if args.head is not None else {}
-    write_json(args.out, {"model": args.model, "top_k": TOP_K, **head, "rows": rows})
+    dtype = sorted({r["dtype"] for r in points if r.get("dtype")})  # one, where the points record it
+    write_json(args.out, {"model": args.model, "top_k": TOP_K, **head, "dtype": dtype, "rows": rows})
     args.out.with_suffix(".md").write_text(table(rows))
     plot(rows, args.out.with_suffix(".png"))
     print(table(rows))
