@@ -174,3 +174,57 @@ def test_a_batch_over_an_8_bit_pool_attends_the_values_the_pool_holds(kv_format,
         want = reference(q[start : start + n], k, v)
         assert torch.allclose(out[start : start + n].double(), want, atol=tol, rtol=tol), row
         start += n
+
+
+@pytest.mark.parametrize("kv_format", list(POOL_FORMATS))
+def test_a_prefills_own_rows_are_attended_as_computed_and_the_cached_ones_as_the_pool_holds_them(kv_format):
+    """With the forward's computed K and V given (a pool of another dtype than the compute dtype),
+    the new tokens attend one another's rows as computed and the cached prefix as the pool holds
+    it: a contiguous extend, and a request of which the layer computes only some rows (a row layout
+    from KEEP) whose other positions are read from the pool. A decode step reads every row, its own
+    included, from the pool. Reference: the masked softmax in float64 over those values."""
+    from sgl_memory.core.capture import ExtendRows
+    from sgl_memory.engine.attention.cpu_backend import plan_layout
+
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, pool = 6, 2, 32, 3000
+    to_rows, held = POOL_FORMATS[kv_format]
+    req_to_token = torch.zeros(3, 1024, dtype=torch.int64)
+    req_to_token[0, :120] = torch.arange(100, 220)  # extend: 90 cached, 30 new
+    req_to_token[1, :401] = torch.arange(1000, 1401)  # decode: 400 cached, 1 new
+    req_to_token[2, :80] = torch.randperm(pool - 1, generator=g)[:80] + 1  # rows at positions 50, 52, ... 78
+    layout_positions = torch.arange(50, 80, 2)
+    computed = [4 * torch.randn(30 + 1 + len(layout_positions), kv_heads, d, generator=g) for _ in range(2)]
+    values = [4 * torch.randn(pool, kv_heads, d, generator=g) for _ in range(2)]
+    starts = [0, 30, 31]
+    for (row, positions), start in zip(
+        ((0, torch.arange(90, 120)), (1, torch.tensor([400])), (2, layout_positions)), starts
+    ):
+        for x, c in zip(values, computed):
+            x[req_to_token[row, positions]] = c[start : start + len(positions)]  # the forward wrote its rows
+    k_cache, v_cache = (to_rows(x) for x in values)
+    rows = [
+        ExtendRows("a", 0, 90, 30, 0),
+        ExtendRows("b", 30, 400, 1, 1),
+        ExtendRows("c", 31, 50, len(layout_positions), 2, positions=layout_positions),
+    ]
+    plans = plan_layout(req_to_token, rows)
+    q = torch.randn(len(computed[0]), heads, d, generator=g)
+    out = run_plans(plans, q, torch.empty_like(q), k_cache, v_cache, None, computed=tuple(computed))
+
+    def want(row: int, start: int, q_positions: torch.Tensor, exact: torch.Tensor) -> None:
+        n, end = len(q_positions), int(q_positions[-1]) + 1
+        k, v = (held(cache[req_to_token[row, :end]]).float() for cache in (k_cache, v_cache))
+        for x, c in zip((k, v), computed):
+            x[exact] = c[start : start + len(exact)]  # the rows this forward computed, in its order
+        got = out[start : start + n].double()
+        for i, p in enumerate(q_positions.tolist()):
+            ref = reference(q[start + i : start + i + 1], k[: p + 1], v[: p + 1])
+            assert torch.allclose(got[i : i + 1], ref, atol=1e-5), (row, p)
+
+    want(0, 0, torch.arange(90, 120), torch.arange(90, 120))  # its own rows as computed
+    want(1, 30, torch.tensor([400]), torch.tensor([], dtype=torch.long))  # a decode step: all from the pool
+    want(2, 31, layout_positions, layout_positions)  # the computed rows as computed, the rest from the pool
+    # the pool's rounding is there: reading the own rows from the pool answers otherwise
+    pooled = run_plans(plans, q, torch.empty_like(q), k_cache, v_cache, None)
+    assert not torch.allclose(pooled[:30], out[:30], atol=1e-4)

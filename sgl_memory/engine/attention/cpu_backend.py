@@ -18,6 +18,13 @@ request's rows attend by position over its whole slot list.
 
 A decode step of a request with reads (core/decode.py: SentenceKV) attends, at each layer, the
 positions its reads give for that layer's query, not its whole slot list.
+
+A pool that stores another dtype than the model computes in (an 8-bit pool; a bf16 pool under
+float32) rounds every row it holds. A prefill's rows attend one another as the forward computed
+them, not as the pool gives them back: only what a later forward reads from the pool is rounded,
+once. Otherwise each token's hidden state would carry the rounding of every row before it into
+its own K and V, layer after layer, before that K is rounded again. A decode step's own row, one
+among the request's, is read from the pool like the rest.
 """
 
 from __future__ import annotations
@@ -127,18 +134,29 @@ def with_step_reads(
     return plans
 
 
-def run_plans(plans, query, output, k_cache, v_cache, scaling) -> torch.Tensor:
+def run_plans(plans, query, output, k_cache, v_cache, scaling, computed=None) -> torch.Tensor:
+    """Each plan's attention into `output`. `computed`: this forward's K and V rows [tokens, heads,
+    dim] (rows of `query`), attended in place of the pool's copies of the rows this forward wrote."""
     for p in plans:
+        end = p.q_start + p.n_new
         if isinstance(p, SparsePlan):
+            k, v = p.keys.read_joined(k_cache), p.keys.read_joined(v_cache)
+            if computed is not None:
+                # the computed rows' positions are live (a forward's rows are never pruned) and sorted
+                at = torch.searchsorted(p.key_positions, p.q_positions)
+                k, v = (kv_rows.convert(x, query.dtype) for x in (k, v))
+                k[at], v[at] = computed[0][p.q_start : end], computed[1][p.q_start : end]
             mask = p.key_positions[None, :] <= p.q_positions[:, None]
-            end = p.q_start + p.n_new
-            output[p.q_start : end] = attend_masked(
-                query[p.q_start : end], p.keys.read_joined(k_cache), p.keys.read_joined(v_cache), mask, scaling
-            )
+            output[p.q_start : end] = attend_masked(query[p.q_start : end], k, v, mask, scaling)
             continue
         visible = list(zip(p.visible.read(k_cache), p.visible.read(v_cache)))
-        own = None if p.own is None else (p.own.read_joined(k_cache), p.own.read_joined(v_cache))
-        end = p.q_start + p.n_new
+        own = None
+        if p.own is not None:
+            own = (
+                (p.own.read_joined(k_cache), p.own.read_joined(v_cache))
+                if computed is None
+                else (computed[0][p.q_start : end], computed[1][p.q_start : end])
+            )
         output[p.q_start : end] = attend(query[p.q_start : end], visible, own, scaling)
     return output
 
@@ -165,6 +183,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
     layout_version = 0  # of the row layout the plans follow
     step_reads: dict | None = None  # decode: batch index -> (reads, slot-map row, length, input token)
     layer_id = 0  # of the layer whose decode attention runs (forward_decode)
+    computed: tuple[torch.Tensor, torch.Tensor] | None = None  # the extending layer's K and V (forward_extend)
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
@@ -224,7 +243,9 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             self.plans = plan_layout(self.req_to_token_pool.req_to_token, rows, runtime.sentinel())
             self.planned_tokens, self.layout_version = sum(r.count for r in rows), layout.version
         if causal and self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
-            return run_plans(self.plans, query, output, k_cache, v_cache, scaling)
+            # the pool's copies equal the computed rows where it stores the compute dtype: read them there
+            computed = self.computed if k_cache.dtype != query.dtype else None
+            return run_plans(self.plans, query, output, k_cache, v_cache, scaling, computed)
         unplanned(k_cache)
         return super()._run_sdpa_forward_extend(
             query,
@@ -243,6 +264,18 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             is_cross_attn,
             sliding_window_size,
         )
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        # _run_sdpa_forward_extend is handed the pool, not the rows this forward computed
+        self.computed = (
+            None
+            if k is None or v is None
+            else (k.view(-1, layer.tp_k_head_num, layer.qk_head_dim), v.view(-1, layer.tp_v_head_num, layer.v_head_dim))
+        )
+        try:
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        finally:
+            self.computed = None
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         self.layer_id = layer.layer_id  # the step reads are per layer; _run_sdpa_forward_decode is not told which
