@@ -41,12 +41,11 @@ def logprobs(logits: torch.Tensor, ids: list[int]) -> list[float]:
 
 def run(model_dir: str, ids: list[int], cached: int) -> dict[str, list[float]]:
     out = {}
-    for name, attention in (("float", "sdpa"), ("every", "sgl_memory_rows")):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
-        with torch.no_grad():
-            out[name] = logprobs(model(torch.tensor([ids])).logits[0], ids)
+    every = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sgl_memory_rows")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
+        out["every"] = logprobs(every(torch.tensor([ids])).logits[0], ids)
+        out["float"] = logprobs(model(torch.tensor([ids])).logits[0], ids)
         first = model(torch.tensor([ids[:cached]]), use_cache=True)
         kv = first.past_key_values
         for layer in kv.layers:

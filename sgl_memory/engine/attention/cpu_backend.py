@@ -139,24 +139,21 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling, computed=None) ->
     dim] (rows of `query`), attended in place of the pool's copies of the rows this forward wrote."""
     for p in plans:
         end = p.q_start + p.n_new
+        mine = None if computed is None else (computed[0][p.q_start : end], computed[1][p.q_start : end])
         if isinstance(p, SparsePlan):
             k, v = p.keys.read_joined(k_cache), p.keys.read_joined(v_cache)
-            if computed is not None:
+            if mine is not None:
                 # the computed rows' positions are live (a forward's rows are never pruned) and sorted
                 at = torch.searchsorted(p.key_positions, p.q_positions)
                 k, v = (kv_rows.convert(x, query.dtype) for x in (k, v))
-                k[at], v[at] = computed[0][p.q_start : end], computed[1][p.q_start : end]
+                k[at], v[at] = mine
             mask = p.key_positions[None, :] <= p.q_positions[:, None]
             output[p.q_start : end] = attend_masked(query[p.q_start : end], k, v, mask, scaling)
             continue
         visible = list(zip(p.visible.read(k_cache), p.visible.read(v_cache)))
         own = None
         if p.own is not None:
-            own = (
-                (p.own.read_joined(k_cache), p.own.read_joined(v_cache))
-                if computed is None
-                else (computed[0][p.q_start : end], computed[1][p.q_start : end])
-            )
+            own = mine if mine is not None else (p.own.read_joined(k_cache), p.own.read_joined(v_cache))
         output[p.q_start : end] = attend(query[p.q_start : end], visible, own, scaling)
     return output
 
