@@ -244,3 +244,45 @@ def test_a_points_file_holds_one_compute_dtype(tmp_path):
     assert held_dtype(points, Server("bfloat16")) == "bfloat16"
     with pytest.raises(SystemExit, match="holds points computed in bfloat16; this server computes in float32"):
         held_dtype(points, Server("float32"))
+
+
+def test_a_locomo_pool_variant_runs_on_its_own_server_and_pairs_with_its_compute_dtype_twin(tmp_path):
+    """bench/locomo's int8 group: each variant twice, once per pool; the 8-bit one names its pool,
+    runs on a server started with `--kv-cache-dtype int8` and otherwise the twin's, and its F1 is
+    paired with the twin's on the questions both answered (a plain mean of the differences)."""
+    from bench.locomo import run
+
+    vs = run.variants(["int8"], 64)
+    assert len(vs) == 4 and len({v.label for v in vs}) == 4
+    twins = {v.label: v for v in vs if v.kv_dtype == "auto"}
+    for v in (v for v in vs if v.kv_dtype == "int8"):
+        twin = twins[v.base_label]
+        assert v.server[:-1] == twin.server[:-1] and v.server != twin.server
+        assert v.label != twin.label
+    conv = run.Conversation(0, [], "", [], ingest_ids=[1] * 100)
+    flags = run.server_flags(models.DEFAULT_MODEL, [conv], {"plain"}, "int8")
+    assert flags[flags.index("--kv-cache-dtype") + 1] == "int8"
+    assert flags[:2] == run.server_flags(models.DEFAULT_MODEL, [conv], {"plain"})[:2]  # the same tokens
+    chat = next(v for v in vs if v.kv_dtype == "int8" and v.method == "memart")
+    rng = random.Random(0)
+    f1 = {(c, q): rng.random() for c in range(2) for q in range(30)}
+    off = {(c, q): rng.choice([0.0, 0.0, -0.5, 0.25]) for c in range(2) for q in range(30)}
+    results = run.Results(tmp_path / "r.json", {}, True)
+    for (c, q), x in f1.items():
+        for label, value in ((chat.base_label, x), (chat.label, x + off[c, q])):
+            if label == chat.label and q >= 25:  # the 8-bit run stopped early: pairs are the common questions
+                continue
+            results.data["rows"][f"{label}|c{c}|q{q}"] = {
+                "variant": label,
+                "conversation": c,
+                "qa_index": q,
+                "category": 1 + q % 4,
+                "f1": value,
+            }
+    summary = run.summarize(results, None)
+    common = [off[k] for k in f1 if k[1] < 25]
+    assert summary[chat.label]["n_vs_compute_pool"] == len(common) == 50
+    assert summary[chat.label]["f1_vs_compute_pool"] == pytest.approx(sum(common) / len(common))
+    low, high = summary[chat.label]["f1_vs_compute_pool_ci"]
+    assert low <= sum(common) / len(common) <= high
+    assert "f1_vs_compute_pool" not in summary[chat.base_label]

@@ -17,6 +17,8 @@ Methods, all on our server (`--memory-config` with a `memory:` section):
   the memory holds no token computed at position 0 (the attention sink `starts` restores), with
   reuse alone, with the default repair, and in the server's text mode (`memory: {mode: text}`: the
   same memory's lines ranked by MiniLM, placed as prompt text, memart/text.py).
+  `int8`: the chat memory's defaults and the whole transcript, each in the compute-dtype pool and
+  in an int8 pool (`--kv-cache-dtype int8`, the same tokens), paired ("vs float pool").
   Ablations (per request, same server): the other three norm x agg combinations; MemArt's AABB
   bound instead of each block's best key (with rr-max, the paper's choice for Qwen, and with
   softmax-max); the blocks after the system message instead of first. Block size 8 with top_k
@@ -69,6 +71,7 @@ METHOD_GROUPS = (
     "defaults",
     "dated",
     "chat",
+    "int8",
 )
 RATIOS = (0.1, 0.3)  # keep and cacheblend recomputation ratios (the share at layer 1) of the recompute group
 MAIN_NORM, MAIN_AGG = "softmax", "max"  # the server's defaults (bench/locomo/retrieval_study.py)
@@ -98,6 +101,8 @@ class Variant:
     # dated (the same with a date on every line) or chat (a memory-mode chat turn)
     recording: str = "plain"
     mode: str = "retrieve"  # a memart variant's memory mode: retrieve (KV blocks) or text (its lines as text)
+    # of the server it runs on: its live KV pool's `--kv-cache-dtype` (auto: the compute dtype)
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         if self.recording != "plain" and self.method != "memart":
@@ -108,11 +113,16 @@ class Variant:
             raise ValueError("a memory mode other than retrieve runs as a user sends it: memart at the defaults")
 
     @property
-    def server(self) -> tuple[str, int, bool, str]:
-        return self.config, self.block_size, self.compact, self.cut
+    def server(self) -> tuple[str, int, bool, str, str]:
+        return self.config, self.block_size, self.compact, self.cut, self.kv_dtype
 
     @property
     def label(self) -> str:
+        """The variant's name; one in an 8-bit pool is its compute-dtype twin's with the pool named."""
+        return self.base_label + ("" if self.kv_dtype == "auto" else POOL_SUFFIX + self.kv_dtype)
+
+    @property
+    def base_label(self) -> str:
         if self.method == "full":
             return "full"
         if self.config == "defaults":
@@ -141,6 +151,7 @@ def main_memart(top_k: int) -> Variant:
 
 
 RECORDINGS = ("plain", "dated", "chat")
+POOL_SUFFIX = "-pool-"  # of a variant's label whose server's pool is not of the compute dtype
 DEFAULTS_REUSE = Variant("memart", config="defaults", recompute="none")
 
 
@@ -200,6 +211,9 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
         elif group == "chat":  # a memory with no sink recorded: reuse alone against the default repair
             chat = replace(DEFAULTS_REUSE, recording="chat")
             out += [chat, replace(chat, recompute="starts"), replace(chat, mode="text")]
+        elif group == "int8":  # the agent case's default memory and the whole transcript, each in both pools
+            pair = [replace(DEFAULTS_REUSE, recompute="starts", recording="chat"), Variant("full", config="defaults")]
+            out += pair + [replace(v, kv_dtype="int8") for v in pair]
         else:
             out.append(Variant(group, 16, top_k))
     labels = [v.label for v in out]
@@ -364,13 +378,14 @@ def defaults_config(directory: Path) -> Path:
     return path
 
 
-def server_flags(model: str, convs: list[Conversation], recordings: set[str]) -> list[str]:
+def server_flags(model: str, convs: list[Conversation], recordings: set[str], kv_dtype: str = "auto") -> list[str]:
     """A KV pool that holds every transcript ingested in the recordings this server runs plus one
-    full-transcript request."""
+    full-transcript request (the same tokens whatever the pool's dtype: its fidelity is measured
+    here, not its capacity)."""
     need = sum(len(c.memory_turn(r)[0]) for c in convs for r in recordings | {"plain"})
     need += 2 * max(len(c.ingest_ids) for c in convs) + 4096
     default = harness.default_pool_tokens(models.model_dir(model))
-    return ["--max-total-tokens", str(max(default, need))]
+    return ["--max-total-tokens", str(max(default, need)), "--kv-cache-dtype", kv_dtype]
 
 
 class Runner:
@@ -586,10 +601,12 @@ def summarize(results: Results, convs: list[Conversation] | None) -> dict:
     summary = {}
     for label, rows in by_label.items():
         cats = sorted({r["category"] for r in rows})
+        # an 8-bit pool's variant against its twin in the compute-dtype pool: what the pool dtype costs
+        twin = {"compute_pool": by_label.get(label.split(POOL_SUFFIX)[0], [])} if POOL_SUFFIX in label else {}
         summary[label] = {
             "n": len(rows),
             **{m: _mean(rows, m) for m in MEANS},
-            **intervals(rows, refs),
+            **intervals(rows, refs | twin),
             "by_category": {str(c): of_category([r for r in rows if r["category"] == c], refs) for c in cats},
         }
     return summary
@@ -605,7 +622,8 @@ def of_category(rows: list[dict], refs: dict[str, list[dict]]) -> dict:
 def intervals(rows: list[dict], refs: dict[str, list[dict]]) -> dict:
     """95% bootstrap intervals over questions: F1, and F1 paired against each reference method
     (text retrieval, the whole transcript, reuse at the defaults of plain and of chat-recorded
-    memory, the chat-recorded memory's defaults) on the questions both answered:
+    memory, the chat-recorded memory's defaults; an 8-bit pool's variant also against itself in
+    the compute-dtype pool, `compute_pool`) on the questions both answered:
     `f1_vs_<name>`, its `_ci` and its `n_vs_<name>`."""
     _, low, high = bootstrap([[r["f1"]] for r in rows])
     out = {"f1_ci": [low, high]}
@@ -710,21 +728,22 @@ def _vs(s: dict, ref: str) -> str:
 
 def report(result: dict, vs_order: list[str], ingest: dict[str, float]) -> None:
     """The table, with seconds per question: the cost a reader compares first; then F1 per
-    question category, paired against text retrieval and the chat memory's defaults."""
+    question category, paired against text retrieval and the chat memory's defaults ("vs float
+    pool": an 8-bit pool's variant against itself in the compute-dtype pool)."""
     summary = result["summary"]
     print(
         f"{'variant':48} {'n':>4} {'F1':>6} {'95% CI':>13} {'vs text':>21} {'vs full':>21} {'vs reuse':>21} "
-        f"{'vs chat KV':>21} {'BLEU1':>6} {'sim':>6} {'recall':>6} "
+        f"{'vs chat KV':>21} {'vs float pool':>21} {'BLEU1':>6} {'sim':>6} {'recall':>6} "
         f"{'prefill':>8} {'KV dec':>7} {'TTFT':>6} {'s/q':>7}"
     )
     order = sorted(summary, key=lambda s: (vs_order.index(s) if s in vs_order else len(vs_order), s))
     for label in order:
         s = summary[label]
         ci = "[{:.3f}, {:.3f}]".format(*s["f1_ci"]) if "f1_ci" in s else "-"
-        vs = [_vs(s, r) for r in ("text", "full", "reuse", "chat_defaults")]
+        vs = [_vs(s, r) for r in ("text", "full", "reuse", "chat_defaults", "compute_pool")]
         print(
             f"{label:48} {s['n']:>4} {_fmt(s['f1'], '6.3f')} {ci:>13} {vs[0]:>21} {vs[1]:>21} {vs[2]:>21} "
-            f"{vs[3]:>21} {_fmt(s['bleu1'], '6.3f')} "
+            f"{vs[3]:>21} {vs[4]:>21} {_fmt(s['bleu1'], '6.3f')} "
             f"{_fmt(s['sim'], '6.3f')} {_fmt(s['evidence_recall'], '6.3f')} {_fmt(s['prefill_tokens'], '8.0f')} "
             f"{_fmt(s['kv_decode_tokens'], '7.0f')} {_fmt(s['ttft_s'], '6.2f')} {_fmt(s['wall_s'], '7.2f')}"
         )
@@ -770,7 +789,7 @@ def main(argv=None) -> None:
     with tqdm(total=total, desc="questions", disable=None) as bar:
         runner = Runner(args, tokenizer, embedder, results, bar)
         for key in sorted(work, reverse=True):
-            kind, block_size, compact, cut_at = key
+            kind, block_size, compact, cut_at, kv_dtype = key
             todo = work[key]
             top_k = next((v.top_k for v in todo if v.method == "memart"), args.top_k)
             memory_on = any(v.method == "memart" for v in todo)
@@ -780,9 +799,9 @@ def main(argv=None) -> None:
                 config = defaults_config(logs)
             else:
                 config = server_config(logs, block_size, top_k, memory_on, capacity, compact, cut_at)
-            flags = server_flags(args.model, convs, {v.recording for v in todo})
+            flags = server_flags(args.model, convs, {v.recording for v in todo}, kv_dtype)
             command = harness.our_command(args.model, "--memory-config", str(config), *flags)
-            log = logs / config.with_suffix(".log").name
+            log = logs / f"{config.stem}{'' if kv_dtype == 'auto' else '-' + kv_dtype}.log"
             bar.set_description(f"starting server {config.stem}")
             server = harness.start(command, log)
             try:
