@@ -153,6 +153,8 @@ def main_memart(top_k: int) -> Variant:
 RECORDINGS = ("plain", "dated", "chat")
 POOL_SUFFIX = "-pool-"  # of a variant's label whose server's pool is not of the compute dtype
 DEFAULTS_REUSE = Variant("memart", config="defaults", recompute="none")
+# the agent case's memory: the transcript recorded as a chat turn, at the defaults (repair included)
+CHAT_DEFAULTS = replace(DEFAULTS_REUSE, recompute="starts", recording="chat")
 
 
 def variants(groups: list[str], top_k: int) -> list[Variant]:
@@ -210,9 +212,9 @@ def variants(groups: list[str], top_k: int) -> list[Variant]:
             out.append(replace(DEFAULTS_REUSE, recompute="starts", recording="dated"))
         elif group == "chat":  # a memory with no sink recorded: reuse alone against the default repair
             chat = replace(DEFAULTS_REUSE, recording="chat")
-            out += [chat, replace(chat, recompute="starts"), replace(chat, mode="text")]
+            out += [chat, CHAT_DEFAULTS, replace(chat, mode="text")]
         elif group == "int8":  # the agent case's default memory and the whole transcript, each in both pools
-            pair = [replace(DEFAULTS_REUSE, recompute="starts", recording="chat"), Variant("full", config="defaults")]
+            pair = [CHAT_DEFAULTS, Variant("full", config="defaults")]
             out += pair + [replace(v, kv_dtype="int8") for v in pair]
         else:
             out.append(Variant(group, 16, top_k))
@@ -597,7 +599,7 @@ def summarize(results: Results, convs: list[Conversation] | None) -> dict:
     text = next((rows for label, rows in by_label.items() if label.startswith("text-")), [])
     refs = {"text": text, "full": by_label.get("full", []), "reuse": by_label.get(DEFAULTS_REUSE.label, [])}
     refs["chat_reuse"] = by_label.get(replace(DEFAULTS_REUSE, recording="chat").label, [])
-    refs["chat_defaults"] = by_label.get(replace(DEFAULTS_REUSE, recompute="starts", recording="chat").label, [])
+    refs["chat_defaults"] = by_label.get(CHAT_DEFAULTS.label, [])
     summary = {}
     for label, rows in by_label.items():
         cats = sorted({r["category"] for r in rows})
