@@ -12,7 +12,7 @@ import torch
 from sgl_memory.core import kv_rows
 from sgl_memory.engine.attention.cpu_backend import plan_requests, run_plans
 from sgl_memory.engine.attention.kv_source import locate
-from sgl_memory.engine.attention.merged import DecodeBuffers, attend
+from sgl_memory.engine.attention.merged import attend
 
 
 def reference(q, k, v, scale=None):
@@ -145,15 +145,13 @@ POOL_FORMATS = {
 }
 
 
-@pytest.mark.parametrize("buffers", [None, DecodeBuffers], ids=["new-tensors", "decode-buffers"])
 @pytest.mark.parametrize("kv_format", list(POOL_FORMATS))
 @pytest.mark.parametrize("q_dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_a_batch_over_an_8_bit_pool_attends_the_values_the_pool_holds(kv_format, q_dtype, tol, buffers):
+def test_a_batch_over_an_8_bit_pool_attends_the_values_the_pool_holds(kv_format, q_dtype, tol):
     """An 8-bit pool read by the same plans: fp8 (as SGLang stores one: uint8 bytes viewed as fp8)
     or our int8 rows (codes and a scale per token and head): each request attends exactly the
-    values the pool holds, cast or decoded up to the query's dtype, into new tensors or into the
-    backend's reused buffers (a long part, then a shorter one into the same memory). Reference: the
-    masked softmax over those values in float64."""
+    values the pool holds, cast or decoded up to the query's dtype. Reference: the masked softmax
+    over those values in float64."""
     g = torch.Generator().manual_seed(11)
     heads, kv_heads, d, pool = 6, 2, 32, 3000
     to_rows, held = POOL_FORMATS[kv_format]
@@ -166,7 +164,7 @@ def test_a_batch_over_an_8_bit_pool_attends_the_values_the_pool_holds(kv_format,
     new = [layouts[r][1] for r in rows]
     plans = plan_requests(req_to_token, rows, [layouts[r][0] for r in rows], new)
     q = torch.randn(sum(new), heads, d, generator=g).to(q_dtype)
-    out = run_plans(plans, q, torch.empty_like(q), k_cache, v_cache, None, buffers=buffers and buffers())
+    out = run_plans(plans, q, torch.empty_like(q), k_cache, v_cache, None)
     start = 0
     for row, n in zip(rows, new):
         p = layouts[row][0]
@@ -230,24 +228,3 @@ def test_a_prefills_own_rows_are_attended_as_computed_and_the_cached_ones_as_the
     # the pool's rounding is there: reading the own rows from the pool answers otherwise
     pooled = run_plans(plans, q, torch.empty_like(q), k_cache, v_cache, None)
     assert not torch.allclose(pooled[:30], out[:30], atol=1e-4)
-
-
-@pytest.mark.parametrize("kv_format", ["int8", "bf16"])
-def test_parts_decoded_into_reused_buffers_attend_what_the_pool_holds_call_after_call(kv_format):
-    """One set of decode buffers serves call after call (as layer after layer does): parts longer
-    and shorter than the buffers hold, several parts of one request (a part's keys and values
-    decoded while the last part's are done with), and the new tokens' own rows, each attended as
-    the pool holds it. Reference: the masked softmax in float64 over the values read by hand."""
-    to_rows, held = POOL_FORMATS["int8"] if kv_format == "int8" else (lambda x: x.bfloat16(), lambda r: r.double())
-    buffers = DecodeBuffers()
-    g = torch.Generator().manual_seed(3)
-    for n_new, prefix_len, splits in [(1, 900, ()), (4, 60, (20,)), (9, 1500, (1, 700, 1499)), (1, 30, ())]:
-        q = torch.randn(n_new, 6, 32, generator=g)
-        k, v = (to_rows(4 * torch.randn(prefix_len + n_new, 2, 32, generator=g)) for _ in range(2))
-        visible_len = prefix_len + n_new if n_new == 1 else prefix_len
-        bounds = [0, *splits, visible_len]
-        visible = [(k[a:b], v[a:b]) for a, b in zip(bounds, bounds[1:])]
-        own = None if n_new == 1 else (k[prefix_len:], v[prefix_len:])
-        got = attend(q, visible, own, None, buffers).double()
-        want = reference(q, held(k), held(v))
-        assert torch.allclose(got, want, atol=1e-5), (n_new, prefix_len, (got - want).abs().max())

@@ -46,25 +46,20 @@ def encode(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([codes, scale.view(PACKED)], dim=-1)
 
 
-def decode(rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Packed rows [..., D + 2] -> values [..., D] in `dtype`, multiplied out in float32 (a code
-    times an fp16 scale is exact there) and rounded once to `dtype`. `out`: a tensor of that shape
-    and dtype to write them into (a caller's reused buffer) instead of a new one."""
-    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16).float()
-    if out is None:
-        out = torch.empty((*rows.shape[:-1], head_dim(rows)), dtype=dtype, device=rows.device)
-    return torch.mul(rows[..., :-SCALE_BYTES], scale, out=out)
+    times an fp16 scale is exact there) and rounded once to `dtype`."""
+    scale = rows[..., -SCALE_BYTES:].contiguous().view(torch.float16)
+    values = rows[..., :-SCALE_BYTES].float().mul_(scale.float())
+    return values if dtype == torch.float32 else values.to(dtype)
 
 
-def convert(x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+def convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows or values of any pool's format in `dtype`'s: a float dtype gives values, PACKED gives
-    packed rows (rows already packed are returned as they are). `out`: for a float dtype, a tensor
-    of the values' shape to write them into when they are not `x` itself."""
+    packed rows (rows already packed are returned as they are)."""
     if dtype == PACKED:
         return x if packed(x) else encode(x)
-    if packed(x):
-        return decode(x, dtype, out)
-    return x if x.dtype == dtype else x.to(dtype) if out is None else out.copy_(x)
+    return decode(x, dtype) if packed(x) else x.to(dtype)
 
 
 def values(rows: torch.Tensor) -> torch.Tensor:

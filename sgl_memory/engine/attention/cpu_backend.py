@@ -39,7 +39,7 @@ from sgl_memory.core import kv_rows
 from sgl_memory.core.rows import layout as row_layout
 from sgl_memory.engine import runtime
 from sgl_memory.engine.attention.kv_source import KvSource, locate
-from sgl_memory.engine.attention.merged import DecodeBuffers, attend, attend_masked, part_values
+from sgl_memory.engine.attention.merged import attend, attend_masked
 
 BACKEND_NAME = "sgl_memory_cpu"
 
@@ -134,10 +134,9 @@ def with_step_reads(
     return plans
 
 
-def run_plans(plans, query, output, k_cache, v_cache, scaling, computed=None, buffers=None) -> torch.Tensor:
+def run_plans(plans, query, output, k_cache, v_cache, scaling, computed=None) -> torch.Tensor:
     """Each plan's attention into `output`. `computed`: this forward's K and V rows [tokens, heads,
-    dim] (rows of `query`), attended in place of the pool's copies of the rows this forward wrote.
-    `buffers` (merged.DecodeBuffers): where rows of a pool of another dtype are turned into values."""
+    dim] (rows of `query`), attended in place of the pool's copies of the rows this forward wrote."""
     for p in plans:
         end = p.q_start + p.n_new
         mine = None if computed is None else (computed[0][p.q_start : end], computed[1][p.q_start : end])
@@ -146,16 +145,16 @@ def run_plans(plans, query, output, k_cache, v_cache, scaling, computed=None, bu
             if mine is not None:
                 # the computed rows' positions are live (a forward's rows are never pruned) and sorted
                 at = torch.searchsorted(p.key_positions, p.q_positions)
-                k, v = (part_values(x, query.dtype, buffers, role) for x, role in zip((k, v), "kv"))
+                k, v = (kv_rows.convert(x, query.dtype) for x in (k, v))
                 k[at], v[at] = mine
             mask = p.key_positions[None, :] <= p.q_positions[:, None]
-            output[p.q_start : end] = attend_masked(query[p.q_start : end], k, v, mask, scaling, buffers)
+            output[p.q_start : end] = attend_masked(query[p.q_start : end], k, v, mask, scaling)
             continue
         visible = list(zip(p.visible.read(k_cache), p.visible.read(v_cache)))
         own = None
         if p.own is not None:
             own = mine if mine is not None else (p.own.read_joined(k_cache), p.own.read_joined(v_cache))
-        output[p.q_start : end] = attend(query[p.q_start : end], visible, own, scaling, buffers)
+        output[p.q_start : end] = attend(query[p.q_start : end], visible, own, scaling)
     return output
 
 
@@ -182,10 +181,6 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
     step_reads: dict | None = None  # decode: batch index -> (reads, slot-map row, length, input token)
     layer_id = 0  # of the layer whose decode attention runs (forward_decode)
     computed: tuple[torch.Tensor, torch.Tensor] | None = None  # the extending layer's K and V (forward_extend)
-
-    def __init__(self, runner):
-        super().__init__(runner)
-        self.buffers = DecodeBuffers()  # a pool of another dtype is decoded into these, layer after layer
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
@@ -247,7 +242,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
         if causal and self._planned(query, encoder_lens, is_cross_attn, sliding_window_size):
             # the pool's copies equal the computed rows where it stores the compute dtype: read them there
             computed = self.computed if k_cache.dtype != query.dtype else None
-            return run_plans(self.plans, query, output, k_cache, v_cache, scaling, computed, self.buffers)
+            return run_plans(self.plans, query, output, k_cache, v_cache, scaling, computed)
         unplanned(k_cache)
         return super()._run_sdpa_forward_extend(
             query,
@@ -304,7 +299,7 @@ class SglMemoryCpuAttnBackend(TorchNativeAttnBackend):
             assert plans is not None  # _planned: this forward's plans are made
             if self.step_reads:
                 plans = with_step_reads(plans, self.step_reads, self.layer_id, query, req_to_token, runtime.sentinel())
-            return run_plans(plans, query, output, k_cache, v_cache, scaling, buffers=self.buffers)
+            return run_plans(plans, query, output, k_cache, v_cache, scaling)
         unplanned(k_cache)
         return super()._run_sdpa_forward_decode(
             query,

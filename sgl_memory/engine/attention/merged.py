@@ -8,16 +8,9 @@ prefix into one tensor. The cost is proportional to new tokens x kv_len, never k
 
 GQA: the G query heads that share a KV head are folded into the query length ([kv_heads, G * n]),
 so keys are never repeated per query head.
-
-Rows a pool stores in another dtype than the model computes in (an int8 pool; a bf16 pool under
-float32) are turned into values a part at a time, into buffers reused from layer to layer
-(DecodeBuffers): a new tensor per part and layer is a fresh mapping of memory on a CPU once a part
-is long, its pages faulted in on every forward, which costs more than the decode itself.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -27,37 +20,10 @@ from sgl_memory.core import kv_rows
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-class DecodeBuffers:
-    """The memory that one part's keys and values are decoded into, kept for the next part and
-    layer. Each buffer grows to the longest part read so far, so it is bounded by the pool."""
-
-    def __init__(self) -> None:
-        self._held: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def take(self, role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A tensor of `shape` for `role` ("k" or "v": a part's keys and values are live at once),
-        valid until the next take of the same role."""
-        size = math.prod(shape)
-        held = self._held.get((role, dtype, device))
-        if held is None or held.numel() < size:
-            held = self._held[(role, dtype, device)] = torch.empty(size, dtype=dtype, device=device)
-        return held[:size].view(shape)
-
-
-def part_values(x: torch.Tensor, dtype: torch.dtype, buffers: DecodeBuffers | None, role: str) -> torch.Tensor:
-    """Pool rows [len, kv_heads, ...] (any pool's format, core/kv_rows.py) as values in `dtype`:
-    `x` itself where the pool holds that dtype, else this part's rows converted (into `buffers`)."""
-    if buffers is None or x.dtype == dtype:
-        return kv_rows.convert(x, dtype)
-    return kv_rows.convert(x, dtype, buffers.take(role, (*x.shape[:-1], kv_rows.head_dim(x)), dtype, x.device))
-
-
-def _as_heads_first(
-    x: torch.Tensor, dtype: torch.dtype, buffers: DecodeBuffers | None = None, role: str = "k"
-) -> torch.Tensor:
-    """[len, kv_heads, dim] pool rows -> [1, kv_heads, len, dim] values (a view unless a cast or a
-    decode is needed: only this part's rows, never the pool's)."""
-    return part_values(x, dtype, buffers, role).movedim(0, 1).unsqueeze(0)
+def _as_heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[len, kv_heads, dim] pool rows (any pool's format, core/kv_rows.py) -> [1, kv_heads, len, dim]
+    values (a view unless a cast or a decode is needed: only this part's rows, never the pool's)."""
+    return kv_rows.convert(x, dtype).movedim(0, 1).unsqueeze(0)
 
 
 def attend(
@@ -65,11 +31,9 @@ def attend(
     visible: list[tuple[torch.Tensor, torch.Tensor]],
     own: tuple[torch.Tensor, torch.Tensor] | None,
     scale: float | None,
-    buffers: DecodeBuffers | None = None,
 ) -> torch.Tensor:
     """q [n, H, D]; visible: (k, v) parts [len_i, KVH, D] seen by every query; own: the queries' own
-    (k, v) [n, KVH, D], seen causally (query i sees own keys 0..i), or None; `buffers`: where rows
-    of another dtype are converted (None: new tensors). Returns [n, H, Dv]."""
+    (k, v) [n, KVH, D], seen causally (query i sees own keys 0..i), or None. Returns [n, H, Dv]."""
     n, heads, dim = q.shape
     kv_heads = (own or visible[0])[0].shape[1]
     group = heads // kv_heads
@@ -79,13 +43,11 @@ def attend(
     if visible:
         q_folded = q_groups.reshape(1, kv_heads, group * n, dim)
         for k, v in visible:
-            k_values, v_values = _as_heads_first(k, q.dtype, buffers, "k"), _as_heads_first(v, q.dtype, buffers, "v")
-            o, lse = _flash_with_lse(q_folded, k_values, v_values, scale=scale)
+            o, lse = _flash_with_lse(q_folded, _as_heads_first(k, q.dtype), _as_heads_first(v, q.dtype), scale=scale)
             outs.append(o.view(kv_heads, group, n, -1))
             lses.append(lse.view(kv_heads, group, n))
     if own is not None:
-        # [KVH, 1, n, D]
-        k, v = (_as_heads_first(x, q.dtype, buffers, role).squeeze(0).unsqueeze(1) for x, role in zip(own, "kv"))
+        k, v = (_as_heads_first(x, q.dtype).squeeze(0).unsqueeze(1) for x in own)  # [KVH, 1, n, D]
         o, lse = _flash_with_lse(
             q_groups, k.expand(-1, group, -1, -1), v.expand(-1, group, -1, -1), is_causal=True, scale=scale
         )
@@ -102,12 +64,7 @@ def attend(
 
 
 def attend_masked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float | None,
-    buffers: DecodeBuffers | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """q [n, H, D] over k, v [len, KVH, D] where mask [n, len] is True: for query rows that are not
     one run (a layer that computes only some rows of a request). Returns [n, H, Dv]."""
@@ -116,10 +73,6 @@ def attend_masked(
     group = heads // kv_heads
     q_folded = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, dim)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q_folded,
-        _as_heads_first(k, q.dtype, buffers, "k"),
-        _as_heads_first(v, q.dtype, buffers, "v"),
-        attn_mask=mask.repeat(group, 1),
-        scale=scale,
+        q_folded, _as_heads_first(k, q.dtype), _as_heads_first(v, q.dtype), attn_mask=mask.repeat(group, 1), scale=scale
     )
     return out.view(kv_heads, group, n, -1).permute(2, 0, 1, 3).reshape(n, heads, -1)
