@@ -7,7 +7,8 @@ cached prefix), an extend of 64 new tokens over the cached prefix, and decode to
 context (DECODE_REPEATS requests of DECODE_TOKENS steps: the 8-bit pools' decode step over the
 float pool's, with a bootstrap interval over the requests); then the decode throughput of 8
 concurrent requests over 2k-token contexts. Next to them, the floor of a one-token forward on
-this machine: weights read once plus the context's KV, over the measured read bandwidth. Writes
+this machine: weights read once plus the context's KV, both in the compute dtype, over the measured
+read bandwidth. Writes
 bench/results/attention_backend.json and .png (`--out`).
 
     .venv/bin/python bench/attention_backend.py [--model qwen2.5-coder-0.5b-instruct]
@@ -17,6 +18,7 @@ bench/results/attention_backend.json and .png (`--out`).
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +36,7 @@ from common import (
     read_bandwidth_gbs,
     write_json,
 )
-from sgl_memory import kv_pool, models
+from sgl_memory import cpu_dtype, kv_pool, models
 from bench import harness
 from bench.harness import cpu_flags, plain_sglang
 
@@ -86,11 +88,23 @@ def batched_decode(server, tokenizer, seed) -> float:
     return BATCH * DECODE_TOKENS / (time.perf_counter() - t0)
 
 
-def floors(model_path: Path, lengths, bandwidth_gbs: float) -> dict:
-    """Seconds of one token's forward if it only had to read the weights and the context's KV once."""
-    weight_bytes = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
-    kv = kv_pool.bytes_per_token(model_path, "bfloat16")
-    return {n: (weight_bytes + n * kv) / (bandwidth_gbs * 1e9) for n in lengths}
+def floors(model_path: Path, lengths, bandwidth_gbs: float, dtype: str) -> dict:
+    """Seconds of one token's forward if it only had to read the weights and the context's KV once,
+    both held in the compute dtype `dtype` (the server's: float32 weights are twice the bf16 file).
+    The input embedding is left out where the model has its own output head: a token reads one row
+    of it."""
+    from safetensors import safe_open
+
+    sizes = {}
+    for f in model_path.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as tensors:
+            sizes |= {k: math.prod(tensors.get_slice(k).get_shape()) for k in tensors.keys()}
+    read = sum(sizes.values())
+    if any("lm_head" in k for k in sizes):
+        read -= sum(n for k, n in sizes.items() if "embed_tokens" in k)
+    weights = read * kv_pool.ELEMENT_BYTES.get(dtype, 2)
+    kv = kv_pool.bytes_per_token(model_path, dtype)
+    return {n: (weights + n * kv) / (bandwidth_gbs * 1e9) for n in lengths}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -146,11 +160,13 @@ def main() -> None:
     }
     variants = {VARIANTS[k]: commands[k] for k in args.variants}
     bandwidth = read_bandwidth_gbs()
+    dtype = cpu_dtype.choose().dtype  # what cpu_flags gives every server here
     result = {
         "model": args.model,
         "read_bandwidth_gbs": bandwidth,
         "variants": {},
-        "floor_one_token_s": {str(n): s for n, s in floors(model_path, args.lengths, bandwidth).items()},
+        "compute_dtype": dtype,
+        "floor_one_token_s": {str(n): s for n, s in floors(model_path, args.lengths, bandwidth, dtype).items()},
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name, (cmd, env) in tqdm(variants.items(), desc="servers"):
