@@ -8,8 +8,7 @@ context (DECODE_REPEATS requests of DECODE_TOKENS steps: the 8-bit pools' decode
 float pool's, with a bootstrap interval over the requests); then the decode throughput of 8
 concurrent requests over 2k-token contexts. Next to them, the floor of a one-token forward on
 this machine: weights read once plus the context's KV, both in the compute dtype, over the measured
-read bandwidth. Writes
-bench/results/attention_backend.json and .png (`--out`).
+read bandwidth. Writes bench/results/attention_backend.json and .png (`--out`).
 
     .venv/bin/python bench/attention_backend.py [--model qwen2.5-coder-0.5b-instruct]
         [--lengths 1024 4096 8192 10240 16384] [--variants plain ours ours-fp8 ours-int8] [--out PATH]
